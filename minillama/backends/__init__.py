@@ -1,0 +1,76 @@
+"""The backend seam: choose where the model's arrays live and which kernels run its ops.
+
+A backend is an object with
+
+* ``name`` and ``xp``, the array module (``numpy`` or ``cupy``) that holds parameters and
+  activations;
+* one attribute per named op, ``<op>_forward`` / ``<op>_backward`` for ``embedding``, ``linear``,
+  ``rmsnorm``, ``rope``, ``attention``, ``swiglu`` and ``cross_entropy``, with the signatures of
+  :mod:`minillama.ops` (the reference math). A backend replaces only the pairs it makes faster;
+  the rest are inherited from :class:`~minillama.backends.numpy_backend.NumpyBackend`;
+* helpers ``asarray``, ``to_numpy`` and ``synchronize``.
+
+Backends are named in :data:`BACKENDS` and imported only when chosen, so ``import minillama``
+never imports CuPy nor compiles Numba code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from ..errors import MinillamaError
+
+#: name -> "module:Class", imported lazily
+BACKENDS: dict[str, str] = {
+    "numpy": "minillama.backends.numpy_backend:NumpyBackend",
+    "numba": "minillama.backends.numba_backend:NumbaBackend",
+    "cupy": "minillama.backends.cupy_backend:CupyBackend",
+}
+
+ENV_VAR = "MINILLAMA_BACKEND"
+_instances: dict[str, object] = {}
+
+
+def backend_names() -> list[str]:
+    """Every registered backend name, whether or not it can run here."""
+    return list(BACKENDS)
+
+
+def resolve_name(name: str | None = None) -> str:
+    """``name``, else ``$MINILLAMA_BACKEND``, else ``"numpy"``; an unknown name is a clear error."""
+    if name is None or name == "":
+        name = os.environ.get(ENV_VAR) or "numpy"
+    key = name.strip().lower()
+    if key not in BACKENDS:
+        raise MinillamaError(
+            f"unknown backend {name!r}; available backends: {', '.join(BACKENDS)}")
+    return key
+
+
+def get_backend(name=None):
+    """The (cached) backend instance for ``name`` (see :func:`resolve_name`).
+
+    A backend object passes through unchanged. A backend whose requirements are missing (no Numba,
+    no CuPy, no GPU) raises :class:`~minillama.errors.MinillamaError` saying what to install.
+    """
+    if name is not None and not isinstance(name, str):
+        return name
+    key = resolve_name(name)
+    if key not in _instances:
+        module_name, cls_name = BACKENDS[key].split(":")
+        module = importlib.import_module(module_name)
+        _instances[key] = getattr(module, cls_name)()
+    return _instances[key]
+
+
+def available_backends() -> list[str]:
+    """The backends that can actually run on this machine (tries each one)."""
+    names = []
+    for key in BACKENDS:
+        try:
+            get_backend(key)
+        except MinillamaError:
+            continue
+        names.append(key)
+    return names

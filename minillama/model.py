@@ -1,0 +1,313 @@
+r"""The LLaMA decoder: parameters, forward pass and the hand-written backward pass.
+
+The model is a stack of pre-norm residual blocks (Touvron et al., 2023):
+
+    h_0 = E[x]
+    a_l = h_{l-1} + \mathrm{Attn}(\mathrm{RMSNorm}(h_{l-1}; g^{att}_l))
+    h_l = a_l + W_2 (\mathrm{silu}(W_1 n) \odot W_3 n),  n = \mathrm{RMSNorm}(a_l; g^{ffn}_l)
+    z = \mathrm{RMSNorm}(h_L; g) W_{out}^T          (W_{out} = E when the head is tied)
+
+Every op is called through the backend (``self.backend.<op>_forward``), so one wiring serves NumPy,
+Numba and CuPy. :meth:`Transformer.loss_and_grads` runs the forward keeping each op's ``ctx``, then
+walks the layers in reverse calling the matching ``<op>_backward``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .backends import get_backend
+from .config import ModelConfig
+from .errors import MinillamaError
+from .kvcache import KVCache
+from .ops import rope_tables
+
+#: the names of one block's parameters (prefix ``layers.{l}.``), Meta / llama2.c naming
+LAYER_PARAMS = (
+    "attention_norm.weight",
+    "attention.wq.weight",
+    "attention.wk.weight",
+    "attention.wv.weight",
+    "attention.wo.weight",
+    "ffn_norm.weight",
+    "feed_forward.w1.weight",
+    "feed_forward.w2.weight",
+    "feed_forward.w3.weight",
+)
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape, in a fixed order (embedding, layers, norm, head).
+
+    Linear weights are (out, in): wq (H*hd, D), wk/wv (KVH*hd, D), wo (D, H*hd), w1/w3 (F, D),
+    w2 (D, F); norm gains (D,); tok_embeddings and output (V, D). ``output.weight`` exists only
+    when the head is not tied to the embedding.
+    """
+    D, F, V = cfg.dim, cfg.hidden_dim, cfg.vocab_size
+    qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    per_layer = {
+        "attention_norm.weight": (D,),
+        "attention.wq.weight": (qd, D),
+        "attention.wk.weight": (kvd, D),
+        "attention.wv.weight": (kvd, D),
+        "attention.wo.weight": (D, qd),
+        "ffn_norm.weight": (D,),
+        "feed_forward.w1.weight": (F, D),
+        "feed_forward.w2.weight": (D, F),
+        "feed_forward.w3.weight": (F, D),
+    }
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (V, D)}
+    for layer in range(cfg.n_layers):
+        for name in LAYER_PARAMS:
+            shapes[f"layers.{layer}.{name}"] = per_layer[name]
+    shapes["norm.weight"] = (D,)
+    if not cfg.tie_embeddings:
+        shapes["output.weight"] = (V, D)
+    return shapes
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    r"""Random initial parameters (NumPy, host memory).
+
+    Matrices ~ N(0, 0.02^2); the residual output projections wo and w2 ~ N(0, (0.02/\sqrt{2L})^2)
+    so that the residual stream's variance does not grow with depth (GPT-2's scaled init, also used
+    by llama2.c's training code); norm gains are ones.
+    """
+    rng = np.random.default_rng(seed)
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            params[name] = np.ones(shape, dtype=dtype)
+            continue
+        std = 0.02
+        if name.endswith(("wo.weight", "w2.weight")):
+            std = 0.02 / np.sqrt(2 * cfg.n_layers)
+        params[name] = rng.normal(0.0, std, size=shape).astype(dtype)
+    return params
+
+
+class Transformer:
+    """A LLaMA decoder bound to a backend.
+
+    ``params`` maps names (see :func:`param_shapes`) to arrays; missing, extra or misshapen ones
+    are a clear error. Without ``params`` the weights come from :func:`init_params` with ``seed``.
+    ``dtype`` (default: that of the given params, else float32) is the compute precision.
+    """
+
+    def __init__(self, cfg: ModelConfig, params: dict[str, Any] | None = None, backend=None,
+                 dtype=None, seed: int = 0):
+        cfg.validate()
+        self.cfg = cfg
+        self.backend = get_backend(backend)
+        xp = self.backend.xp
+        if params is None:
+            params = init_params(cfg, seed=seed, dtype=np.dtype(dtype or np.float32))
+        check_params(cfg, params)
+        if dtype is None:
+            dtype = params["tok_embeddings.weight"].dtype
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.float32, np.float64):
+            raise MinillamaError(f"compute dtype must be float32 or float64, got {self.dtype}")
+        self.params = {k: self.backend.asarray(v, dtype=self.dtype) for k, v in params.items()}
+        self.cos, self.sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
+                                         self.dtype, xp)
+
+    # ----------------------------------------------------------------------------------------
+    @property
+    def output_weight(self):
+        """The classifier matrix (V, D): ``output.weight``, or the embedding when tied."""
+        key = "tok_embeddings.weight" if self.cfg.tie_embeddings else "output.weight"
+        return self.params[key]
+
+    def new_cache(self, batch_size: int, max_seq_len: int | None = None) -> KVCache:
+        """An empty KV cache for this model on its backend."""
+        return KVCache(self.cfg, batch_size, max_seq_len, dtype=self.dtype, xp=self.backend.xp)
+
+    def _tokens(self, tokens):
+        tok = np.asarray(self.backend.to_numpy(tokens) if not isinstance(tokens, (list, tuple))
+                         else tokens)
+        if tok.ndim == 1:
+            tok = tok[None, :]
+        if tok.ndim != 2 or tok.shape[1] == 0:
+            raise MinillamaError(f"tokens must be a non-empty (B, T) integer array, got shape "
+                                 f"{tok.shape}")
+        if not np.issubdtype(tok.dtype, np.integer):
+            raise MinillamaError(f"tokens must be integers, got dtype {tok.dtype}")
+        if tok.size and (tok.min() < 0 or tok.max() >= self.cfg.vocab_size):
+            raise MinillamaError(
+                f"token ids must lie in [0, {self.cfg.vocab_size}), got min {tok.min()} "
+                f"max {tok.max()}")
+        return tok
+
+    def _rope_at(self, start_pos, T: int):
+        """cos/sin gathered at positions start_pos .. start_pos + T - 1: (T, hd/2) or (B, T, hd/2)."""
+        if np.ndim(start_pos) == 0:
+            s = int(start_pos)
+            end = s + T
+            if s < 0 or end > self.cfg.max_seq_len:
+                raise MinillamaError(
+                    f"positions {s}..{end - 1} exceed the model context of {self.cfg.max_seq_len}")
+            return self.cos[s:end], self.sin[s:end]
+        starts = np.asarray(start_pos, dtype=np.int64).reshape(-1)
+        if starts.min() < 0 or starts.max() + T > self.cfg.max_seq_len:
+            raise MinillamaError(
+                f"positions up to {starts.max() + T - 1} exceed the model context of "
+                f"{self.cfg.max_seq_len}")
+        pos = self.backend.asarray(starts[:, None] + np.arange(T)[None, :])
+        return self.cos[pos], self.sin[pos]
+
+    # ----------------------------------------------------------------------------------------
+    def _run(self, tok, start_pos, cache: KVCache | None, train: bool, output_index=None):
+        """The forward pass. Returns (logits, tape) where tape holds each op's ctx when training."""
+        cfg, be, p = self.cfg, self.backend, self.params
+        B, T = tok.shape
+        H, KVH, hd, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
+        eps = cfg.norm_eps
+        if cache is not None and cache.batch_size != B:
+            raise MinillamaError(f"KV cache batch {cache.batch_size} != token batch {B}")
+        cos, sin = self._rope_at(start_pos, T)
+        tok_dev = be.asarray(tok)
+        x, c_emb = be.embedding_forward(p["tok_embeddings.weight"], tok_dev)
+        tape: list[Any] = [c_emb]
+        for layer in range(cfg.n_layers):
+            pre = f"layers.{layer}."
+            h, c_an = be.rmsnorm_forward(x, p[pre + "attention_norm.weight"], eps)
+            q, c_q = be.linear_forward(h, p[pre + "attention.wq.weight"])
+            k, c_k = be.linear_forward(h, p[pre + "attention.wk.weight"])
+            v, c_v = be.linear_forward(h, p[pre + "attention.wv.weight"])
+            q, c_rq = be.rope_forward(q.reshape(B, T, H, hd), cos, sin)
+            k, c_rk = be.rope_forward(k.reshape(B, T, KVH, hd), cos, sin)
+            v = v.reshape(B, T, KVH, hd)
+            if cache is not None:
+                k, v = cache.update(layer, k, v, start_pos)
+            a, c_att = be.attention_forward(q, k, v, start_pos)
+            o, c_o = be.linear_forward(a.reshape(B, T, H * hd), p[pre + "attention.wo.weight"])
+            x = x + o
+            h2, c_fn = be.rmsnorm_forward(x, p[pre + "ffn_norm.weight"], eps)
+            a1, c_1 = be.linear_forward(h2, p[pre + "feed_forward.w1.weight"])
+            b3, c_3 = be.linear_forward(h2, p[pre + "feed_forward.w3.weight"])
+            g, c_sw = be.swiglu_forward(a1, b3)
+            f, c_2 = be.linear_forward(g, p[pre + "feed_forward.w2.weight"])
+            x = x + f
+            if train:
+                tape.append((c_an, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o, c_fn, c_1, c_3, c_sw,
+                             c_2))
+        if output_index is not None:
+            idx = np.asarray(output_index, dtype=np.int64).reshape(-1)
+            if idx.size == 1:
+                x = x[:, int(idx[0])]
+            else:
+                x = x[be.asarray(np.arange(B)), be.asarray(idx)]
+        hn, c_n = be.rmsnorm_forward(x, p["norm.weight"], eps)
+        logits, c_out = be.linear_forward(hn, self.output_weight)
+        if train:
+            tape.append((c_n, c_out))
+        return logits, tape
+
+    def forward(self, tokens, start_pos=0, cache: KVCache | None = None, last_only: bool = False,
+                output_index=None):
+        r"""Logits z = f(x) for a (B, T) batch of token ids: (B, T, V).
+
+        ``start_pos`` (int or (B,) ints) is the absolute position of the first token; with a
+        ``cache`` the new K/V are written there and attention reads positions 0..start_pos+t.
+        ``last_only`` returns only the last position's logits, (B, V), skipping the V x D head
+        for the others; ``output_index`` ((B,) ints) picks one position per sequence likewise.
+        """
+        tok = self._tokens(tokens)
+        if last_only:
+            output_index = tok.shape[1] - 1
+        logits, _ = self._run(tok, start_pos, cache, train=False, output_index=output_index)
+        return logits
+
+    __call__ = forward
+
+    # ----------------------------------------------------------------------------------------
+    def loss_and_grads(self, tokens, targets, ignore_index: int = -1):
+        r"""Mean next-token cross-entropy L and \partial L / \partial \theta for every parameter.
+
+        tokens, targets: (B, T) integers (targets equal to ``ignore_index`` do not count).
+        Returns (loss as a Python float, grads: dict name -> array shaped like the parameter).
+        The backward visits the ops in exactly the reverse order of the forward.
+        """
+        tok = self._tokens(tokens)
+        tgt = np.asarray(self.backend.to_numpy(targets) if not isinstance(targets, (list, tuple))
+                         else targets)
+        if tgt.ndim == 1:
+            tgt = tgt[None, :]
+        if tgt.shape != tok.shape:
+            raise MinillamaError(f"targets shape {tgt.shape} != tokens shape {tok.shape}")
+        cfg, be, p = self.cfg, self.backend, self.params
+        B, T = tok.shape
+        H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        logits, tape = self._run(tok, 0, None, train=True)
+        loss, c_ce = be.cross_entropy_forward(logits.reshape(B * T, -1),
+                                              be.asarray(tgt.reshape(-1)), ignore_index)
+        grads: dict[str, Any] = {}
+
+        # head: logits = RMSNorm(x) W_out^T
+        dlogits = be.cross_entropy_backward(1.0, c_ce).reshape(B, T, -1)
+        c_n, c_out = tape.pop()
+        dhn, dw_out = be.linear_backward(dlogits, c_out)
+        dx, grads["norm.weight"] = be.rmsnorm_backward(dhn, c_n)
+
+        for layer in reversed(range(cfg.n_layers)):
+            pre = f"layers.{layer}."
+            (c_an, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o, c_fn, c_1, c_3, c_sw, c_2) = tape.pop()
+            # FFN branch: x = x + W2 (silu(W1 n) * W3 n), n = RMSNorm(x)
+            dg, grads[pre + "feed_forward.w2.weight"] = be.linear_backward(dx, c_2)
+            da1, db3 = be.swiglu_backward(dg, c_sw)
+            dh2, grads[pre + "feed_forward.w1.weight"] = be.linear_backward(da1, c_1)
+            dh2b, grads[pre + "feed_forward.w3.weight"] = be.linear_backward(db3, c_3)
+            dxn, grads[pre + "ffn_norm.weight"] = be.rmsnorm_backward(dh2 + dh2b, c_fn)
+            dx = dx + dxn
+            # attention branch: x = x + Wo Attn(RoPE(Wq h), RoPE(Wk h), Wv h), h = RMSNorm(x)
+            da, grads[pre + "attention.wo.weight"] = be.linear_backward(dx, c_o)
+            dq, dk, dv = be.attention_backward(da.reshape(B, T, H, hd), c_att)
+            dq = be.rope_backward(dq, c_rq)
+            dk = be.rope_backward(dk, c_rk)
+            dh, grads[pre + "attention.wq.weight"] = be.linear_backward(dq.reshape(B, T, H * hd),
+                                                                        c_q)
+            dhk, grads[pre + "attention.wk.weight"] = be.linear_backward(
+                dk.reshape(B, T, KVH * hd), c_k)
+            dhv, grads[pre + "attention.wv.weight"] = be.linear_backward(
+                dv.reshape(B, T, KVH * hd), c_v)
+            dxn, grads[pre + "attention_norm.weight"] = be.rmsnorm_backward(dh + dhk + dhv, c_an)
+            dx = dx + dxn
+
+        (c_emb,) = tape
+        d_emb = be.embedding_backward(dx, c_emb)
+        if cfg.tie_embeddings:
+            d_emb = d_emb + dw_out  # the tied matrix collects both gradients
+        else:
+            grads["output.weight"] = dw_out
+        grads["tok_embeddings.weight"] = d_emb
+        return float(be.to_numpy(loss)), {k: grads[k] for k in self.params}
+
+    def loss(self, tokens, targets, ignore_index: int = -1) -> float:
+        """Mean next-token cross-entropy without gradients (no tape kept)."""
+        tok = self._tokens(tokens)
+        tgt = np.asarray(targets).reshape(tok.shape)
+        be = self.backend
+        logits, _ = self._run(tok, 0, None, train=False)
+        B, T = tok.shape
+        loss, _ = be.cross_entropy_forward(logits.reshape(B * T, -1), be.asarray(tgt.reshape(-1)),
+                                           ignore_index)
+        return float(be.to_numpy(loss))
+
+
+def check_params(cfg: ModelConfig, params: dict[str, Any]) -> None:
+    """Raise :class:`MinillamaError` unless ``params`` has exactly the names and shapes of ``cfg``."""
+    shapes = param_shapes(cfg)
+    missing = [k for k in shapes if k not in params]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise MinillamaError(f"missing parameter(s): {', '.join(missing[:3])}{more}")
+    extra = [k for k in params if k not in shapes]
+    if extra:
+        raise MinillamaError(f"unexpected parameter(s) for this config: {', '.join(extra[:3])}")
+    for k, shape in shapes.items():
+        got = tuple(params[k].shape)
+        if got != shape:
+            raise MinillamaError(f"parameter {k} has shape {got}, expected {shape} for this config")
