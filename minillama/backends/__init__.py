@@ -59,7 +59,10 @@ def get_backend(name=None):
     key = resolve_name(name)
     if key not in _instances:
         module_name, cls_name = BACKENDS[key].split(":")
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise MinillamaError(f"backend {key!r} cannot be imported: {e}") from None
         _instances[key] = getattr(module, cls_name)()
     return _instances[key]
 
