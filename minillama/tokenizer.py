@@ -41,4 +41,257 @@ def tokenizer_from_spec(spec: dict[str, Any] | None):
     kind = spec.get("type")
     if kind == "byte":
         return ByteTokenizer()
+    if kind == "llama2c":
+        return Llama2cTokenizer(spec["path"])
+    if kind == "hf":
+        return HFTokenizer(spec["path"])
     raise MinillamaError(f"unknown tokenizer type {kind!r} in checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------
+# llama2.c tokenizer.bin (a SentencePiece BPE vocabulary with scores)
+# ---------------------------------------------------------------------------------------------
+_SPECIAL_PIECES = (b"<unk>", b"<s>", b"</s>")
+
+
+class Llama2cTokenizer:
+    r"""The SentencePiece BPE tokenizer of Llama 2 as stored by llama2.c in ``tokenizer.bin``.
+
+    File: int32 ``max_token_length``, then for each token id in order a float32 score, an int32
+    byte length and the UTF-8 bytes of the piece (SentencePiece's word-boundary mark U+2581 is
+    stored as a plain space; byte-fallback pieces are spelled ``<0xXX>``).
+
+    Encoding (what SentencePiece does for Llama's model: no normalisation, spaces kept):
+
+    1. a non-empty text gets the dummy prefix: a space in front;
+    2. every character becomes its own piece if the vocabulary has it, else one byte-fallback
+       token per UTF-8 byte;
+    3. repeatedly merge the adjacent pair whose concatenation is a vocabulary piece of the
+       highest score (the leftmost on ties), until no pair merges.
+
+    Control pieces (``<unk>``, ``<s>``, ``</s>``) and byte pieces never result from merging.
+    Decoding concatenates the pieces' bytes, removes the dummy-prefix space of the first piece
+    and decodes UTF-8 as a whole (bytes of one character may come from several tokens).
+    """
+
+    unk_id = 0
+    bos_id = 1
+    eos_id = 2
+
+    def __init__(self, path):
+        import struct  # noqa: PLC0415
+        from pathlib import Path  # noqa: PLC0415
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise MinillamaError(f"tokenizer not found: {self.path}")
+        data = self.path.read_bytes()
+        if len(data) < 4:
+            raise MinillamaError(f"truncated tokenizer file {self.path}")
+        (self.max_token_length,) = struct.unpack_from("<i", data, 0)
+        if not 0 < self.max_token_length < 1 << 16:
+            raise MinillamaError(f"{self.path} is not a llama2.c tokenizer.bin (bad "
+                                 f"max_token_length {self.max_token_length})")
+        pieces: list[bytes] = []
+        scores: list[float] = []
+        pos = 0 + 4
+        while pos < len(data):
+            if pos + 8 > len(data):
+                raise MinillamaError(f"truncated tokenizer file {self.path} at token {len(pieces)}")
+            score, n = struct.unpack_from("<fi", data, pos)
+            pos += 8
+            if n < 0 or n > self.max_token_length or pos + n > len(data):
+                raise MinillamaError(f"corrupt tokenizer file {self.path}: token {len(pieces)} "
+                                     f"has length {n}")
+            pieces.append(data[pos:pos + n])
+            scores.append(score)
+            pos += n
+        if len(pieces) < 3:
+            raise MinillamaError(f"tokenizer file {self.path} holds only {len(pieces)} tokens")
+        self.pieces = pieces
+        self.scores = scores
+        self.byte_ids: dict[int, int] = {}
+        self.lookup: dict[str, int] = {}
+        self.piece_bytes: list[bytes] = []
+        for i, p in enumerate(pieces):
+            if len(p) == 6 and p.startswith(b"<0x") and p.endswith(b">"):
+                try:
+                    b = int(p[3:5], 16)
+                except ValueError:
+                    b = None
+                if b is not None:
+                    self.byte_ids.setdefault(b, i)
+                    self.piece_bytes.append(bytes([b]))
+                    continue
+            if p in _SPECIAL_PIECES:
+                self.piece_bytes.append(b"")
+                continue
+            self.piece_bytes.append(p)
+            try:
+                self.lookup.setdefault(p.decode("utf-8"), i)
+            except UnicodeDecodeError:
+                pass
+        self._byte_fallback = len(self.byte_ids) == 256
+        self._byte_id_set = frozenset(self.byte_ids.values())
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.pieces)
+
+    def _char_ids(self, ch: str) -> list[int]:
+        i = self.lookup.get(ch)
+        if i is not None:
+            return [i]
+        if self._byte_fallback:
+            return [self.byte_ids[b] for b in ch.encode("utf-8")]
+        return [self.unk_id]
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        syms: list[str | None] = []  # the text of each symbol; None for byte/unk tokens
+        ids: list[int] = []
+        for ch in ((" " + text) if text else ""):
+            tid = self._char_ids(ch)
+            if len(tid) == 1 and self.piece_bytes[tid[0]] == ch.encode("utf-8"):
+                syms.append(ch)
+            else:
+                syms.extend([None] * len(tid))
+            ids.extend(tid)
+        ninf = float("-inf")
+        lookup, scores = self.lookup, self.scores
+
+        def pair_score(i: int) -> float:
+            a, b = syms[i], syms[i + 1]
+            if a is None or b is None:
+                return ninf
+            j = lookup.get(a + b)
+            return ninf if j is None else scores[j]
+
+        pair = [pair_score(i) for i in range(len(syms) - 1)]
+        while pair:
+            best = max(range(len(pair)), key=pair.__getitem__)  # first (leftmost) maximum
+            if pair[best] == ninf:
+                break
+            merged = syms[best] + syms[best + 1]
+            syms[best:best + 2] = [merged]
+            ids[best:best + 2] = [lookup[merged]]
+            del pair[best]
+            if best > 0:
+                pair[best - 1] = pair_score(best - 1)
+            if best < len(pair):
+                pair[best] = pair_score(best)
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The bytes of ``ids`` (control tokens dropped, the dummy-prefix space of the first
+        piece removed). Prefix-stable: the bytes of ids[:n] start the bytes of ids."""
+        out = bytearray()
+        first = True
+        V = len(self.pieces)
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < V:
+                raise MinillamaError(f"token id {i} outside the vocabulary of {V}")
+            b = self.piece_bytes[i]
+            if not b:
+                continue
+            if first and b.startswith(b" ") and i not in self._byte_id_set:
+                b = b[1:]
+            first = False
+            out += b
+        return bytes(out)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def spec(self) -> dict[str, Any]:
+        return {"type": "llama2c", "path": str(self.path.resolve())}
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face tokenizer.json (optional dependency: the `tokenizers` package)
+# ---------------------------------------------------------------------------------------------
+_BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
+_EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>", "<|eot_id|>")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` package.
+
+    BOS/EOS come from ``tokenizer_config.json`` beside the file when it names them, else from the
+    usual spellings (``<s>``/``</s>``, ``<|begin_of_text|>``/``<|end_of_text|>``...)."""
+
+    def __init__(self, path):
+        import json  # noqa: PLC0415
+        from pathlib import Path  # noqa: PLC0415
+
+        try:
+            from tokenizers import Tokenizer  # noqa: PLC0415
+        except ImportError:
+            raise MinillamaError("reading tokenizer.json needs the optional `tokenizers` package: "
+                                 "pip install 'minillama[hf]'") from None
+        self.path = Path(path)
+        if self.path.is_dir():
+            self.path = self.path / "tokenizer.json"
+        if not self.path.is_file():
+            raise MinillamaError(f"tokenizer not found: {self.path}")
+        try:
+            self._tok = Tokenizer.from_file(str(self.path))
+        except Exception as e:  # the tokenizers package raises its own exception types
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise MinillamaError(f"cannot read tokenizer {self.path}: {msg}") from None
+        names = {}
+        cfg_path = self.path.parent / "tokenizer_config.json"
+        if cfg_path.is_file():
+            try:
+                conf = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError:
+                conf = {}
+            for key in ("bos_token", "eos_token"):
+                v = conf.get(key)
+                if isinstance(v, dict):
+                    v = v.get("content")
+                if isinstance(v, str):
+                    names[key] = v
+        self.bos_id = self._find(names.get("bos_token"), _BOS_NAMES)
+        self.eos_id = self._find(names.get("eos_token"), _EOS_NAMES)
+
+    def _find(self, name, fallbacks):
+        for n in ([name] if name else []) + list(fallbacks):
+            i = self._tok.token_to_id(n)
+            if i is not None:
+                return i
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        pre = [self.bos_id] if bos and self.bos_id is not None else []
+        post = [self.eos_id] if eos and self.eos_id is not None else []
+        return pre + list(ids) + post
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def spec(self) -> dict[str, Any]:
+        return {"type": "hf", "path": str(self.path.resolve())}
+
+
+def load_tokenizer(spec: str):
+    """A tokenizer from a command-line spec: ``byte``, a llama2.c ``tokenizer.bin``, a HF
+    ``tokenizer.json`` or a folder holding one."""
+    from pathlib import Path  # noqa: PLC0415
+
+    if spec == "byte":
+        return ByteTokenizer()
+    p = Path(spec)
+    if not p.exists():
+        raise MinillamaError(f"tokenizer not found: {p}")
+    if p.is_dir() or p.suffix == ".json":
+        return HFTokenizer(p)
+    if p.suffix == ".model":
+        raise MinillamaError(f"{p}: SentencePiece .model files are not read; use the llama2.c "
+                             f"tokenizer.bin or a Hugging Face tokenizer.json")
+    return Llama2cTokenizer(p)

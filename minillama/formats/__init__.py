@@ -1,0 +1,85 @@
+"""Checkpoint formats: one entry point, :func:`load_model`, that recognises what a path holds.
+
+* a directory with ``config.json`` and ``model.safetensors`` (or a sharded index): Hugging Face
+  LLaMA (:mod:`.hf`); its ``tokenizer.json`` is loaded when present;
+* a ``.safetensors`` file with minillama metadata: the project's own format
+  (:func:`minillama.checkpoint.load_checkpoint`), tokenizer rebuilt from its spec;
+* a file starting with the llama2.c magic ``ak42`` or a plausible legacy header: llama2.c
+  ``.bin`` version 1 or 0 (:mod:`.llama2c`); no tokenizer inside.
+
+Nothing is unpickled anywhere.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+from ..errors import MinillamaError
+from .hf import is_hf_dir, load_hf, save_hf
+from .llama2c import is_llama2c, load_llama2c, save_llama2c
+
+__all__ = ["detect_format", "load_model", "load_params", "save_llama2c", "save_hf",
+           "load_llama2c", "load_hf"]
+
+
+def _is_safetensors(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return False
+    if len(head) < 9:
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    return head[8:9] == b"{" and n < (1 << 32)
+
+
+def detect_format(path) -> str:
+    """``"hf"``, ``"minillama"`` or ``"llama2c"`` for ``path``; anything else raises."""
+    p = Path(path)
+    if p.is_dir():
+        if is_hf_dir(p):
+            return "hf"
+        raise MinillamaError(f"{p} is a folder without config.json (not a Hugging Face model)")
+    if not p.exists():
+        raise MinillamaError(f"checkpoint not found: {p}")
+    if _is_safetensors(p):
+        return "minillama"
+    if is_llama2c(p):
+        return "llama2c"
+    raise MinillamaError(f"{p} is not a recognised checkpoint (llama2.c .bin, minillama "
+                         f".safetensors or Hugging Face folder)")
+
+
+def load_params(path):
+    """``(format, cfg, host params, tokenizer or None)`` of the checkpoint at ``path``."""
+    from ..checkpoint import load_checkpoint  # noqa: PLC0415
+    from ..tokenizer import HFTokenizer, tokenizer_from_spec  # noqa: PLC0415
+
+    fmt = detect_format(path)
+    tok = None
+    if fmt == "hf":
+        cfg, params = load_hf(path)
+        tj = Path(path) / "tokenizer.json"
+        if tj.is_file():
+            tok = HFTokenizer(tj)
+    elif fmt == "minillama":
+        cfg, params, meta = load_checkpoint(path)
+        tok = tokenizer_from_spec(meta.get("tokenizer"))
+    else:
+        cfg, params = load_llama2c(path)
+    return fmt, cfg, params, tok
+
+
+def load_model(path, backend=None, dtype=None):
+    """Load any supported checkpoint as a :class:`~minillama.model.Transformer` on ``backend``
+    (compute ``dtype``, default float32). Returns ``(model, tokenizer or None)``."""
+    import numpy as np  # noqa: PLC0415
+
+    from ..model import Transformer  # noqa: PLC0415
+
+    fmt, cfg, params, tok = load_params(path)
+    model = Transformer(cfg, params, backend=backend, dtype=np.dtype(dtype or np.float32))
+    model.source_format = fmt
+    return model, tok

@@ -1,0 +1,309 @@
+r"""Hugging Face LLaMA directories: ``config.json`` + ``model.safetensors`` (or shards listed in
+``model.safetensors.index.json``), optionally ``tokenizer.json``.
+
+Names map to Meta's: ``model.embed_tokens`` -> ``tok_embeddings``, ``model.layers.N.self_attn.
+{q,k,v,o}_proj`` -> ``layers.N.attention.w{q,k,v,o}``, ``mlp.gate_proj/up_proj/down_proj`` ->
+``feed_forward.w1/w3/w2``, ``input_layernorm`` -> ``attention_norm``, ``post_attention_layernorm``
+-> ``ffn_norm``, ``model.norm`` -> ``norm``, ``lm_head`` -> ``output`` (absent when tied).
+
+RoPE layout. HF rotates the two halves of each head (i, i + hd/2) while Meta/llama2.c (and
+:func:`minillama.ops.rope_forward`) rotate interleaved pairs (2i, 2i+1). HF's conversion script
+permutes the rows of W_q and W_k of every head so both give the same model: within a head,
+
+    \mathrm{row}_{HF}(c \cdot hd/2 + i) = \mathrm{row}_{Meta}(2i + c),  c \in \{0, 1\}, i < hd/2.
+
+Loading applies the inverse (a reshape (nh, 2, hd/2, D) -> (nh, hd/2, 2, D)); writing applies it
+forward. Safetensors files are parsed here directly (JSON header + raw little-endian arrays; F32,
+F64, F16 and BF16) so every corruption is a one-line error and nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import MinillamaError
+
+_LAYER_MAP = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+}
+_DTYPES = {"F32": np.dtype("<f4"), "F64": np.dtype("<f8"), "F16": np.dtype("<f2"),
+           "BF16": np.dtype("<u2")}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors, parsed by hand
+# ---------------------------------------------------------------------------------------------
+def read_safetensors_file(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """All tensors of a safetensors file as float32/float64 NumPy arrays, and its metadata.
+
+    Layout: uint64 little-endian header length N, N bytes of JSON ``{name: {dtype, shape,
+    data_offsets: [begin, end]}, "__metadata__": {...}}``, then the data block. BF16 is widened
+    to float32 exactly (its bits are the top half of a float32).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MinillamaError(f"weights file not found: {path}")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise MinillamaError(f"truncated safetensors file {path} ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, _MAX_HEADER):
+            raise MinillamaError(f"corrupt safetensors file {path}: header of {n} bytes overruns "
+                                 f"the file of {size} bytes")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise MinillamaError(f"corrupt safetensors header in {path}: {e}") from None
+        if not isinstance(header, dict):
+            raise MinillamaError(f"corrupt safetensors header in {path}: not a JSON object")
+        meta = header.pop("__metadata__", None) or {}
+        data = f.read()
+    base = 8 + n
+    tensors = {}
+    for name, info in header.items():
+        try:
+            dt, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise MinillamaError(f"corrupt safetensors entry {name!r} in {path}") from None
+        if dt not in _DTYPES:
+            raise MinillamaError(f"tensor {name} in {path} has unsupported dtype {dt} "
+                                 f"(supported: {', '.join(_DTYPES)})")
+        count = int(np.prod(shape)) if shape else 1
+        if not (0 <= begin <= end) or end - begin != count * _DTYPES[dt].itemsize:
+            raise MinillamaError(f"tensor {name} in {path}: byte range {begin}..{end} does not "
+                                 f"fit its shape {list(shape)} and dtype {dt}")
+        if base + end > size:
+            raise MinillamaError(f"truncated safetensors file {path}: tensor {name} ends at byte "
+                                 f"{base + end}, the file has {size}")
+        raw = np.frombuffer(data, dtype=_DTYPES[dt], count=count, offset=begin)
+        if dt == "BF16":
+            arr = (raw.astype(np.uint32) << 16).view(np.float32)
+        elif dt == "F64":
+            arr = raw.astype(np.float64)
+        else:
+            arr = raw.astype(np.float32)
+        tensors[name] = arr.reshape(shape)
+    return tensors, meta
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+# ---------------------------------------------------------------------------------------------
+def config_from_hf(c: dict, where="config.json") -> ModelConfig:
+    """A :class:`ModelConfig` from a HF ``LlamaConfig`` dict; unsupported settings raise."""
+    if c.get("model_type", "llama") != "llama":
+        raise MinillamaError(f"{where}: model_type {c.get('model_type')!r} is not supported "
+                             f"(only 'llama')")
+    try:
+        D = int(c["hidden_size"])
+        H = int(c["num_attention_heads"])
+        cfg_args = dict(dim=D, n_layers=int(c["num_hidden_layers"]), n_heads=H,
+                        n_kv_heads=int(c.get("num_key_value_heads") or H),
+                        vocab_size=int(c["vocab_size"]), hidden_dim=int(c["intermediate_size"]),
+                        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                        max_seq_len=int(c.get("max_position_embeddings", 2048)),
+                        tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+    except KeyError as e:
+        raise MinillamaError(f"{where}: missing field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise MinillamaError(f"{where}: bad field value ({e})") from None
+    if c.get("hidden_act", "silu") != "silu":
+        raise MinillamaError(f"{where}: hidden_act {c['hidden_act']!r} is not supported (silu)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if c.get(flag):
+            raise MinillamaError(f"{where}: {flag} = true is not supported")
+    hd = c.get("head_dim")
+    if hd is not None and int(hd) != D // H:
+        raise MinillamaError(f"{where}: head_dim {hd} != hidden_size / num_attention_heads "
+                             f"= {D // H} is not supported")
+    rope = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+    for d in (rope, scaling):
+        kind = d.get("rope_type", d.get("type", "default"))
+        if kind not in ("default", None):
+            raise MinillamaError(f"{where}: rope scaling type {kind!r} is not supported "
+                                 f"(only plain RoPE)")
+    if c.get("pretraining_tp", 1) not in (1, None):
+        raise MinillamaError(f"{where}: pretraining_tp != 1 is not supported")
+    cfg_args["rope_theta"] = float(theta)
+    return ModelConfig(**cfg_args)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """The HF ``config.json`` dict of ``cfg`` (LlamaForCausalLM, float32)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+        "dtype": "float32", "torch_dtype": "float32",
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# the q/k permutation
+# ---------------------------------------------------------------------------------------------
+def hf_to_interleaved(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Rows of a HF q/k projection (half-split RoPE) -> interleaved-pair order. w: (nh*hd, D)."""
+    out, D = w.shape
+    hd = out // n_heads
+    return np.ascontiguousarray(w.reshape(n_heads, 2, hd // 2, D).transpose(0, 2, 1, 3)
+                                .reshape(out, D))
+
+
+def interleaved_to_hf(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of :func:`hf_to_interleaved`."""
+    out, D = w.shape
+    hd = out // n_heads
+    return np.ascontiguousarray(w.reshape(n_heads, hd // 2, 2, D).transpose(0, 2, 1, 3)
+                                .reshape(out, D))
+
+
+# ---------------------------------------------------------------------------------------------
+# load / save
+# ---------------------------------------------------------------------------------------------
+def is_hf_dir(path) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / "config.json").is_file()
+
+
+def _weight_files(d: Path) -> list[Path]:
+    single = d / "model.safetensors"
+    index = d / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            idx = json.loads(index.read_text())
+            files = sorted(set(idx["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise MinillamaError(f"corrupt {index}: {e}") from None
+        return [d / f for f in files]
+    if list(d.glob("*.bin")) or list(d.glob("*.pt")) or list(d.glob("*.pth")):
+        raise MinillamaError(f"{d} holds only PyTorch pickle weights; minillama never unpickles "
+                             f"- save them as safetensors")
+    raise MinillamaError(f"{d} has no model.safetensors nor model.safetensors.index.json")
+
+
+def load_hf(path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Read a HF LLaMA directory: returns ``(cfg, params)`` with Meta names and interleaved RoPE
+    rows. Missing/extra tensors, wrong shapes and non-finite values raise."""
+    from ..model import check_params  # noqa: PLC0415
+
+    d = Path(path)
+    try:
+        c = json.loads((d / "config.json").read_text())
+    except FileNotFoundError:
+        raise MinillamaError(f"{d} has no config.json") from None
+    except json.JSONDecodeError as e:
+        raise MinillamaError(f"corrupt {d / 'config.json'}: {e}") from None
+    if not isinstance(c, dict):
+        raise MinillamaError(f"corrupt {d / 'config.json'}: not a JSON object")
+    cfg = config_from_hf(c, str(d / "config.json"))
+    tensors: dict[str, np.ndarray] = {}
+    for f in _weight_files(d):
+        t, _ = read_safetensors_file(f)
+        tensors.update(t)
+    params: dict[str, np.ndarray] = {}
+    for name, arr in tensors.items():
+        if name == "model.embed_tokens.weight":
+            params["tok_embeddings.weight"] = arr
+        elif name == "model.norm.weight":
+            params["norm.weight"] = arr
+        elif name == "lm_head.weight":
+            if not cfg.tie_embeddings:
+                params["output.weight"] = arr
+        elif name.startswith("model.layers."):
+            rest = name[len("model.layers."):]
+            layer, _, sub = rest.partition(".")
+            if sub.endswith("rotary_emb.inv_freq"):
+                continue
+            if sub not in _LAYER_MAP or not layer.isdigit():
+                raise MinillamaError(f"unexpected tensor {name} in {d}")
+            params[f"layers.{int(layer)}.{_LAYER_MAP[sub]}"] = arr
+        else:
+            raise MinillamaError(f"unexpected tensor {name} in {d}")
+    check_params(cfg, params)
+    for k, v in params.items():
+        if not np.isfinite(v).all():
+            raise MinillamaError(f"non-finite values (NaN/Inf) in {k} of {d}")
+    for layer in range(cfg.n_layers):
+        q, k = f"layers.{layer}.attention.wq.weight", f"layers.{layer}.attention.wk.weight"
+        params[q] = hf_to_interleaved(params[q], cfg.n_heads)
+        params[k] = hf_to_interleaved(params[k], cfg.n_kv_heads)
+    return cfg, params
+
+
+def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None) -> Path:
+    """Write a HF-style LLaMA directory (``config.json`` and float32 safetensors weights, sharded
+    with an index when ``max_shard_bytes`` is given)."""
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    host = {k: np.asarray(v.get() if hasattr(v, "get") and not isinstance(v, np.ndarray) else v)
+            for k, v in params.items()}
+    inv = {v: k for k, v in _LAYER_MAP.items()}
+    out: dict[str, np.ndarray] = {}
+    for k, v in host.items():
+        v = np.ascontiguousarray(v, dtype=np.float32)
+        if k == "tok_embeddings.weight":
+            out["model.embed_tokens.weight"] = v
+        elif k == "norm.weight":
+            out["model.norm.weight"] = v
+        elif k == "output.weight":
+            out["lm_head.weight"] = v
+        else:
+            _, layer, sub = k.split(".", 2)
+            if sub == "attention.wq.weight":
+                v = interleaved_to_hf(v, cfg.n_heads)
+            elif sub == "attention.wk.weight":
+                v = interleaved_to_hf(v, cfg.n_kv_heads)
+            out[f"model.layers.{layer}.{inv[sub]}"] = v
+    (d / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
+    if not max_shard_bytes:
+        save_file(out, str(d / "model.safetensors"), metadata={"format": "pt"})
+        return d
+    shards: list[dict[str, np.ndarray]] = [{}]
+    used = 0
+    for k, v in out.items():
+        if shards[-1] and used + v.nbytes > max_shard_bytes:
+            shards.append({})
+            used = 0
+        shards[-1][k] = v
+        used += v.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(d / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    index = {"metadata": {"total_size": sum(v.nbytes for v in out.values())},
+             "weight_map": weight_map}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    stale = d / "model.safetensors"
+    if stale.exists():
+        os.unlink(stale)
+    return d

@@ -1,0 +1,364 @@
+r"""Text generation with a KV cache: prefill the prompt in one call, then one token per call.
+
+The loop for a batch of B prompts of lengths n_b (right-padded to the longest):
+
+1. **prefill**: one forward over the padded (B, max n_b) prompt block writes every prompt
+   position's K/V into the cache and returns only the logits at position n_b - 1 of each
+   sequence (``output_index``), so the V x D classifier runs B times, not B * T times;
+2. **decode**: each step feeds the token just chosen for every sequence at its own position
+   p_b (``start_pos`` is a (B,) array), appending one K/V row per layer and reading positions
+   0..p_b only; padding rows beyond p_b are masked and later overwritten.
+
+Each sequence stops on its own (a stop token, ``max_new_tokens`` or the end of the context);
+the batch ends when all have stopped. Sequence b samples with its own generator seeded
+``seed + b``, so a batch gives the same tokens as generating each prompt alone.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from .errors import MinillamaError
+from .sampling import check_sampling, sample
+
+#: where the training issue ships the default model (own format, byte tokenizer in the metadata)
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "data" / "shakespeare.safetensors"
+
+
+@dataclass
+class GenerationStats:
+    """Token counts and wall times of one generation; ``cache_bytes`` is the KV cache size
+    2 * L * B * S * KVH * hd * itemsize."""
+
+    batch_size: int = 0
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    new_tokens: int = 0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    cache_bytes: int = 0
+    cache_shape: tuple = field(default_factory=tuple)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens produced by the decode steps (every sequence still running counts) per second."""
+        n = self.new_tokens - self.batch_size  # the first token of each sequence comes from prefill
+        return n / self.decode_s if self.decode_s > 0 and n > 0 else float("nan")
+
+
+def _as_prompts(prompts) -> tuple[list[list[int]], bool]:
+    """Normalise one prompt (a sequence of ints) or several into a list of int lists."""
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    prompts = list(prompts)
+    single = len(prompts) == 0 or not isinstance(prompts[0], (list, tuple, np.ndarray))
+    seqs = [prompts] if single else prompts
+    out = []
+    for s in seqs:
+        s = [int(t) for t in (s.tolist() if isinstance(s, np.ndarray) else s)]
+        if not s:
+            raise MinillamaError("every prompt needs at least one token (e.g. BOS)")
+        out.append(s)
+    if not out:
+        raise MinillamaError("no prompts given")
+    return out, single
+
+
+def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float = 0.0,
+                   top_k: int | None = None, top_p: float | None = None,
+                   seed: int | None = None, stop_ids: Iterable[int] = (),
+                   stats: GenerationStats | None = None) -> Iterator[list[tuple[int, int]]]:
+    """Generate, yielding after every model call the list of ``(sequence index, token)`` pairs
+    produced by it (stop tokens are not yielded). ``prompts`` is a list of token-id lists (or one
+    list). ``stats`` (optional) is filled in as the generation runs."""
+    check_sampling(temperature, top_k, top_p)
+    seqs, _ = _as_prompts(prompts)
+    if max_new_tokens < 0:
+        raise MinillamaError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    cfg, be = model.cfg, model.backend
+    B = len(seqs)
+    lens = np.array([len(s) for s in seqs], dtype=np.int64)
+    longest = int(lens.max())
+    if longest > cfg.max_seq_len:
+        raise MinillamaError(
+            f"prompt of {longest} tokens is longer than the model context of {cfg.max_seq_len}")
+    stop = {int(t) for t in stop_ids}
+    stats = stats if stats is not None else GenerationStats()
+    stats.batch_size = B
+    if max_new_tokens == 0:
+        return
+    # the cache holds the longest prompt plus the new tokens, capped at the context
+    cache_len = int(min(cfg.max_seq_len, int((lens + max_new_tokens).max())))
+    cache = model.new_cache(B, cache_len)
+    stats.cache_bytes = cache.nbytes
+    stats.cache_shape = (2, cfg.n_layers, B, cache_len, cfg.n_kv_heads, cfg.head_dim)
+    if seed is None:
+        seed = int(np.random.SeedSequence().entropy % (1 << 63))
+    rngs = [np.random.default_rng(seed + b) for b in range(B)]
+    # token k of sequence b lands at position n_b + k - 1 and is sampled after feeding position
+    # n_b + k - 2, which must lie inside the context: k <= S - n_b + 1
+    budget = np.minimum(max_new_tokens, cfg.max_seq_len - lens + 1)
+
+    # -- prefill ----------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    block = np.zeros((B, longest), dtype=np.int64)
+    for b, s in enumerate(seqs):
+        block[b, :len(s)] = s
+    if B == 1:
+        logits = model.forward(block, start_pos=0, cache=cache, last_only=True)
+    else:
+        logits = model.forward(block, start_pos=0, cache=cache, output_index=lens - 1)
+    z = be.to_numpy(logits)
+    stats.prompt_tokens = int(lens.sum())
+    alive = np.ones(B, dtype=bool)
+    pos = lens.copy()  # where each sequence's next token goes
+    last = np.zeros(B, dtype=np.int64)
+    emitted = np.zeros(B, dtype=np.int64)
+    step_out = _choose(z, rngs, temperature, top_k, top_p, alive, stop, last, emitted, budget)
+    stats.prefill_s = time.perf_counter() - t0
+    stats.new_tokens += len(step_out)
+    if step_out:
+        yield step_out
+    # -- decode -----------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    try:
+        while True:
+            # a sequence keeps running while it may emit and its next token has a slot to go
+            alive &= pos < cache_len
+            if not alive.any():
+                break
+            feed_pos = np.minimum(pos, cache_len - 1)
+            sp = int(feed_pos[0]) if B == 1 else feed_pos
+            logits = model.forward(last[:, None], start_pos=sp, cache=cache, last_only=True)
+            z = be.to_numpy(logits)
+            pos = pos + alive
+            step_out = _choose(z, rngs, temperature, top_k, top_p, alive, stop, last, emitted,
+                               budget)
+            stats.decode_steps += 1
+            stats.new_tokens += len(step_out)
+            if step_out:
+                yield step_out
+    finally:
+        stats.decode_s = time.perf_counter() - t0
+
+
+def _choose(z, rngs, temperature, top_k, top_p, alive, stop, last, emitted, budget):
+    """Pick the next token of every running sequence; update ``alive``/``last``/``emitted``."""
+    out = []
+    for b in np.flatnonzero(alive):
+        if emitted[b] >= budget[b]:
+            alive[b] = False
+            continue
+        tok = sample(z[b], rngs[b], temperature, top_k, top_p)
+        if tok in stop:
+            alive[b] = False
+            continue
+        last[b] = tok
+        emitted[b] += 1
+        if emitted[b] >= budget[b]:
+            alive[b] = False
+        out.append((int(b), tok))
+    return out
+
+
+def generate(model, prompts, max_new_tokens: int = 256, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+             stop_ids: Iterable[int] = (), callback: Callable[[int, int], None] | None = None,
+             stats: GenerationStats | None = None):
+    """Generate continuations. One prompt (list of ints) -> its new tokens (list of ints);
+    several prompts -> a list of lists. ``callback(seq_index, token)`` is called for each token as
+    it is produced (streaming). Stop tokens end a sequence and are not included."""
+    seqs, single = _as_prompts(prompts)
+    outs: list[list[int]] = [[] for _ in seqs]
+    for step in generate_steps(model, seqs, max_new_tokens, temperature, top_k, top_p, seed,
+                               stop_ids, stats):
+        for b, tok in step:
+            outs[b].append(tok)
+            if callback is not None:
+                callback(b, tok)
+    return outs[0] if single else outs
+
+
+def stream(model, prompt: Sequence[int], **kwargs) -> Iterator[int]:
+    """Yield the new tokens of one prompt as they are produced (keyword arguments as
+    :func:`generate`)."""
+    for step in generate_steps(model, [list(prompt)], **kwargs):
+        for _, tok in step:
+            yield tok
+
+
+class TextStreamer:
+    """Turns a growing list of token ids into text pieces without splitting UTF-8 characters.
+
+    Uses the tokenizer's ``decode_bytes`` (prefix-stable bytes) with an incremental UTF-8 decoder
+    when it has one, else re-decodes the ids and emits the new suffix once it is stable.
+    """
+
+    def __init__(self, tokenizer, prefix_ids: Sequence[int] = ()):
+        self.tok = tokenizer
+        self.ids = list(prefix_ids)
+        self._bytes_mode = hasattr(tokenizer, "decode_bytes")
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._nbytes = 0
+        self._text = ""
+
+    def put(self, token: int) -> str:
+        self.ids.append(int(token))
+        if self._bytes_mode:
+            data = self.tok.decode_bytes(self.ids)
+            new = data[self._nbytes:]
+            self._nbytes = len(data)
+            return self._dec.decode(new)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self._text):
+            return ""
+        new = text[len(self._text):]
+        self._text = text
+        return new
+
+    def start(self) -> str:
+        """The text of the prefix ids (the prompt)."""
+        if self._bytes_mode:
+            data = self.tok.decode_bytes(self.ids)
+            self._nbytes = len(data)
+            return self._dec.decode(data)
+        self._text = self.tok.decode(self.ids)
+        return self._text
+
+    def flush(self) -> str:
+        if self._bytes_mode:
+            return self._dec.decode(b"", final=True)
+        text = self.tok.decode(self.ids)
+        new = text[len(self._text):] if text.startswith(self._text) else ""
+        self._text = text
+        return new
+
+
+# ---------------------------------------------------------------------------------------------
+# the `minillama generate` command
+# ---------------------------------------------------------------------------------------------
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="generate text from a checkpoint (streams to stdout)",
+        description="Generate text with a KV cache from a llama2.c .bin, a Hugging Face LLaMA "
+                    "directory or a minillama .safetensors checkpoint. Text streams to stdout; "
+                    "prefill/decode speed and KV-cache memory go to stderr.")
+    p.add_argument("--checkpoint", "-c", default=None,
+                   help=f"model file or folder (default: {DEFAULT_CHECKPOINT.name} shipped with "
+                        f"the package)")
+    p.add_argument("--tokenizer", "-t", default=None,
+                   help="tokenizer: llama2.c tokenizer.bin, Hugging Face tokenizer.json, or "
+                        "'byte' (default: the one stored with the checkpoint)")
+    p.add_argument("--prompt", "-p", default="", help="prompt text (default: empty, start at BOS)")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=256,
+                   help="most tokens to generate (default 256)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature, 0 = greedy (default 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help="keep only the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=0.9,
+                   help="nucleus sampling mass, 1 disables it (default 0.9)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (reproducible sampling)")
+    p.add_argument("--backend", default=None,
+                   help="numpy, numba or cupy (default: $MINILLAMA_BACKEND or numpy)")
+    p.add_argument("--dtype", default=None, choices=("float32", "float64"),
+                   help="compute precision (default float32)")
+    p.set_defaults(func=run_cli)
+
+
+def resolve_tokenizer(spec: str | None, model_tokenizer, cfg, checkpoint: Path, fmt: str):
+    """The tokenizer to use: ``--tokenizer``, else the checkpoint's own, else (llama2.c) a
+    ``tokenizer.bin`` beside the checkpoint whose vocabulary fits; may be None."""
+    from .tokenizer import load_tokenizer  # noqa: PLC0415
+
+    if spec:
+        tok = load_tokenizer(spec)
+    elif model_tokenizer is not None:
+        tok = model_tokenizer
+    else:
+        tok = None
+        side = checkpoint.parent / "tokenizer.bin" if fmt == "llama2c" else None
+        if side is not None and side.is_file():
+            cand = load_tokenizer(str(side))
+            if cand.vocab_size == cfg.vocab_size:
+                tok = cand
+    if tok is not None and tok.vocab_size != cfg.vocab_size:
+        raise MinillamaError(
+            f"tokenizer vocabulary ({tok.vocab_size} tokens) does not match the model "
+            f"vocabulary ({cfg.vocab_size})")
+    return tok
+
+
+def run_cli(args) -> int:
+    from .formats import detect_format, load_model  # noqa: PLC0415
+
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 0:
+        raise MinillamaError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.checkpoint is None:
+        if not DEFAULT_CHECKPOINT.is_file():
+            raise MinillamaError(
+                "no default checkpoint ships yet (minillama/data/shakespeare.safetensors is "
+                "missing); pass --checkpoint PATH")
+        checkpoint = DEFAULT_CHECKPOINT
+    else:
+        checkpoint = Path(args.checkpoint)
+    fmt = detect_format(checkpoint)
+    model, model_tok = load_model(checkpoint, backend=args.backend, dtype=args.dtype)
+    cfg = model.cfg
+    tok = resolve_tokenizer(args.tokenizer, model_tok, cfg, checkpoint, fmt)
+    if tok is None:
+        if args.prompt:
+            raise MinillamaError(
+                f"{checkpoint} has no tokenizer; pass --tokenizer (tokenizer.bin or "
+                f"tokenizer.json) to use a text prompt")
+        bos, stop = 1, ({1, 2} if fmt == "llama2c" else set())
+        prompt_ids = [bos if bos < cfg.vocab_size else 0]
+    else:
+        prompt_ids = tok.encode(args.prompt, bos=True)
+        stop = {tok.eos_id}
+        if tok.bos_id is not None:
+            stop.add(tok.bos_id)  # a new document starts: the text is over (llama2.c does this)
+        stop.discard(None)
+    if len(prompt_ids) > cfg.max_seq_len:
+        raise MinillamaError(f"prompt of {len(prompt_ids)} tokens is longer than the model "
+                             f"context of {cfg.max_seq_len}")
+    out = sys.stdout
+    stats = GenerationStats()
+    top_p = None if args.top_p is None or args.top_p >= 1.0 else args.top_p
+    if tok is not None:
+        streamer = TextStreamer(tok, prompt_ids)
+        out.write(streamer.start())
+        out.flush()
+    for step in generate_steps(model, [prompt_ids], args.max_new_tokens, args.temperature,
+                               args.top_k, top_p, args.seed, stop, stats):
+        for _, t in step:
+            out.write(streamer.put(t) if tok is not None else f"{t} ")
+        out.flush()
+    out.write((streamer.flush() if tok is not None else "") + "\n")
+    out.flush()
+    kib = stats.cache_bytes / 1024
+    L, B, S, KVH, hd = stats.cache_shape[1:] if stats.cache_shape else (0,) * 5
+    print(f"prefill: {stats.prompt_tokens} tokens in {stats.prefill_s * 1e3:.1f} ms "
+          f"({stats.prefill_tokens_per_s:.1f} tok/s); decode: {max(stats.new_tokens - 1, 0)} "
+          f"tokens in {stats.decode_s * 1e3:.1f} ms ({stats.decode_tokens_per_s:.1f} tok/s); "
+          f"KV cache: {kib:.1f} KiB (2 x L={L} x B={B} x S={S} x KVH={KVH} x hd={hd} x "
+          f"{model.dtype.itemsize} B); backend {model.backend.name}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from .cli import main
+
+    raise SystemExit(main(["generate", *sys.argv[1:]]))
