@@ -1,0 +1,340 @@
+"""Build and launch the CUDA kernels of the CuPy backend.
+
+The kernels live as ``.cu`` files in ``minillama/backends/kernels/`` beside this loader. Each file
+names its templated kernels on a ``// KERNELS: name1 name2 ...`` line; every kernel is
+instantiated for ``float`` and ``double`` through NVRTC name expressions.
+
+* :func:`load_source` expands ``#include "other.cu"`` of a sibling file in place with ``#line``
+  markers, so NVRTC messages name the real file and line (and CuPy's on-disk cache key covers the
+  included text too).
+* :func:`nvrtc_check` compiles one file with NVRTC for a given ``sm_XX`` without a GPU or a driver
+  (the ``nvidia-cuda-nvrtc-cu12`` wheel is enough); a failure raises :class:`KernelCompileError`
+  whose message starts with ``path:line:``.
+* :func:`get_kernel` compiles a file once per device with ``cupy.RawModule`` (cached here and by
+  CuPy on disk) and returns the kernel function for a dtype.
+* The launch configuration of every kernel is computed here (the ``*_launch`` functions) and
+  nowhere else; the tile sizes in :data:`ATTN_TILES` mirror ``AttnCfg`` in ``attention.cu`` (a CI
+  test checks that they agree).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import math
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import MinillamaError
+
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+
+#: NVRTC options shared by the CI check and the runtime build
+COMPILE_OPTIONS = ("-std=c++17",)
+
+#: architectures the CI compile check covers (A100 and H100)
+CHECK_ARCHS = (80, 90)
+
+#: numpy dtype -> C++ type of the template instantiation
+CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+_KERNELS_RE = re.compile(r"^\s*//\s*KERNELS:\s*(.+?)\s*$", re.MULTILINE)
+_LOG_LINE_RE = re.compile(r"^(?P<file>.+?)\((?P<line>\d+)\):\s*(?P<kind>(?:catastrophic )?error)"
+                          r"\s*:?\s*(?P<msg>.*)$", re.MULTILINE)
+
+
+class KernelCompileError(MinillamaError):
+    """A ``.cu`` file failed to compile. The message is one line ``path:line: error: text``;
+    ``.log`` holds NVRTC's full log, ``.file`` and ``.line`` the first error's location."""
+
+    def __init__(self, message: str, log: str = "", file: str | None = None,
+                 line: int | None = None):
+        super().__init__(message)
+        self.log = log
+        self.file = file
+        self.line = line
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+# ---------------------------------------------------------------------------------------------
+def kernel_files() -> list[Path]:
+    """Every ``.cu`` file shipped with the package, sorted by name."""
+    return sorted(KERNEL_DIR.glob("*.cu"))
+
+
+def _resolve(name: str | Path) -> Path:
+    path = Path(name)
+    if not path.suffix:
+        path = path.with_suffix(".cu")
+    if not path.is_absolute():
+        path = KERNEL_DIR / path
+    if not path.is_file():
+        raise MinillamaError(f"CUDA source not found: {path}")
+    return path
+
+
+def load_source(path: str | Path) -> str:
+    """The text of ``path`` with ``#include "x.cu"`` of files beside it pasted in place.
+
+    ``#line`` markers keep compiler messages pointing at the original file and line. Each file
+    is pasted once (the same rule as ``#pragma once``). Includes in angle brackets are left alone.
+    """
+    path = _resolve(path)
+    seen: set[Path] = set()
+
+    def expand(p: Path) -> list[str]:
+        seen.add(p)
+        out = [f'#line 1 "{p.as_posix()}"']
+        for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+            m = _INCLUDE_RE.match(line)
+            inc = (p.parent / m.group(1)) if m else None
+            if inc is not None and inc.is_file():
+                inc = inc.resolve()
+                if inc not in seen:
+                    out.extend(expand(inc))
+                out.append(f'#line {lineno + 1} "{p.as_posix()}"')
+            elif line.strip() == "#pragma once":
+                out.append("")  # already handled by `seen`; keeps line numbers
+            else:
+                out.append(line)
+        return out
+
+    return "\n".join(expand(path)) + "\n"
+
+
+def kernel_names(path: str | Path) -> list[str]:
+    """The kernel template names listed on the ``// KERNELS:`` line of ``path`` (may be empty)."""
+    text = _resolve(path).read_text(encoding="utf-8")
+    names: list[str] = []
+    for m in _KERNELS_RE.finditer(text):
+        names.extend(m.group(1).split())
+    return names
+
+
+def name_expressions(path: str | Path, dtypes=(np.float32, np.float64)) -> list[str]:
+    """``name<ctype>`` for every kernel of ``path`` and every dtype."""
+    return [f"{n}<{CTYPES[np.dtype(dt)]}>" for n in kernel_names(path) for dt in dtypes]
+
+
+def _compile_error(log: str, fallback: str) -> KernelCompileError:
+    m = _LOG_LINE_RE.search(log)
+    if m:
+        file, line = m.group("file"), int(m.group("line"))
+        msg = f"{file}:{line}: {m.group('kind')}: {m.group('msg').strip()}"
+        return KernelCompileError(msg, log=log, file=file, line=line)
+    first = next((ln.strip() for ln in log.splitlines() if ln.strip()), fallback)
+    return KernelCompileError(f"{fallback}: {first}", log=log)
+
+
+# ---------------------------------------------------------------------------------------------
+# NVRTC without a GPU (CI check)
+# ---------------------------------------------------------------------------------------------
+_nvrtc_state: dict[str, object] = {}
+
+
+def _preload_nvrtc_wheel() -> str | None:
+    """Load ``libnvrtc.so.12`` from the ``nvidia-cuda-nvrtc-cu12`` wheel into the process (global
+    symbols), so CuPy's own NVRTC binding finds it without CUDA_PATH or a system toolkit."""
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for base in spec.submodule_search_locations:
+        libdir = Path(base) / "lib"
+        for cand in sorted(libdir.glob("libnvrtc.so*")):
+            if ".alt." in cand.name:
+                continue
+            try:
+                ctypes.CDLL(str(cand), mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                continue
+            return str(cand)
+    return None
+
+
+def load_nvrtc():
+    """CuPy's NVRTC binding, ready to use; works without a GPU or a driver.
+
+    Raises :class:`MinillamaError` saying why when CuPy or the NVRTC library is missing.
+    """
+    if "module" in _nvrtc_state:
+        return _nvrtc_state["module"]
+    preloaded = _preload_nvrtc_wheel()
+    try:
+        from cupy_backends.cuda.libs import nvrtc  # noqa: PLC0415
+    except ImportError as e:
+        raise MinillamaError(f"CuPy is not installed ({e}); install the GPU extra: "
+                             f'pip install -e ".[gpu]"') from None
+    try:
+        nvrtc.getVersion()
+    except Exception as e:  # noqa: BLE001 - CuPy raises several types when the .so is missing
+        where = f" (preloaded {preloaded})" if preloaded else " (nvidia-cuda-nvrtc-cu12 not found)"
+        raise MinillamaError(f"NVRTC could not be loaded{where}: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    _nvrtc_state["module"] = nvrtc
+    return nvrtc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of the NVRTC library in use."""
+    return tuple(load_nvrtc().getVersion())
+
+
+def nvrtc_check(path: str | Path, arch: int = 80, dtypes=(np.float32, np.float64)) -> str:
+    """Compile ``path`` with NVRTC for ``sm_<arch>`` (no GPU needed) and return the compile log
+    (warnings; usually empty). Every kernel on its ``// KERNELS:`` line is instantiated for each
+    dtype. A failure raises :class:`KernelCompileError` (``path:line: error: ...``).
+    """
+    nvrtc = load_nvrtc()
+    path = _resolve(path)
+    src = load_source(path)
+    prog = nvrtc.createProgram(src, str(path), [], [])
+    try:
+        for expr in name_expressions(path, dtypes):
+            nvrtc.addNameExpression(prog, expr)
+        opts = list(COMPILE_OPTIONS) + [f"--gpu-architecture=sm_{int(arch)}"]
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            log = nvrtc.getProgramLog(prog)
+            raise _compile_error(log, f"{path.name} failed to compile for sm_{arch} ({e})") \
+                from None
+        log = nvrtc.getProgramLog(prog)
+        for expr in name_expressions(path, dtypes):  # every instantiation really exists
+            nvrtc.getLoweredName(prog, expr)
+        return log.strip("\x00").strip()
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime build (needs a GPU): one RawModule per (device, file), compiled once
+# ---------------------------------------------------------------------------------------------
+_modules: dict[tuple[int, str], object] = {}
+_functions: dict[tuple[int, str, str], object] = {}
+_lock = threading.Lock()
+
+
+def get_module(name: str | Path):
+    """The compiled ``cupy.RawModule`` of kernel file ``name`` on the current device (cached)."""
+    import cupy  # noqa: PLC0415
+
+    path = _resolve(name)
+    dev = cupy.cuda.Device().id
+    key = (dev, str(path))
+    mod = _modules.get(key)
+    if mod is not None:
+        return mod
+    with _lock:
+        mod = _modules.get(key)
+        if mod is None:
+            mod = cupy.RawModule(code=load_source(path), options=COMPILE_OPTIONS,
+                                 name_expressions=name_expressions(path))
+            try:
+                mod.compile()
+            except cupy.cuda.compiler.CompileException as e:
+                log = e.get_message() if hasattr(e, "get_message") else str(e)
+                raise _compile_error(log, f"{path.name} failed to compile") from None
+            _modules[key] = mod
+    return mod
+
+
+def get_kernel(name: str | Path, kernel: str, dtype):
+    """The function ``kernel<ctype(dtype)>`` of kernel file ``name`` on the current device."""
+    import cupy  # noqa: PLC0415
+
+    ctype = CTYPES.get(np.dtype(dtype))
+    if ctype is None:
+        raise MinillamaError(f"no CUDA kernel for dtype {np.dtype(dtype)} (float32/float64 only)")
+    dev = cupy.cuda.Device().id
+    key = (dev, str(name), f"{kernel}<{ctype}>")
+    fn = _functions.get(key)
+    if fn is None:
+        fn = get_module(name).get_function(key[2])
+        _functions[key] = fn
+    return fn
+
+
+def clear_cache() -> None:
+    """Forget every compiled module (tests; CuPy's on-disk cache is kept)."""
+    _modules.clear()
+    _functions.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configurations (all of them, in one place)
+# ---------------------------------------------------------------------------------------------
+#: tile sizes of attention.cu (AttnCfg<T>) and its warps per block; keep in sync with the source
+ATTN_WARPS = 4
+DEC_WARPS = 8
+ATTN_TILES = {
+    np.dtype(np.float32): dict(BK=32, RPW=4, RPW_DQ=2, BQ=32, KPW=2, GMAX=8),
+    np.dtype(np.float64): dict(BK=16, RPW=2, RPW_DQ=1, BQ=16, KPW=1, GMAX=4),
+}
+#: largest head dimension the attention kernels take (ML_MAXD in common.cu)
+ATTN_MAX_HD = 128
+#: rows per block of rmsnorm_bwd_dg (RMS_DG_ROWS in rmsnorm.cu)
+RMS_DG_ROWS = 8
+
+ELEMENTWISE_BLOCK = 256
+MAX_GRID_X = 65535 * 32  # grid-stride kernels need no more blocks than this
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+def row_launch(n_rows: int, width: int):
+    """One block per row of ``width`` elements: threads = a power of two in [32, 1024], about
+    two elements per thread. Returns (grid, block)."""
+    threads = min(1024, max(32, _next_pow2((width + 1) // 2)))
+    return (max(1, n_rows),), (threads,)
+
+
+def elementwise_launch(n: int):
+    """Grid-stride kernels over ``n`` items: 256 threads, enough blocks to cover ``n`` (capped)."""
+    blocks = max(1, min(math.ceil(n / ELEMENTWISE_BLOCK), MAX_GRID_X))
+    return (blocks,), (ELEMENTWISE_BLOCK,)
+
+
+def rms_dg_launch(n_rows: int, width: int):
+    """rmsnorm_bwd_dg: 32 columns x RMS_DG_ROWS rows per block; the rows are split over P blocks
+    so that each block sums about 256 rows. Returns (grid, block, P)."""
+    parts = max(1, min(64, math.ceil(n_rows / (RMS_DG_ROWS * 32))))
+    return (math.ceil(width / 32), parts), (32, RMS_DG_ROWS), parts
+
+
+def attn_fwd_launch(B: int, T: int, KVH: int, G: int, dtype):
+    """attn_fwd: ATTN_WARPS warps x RPW rows of the R = T G rows of each (b, kv head)."""
+    rows = ATTN_WARPS * ATTN_TILES[np.dtype(dtype)]["RPW"]
+    return (math.ceil(T * G / rows), B * KVH), (32 * ATTN_WARPS,)
+
+
+def attn_dq_launch(B: int, T: int, KVH: int, G: int, dtype):
+    """attn_bwd_dq: like the forward with RPW_DQ rows per warp."""
+    rows = ATTN_WARPS * ATTN_TILES[np.dtype(dtype)]["RPW_DQ"]
+    return (math.ceil(T * G / rows), B * KVH), (32 * ATTN_WARPS,)
+
+
+def attn_dkdv_launch(B: int, S: int, KVH: int, dtype):
+    """attn_bwd_dkdv: ATTN_WARPS warps x KPW keys per block."""
+    keys = ATTN_WARPS * ATTN_TILES[np.dtype(dtype)]["KPW"]
+    return (math.ceil(S / keys), B * KVH), (32 * ATTN_WARPS,)
+
+
+def attn_dsum_launch(n_rows: int):
+    """attn_bwd_dsum: one warp per (b, t, h) row."""
+    return (math.ceil(n_rows / ATTN_WARPS),), (32 * ATTN_WARPS,)
+
+
+def attn_decode_launch(B: int, KVH: int, G: int, dtype):
+    """attn_decode: one block per (b, kv head) and group of GMAX query heads."""
+    gmax = ATTN_TILES[np.dtype(dtype)]["GMAX"]
+    return (B * KVH, math.ceil(G / gmax)), (32 * DEC_WARPS,)
