@@ -43,8 +43,9 @@ def candidates(logits, temperature: float = 1.0, top_k: int | None = None,
                top_p: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     r"""The tokens that may be sampled and their renormalised probabilities.
 
-    logits: (V,). Returns (ids (K,), probs (K,)) with probs summing to 1, ids sorted by
-    decreasing probability. top-p keeps the shortest prefix of that order whose mass
+    logits: (V,). Returns (ids (K,), probs (K,)) with probs summing to 1; with a filter the ids
+    are sorted by decreasing probability, without one they are the whole vocabulary in id order
+    (no sort needed to sample). top-p keeps the shortest prefix of that order whose mass
     \sum p \ge top\_p (the token that crosses the threshold is kept).
     """
     z = np.asarray(logits, dtype=np.float64).reshape(-1)
@@ -55,7 +56,7 @@ def candidates(logits, temperature: float = 1.0, top_k: int | None = None,
     zmax = z.max()
     logZ = zmax / t + np.log(np.exp((z - zmax) / t).sum())
     if top_p is None or top_p >= 1.0:
-        ids = _top_indices(z, k) if k < V else np.arange(V)
+        ids = np.arange(V) if top_k is None else _top_indices(z, k)
         p = np.exp(z[ids] / t - logZ)
         return ids, p / p.sum()
     # nucleus: grow a partially selected candidate set until it holds mass >= top_p
