@@ -63,13 +63,16 @@ class Llama2cTokenizer:
 
     Encoding (what SentencePiece does for Llama's model: no normalisation, spaces kept):
 
-    1. a non-empty text gets the dummy prefix: a space in front;
+    1. a non-empty text gets the dummy prefix: a space in front (a literal U+2581 counts as a
+       space, as in SentencePiece, so such text does not round-trip exactly);
     2. every character becomes its own piece if the vocabulary has it, else one byte-fallback
        token per UTF-8 byte;
     3. repeatedly merge the adjacent pair whose concatenation is a vocabulary piece of the
        highest score (the leftmost on ties), until no pair merges.
 
-    Control pieces (``<unk>``, ``<s>``, ``</s>``) and byte pieces never result from merging.
+    Ids 0, 1, 2 are ``<unk>``, BOS and EOS (llama2.c stores them as ``<unk>``, ``\n<s>\n``,
+    ``\n</s>\n``); these control pieces and byte pieces never result from merging and decode
+    to nothing (control) or their byte.
     Decoding concatenates the pieces' bytes, removes the dummy-prefix space of the first piece
     and decodes UTF-8 as a whole (bytes of one character may come from several tokens).
     """
@@ -123,7 +126,7 @@ class Llama2cTokenizer:
                     self.byte_ids.setdefault(b, i)
                     self.piece_bytes.append(bytes([b]))
                     continue
-            if p in _SPECIAL_PIECES:
+            if i in (self.unk_id, self.bos_id, self.eos_id) or p in _SPECIAL_PIECES:
                 self.piece_bytes.append(b"")
                 continue
             self.piece_bytes.append(p)
@@ -149,6 +152,8 @@ class Llama2cTokenizer:
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         syms: list[str | None] = []  # the text of each symbol; None for byte/unk tokens
         ids: list[int] = []
+        # SentencePiece escapes spaces as U+2581, so a literal U+2581 in the text is a space too
+        text = text.replace("\u2581", " ")
         for ch in ((" " + text) if text else ""):
             tid = self._char_ids(ch)
             if len(tid) == 1 and self.piece_bytes[tid[0]] == ch.encode("utf-8"):
