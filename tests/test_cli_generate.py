@@ -1,0 +1,124 @@
+"""`minillama generate`: streaming output, stats on stderr, and one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import minillama.generate as gen
+from minillama.checkpoint import save_checkpoint
+from minillama.cli import main
+from minillama.config import ModelConfig
+from minillama.formats import save_llama2c
+from minillama.model import init_params
+from minillama.tokenizer import ByteTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def byte_ckpt(tmp_path):
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=40,
+                      max_seq_len=48)
+    return save_checkpoint(tmp_path / "m.safetensors", cfg, init_params(cfg, seed=3),
+                           tokenizer=ByteTokenizer())
+
+
+def _err_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("minillama: error: ")
+    return err[0]
+
+
+def test_stories260k_greedy_ids_via_cli(shared_data, capsys, backend):
+    gold = (shared_data / "stories260K.greedy.txt").read_text().split()
+    rc = main(["generate", "--checkpoint", str(shared_data / "stories260K.bin"),
+               "--temperature", "0", "-n", "64", "--backend", backend.name])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert out.split() == gold
+    assert "prefill:" in err and "decode:" in err and "tok/s" in err and "KV cache:" in err
+    assert "KVH=4" in err
+
+
+def test_text_generation_streams_prompt_and_continuation(byte_ckpt, capsys):
+    rc = main(["generate", "-c", str(byte_ckpt), "--prompt", "To be", "-n", "20",
+               "--temperature", "0.8", "--top-k", "50", "--seed", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out.startswith("To be")
+    assert len(out.encode()) >= len("To be")
+    rc = main(["generate", "-c", str(byte_ckpt), "--prompt", "To be", "-n", "20",
+               "--temperature", "0.8", "--top-k", "50", "--seed", "1"])
+    assert capsys.readouterr().out == out  # the seed makes it reproducible
+    # the kv cache line reports 2 * L * B * S * KVH * hd * 4 bytes, S = 1 + 5 + 20
+    kib = 2 * 2 * 1 * 26 * 2 * 8 * 4 / 1024
+    assert f"KV cache: {kib:.1f} KiB" in err
+
+
+def test_llama2c_model_with_tokenizer(shared_data, tmp_path, capsys):
+    cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=32000, hidden_dim=16,
+                      max_seq_len=32, tie_embeddings=True)
+    path = save_llama2c(tmp_path / "m.bin", cfg, init_params(cfg, seed=0), version=1)
+    rc = main(["generate", "-c", str(path), "--tokenizer", str(shared_data / "tokenizer.bin"),
+               "--prompt", "Once upon a time", "-n", "5", "--temperature", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("Once upon a time")
+
+
+def test_default_checkpoint_missing_and_present(monkeypatch, tmp_path, byte_ckpt, capsys):
+    monkeypatch.setattr(gen, "DEFAULT_CHECKPOINT", tmp_path / "absent.safetensors")
+    assert main(["generate"]) == 2
+    assert "no default checkpoint ships yet" in _err_line(capsys)
+    monkeypatch.setattr(gen, "DEFAULT_CHECKPOINT", byte_ckpt)
+    assert main(["generate", "-n", "3", "--prompt", "Hi", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("Hi")
+
+
+def test_errors_are_one_line(shared_data, tmp_path, byte_ckpt, capsys):
+    stories = str(shared_data / "stories260K.bin")
+    cases = [
+        (["-c", str(tmp_path / "missing.bin")], "not found"),
+        (["-c", stories, "--backend", "nope"], "unknown backend"),
+        (["-c", stories, "--tokenizer", str(shared_data / "tokenizer.bin")],
+         "does not match the model vocabulary"),
+        (["-c", stories, "--prompt", "hello"], "has no tokenizer"),
+        (["-c", str(byte_ckpt), "--prompt", "x" * 60], "longer than the model context"),
+        (["-c", str(byte_ckpt), "--temperature", "-1"], "temperature"),
+        (["-c", str(byte_ckpt), "--top-p", "0"], "top_p"),
+        (["-c", str(byte_ckpt), "-n", "-3"], "max-new-tokens"),
+    ]
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"JUNK" * 4 + b"\xff" * 64)
+    cases.append((["-c", str(junk)], "not a recognised checkpoint"))
+    trunc = tmp_path / "trunc.bin"
+    trunc.write_bytes((shared_data / "stories260K.bin").read_bytes()[:50000])
+    cases.append((["-c", str(trunc)], "truncated"))
+    bad_st = tmp_path / "bad.safetensors"
+    bad_st.write_bytes(byte_ckpt.read_bytes()[:-100])
+    cases.append((["-c", str(bad_st)], "corrupt or truncated"))
+    for args, msg in cases:
+        assert main(["generate", *args]) == 2, args
+        assert msg in _err_line(capsys), args
+
+
+def test_python_m_minillama_generate_subprocess(shared_data):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "minillama", "generate", "-c",
+                        str(shared_data / "stories260K.bin"), "--temperature", "0", "-n", "10"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    gold = (shared_data / "stories260K.greedy.txt").read_text().split()[:10]
+    assert r.stdout.split() == gold
+    assert "tok/s" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "minillama", "generate", "-c", "/no/such/file"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]
+    assert "Traceback" not in r.stderr
+    np.testing.assert_equal(r.stdout, "")
