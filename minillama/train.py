@@ -1,0 +1,595 @@
+r"""``minillama train``: train a LLaMA from scratch with the hand-written backward pass.
+
+One optimisation step with A micro-batches of B windows of T tokens:
+
+.. math::
+
+    g = \frac{1}{A} \sum_{a=1}^{A} \nabla_\theta L(x_a, y_a), \qquad
+    g \leftarrow \mathrm{clip}(g, c), \qquad
+    \theta \leftarrow \mathrm{AdamW}(\theta, g, \eta(s))
+
+with the schedule \eta(s) of :func:`minillama.optim.lr_at` and global-norm clipping at c.
+
+Outputs in ``--out`` (default ``runs/default``):
+
+* ``ckpt.safetensors``: the training checkpoint in the project's format: the parameters, the
+  AdamW moments as extra tensors ``optim.m.<name>`` / ``optim.v.<name>`` and the metadata entry
+  ``train_state`` (step, optimizer step count, data RNG state, loss history, the train config).
+  Written atomically, so an interruption keeps the previous one. ``--resume`` continues from it and
+  reproduces an uninterrupted run bit for bit on the same backend;
+* ``loss.png``: the training and validation loss curves;
+* ``data/``: the prepared token files (unless ``--data`` names a prepared folder).
+
+``--export PATH`` also writes a weights-only model file (float16 by default) for shipping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import ModelConfig
+from .data import TokenData, prepare_data, prepare_shakespeare, prepare_text_file
+from .errors import MinillamaError
+from .model import Transformer
+from .optim import AdamW, clip_grad_norm, lr_at
+from .tokenizer import ByteTokenizer
+
+CKPT_NAME = "ckpt.safetensors"
+PLOT_NAME = "loss.png"
+
+#: fields of the model shape (checked against the checkpoint on --resume)
+MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "multiple_of",
+                "tie_embeddings", "rope_theta", "norm_eps")
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a training run (CLI flags, a TOML/JSON file, or both; flags win)."""
+
+    # model
+    dim: int = 192
+    n_layers: int = 4
+    n_heads: int = 6
+    n_kv_heads: int = 2
+    hidden_dim: int | None = None
+    multiple_of: int = 32
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    # data
+    data: str = "shakespeare"
+    context: int = 128
+    batch_size: int = 16
+    grad_accum: int = 1
+    # optimisation
+    steps: int = 2000
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    decay_embeddings: bool = True
+    # evaluation / bookkeeping
+    eval_interval: int = 200
+    eval_iters: int = 10
+    ckpt_interval: int | None = None
+    backend: str | None = None
+    dtype: str = "float32"
+    seed: int = 0
+    out: str = "runs/default"
+    time_limit: float | None = None  # minutes; save and stop cleanly when reached
+
+    # --- validation ----------------------------------------------------------------------------
+    def validate(self) -> None:
+        def pos_int(name: str, allow_zero: bool = False) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
+                what = "a non-negative" if allow_zero else "a positive"
+                raise MinillamaError(f"train config: {name} must be {what} integer, got {v!r}")
+
+        def num(name: str, lo: float = 0.0, hi: float = math.inf, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v < lo or v > hi or (lo_open and v == lo):
+                raise MinillamaError(f"train config: {name} must be a number in "
+                                     f"{'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
+
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "context",
+                     "batch_size", "grad_accum", "steps", "eval_interval", "eval_iters"):
+            pos_int(name)
+        for name in ("warmup", "seed"):
+            pos_int(name, allow_zero=True)
+        if self.hidden_dim is not None:
+            pos_int("hidden_dim")
+        if self.ckpt_interval is not None:
+            pos_int("ckpt_interval")
+        num("lr", lo_open=True)
+        num("min_lr")
+        if self.min_lr > self.lr:
+            raise MinillamaError(f"train config: min_lr ({self.min_lr}) > lr ({self.lr})")
+        num("weight_decay")
+        num("beta1", 0.0, 0.999999)
+        num("beta2", 0.0, 0.999999)
+        num("eps", lo_open=True)
+        num("grad_clip")
+        num("rope_theta", lo_open=True)
+        num("norm_eps", lo_open=True)
+        if self.time_limit is not None:
+            num("time_limit", lo_open=True)
+        for name in ("tie_embeddings", "decay_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise MinillamaError(f"train config: {name} must be true or false")
+        if self.dtype not in ("float32", "float64"):
+            raise MinillamaError(f"train config: dtype must be float32 or float64, "
+                                 f"got {self.dtype!r}")
+        if not isinstance(self.data, str) or not self.data:
+            raise MinillamaError("train config: data must be a path or 'shakespeare'")
+        if not isinstance(self.out, str) or not self.out:
+            raise MinillamaError("train config: out must be a folder path")
+        self.model_config()  # the model-shape invariants (dim % n_heads, ...)
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
+                           n_kv_heads=self.n_kv_heads, vocab_size=ByteTokenizer.vocab_size,
+                           hidden_dim=self.hidden_dim, multiple_of=self.multiple_of,
+                           norm_eps=self.norm_eps, rope_theta=self.rope_theta,
+                           max_seq_len=self.context, tie_embeddings=self.tie_embeddings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], base: "TrainConfig | None" = None) -> "TrainConfig":
+        """``base`` (default: the defaults) updated with ``d``; unknown keys are an error."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise MinillamaError(f"train config: unknown field(s) {', '.join(unknown)}; "
+                                 f"known: {', '.join(known)}")
+        cfg = dataclasses.replace(base) if base is not None else cls()
+        for k, v in d.items():
+            if isinstance(v, int) and not isinstance(v, bool) and k in _FLOAT_FIELDS:
+                v = float(v)
+            setattr(cfg, k, v)
+        return cfg
+
+
+_FLOAT_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)
+                 if f.type in ("float", "float | None")}
+
+
+def read_config_file(path) -> dict[str, Any]:
+    """A TOML (``.toml``) or JSON file of :class:`TrainConfig` fields (a ``[train]`` table or top
+    level)."""
+    path = Path(path)
+    if not path.is_file():
+        raise MinillamaError(f"config file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix.lower() == ".toml":
+            import tomllib  # noqa: PLC0415
+
+            d = tomllib.loads(text)
+        else:
+            d = json.loads(text)
+    except Exception as e:  # tomllib.TOMLDecodeError, json.JSONDecodeError
+        raise MinillamaError(f"cannot parse config file {path}: {str(e).splitlines()[0]}") \
+            from None
+    if not isinstance(d, dict):
+        raise MinillamaError(f"config file {path} must hold a table/object of settings")
+    if "train" in d and isinstance(d["train"], dict) and len(d) == 1:
+        d = d["train"]
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------
+class TrainingDiverged(MinillamaError):
+    """The loss or the gradient norm became NaN/Inf."""
+
+
+class Trainer:
+    """Owns the model, the optimizer, the data and the history of one run.
+
+    ``Trainer(tc)`` starts fresh; :meth:`resume` restores a checkpoint; :meth:`train` runs to
+    ``tc.steps`` (or the time limit) and saves checkpoints every ``ckpt_interval`` steps.
+    """
+
+    def __init__(self, tc: TrainConfig, data_dir=None, progress: bool = True):
+        tc.validate()
+        self.tc = tc
+        self.out = Path(tc.out)
+        self.cfg = tc.model_config()
+        folder = Path(data_dir) if data_dir is not None else prepare_data(tc.data,
+                                                                           self.out / "data")
+        self.data = TokenData(folder, tc.context, seed=tc.seed, vocab_size=self.cfg.vocab_size)
+        self.model = Transformer(self.cfg, backend=tc.backend, dtype=np.dtype(tc.dtype),
+                                 seed=tc.seed)
+        self.opt = AdamW(self.model.params, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
+                         weight_decay=tc.weight_decay, decay_embeddings=tc.decay_embeddings)
+        self.step = 0
+        self.history: dict[str, list] = {"train": [], "val": []}  # [step, loss] pairs
+        self.tokens_seen = 0
+        self.train_seconds = 0.0
+        self.progress = progress
+        self._val_cache = None
+
+    @property
+    def ckpt_path(self) -> Path:
+        return self.out / CKPT_NAME
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"step": self.step, "optim_step": self.opt.t, "data": self.data.state(),
+                "history": self.history, "tokens_seen": self.tokens_seen,
+                "train_seconds": self.train_seconds, "config": self.tc.to_dict()}
+
+    def save(self, path=None) -> Path:
+        path = Path(path) if path is not None else self.ckpt_path
+        extra = {}
+        for k in self.model.params:
+            extra[f"optim.m.{k}"] = self.opt.m[k]
+            extra[f"optim.v.{k}"] = self.opt.v[k]
+        save_checkpoint(path, self.cfg, self.model.params, tokenizer=ByteTokenizer(),
+                        extra_tensors=extra, extra_metadata={"train_state": self.state()})
+        try:
+            plot_losses(self.history, self.out / PLOT_NAME,
+                        title=f"{self.cfg.n_params() / 1e6:.2f}M params, step {self.step}")
+        except Exception as e:  # a plotting failure must never lose a checkpoint
+            print(f"minillama: warning: could not draw the loss plot: {e}", file=sys.stderr)
+        return path
+
+    def resume(self, path=None) -> None:
+        path = Path(path) if path is not None else self.ckpt_path
+        if not path.is_file():
+            raise MinillamaError(f"--resume: no checkpoint at {path}")
+        cfg, params, meta = load_checkpoint(path, with_extras=True)
+        st = meta.get("train_state")
+        if not isinstance(st, dict):
+            raise MinillamaError(f"{path} is a model file without training state; cannot resume")
+        mine, theirs = self.cfg.to_dict(), cfg.to_dict()
+        diff = [k for k in mine if mine[k] != theirs.get(k)]
+        if diff:
+            k = diff[0]
+            raise MinillamaError(f"--resume: the checkpoint's model has {k}={theirs.get(k)!r}, "
+                                 f"the config asks for {mine[k]!r}")
+        be = self.model.backend
+        for k in self.model.params:
+            self.model.params[k][...] = be.asarray(params[k], dtype=self.model.dtype)
+        tens = meta.get("tensors", {})
+        self.opt.load_state_dict({
+            "step": st["optim_step"],
+            "m": {k[len("optim.m."):]: v for k, v in tens.items() if k.startswith("optim.m.")},
+            "v": {k[len("optim.v."):]: v for k, v in tens.items() if k.startswith("optim.v.")}})
+        self.data.set_state(st["data"])
+        self.step = int(st["step"])
+        self.history = {"train": [list(x) for x in st["history"]["train"]],
+                        "val": [list(x) for x in st["history"]["val"]]}
+        self.tokens_seen = int(st.get("tokens_seen", 0))
+        self.train_seconds = float(st.get("train_seconds", 0.0))
+
+    # --- evaluation ----------------------------------------------------------------------------
+    def evaluate(self) -> float:
+        """Mean loss over the fixed validation batches (eval_iters of them)."""
+        if self._val_cache is None:
+            self._val_cache = self.data.val_batches(self.tc.batch_size, self.tc.eval_iters)
+        losses = [self.model.loss(x, y) for x, y in self._val_cache]
+        return float(np.mean(losses))
+
+    def evaluate_full(self, batch_size: int | None = None) -> float:
+        """Token-weighted mean loss over the whole validation split (non-overlapping windows)."""
+        total, count = 0.0, 0
+        for x, y in self.data.val_full_batches(batch_size or self.tc.batch_size):
+            total += self.model.loss(x, y) * x.size
+            count += x.size
+        return total / count
+
+    # --- the loop ------------------------------------------------------------------------------
+    def train_step(self) -> tuple[float, float, float]:
+        """One optimisation step; returns (loss, grad norm before clipping, lr)."""
+        tc = self.tc
+        lr = lr_at(self.step, tc.lr, tc.warmup, tc.steps, tc.min_lr)
+        loss_sum, grads = 0.0, None
+        for _ in range(tc.grad_accum):
+            x, y = self.data.train_batch(tc.batch_size)
+            loss, g = self.model.loss_and_grads(x, y)
+            loss_sum += loss
+            if grads is None:
+                grads = g
+            else:
+                for k in grads:
+                    grads[k] += g[k]
+        if tc.grad_accum > 1:
+            for k in grads:
+                grads[k] *= 1.0 / tc.grad_accum
+        loss = loss_sum / tc.grad_accum
+        if not math.isfinite(loss):
+            raise TrainingDiverged(self._diverged_msg("loss", loss))
+        norm = clip_grad_norm(grads, tc.grad_clip)
+        if not math.isfinite(norm):
+            raise TrainingDiverged(self._diverged_msg("gradient norm", norm))
+        self.opt.step(grads, lr=lr)
+        self.step += 1
+        self.tokens_seen += tc.grad_accum * tc.batch_size * tc.context
+        self.history["train"].append([self.step, loss])
+        return loss, norm, lr
+
+    def _diverged_msg(self, what: str, value: float) -> str:
+        keep = (f"the last good checkpoint {self.ckpt_path} is kept"
+                if self.ckpt_path.is_file() else "no checkpoint was written")
+        return (f"training diverged: {what} is {value} at step {self.step + 1}; {keep} "
+                f"(try a lower --lr or --grad-clip)")
+
+    def train(self, stop_at: int | None = None) -> dict[str, Any]:
+        """Run to ``tc.steps`` (or only to step ``stop_at``, saving a checkpoint there; the
+        schedule still spans ``tc.steps``); returns a summary (steps, losses, tokens/s, time)."""
+        tc = self.tc
+        end = tc.steps if stop_at is None else min(int(stop_at), tc.steps)
+        ckpt_every = tc.ckpt_interval or tc.eval_interval
+        tok_per_step = tc.grad_accum * tc.batch_size * tc.context
+        start_step = self.step
+        t0 = time.perf_counter()
+        deadline = t0 + tc.time_limit * 60 if tc.time_limit else None
+        stopped_early = False
+        bar = _progress(total=tc.steps, initial=self.step, enabled=self.progress)
+        last_loss = math.nan
+        try:
+            if self.step == 0:
+                v = self.evaluate()
+                self.history["val"].append([0, v])
+                bar.write(f"step 0: val loss {v:.4f}")
+            while self.step < end:
+                ts = time.perf_counter()
+                last_loss, norm, lr = self.train_step()
+                dt = time.perf_counter() - ts
+                self.train_seconds += dt
+                bar.update(1)
+                bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}",
+                                tok_s=f"{tok_per_step / max(dt, 1e-9):.0f}", refresh=False)
+                at_end = self.step == end
+                if self.step % tc.eval_interval == 0 or at_end:
+                    v = self.evaluate()
+                    self.history["val"].append([self.step, v])
+                    bar.write(f"step {self.step}: train loss {last_loss:.4f}, val loss {v:.4f}, "
+                              f"lr {lr:.2e}, {self.tokens_seen / max(self.train_seconds, 1e-9):.0f}"
+                              f" tok/s")
+                if self.step % ckpt_every == 0 or at_end:
+                    self.save()
+                if deadline is not None and time.perf_counter() > deadline and not at_end:
+                    self.save()
+                    stopped_early = True
+                    bar.write(f"time limit of {tc.time_limit} min reached at step {self.step}; "
+                              f"checkpoint saved, continue with --resume")
+                    break
+        finally:
+            bar.close()
+        wall = time.perf_counter() - t0
+        steps_run = self.step - start_step
+        return {"steps": self.step, "steps_run": steps_run, "wall_seconds": wall,
+                "train_seconds": self.train_seconds, "tokens_seen": self.tokens_seen,
+                "tokens_per_second": steps_run * tok_per_step / max(wall, 1e-9),
+                "final_train_loss": last_loss,
+                "final_val_loss": self.history["val"][-1][1] if self.history["val"] else None,
+                "stopped_early": stopped_early or self.step < tc.steps, "checkpoint": str(self.ckpt_path)}
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm import tqdm  # noqa: PLC0415
+
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step",
+                dynamic_ncols=True, mininterval=2.0, file=sys.stderr)
+
+
+def plot_losses(history: dict[str, list], path, title: str = "") -> Path:
+    """Draw the training loss (raw and smoothed) and the validation loss against the step
+    into a PNG, atomically."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    tr = np.asarray(history.get("train") or np.zeros((0, 2)), dtype=np.float64).reshape(-1, 2)
+    va = np.asarray(history.get("val") or np.zeros((0, 2)), dtype=np.float64).reshape(-1, 2)
+    if tr.size:
+        ax.plot(tr[:, 0], tr[:, 1], color="tab:blue", alpha=0.25, lw=0.8, label="train (step)")
+        k = max(1, len(tr) // 50)
+        if k > 1:
+            kern = np.ones(k) / k
+            sm = np.convolve(tr[:, 1], kern, mode="valid")
+            ax.plot(tr[k - 1:, 0], sm, color="tab:blue", lw=1.5, label=f"train ({k}-step mean)")
+    if va.size:
+        ax.plot(va[:, 0], va[:, 1], "o-", color="tab:red", ms=3, lw=1.5, label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / token)")
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def export_model(src, dst, dtype: str = "float16") -> Path:
+    """Write the weights of checkpoint ``src`` (no optimizer state) to ``dst`` in ``dtype``.
+
+    The training summary stays in the metadata (``train_summary``) so the file records how it
+    was made. float16 halves the size; loading converts back to the compute dtype."""
+    cfg, params, meta = load_checkpoint(src)
+    if dtype not in ("float16", "float32"):
+        raise MinillamaError(f"export dtype must be float16 or float32, got {dtype!r}")
+    if dtype == "float16":
+        big = [k for k, v in params.items() if np.abs(v).max() > 65504]
+        if big:
+            raise MinillamaError(f"parameter {big[0]} exceeds the float16 range; export float32")
+    st = meta.get("train_state") or {}
+    summary = {k: st.get(k) for k in ("step", "tokens_seen", "train_seconds")}
+    summary["config"] = st.get("config")
+    val = (st.get("history") or {}).get("val") or []
+    summary["val_loss"] = val[-1][1] if val else None
+    extra = {"train_summary": summary}
+    if "eval" in meta:
+        extra["eval"] = meta["eval"]
+    return save_checkpoint(dst, cfg, params, tokenizer=ByteTokenizer(), dtype=np.dtype(dtype),
+                           extra_metadata=extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+def _bool(s: str) -> bool:
+    v = s.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+
+
+#: flag name -> (field, type, help)
+_FLAGS = [
+    ("--dim", int, "model width D"),
+    ("--n-layers", int, "number of blocks L"),
+    ("--n-heads", int, "query heads H"),
+    ("--n-kv-heads", int, "key/value heads KVH (GQA when < H)"),
+    ("--hidden-dim", int, "SwiGLU hidden size F (default: LLaMA's rule)"),
+    ("--multiple-of", int, "round F up to a multiple of this"),
+    ("--tie-embeddings", _bool, "share the embedding and the output head (true/false)"),
+    ("--context", int, "training context T (also the model's max_seq_len)"),
+    ("--batch-size", int, "windows per micro-batch B"),
+    ("--grad-accum", int, "micro-batches per optimisation step"),
+    ("--steps", int, "optimisation steps"),
+    ("--lr", float, "peak learning rate"),
+    ("--min-lr", float, "final learning rate of the cosine decay"),
+    ("--warmup", int, "linear warmup steps"),
+    ("--weight-decay", float, "AdamW decoupled weight decay"),
+    ("--beta1", float, "AdamW beta1"),
+    ("--beta2", float, "AdamW beta2"),
+    ("--eps", float, "AdamW epsilon"),
+    ("--grad-clip", float, "clip the global gradient norm to this (0: off)"),
+    ("--decay-embeddings", _bool, "weight-decay the embedding too (true/false)"),
+    ("--eval-interval", int, "steps between validation losses"),
+    ("--eval-iters", int, "validation batches per evaluation"),
+    ("--ckpt-interval", int, "steps between checkpoints (default: eval interval)"),
+    ("--backend", str, "numpy, numba or cupy (default: $MINILLAMA_BACKEND or numpy)"),
+    ("--dtype", str, "compute dtype, float32 or float64"),
+    ("--seed", int, "seed of the initial weights and of the batch sampler"),
+    ("--out", str, "output folder (checkpoint, loss plot, prepared data)"),
+    ("--data", str, "'shakespeare' (default), a text file, or a prepared data folder"),
+    ("--time-limit", float, "minutes; save a checkpoint and stop when reached"),
+]
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train", help="train a model from scratch (or --resume)",
+        description="Train a LLaMA on byte-level text with the hand-written backward pass. "
+                    "Settings: defaults < --config file (TOML/JSON) < flags.")
+    p.add_argument("--config", metavar="FILE", help="TOML or JSON file of settings")
+    for flag, typ, hlp in _FLAGS:
+        p.add_argument(flag, type=typ, default=None, help=hlp)
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/ckpt.safetensors (its settings, unless overridden)")
+    p.add_argument("--stop-at", type=int, metavar="STEP",
+                   help="stop (with a checkpoint) after this step; the schedule still spans "
+                        "--steps, so a later --resume continues the same run")
+    p.add_argument("--export", metavar="PATH",
+                   help="when done, also write a weights-only model file here")
+    p.add_argument("--export-dtype", default="float16", choices=("float16", "float32"))
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_train)
+
+    q = subparsers.add_parser(
+        "prepare-data", help="tokenize a corpus into uint16 token files",
+        description="Write OUT/train.bin, OUT/val.bin and OUT/meta.json (byte tokens) from the "
+                    "Shakespeare corpus (default) or a plain text file.")
+    q.add_argument("--data", default="shakespeare", help="'shakespeare' or a text file")
+    q.add_argument("--out", default="data/shakespeare", help="output folder")
+    q.set_defaults(func=run_prepare)
+
+
+def _flag_overrides(args) -> dict[str, Any]:
+    out = {}
+    for flag, _, _ in _FLAGS:
+        name = flag[2:].replace("-", "_")
+        v = getattr(args, name, None)
+        if v is not None:
+            out[name] = v
+    return out
+
+
+def build_config(args) -> TrainConfig:
+    """defaults < (checkpoint's config on --resume) < --config file < flags."""
+    flags = _flag_overrides(args)
+    file_cfg = read_config_file(args.config) if getattr(args, "config", None) else {}
+    base = TrainConfig()
+    if getattr(args, "resume", False):
+        out = flags.get("out", file_cfg.get("out", base.out))
+        ckpt = Path(out) / CKPT_NAME
+        if not ckpt.is_file():
+            raise MinillamaError(f"--resume: no checkpoint at {ckpt}")
+        _, _, meta = load_checkpoint(ckpt)
+        saved = (meta.get("train_state") or {}).get("config")
+        if not isinstance(saved, dict):
+            raise MinillamaError(f"{ckpt} has no training state; cannot resume")
+        base = TrainConfig.from_dict(saved)
+    tc = TrainConfig.from_dict({**file_cfg, **flags}, base=base)
+    tc.validate()
+    return tc
+
+
+def run_train(args) -> int:
+    tc = build_config(args)
+    trainer = Trainer(tc, progress=not args.no_progress)
+    n = trainer.cfg.n_params()
+    print(f"model: dim {tc.dim}, {tc.n_layers} layers, {tc.n_heads} heads / {tc.n_kv_heads} kv "
+          f"heads, F {trainer.cfg.hidden_dim}, context {tc.context}: {n:,} parameters; "
+          f"backend {trainer.model.backend.name}", file=sys.stderr)
+    print(f"data: {trainer.data.folder} ({trainer.data.train.size:,} train / "
+          f"{trainer.data.val.size:,} val tokens)", file=sys.stderr)
+    if args.resume:
+        trainer.resume()
+        print(f"resumed at step {trainer.step}", file=sys.stderr)
+    if args.stop_at is not None and args.stop_at < 1:
+        raise MinillamaError(f"--stop-at must be >= 1, got {args.stop_at}")
+    summary = trainer.train(stop_at=args.stop_at)
+    print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v)
+                      for k, v in summary.items()}))
+    if args.export:
+        path = export_model(trainer.ckpt_path, args.export, args.export_dtype)
+        print(f"exported the model to {path} ({path.stat().st_size / 1e6:.2f} MB)",
+              file=sys.stderr)
+    return 0
+
+
+def run_prepare(args) -> int:
+    if args.data == "shakespeare":
+        out = prepare_shakespeare(args.out)
+    else:
+        out = prepare_text_file(args.data, args.out)
+    meta = json.loads((Path(out) / "meta.json").read_text())
+    print(f"wrote {out}: {meta['train']['tokens']:,} train tokens, {meta['val']['tokens']:,} "
+          f"val tokens (validation: {', '.join(meta['val']['documents'])})")
+    return 0
