@@ -187,7 +187,8 @@ def nvrtc_version() -> tuple[int, int]:
     return tuple(load_nvrtc().getVersion())
 
 
-def nvrtc_check(path: str | Path, arch: int = 80, dtypes=(np.float32, np.float64)) -> str:
+def nvrtc_check(path: str | Path, arch: int = 80, dtypes=(np.float32, np.float64),
+                extra_options=()) -> str:
     """Compile ``path`` with NVRTC for ``sm_<arch>`` (no GPU needed) and return the compile log
     (warnings; usually empty). Every kernel on its ``// KERNELS:`` line is instantiated for each
     dtype. A failure raises :class:`KernelCompileError` (``path:line: error: ...``).
@@ -199,7 +200,7 @@ def nvrtc_check(path: str | Path, arch: int = 80, dtypes=(np.float32, np.float64
     try:
         for expr in name_expressions(path, dtypes):
             nvrtc.addNameExpression(prog, expr)
-        opts = list(COMPILE_OPTIONS) + [f"--gpu-architecture=sm_{int(arch)}"]
+        opts = list(COMPILE_OPTIONS) + [f"--gpu-architecture=sm_{int(arch)}", *extra_options]
         try:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
@@ -212,6 +213,34 @@ def nvrtc_check(path: str | Path, arch: int = 80, dtypes=(np.float32, np.float64
         return log.strip("\x00").strip()
     finally:
         nvrtc.destroyProgram(prog)
+
+
+_PTXAS_ENTRY_RE = re.compile(r"Compiling entry function '(?P<name>[^']+)'")
+_PTXAS_SPILL_RE = re.compile(r"(?P<st>\d+) bytes spill stores, (?P<ld>\d+) bytes spill loads")
+_PTXAS_USED_RE = re.compile(r"Used (?P<regs>\d+) registers(?:.*?, (?P<smem>\d+) bytes smem)?")
+
+
+def ptxas_resources(path: str | Path, arch: int = 80) -> dict[str, dict[str, int]]:
+    """Per kernel entry (mangled name): registers, static shared memory (bytes) and spill bytes,
+    as reported by ptxas through NVRTC for ``sm_<arch>`` (no GPU needed)."""
+    log = nvrtc_check(path, arch, extra_options=("--ptxas-options=--verbose",))
+    out: dict[str, dict[str, int]] = {}
+    current = None
+    for line in log.replace("\x00", "").splitlines():
+        m = _PTXAS_ENTRY_RE.search(line)
+        if m:
+            current = out.setdefault(m.group("name"), dict(registers=0, smem=0, spill=0))
+            continue
+        if current is None:
+            continue
+        m = _PTXAS_SPILL_RE.search(line)
+        if m:
+            current["spill"] = int(m.group("st")) + int(m.group("ld"))
+        m = _PTXAS_USED_RE.search(line)
+        if m:
+            current["registers"] = int(m.group("regs"))
+            current["smem"] = int(m.group("smem") or 0)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
