@@ -30,6 +30,8 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 PARALLEL_MIN_WORK = 1 << 17
 #: at most this many query positions per call take the decode kernel (no K transpose)
 DECODE_MAX_T = 4
+#: the decode kernel splits the keys into chunks of at least this many when it splits them
+DECODE_MIN_CHUNK = 256
 
 
 class NumbaBackend(NumpyBackend):
@@ -142,14 +144,23 @@ class NumbaBackend(NumpyBackend):
         if B * T * H:
             keys = int(min(S, int(starts.max()) + T))
             work = 2 * B * H * T * keys * hd
+            par = self._parallel(work)
             if T <= DECODE_MAX_T:
-                kern = (self._k.attn_dec_parallel if self._parallel(work)
-                        else self._k.attn_dec_serial)
+                units = B * KVH
+                nsplit = 1
+                if par and units < 2 * self.num_threads:
+                    # few (b, kv head) items: also split the keys so every thread gets work
+                    nsplit = max(1, min(-(-2 * self.num_threads // units),
+                                        keys // DECODE_MIN_CHUNK))
+                rows = T * (H // KVH)
+                pm = np.empty((units * nsplit, rows), dtype=dt)
+                pl = np.empty((units * nsplit, rows), dtype=dt)
+                pacc = np.empty((units * nsplit, rows, hd), dtype=dt)
+                kern = self._k.attn_dec_parallel if par else self._k.attn_dec_serial
+                kern(q, k, v, starts, scale, nsplit, pm, pl, pacc, out, lse)
             else:
-                work //= 2 if int(starts.max()) == 0 else 1  # causal: about half the keys
-                kern = (self._k.attn_fwd_parallel if self._parallel(work)
-                        else self._k.attn_fwd_serial)
-            kern(q, k, v, starts, scale, out, lse)
+                kern = self._k.attn_fwd_parallel if par else self._k.attn_fwd_serial
+                kern(q, k, v, starts, scale, out, lse)
         return out, (q, k, v, out, lse, starts, scale)
 
     def attention_backward(self, dout, ctx):

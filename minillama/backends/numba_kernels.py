@@ -22,7 +22,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
 
 #: fast-math flags that keep inf/nan meaningful (no 'nnan', no 'ninf')
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
@@ -32,7 +34,57 @@ BR = 16
 #: keys per tile: a (hd, BC) slice of K^T and a (BC, hd) slice of V stay in L1 for a whole tile
 BC = 64
 
-_opts = dict(cache=True, fastmath=FASTMATH, nogil=True)
+# error_model="numpy": IEEE division (x/0 = inf, no Python exception check in the loops)
+_opts = dict(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
+
+
+# ---------------------------------------------------------------------------------------------
+# e^x for the softmax loops
+# ---------------------------------------------------------------------------------------------
+@intrinsic
+def _int32_bits_as_float32(typingctx, i):
+    """Reinterpret the bits of an int32 as a float32 (used to build 2^n)."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+def fexp(x):
+    r"""e^x. float64: ``math.exp``. float32: a branch-free version the loop vectoriser can widen
+    (libm's expf is a scalar call): e^x = 2^n e^r with n = \lfloor x \log_2 e + 1/2 \rceil and
+    r = x - n \ln 2 (ln 2 split in two for an exact product), e^r by a degree-7 polynomial on
+    |r| <= ln2/2 (Cephes' coefficients), 2^n assembled in the exponent bits. Relative error
+    < 1e-7 for x >= -87; 0 below (including -inf); the callers only pass x <= 0 or NaN."""
+    return math.exp(x)
+
+
+@overload(fexp, jit_options={"fastmath": FASTMATH})
+def _fexp_overload(x):
+    if x == types.float32:
+        def impl(x):
+            lo = np.float32(-87.0)
+            xc = min(max(x, lo), np.float32(88.0))
+            n = math.floor(xc * np.float32(1.4426950408889634) + np.float32(0.5))
+            r = xc - n * np.float32(0.693359375)
+            r = r - n * np.float32(-2.12194440e-4)
+            y = np.float32(1.9875691500e-4)
+            y = y * r + np.float32(1.3981999507e-3)
+            y = y * r + np.float32(8.3334519073e-3)
+            y = y * r + np.float32(4.1665795894e-2)
+            y = y * r + np.float32(1.6666665459e-1)
+            y = y * r + np.float32(5.0000001201e-1)
+            y = y * r * r + r + np.float32(1.0)
+            e = y * _int32_bits_as_float32((np.int32(n) + np.int32(127)) << np.int32(23))
+            if x >= lo:
+                return e
+            if x != x:  # NaN stays NaN
+                return x
+            return np.float32(0.0)
+        return impl
+    return lambda x: math.exp(x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,6 +133,66 @@ def rope_serial(x, cos, sin, bsel, inverse, out):
 # Attention forward: tiled online softmax (FlashAttention-style), one (b, kv head) per work item
 # ---------------------------------------------------------------------------------------------
 @njit(**_opts)
+def _scores(qrow, k, b, kh, c0, n, scale, srow):
+    # srow[c] = (q . k_{c0+c}) * scale for c < n; four keys per pass share each load of q
+    zero = scale - scale
+    hd = qrow.shape[0]
+    c = 0
+    while c + 4 <= n:
+        k0 = k[b, c0 + c, kh]
+        k1 = k[b, c0 + c + 1, kh]
+        k2 = k[b, c0 + c + 2, kh]
+        k3 = k[b, c0 + c + 3, kh]
+        a0 = zero
+        a1 = zero
+        a2 = zero
+        a3 = zero
+        for d in range(hd):
+            qd = qrow[d]
+            a0 += qd * k0[d]
+            a1 += qd * k1[d]
+            a2 += qd * k2[d]
+            a3 += qd * k3[d]
+        srow[c] = a0 * scale
+        srow[c + 1] = a1 * scale
+        srow[c + 2] = a2 * scale
+        srow[c + 3] = a3 * scale
+        c += 4
+    while c < n:
+        k0 = k[b, c0 + c, kh]
+        a0 = zero
+        for d in range(hd):
+            a0 += qrow[d] * k0[d]
+        srow[c] = a0 * scale
+        c += 1
+
+
+@njit(**_opts)
+def _axpy_rows(w, x, b, kh, c0, n, acc):
+    # acc += sum_{c < n} w[c] x_{c0+c}  (rows of x: (B, S, KVH, hd)), four rows per pass
+    hd = acc.shape[0]
+    c = 0
+    while c + 4 <= n:
+        w0 = w[c]
+        w1 = w[c + 1]
+        w2 = w[c + 2]
+        w3 = w[c + 3]
+        x0 = x[b, c0 + c, kh]
+        x1 = x[b, c0 + c + 1, kh]
+        x2 = x[b, c0 + c + 2, kh]
+        x3 = x[b, c0 + c + 3, kh]
+        for d in range(hd):
+            acc[d] += w0 * x0[d] + w1 * x1[d] + w2 * x2[d] + w3 * x3[d]
+        c += 4
+    while c < n:
+        w0 = w[c]
+        x0 = x[b, c0 + c, kh]
+        for d in range(hd):
+            acc[d] += w0 * x0[d]
+        c += 1
+
+
+@njit(**_opts)
 def _attn_fwd_item(q, k, v, starts, scale, out, lse, u):
     B, T, H, hd = q.shape
     S = k.shape[1]
@@ -91,20 +203,15 @@ def _attn_fwd_item(q, k, v, starts, scale, out, lse, u):
     st = starts[b]
     dt = q.dtype
     zero = scale - scale
+    one = scale / scale
     R = BR * G
-    nk = min(st + T, S)  # keys read by any query of this sequence
-    # K^T pre-scaled by 1/sqrt(hd): scores of a row are axpy's over contiguous key runs
-    kT = np.empty((hd, max(nk, 1)), dtype=dt)
-    for c in range(nk):
-        for d in range(hd):
-            kT[d, c] = k[b, c, kh, d] * scale
     s = np.empty((R, BC), dtype=dt)
     acc = np.empty((R, hd), dtype=dt)
     m = np.empty(R, dtype=dt)
     l = np.empty(R, dtype=dt)
     for t0 in range(0, T, BR):
         t1 = min(t0 + BR, T)
-        nr = (t1 - t0) * G
+        nr = (t1 - t0) * G  # rows r = (t - t0) * G + g of this tile
         for r in range(nr):
             m[r] = -np.inf
             l[r] = zero
@@ -116,38 +223,31 @@ def _attn_fwd_item(q, k, v, starts, scale, out, lse, u):
             for r in range(nr):
                 t = t0 + r // G
                 h = kh * G + (r - (r // G) * G)
-                n = min(st + t + 1, c1) - c0  # keys c0..c0+n-1 are visible to this row
+                n = min(st + t + 1, c1) - c0  # keys c0 .. c0+n-1 are visible to this row
                 if n <= 0:
                     continue
                 srow = s[r]
-                for c in range(n):
-                    srow[c] = zero
-                for d in range(hd):
-                    qd = q[b, t, h, d]
-                    for c in range(n):
-                        srow[c] += qd * kT[d, c0 + c]
+                _scores(q[b, t, h], k, b, kh, c0, n, scale, srow)
                 mold = m[r]
                 mx = mold
                 for c in range(n):
                     mx = max(mx, srow[c])
-                corr = math.exp(mold - mx)  # 0 on the first tile (mold = -inf)
+                corr = fexp(mold - mx)  # 0 on the first tile (mold = -inf)
                 tot = zero
                 for c in range(n):
-                    e = math.exp(srow[c] - mx)
+                    e = fexp(srow[c] - mx)
                     srow[c] = e
                     tot += e
                 l[r] = l[r] * corr + tot
                 m[r] = mx
+                arow = acc[r]
                 for d in range(hd):
-                    acc[r, d] *= corr
-                for c in range(n):
-                    pc = srow[c]
-                    for d in range(hd):
-                        acc[r, d] += pc * v[b, c0 + c, kh, d]
+                    arow[d] *= corr
+                _axpy_rows(srow, v, b, kh, c0, n, arow)
         for r in range(nr):
             t = t0 + r // G
             h = kh * G + (r - (r // G) * G)
-            inv = (scale / scale) / l[r]
+            inv = one / l[r]
             for d in range(hd):
                 out[b, t, h, d] = acc[r, d] * inv
             lse[b, h, t] = m[r] + math.log(l[r])
@@ -160,8 +260,10 @@ def attn_fwd_parallel(q, k, v, starts, scale, out, lse):
     m' = \max(m, \max_j s_j),  l' = l e^{m - m'} + \sum_j e^{s_j - m'},
     o' = o e^{m - m'} + \sum_j e^{s_j - m'} v_j;  finally o / l and lse = m + \log l.
 
-    q, out: (B, T, H, hd); k, v: (B, S, KVH, hd); starts: (B,) int64; lse: (B, H, T).
-    Parallel over B*KVH; the G query heads of a KV head share each K/V tile."""
+    q, out: (B, T, H, hd); k, v: (B, S, KVH, hd); starts: (B,) int64; lse: (B, H, T);
+    scale: 1/\sqrt{hd} in the dtype of q. Parallel over B*KVH work items; the G query heads of
+    a KV head are rows of the same tile, so each K/V tile is read once per group. Scratch per
+    item: O(BR G (BC + hd)), independent of T and S."""
     for u in prange(k.shape[0] * k.shape[2]):
         _attn_fwd_item(q, k, v, starts, scale, out, lse, u)
 
@@ -174,67 +276,107 @@ def attn_fwd_serial(q, k, v, starts, scale, out, lse):
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention forward, decode shape: few queries against a long cache (no K transpose)
+# Attention forward, decode shape: few queries against a long cache, split along the keys
 # ---------------------------------------------------------------------------------------------
 @njit(**_opts)
-def _attn_dec_item(q, k, v, starts, scale, out, lse, u):
+def _attn_dec_item(q, k, v, starts, scale, nsplit, pm, pl, pacc, w):
+    # work item w = (b, kv head, key chunk): unnormalised partial softmax of its rows over
+    # its chunk of keys -> pm (max), pl (sum of e^{s - max}), pacc (sum of e^{s - max} v)
     B, T, H, hd = q.shape
     S = k.shape[1]
     KVH = k.shape[2]
     G = H // KVH
+    u = w // nsplit
+    sp = w - u * nsplit
     b = u // KVH
     kh = u - b * KVH
     st = starts[b]
     dt = q.dtype
     zero = scale - scale
-    ninf = np.full(1, -np.inf, dtype=dt)[0]
-    one = scale / scale
     nk = min(st + T, S)
-    p = np.empty(max(nk, 1), dtype=dt)
-    acc = np.empty(hd, dtype=dt)
+    chunk = (nk + nsplit - 1) // nsplit
+    cs = sp * chunk
+    ce = min(cs + chunk, nk)
+    p = np.empty(max(chunk, 1), dtype=dt)
     for t in range(T):
-        n = min(st + t + 1, S)
+        hi = min(ce, st + t + 1)
         for g in range(G):
-            h = kh * G + g
-            mx = ninf
+            r = t * G + g
+            arow = pacc[w, r]
+            for d in range(hd):
+                arow[d] = zero
+            if hi <= cs:
+                pm[w, r] = -np.inf
+                pl[w, r] = zero
+                continue
+            n = hi - cs
+            _scores(q[b, t, kh * G + g], k, b, kh, cs, n, scale, p)
+            mx = p[0]
             for c in range(n):
-                sc = zero
-                for d in range(hd):
-                    sc += q[b, t, h, d] * k[b, c, kh, d]
-                sc *= scale
-                p[c] = sc
-                mx = max(mx, sc)
+                mx = max(mx, p[c])
             tot = zero
             for c in range(n):
-                e = math.exp(p[c] - mx)
+                e = fexp(p[c] - mx)
                 p[c] = e
                 tot += e
-            for d in range(hd):
-                acc[d] = zero
-            for c in range(n):
-                pc = p[c]
-                for d in range(hd):
-                    acc[d] += pc * v[b, c, kh, d]
-            inv = one / tot
-            for d in range(hd):
-                out[b, t, h, d] = acc[d] * inv
-            lse[b, h, t] = mx + math.log(tot)
-
-
-@njit(parallel=True, **_opts)
-def attn_dec_parallel(q, k, v, starts, scale, out, lse):
-    """Decode-shaped attention (small T, long S): per row, scores against contiguous cache rows,
-    then softmax and the weighted sum of V; O(S) scratch per thread. Same outputs as
-    :func:`attn_fwd_parallel`."""
-    for u in prange(k.shape[0] * k.shape[2]):
-        _attn_dec_item(q, k, v, starts, scale, out, lse, u)
+            _axpy_rows(p, v, b, kh, cs, n, arow)
+            pm[w, r] = mx
+            pl[w, r] = tot
 
 
 @njit(**_opts)
-def attn_dec_serial(q, k, v, starts, scale, out, lse):
+def _attn_dec_combine(q, nsplit, pm, pl, pacc, out, lse, KVH):
+    # merge the chunks of each row: M = max_i m_i, L = sum_i l_i e^{m_i - M},
+    # o = sum_i acc_i e^{m_i - M} / L, lse = M + log L
+    B, T, H, hd = q.shape
+    G = H // KVH
+    zero = pl[0, 0] - pl[0, 0]
+    one = zero + 1
+    for u in range(B * KVH):
+        b = u // KVH
+        kh = u - b * KVH
+        for r in range(T * G):
+            t = r // G
+            h = kh * G + (r - t * G)
+            M = pm[u * nsplit, r]
+            for sp in range(1, nsplit):
+                M = max(M, pm[u * nsplit + sp, r])
+            L = zero
+            for d in range(hd):
+                out[b, t, h, d] = zero
+            for sp in range(nsplit):
+                w = u * nsplit + sp
+                f = fexp(pm[w, r] - M)  # 0 for an empty chunk (pm = -inf)
+                L += pl[w, r] * f
+                for d in range(hd):
+                    out[b, t, h, d] += pacc[w, r, d] * f
+            inv = one / L
+            for d in range(hd):
+                out[b, t, h, d] *= inv
+            lse[b, h, t] = M + math.log(L)
+
+
+@njit(parallel=True, **_opts)
+def attn_dec_parallel(q, k, v, starts, scale, nsplit, pm, pl, pacc, out, lse):
+    r"""Decode-shaped attention (few queries, long KV cache): work items (b, kv head, key chunk)
+    in parallel, each a two-pass softmax over its chunk (scores from contiguous cache rows, no
+    transpose), then the exact merge of the chunks (split-K / flash-decoding):
+
+    M = \max_i m_i,  L = \sum_i l_i e^{m_i - M},  o = \sum_i a_i e^{m_i - M} / L.
+
+    pm, pl: (B*KVH*nsplit, T*G) and pacc: (B*KVH*nsplit, T*G, hd) scratch. Same outputs as
+    :func:`attn_fwd_parallel`."""
+    for w in prange(k.shape[0] * k.shape[2] * nsplit):
+        _attn_dec_item(q, k, v, starts, scale, nsplit, pm, pl, pacc, w)
+    _attn_dec_combine(q, nsplit, pm, pl, pacc, out, lse, k.shape[2])
+
+
+@njit(**_opts)
+def attn_dec_serial(q, k, v, starts, scale, nsplit, pm, pl, pacc, out, lse):
     """Serial twin of :func:`attn_dec_parallel`."""
-    for u in range(k.shape[0] * k.shape[2]):
-        _attn_dec_item(q, k, v, starts, scale, out, lse, u)
+    for w in range(k.shape[0] * k.shape[2] * nsplit):
+        _attn_dec_item(q, k, v, starts, scale, nsplit, pm, pl, pacc, w)
+    _attn_dec_combine(q, nsplit, pm, pl, pacc, out, lse, k.shape[2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,13 +394,6 @@ def _attn_bwd_item(q, k, v, out, dout, lse, starts, scale, dq, dk, dv, u):
     dt = q.dtype
     zero = scale - scale
     R = BR * G
-    nk = min(st + T, S)
-    kT = np.empty((hd, max(nk, 1)), dtype=dt)
-    vT = np.empty((hd, max(nk, 1)), dtype=dt)
-    for c in range(nk):
-        for d in range(hd):
-            kT[d, c] = k[b, c, kh, d] * scale
-            vT[d, c] = v[b, c, kh, d]
     # this work item owns dk[b, :, kh], dv[b, :, kh]: zero them (keys nobody reads included)
     for c in range(S):
         for d in range(hd):
@@ -294,25 +429,16 @@ def _attn_bwd_item(q, k, v, out, dout, lse, starts, scale, dq, dk, dv, u):
                     continue
                 prow = p[r]
                 dsrow = ds[r]
-                for c in range(n):
-                    prow[c] = zero
-                    dsrow[c] = zero
-                for d in range(hd):
-                    qd = q[b, t, h, d]
-                    gd = dout[b, t, h, d]
-                    for c in range(n):
-                        prow[c] += qd * kT[d, c0 + c]
-                        dsrow[c] += gd * vT[d, c0 + c]
+                _scores(q[b, t, h], k, b, kh, c0, n, scale, prow)
+                _scores(dout[b, t, h], v, b, kh, c0, n, scale / scale, dsrow)
                 L = lse[b, h, t]
                 Dr = D[r]
                 for c in range(n):
-                    pc = math.exp(prow[c] - L)
+                    pc = fexp(prow[c] - L)
                     prow[c] = pc
                     dsrow[c] = pc * (dsrow[c] - Dr)
-                for c in range(n):
-                    w = dsrow[c]
-                    for d in range(hd):
-                        dqa[r, d] += w * k[b, c0 + c, kh, d]
+                _axpy_rows(dsrow, k, b, kh, c0, n, dqa[r])
+            # dK, dV of the tile's keys: rows with c < nrow[r] (a suffix of the rows)
             for c in range(c1 - c0):
                 for d in range(hd):
                     dkc[d] = zero
@@ -323,12 +449,16 @@ def _attn_bwd_item(q, k, v, out, dout, lse, starts, scale, dq, dk, dv, u):
                         h = kh * G + (r - (r // G) * G)
                         w = ds[r, c]
                         pw = p[r, c]
+                        qrow = q[b, t, h]
+                        orow = dout[b, t, h]
                         for d in range(hd):
-                            dkc[d] += w * q[b, t, h, d]
-                            dvc[d] += pw * dout[b, t, h, d]
+                            dkc[d] += w * qrow[d]
+                            dvc[d] += pw * orow[d]
+                dkrow = dk[b, c0 + c, kh]
+                dvrow = dv[b, c0 + c, kh]
                 for d in range(hd):
-                    dk[b, c0 + c, kh, d] += dkc[d] * scale
-                    dv[b, c0 + c, kh, d] += dvc[d]
+                    dkrow[d] += dkc[d] * scale
+                    dvrow[d] += dvc[d]
         for r in range(nr):
             t = t0 + r // G
             h = kh * G + (r - (r // G) * G)
@@ -344,7 +474,7 @@ def attn_bwd_parallel(q, k, v, out, dout, lse, starts, scale, dq, dk, dv):
     dQ = dS K / \sqrt{hd},  dK = \sum_g dS^T Q / \sqrt{hd},  dV = \sum_g P^T dO.
 
     One (b, kv head) per work item (it owns its dK/dV rows: no races); dq, dk, dv are written
-    in full. Extra memory O(S hd + BR G BC) per thread."""
+    in full. Scratch per item O(BR G (BC + hd)), independent of T and S."""
     for u in prange(k.shape[0] * k.shape[2]):
         _attn_bwd_item(q, k, v, out, dout, lse, starts, scale, dq, dk, dv, u)
 

@@ -1,0 +1,400 @@
+"""The Numba backend: lazy import, kernel parity with the NumPy reference (values and every
+gradient), the decode kernel's key split, the model on Numba against NumPy, and attention's O(T)
+memory (the whole-model gradient / KV-cache / golden tests run on Numba through the ``backend``
+fixture of the other test files)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minillama import ops
+from minillama.backends import get_backend
+from minillama.errors import MinillamaError
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = {np.float32: 1e-5, np.float64: 1e-12}
+
+
+def _numba_backend():
+    try:
+        return get_backend("numba")
+    except MinillamaError as e:  # pragma: no cover - numba is a dependency
+        pytest.skip(f"numba backend unavailable: {e}")
+
+
+def rel_err(got, ref) -> float:
+    """Normwise relative error max|got - ref| / max|ref| (0 when both are zero)."""
+    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape
+    scale = np.abs(ref).max(initial=0.0)
+    diff = np.abs(got - ref).max(initial=0.0)
+    return diff / scale if scale > 0 else diff
+
+
+@contextlib.contextmanager
+def parallel_threshold(value: int):
+    """Force the parallel (0) or the serial (huge) twin of every kernel."""
+    from minillama.backends import numba_backend
+
+    old = numba_backend.PARALLEL_MIN_WORK
+    numba_backend.PARALLEL_MIN_WORK = value
+    try:
+        yield
+    finally:
+        numba_backend.PARALLEL_MIN_WORK = old
+
+
+def _run_py(code: str, env_extra: dict | None = None) -> str:
+    env = dict(os.environ)
+    env.update(env_extra or {})
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                         text=True, cwd=ROOT, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# lazy import, missing numba, threads, flags
+# ---------------------------------------------------------------------------------------------
+def test_import_minillama_does_not_import_numba():
+    out = _run_py("""
+        import sys
+        import minillama, minillama.model, minillama.backends.numba_backend
+        print('numba' in sys.modules, 'minillama.backends.numba_kernels' in sys.modules)
+    """)
+    assert out.split() == ["False", "False"]
+
+
+def test_missing_numba_is_a_clear_error(monkeypatch):
+    from minillama.backends.numba_backend import NumbaBackend
+
+    monkeypatch.setitem(sys.modules, "numba", None)  # makes `import numba` raise ImportError
+    with pytest.raises(MinillamaError, match="pip install numba"):
+        NumbaBackend()
+
+
+def test_threads_follow_numba_num_threads():
+    out = _run_py("""
+        from minillama.backends import get_backend
+        print(get_backend('numba').num_threads)
+    """, {"NUMBA_NUM_THREADS": "1"})
+    assert out.strip() == "1"
+
+
+def test_fastmath_keeps_inf_and_nan():
+    _numba_backend()
+    from minillama.backends import numba_kernels
+
+    assert "nnan" not in numba_kernels.FASTMATH and "ninf" not in numba_kernels.FASTMATH
+    assert "fast" not in numba_kernels.FASTMATH
+
+
+def test_fast_exp_float32():
+    _numba_backend()
+    from numba import njit
+
+    from minillama.backends.numba_kernels import fexp
+
+    @njit
+    def apply(x, y):
+        for i in range(x.size):
+            y[i] = fexp(x[i])
+
+    x = np.concatenate([np.linspace(-86.0, 0.0, 20001), [-np.inf, -1e4, -88.0, np.nan]])
+    x32 = x.astype(np.float32)
+    y = np.empty_like(x32)
+    apply(x32, y)
+    ref = np.exp(x32.astype(np.float64))
+    ok = x32 >= -86
+    assert np.max(np.abs(y[ok] - ref[ok]) / ref[ok]) < 2e-7
+    assert y[-4] == 0.0 and y[-3] == 0.0 and 0 <= y[-2] < 1e-37 and np.isnan(y[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE parity
+# ---------------------------------------------------------------------------------------------
+@settings(max_examples=25, deadline=None)
+@given(dtype=st.sampled_from([np.float32, np.float64]), B=st.integers(1, 3),
+       T=st.integers(1, 40), nh=st.integers(1, 4), half=st.integers(1, 64),
+       per_seq=st.booleans(), parallel=st.booleans(), seed=st.integers(0, 2**16))
+def test_rope_matches_reference(dtype, B, T, nh, half, per_seq, parallel, seed):
+    be = _numba_backend()
+    rng = np.random.default_rng(seed)
+    hd = 2 * half
+    x = rng.standard_normal((B, T, nh, hd)).astype(dtype)
+    dy = rng.standard_normal((B, T, nh, hd)).astype(dtype)
+    cos, sin = ops.rope_tables(hd, 128, 10000.0, dtype)
+    if per_seq:
+        pos = rng.integers(0, 128 - T, size=B)[:, None] + np.arange(T)[None]
+        c, s = cos[pos], sin[pos]
+    else:
+        c, s = cos[:T], sin[:T]
+    tol = 1e-6 if dtype == np.float32 else 1e-15
+    with parallel_threshold(0 if parallel else 1 << 60):
+        y, ctx = be.rope_forward(x, c, s)
+        dx = be.rope_backward(dy, ctx)
+        x_in = x.copy()
+        y_in, _ = be.rope_forward(x_in, c, s, out=x_in)  # in place
+    y_ref, ctx_ref = ops.rope_forward(x, c, s)
+    dx_ref = ops.rope_backward(dy, ctx_ref)
+    assert y.dtype == dtype and dx.dtype == dtype
+    assert rel_err(y, y_ref) <= tol
+    assert rel_err(dx, dx_ref) <= tol
+    assert y_in is x_in and rel_err(y_in, y_ref) <= tol
+
+
+def test_rope_bad_tables_are_clear_errors():
+    be = _numba_backend()
+    x = np.zeros((1, 4, 2, 8), np.float32)
+    cos, sin = ops.rope_tables(8, 16)
+    with pytest.raises(MinillamaError, match="RoPE tables"):
+        be.rope_forward(x, cos[:3], sin[:3])
+    with pytest.raises(MinillamaError, match="even hd"):
+        be.rope_forward(np.zeros((1, 4, 2, 7), np.float32), cos[:4], sin[:4])
+
+
+# ---------------------------------------------------------------------------------------------
+# attention parity (values and gradients)
+# ---------------------------------------------------------------------------------------------
+def _attention_case(rng, dtype, B, T, KVH, G, hd, starts, extra):
+    S = int(np.max(starts)) + T + extra
+    q = rng.standard_normal((B, T, KVH * G, hd)).astype(dtype)
+    k = rng.standard_normal((B, S, KVH, hd)).astype(dtype)
+    v = rng.standard_normal((B, S, KVH, hd)).astype(dtype)
+    dout = rng.standard_normal((B, T, KVH * G, hd)).astype(dtype)
+    return q, k, v, dout
+
+
+def _check_attention(be, q, k, v, dout, start_pos, dtype):
+    out, ctx = be.attention_forward(q, k, v, start_pos)
+    grads = be.attention_backward(dout, ctx)
+    out_ref, ctx_ref = ops.attention_forward(q, k, v, start_pos)
+    grads_ref = ops.attention_backward(dout, ctx_ref)
+    tol = TOL[dtype]
+    assert out.dtype == dtype and out.shape == out_ref.shape
+    assert rel_err(out, out_ref) <= tol, "output"
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert g.dtype == dtype and g.shape == g_ref.shape, name
+        assert rel_err(g, g_ref) <= tol, name
+
+
+@settings(max_examples=30, deadline=None)
+@given(dtype=st.sampled_from([np.float32, np.float64]), B=st.integers(1, 2),
+       T=st.integers(1, 200), KVH=st.integers(1, 3), G=st.sampled_from([1, 2, 3]),
+       hd=st.sampled_from([2, 4, 6, 8, 16, 24, 48, 64, 128]),
+       offset=st.sampled_from(["none", "same", "per_seq"]), extra=st.integers(0, 5),
+       parallel=st.booleans(), seed=st.integers(0, 2**16))
+def test_attention_matches_reference(dtype, B, T, KVH, G, hd, offset, extra, parallel, seed):
+    """MHA (G=1), GQA and MQA (KVH=1); fresh sequences, a common cache offset and per-sequence
+    offsets (S > T, keys beyond a sequence's own position masked)."""
+    be = _numba_backend()
+    rng = np.random.default_rng(seed)
+    if offset == "none":
+        start_pos, extra = 0, 0
+    elif offset == "same":
+        start_pos = int(rng.integers(1, 64))
+    else:
+        start_pos = rng.integers(0, 64, size=B)
+    q, k, v, dout = _attention_case(rng, dtype, B, T, KVH, G, hd, start_pos, extra)
+    with parallel_threshold(0 if parallel else 1 << 60):
+        _check_attention(be, q, k, v, dout, start_pos, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("T", [1, 3])
+def test_decode_kernel_key_split(dtype, T, rng):
+    """The decode kernel split into key chunks merges exactly (nsplit 1, 3 and 7)."""
+    be = _numba_backend()
+    B, KVH, G, hd = 2, 2, 3, 16
+    starts = np.array([300, 17])
+    q, k, v, _ = _attention_case(rng, dtype, B, T, KVH, G, hd, starts, 2)
+    ref, _ = ops.attention_forward(q, k, v, starts)
+    kern = be._k
+    for nsplit in (1, 3, 7):
+        rows = T * G
+        pm = np.empty((B * KVH * nsplit, rows), dtype)
+        pl = np.empty_like(pm)
+        pacc = np.empty((B * KVH * nsplit, rows, hd), dtype)
+        out = np.empty_like(q)
+        lse = np.empty((B, KVH * G, T), dtype)
+        kern.attn_dec_serial(q, k, v, starts.astype(np.int64), dtype(hd ** -0.5), nsplit,
+                             pm, pl, pacc, out, lse)
+        assert rel_err(out, ref) <= TOL[dtype], nsplit
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_attention_long_decode_against_cache(dtype, rng):
+    """One new query against a long cache (the decode path), parallel split and serial."""
+    be = _numba_backend()
+    for start in (0, 700, np.array([1000, 3])):
+        q, k, v, dout = _attention_case(rng, dtype, 2, 1, 2, 3, 32, start, 0)
+        for par in (True, False):
+            with parallel_threshold(0 if par else 1 << 60):
+                _check_attention(be, q, k, v, dout, start, dtype)
+
+
+def test_attention_extreme_logits_stay_finite(rng):
+    """Scores far apart (e^{s - max} underflows to 0 for most keys) give finite, matching
+    results: the masked/underflowed terms are exact zeros, not NaNs."""
+    be = _numba_backend()
+    for dtype in (np.float32, np.float64):
+        q, k, v, dout = _attention_case(rng, dtype, 1, 50, 1, 2, 8, 0, 0)
+        q = q * dtype(40.0)
+        out, ctx = be.attention_forward(q, k, v)
+        dq, dk, dv = be.attention_backward(dout, ctx)
+        ref, ctx_ref = ops.attention_forward(q, k, v)
+        assert all(np.isfinite(a).all() for a in (out, dq, dk, dv))
+        assert rel_err(out, ref) <= (1e-4 if dtype == np.float32 else 1e-12)
+        if dtype == np.float64:
+            for g, g_ref in zip((dq, dk, dv), ops.attention_backward(dout, ctx_ref)):
+                assert rel_err(g, g_ref) <= 1e-11
+
+
+def test_attention_noncontiguous_cache_views(rng):
+    """k/v as views into a longer cache buffer (what KVCache.update returns for B > 1)."""
+    be = _numba_backend()
+    buf_k = rng.standard_normal((3, 90, 2, 8)).astype(np.float32)
+    buf_v = rng.standard_normal((3, 90, 2, 8)).astype(np.float32)
+    k, v = buf_k[:, :40], buf_v[:, :40]
+    assert not k.flags.c_contiguous
+    starts = np.array([35, 10, 0])
+    q = rng.standard_normal((3, 5, 4, 8)).astype(np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    _check_attention(be, q, k, v, dout, starts, np.float32)
+
+
+def test_attention_bad_shapes_are_clear_errors():
+    be = _numba_backend()
+    q = np.zeros((1, 4, 3, 8), np.float32)
+    k = np.zeros((1, 4, 2, 8), np.float32)
+    with pytest.raises(MinillamaError, match="multiple of KVH"):
+        be.attention_forward(q, k, k)
+    with pytest.raises(MinillamaError, match=">= 0"):
+        be.attention_forward(q[:, :, :2], k, k, -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the model on Numba against the model on NumPy
+# ---------------------------------------------------------------------------------------------
+def test_model_on_numba_matches_numpy(rng):
+    _numba_backend()
+    from minillama.config import ModelConfig
+    from minillama.model import Transformer
+
+    cfg = ModelConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=61,
+                      multiple_of=16, max_seq_len=64)
+    ref = Transformer(cfg, backend="numpy", dtype=np.float64, seed=3)
+    fast = Transformer(cfg, params=ref.params, backend="numba", dtype=np.float64)
+    tok = rng.integers(0, 61, size=(2, 30))
+    tgt = rng.integers(0, 61, size=(2, 30))
+    tgt[0, :4] = -1
+    loss_r, grads_r = ref.loss_and_grads(tok, tgt)
+    loss_f, grads_f = fast.loss_and_grads(tok, tgt)
+    assert abs(loss_f - loss_r) <= 1e-12 * abs(loss_r)
+    for name, g in grads_r.items():
+        assert rel_err(grads_f[name], g) <= 1e-11, name
+    # cached decode with per-sequence positions equals the reference's
+    cache_r, cache_f = ref.new_cache(2), fast.new_cache(2)
+    prompt_lens = np.array([7, 3])
+    for c, m in ((cache_r, ref), (cache_f, fast)):
+        m.forward(tok[:, :7], 0, c)
+    pos = prompt_lens.copy()
+    for _ in range(5):
+        step = rng.integers(0, 61, size=(2, 1))
+        lr = ref.forward(step, pos, cache_r)
+        lf = fast.forward(step, pos, cache_f)
+        assert rel_err(lf, lr) <= 1e-12
+        pos = pos + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# memory: O(T) per head beyond inputs and outputs
+# ---------------------------------------------------------------------------------------------
+def test_attention_ctx_is_linear_in_T(rng):
+    """Besides q, k, v and the output, the saved context holds O(B H T) numbers (the row
+    log-sum-exp), never a (T, S) matrix."""
+    be = _numba_backend()
+    B, T, H, KVH, hd = 2, 2048, 4, 2, 8
+    q = rng.standard_normal((B, T, H, hd)).astype(np.float32)
+    k = rng.standard_normal((B, T, KVH, hd)).astype(np.float32)
+    v = rng.standard_normal((B, T, KVH, hd)).astype(np.float32)
+    out, ctx = be.attention_forward(q, k, v)
+    extra = 0
+    for item in ctx:
+        if isinstance(item, np.ndarray) and not any(
+                np.shares_memory(item, a) for a in (q, k, v, out)):
+            extra += item.size
+    assert extra <= B * H * T + B
+    ref_ctx = ops.attention_forward(q[:, :256], k[:, :256], v[:, :256])[1]
+    assert max(a.size for a in ref_ctx if isinstance(a, np.ndarray)) >= B * H * 256 * 256
+
+
+MEM_SCRIPT = """
+import json, os, sys, threading, time
+import numpy as np
+from minillama import ops
+from minillama.backends import get_backend
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+which = sys.argv[1]
+B, T, H, hd = 1, 2048, 2, 16
+rng = np.random.default_rng(0)
+q, k, v, do = (rng.standard_normal((B, T, H, hd)).astype(np.float32) for _ in range(4))
+be = get_backend("numba")
+fwd, bwd = ((be.attention_forward, be.attention_backward) if which == "numba"
+            else (ops.attention_forward, ops.attention_backward))
+small = [a[:, :64].copy() for a in (q, k, v, do)]
+o, c = fwd(*small[:3]); bwd(small[3], c)  # warm up (load the kernels)
+del o, c
+peak, stop = [0], threading.Event()
+
+
+def sample():  # the kernels release the GIL: sample the resident size while they run
+    while not stop.is_set():
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.0005)
+
+
+base = rss()
+th = threading.Thread(target=sample)
+th.start()
+for _ in range(3):
+    o, c = fwd(q, k, v)
+    grads = bwd(do, c)
+    del o, c, grads
+stop.set()
+th.join()
+print(json.dumps({"peak_growth_kib": (peak[0] - base) // 1024}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc (Linux)")
+def test_attention_peak_memory_T2048():
+    """Peak resident-size growth of attention forward+backward at T=2048 (H=2, hd=16, float32),
+    sampled while the ops run: Numba stays within a few MiB (outputs and gradients are
+    5 x 256 KiB), the reference holds several (H, T, T) arrays of 32 MiB each."""
+    _numba_backend()
+    res = {}
+    for which in ("numba", "numpy"):
+        out = _run_py(MEM_SCRIPT.replace("sys.argv[1]", repr(which)))
+        res[which] = json.loads(out.strip().splitlines()[-1])["peak_growth_kib"]
+    assert res["numba"] < 6 * 1024, res
+    assert res["numpy"] > 32 * 1024, res
