@@ -507,14 +507,19 @@ def sample_tokens(logits, temperature: float = 0.0, top_k=None, top_p=None,
     if rng is None:
         raise MinillamaError("sampling with temperature > 0 needs a random generator")
     zz = z.astype(cp.float64) / float(temperature)
-    order = cp.argsort(-zz, axis=-1)  # descending
+    use_k = top_k is not None and int(top_k) < V
+    use_p = top_p is not None and top_p < 1.0
+    if top_k is not None or use_p:  # candidates by decreasing probability (minillama.sampling)
+        order = cp.argsort(-zz, axis=-1)
+    else:  # the whole vocabulary in id order
+        order = cp.broadcast_to(cp.arange(V), (B, V))
     zs = cp.take_along_axis(zz, order, axis=-1)
-    p = cp.exp(zs - zs[:, :1])
+    p = cp.exp(zs - zs.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
     keep = cp.ones((B, V), dtype=bool)
-    if top_k is not None and int(top_k) < V:
+    if use_k:
         keep[:, int(top_k):] = False
-    if top_p is not None and top_p < 1.0:
+    if use_p:
         before = cp.cumsum(p, axis=-1) - p  # mass strictly before each token
         keep &= before < float(top_p)
     p = cp.where(keep, p, 0.0)
