@@ -184,9 +184,13 @@ def _check_attention(be, q, k, v, dout, start_pos, dtype):
     tol = TOL[dtype]
     assert out.dtype == dtype and out.shape == out_ref.shape
     assert rel_err(out, out_ref) <= tol, "output"
+    # gradients: normwise over the whole gradient (dq, dk, dv), so that an exactly-zero dq
+    # (a query with one visible key) compares its rounding noise to the gradient's size
+    gscale = max(np.abs(g).max(initial=0.0) for g in grads_ref)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
         assert g.dtype == dtype and g.shape == g_ref.shape, name
-        assert rel_err(g, g_ref) <= tol, name
+        err = np.abs(g.astype(np.float64) - g_ref).max(initial=0.0)
+        assert err <= tol * gscale, (name, err, gscale)
 
 
 @settings(max_examples=30, deadline=None)
