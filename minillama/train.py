@@ -363,7 +363,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}",
                                 tok_s=f"{tok_per_step / max(dt, 1e-9):.0f}", refresh=False)
                 at_end = self.step == end
-                if self.step % tc.eval_interval == 0 or at_end:
+                if self.step % tc.eval_interval == 0 or self.step == tc.steps:
                     v = self.evaluate()
                     self.history["val"].append([self.step, v])
                     bar.write(f"step {self.step}: train loss {last_loss:.4f}, val loss {v:.4f}, "
