@@ -1,0 +1,311 @@
+"""The CuPy backend's CUDA kernels against the NumPy reference ops (needs a CUDA GPU).
+
+Every kernel, forward and every gradient, under hypothesis over random shapes: sizes that are not
+multiples of the block/tile sizes, T = 1 (the decode kernel), head dimensions up to 128, MHA, GQA
+and MQA, per-sequence start positions and KV-cache views. float32 agrees to 1e-4 relative, float64
+to 1e-10. The whole-model tests (gradient checks, KV-cache equivalence, golden tokens) run on this
+backend through the ``backend`` fixture of conftest.py.
+
+Without a GPU (or without CuPy) the whole module is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minillama import ops
+from minillama.backends import get_backend
+from minillama.errors import MinillamaError
+
+try:
+    BE = get_backend("cupy")
+except MinillamaError as _e:
+    pytestmark = pytest.mark.skip(reason=str(_e))  # "no CUDA GPU found (...)" / "CuPy is not ..."
+    BE = None
+else:
+    import cupy as cp
+
+    from minillama.backends import cuda_build as cb
+    from minillama.backends import cupy_backend as cbk
+
+    pytestmark = pytest.mark.gpu
+
+TOL = {np.float32: 1e-4, np.float64: 1e-10}
+#: hypothesis examples per test (MINILLAMA_GPU_EXAMPLES overrides, e.g. for a quick run)
+N_EXAMPLES = int(os.environ.get("MINILLAMA_GPU_EXAMPLES", "30"))
+EXAMPLES = settings(max_examples=N_EXAMPLES, deadline=None)
+
+
+def rel_err(got, ref, floor: float = 1e-2) -> float:
+    """max |got - ref| / max(max |ref|, floor).
+
+    The floor only matters when the exact result is (close to) zero; the inputs are O(1)."""
+    g = np.asarray(BE.to_numpy(got), dtype=np.float64)
+    r = np.asarray(ref, dtype=np.float64)
+    assert g.shape == r.shape, (g.shape, r.shape)
+    return float(np.max(np.abs(g - r), initial=0.0) / max(np.max(np.abs(r), initial=0.0), floor))
+
+
+def close(got, ref, dtype, what="", floor: float = 1e-2):
+    err = rel_err(got, ref, floor)
+    assert err <= TOL[dtype], f"{what}: relative error {err:.3g} > {TOL[dtype]}"
+
+
+def dev(a):
+    return cp.asarray(a)
+
+
+dtypes = st.sampled_from([np.float32, np.float64])
+
+
+# ------------------------------------------------------------------------------------------------
+@EXAMPLES
+@given(st.integers(1, 300), st.integers(1, 1100), dtypes, st.integers(0, 2 ** 31 - 1))
+def test_rmsnorm(N, D, dtype, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((N, D)).astype(dtype)
+    g = rng.standard_normal(D).astype(dtype)
+    dy = rng.standard_normal((N, D)).astype(dtype)
+    y_ref, c_ref = ops.rmsnorm_forward(x, g, 1e-5)
+    dx_ref, dg_ref = ops.rmsnorm_backward(dy, c_ref)
+    y, c = BE.rmsnorm_forward(dev(x), dev(g), 1e-5)
+    dx, dg = BE.rmsnorm_backward(dev(dy), c)
+    close(y, y_ref, dtype, "rmsnorm y")
+    close(dx, dx_ref, dtype, "rmsnorm dx")
+    close(dg, dg_ref, dtype, "rmsnorm dg")
+
+
+def test_rmsnorm_3d_keeps_shape():
+    x = np.random.default_rng(0).standard_normal((2, 3, 5)).astype(np.float32)
+    g = np.ones(5, np.float32)
+    y, c = BE.rmsnorm_forward(dev(x), dev(g), 1e-6)
+    assert y.shape == x.shape
+    dx, dg = BE.rmsnorm_backward(dev(np.ones_like(x)), c)
+    assert dx.shape == x.shape and dg.shape == (5,)
+
+
+# ------------------------------------------------------------------------------------------------
+@EXAMPLES
+@given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 5), st.integers(1, 64), st.booleans(),
+       dtypes, st.integers(0, 2 ** 31 - 1))
+def test_rope(B, T, nh, half, per_seq, dtype, seed):
+    rng = np.random.default_rng(seed)
+    hd = 2 * half
+    cos, sin = ops.rope_tables(hd, 128, 10000.0, dtype)
+    if per_seq:
+        pos = rng.integers(0, 128 - T, B)[:, None] + np.arange(T)[None]
+        cs, sn = cos[pos], sin[pos]
+    else:
+        s = int(rng.integers(0, 128 - T))
+        cs, sn = cos[s:s + T], sin[s:s + T]
+    x = rng.standard_normal((B, T, nh, hd)).astype(dtype)
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    y_ref, c_ref = ops.rope_forward(x, cs, sn)
+    dx_ref = ops.rope_backward(dy, c_ref)
+    xd = dev(x)
+    y, c = BE.rope_forward(xd, dev(cs), dev(sn))
+    close(y, y_ref, dtype, "rope y")
+    close(xd, x, dtype, "rope must not modify its input by default")
+    close(BE.rope_backward(dev(dy), c), dx_ref, dtype, "rope dx")
+    y2, _ = BE.rope_forward(xd, dev(cs), dev(sn), out=xd)  # in place
+    assert y2 is xd
+    close(xd, y_ref, dtype, "rope in place")
+
+
+# ------------------------------------------------------------------------------------------------
+@st.composite
+def attn_case(draw):
+    KVH = draw(st.integers(1, 3))
+    G = draw(st.sampled_from([1, 2, 3, 4, 8]))  # G = 1: MHA; KVH = 1: MQA; else GQA
+    B = draw(st.integers(1, 3))
+    T = draw(st.one_of(st.just(1), st.integers(1, 80)))
+    extra = draw(st.one_of(st.just(0), st.integers(0, 40)))  # earlier positions from a cache
+    hd = draw(st.sampled_from([2, 6, 8, 16, 24, 40, 64, 72, 96, 128]))
+    per_seq = draw(st.booleans())
+    return B, T, KVH * G, KVH, hd, extra, per_seq, draw(dtypes), draw(st.integers(0, 2 ** 31 - 1))
+
+
+@settings(max_examples=N_EXAMPLES + 10, deadline=None)
+@given(attn_case())
+def test_attention(case):
+    B, T, H, KVH, hd, extra, per_seq, dtype, seed = case
+    rng = np.random.default_rng(seed)
+    S = T + extra
+    start = rng.integers(0, extra + 1, B) if per_seq else extra
+    q = rng.standard_normal((B, T, H, hd)).astype(dtype)
+    k = rng.standard_normal((B, S, KVH, hd)).astype(dtype)
+    v = rng.standard_normal((B, S, KVH, hd)).astype(dtype)
+    do = rng.standard_normal((B, T, H, hd)).astype(dtype)
+    o_ref, c_ref = ops.attention_forward(q, k, v, start)
+    grads_ref = ops.attention_backward(do, c_ref)
+    o, c = BE.attention_forward(dev(q), dev(k), dev(v), start)
+    close(o, o_ref, dtype, f"attention out {case}")
+    grads = BE.attention_backward(dev(do), c)
+    # dq and dk are exactly 0 when a query sees one key (S = 1): dP - D cancels, and both sides
+    # keep float32 noise of eps |dO . v| ~ 1e-6, so their floor is 0.1 (the gradients are O(1))
+    for name, g, r in zip(("dq", "dk", "dv"), grads, grads_ref):
+        close(g, r, dtype, f"attention {name} {case}", floor=0.1 if name != "dv" else 1e-2)
+
+
+@settings(max_examples=max(N_EXAMPLES // 2, 1), deadline=None)
+@given(st.integers(1, 8), st.integers(1, 60), st.sampled_from([(4, 4), (8, 2), (6, 1)]),
+       st.sampled_from([8, 48, 64, 128]), dtypes, st.integers(0, 2 ** 31 - 1))
+def test_decode_reads_a_kv_cache_view(B, filled, heads, hd, dtype, seed):
+    """T = 1 against a strided (B, :end) view of a longer cache, each sequence at its position."""
+    H, KVH = heads
+    rng = np.random.default_rng(seed)
+    Smax = filled + 7
+    kc = rng.standard_normal((B, Smax, KVH, hd)).astype(dtype)
+    vc = rng.standard_normal((B, Smax, KVH, hd)).astype(dtype)
+    q = rng.standard_normal((B, 1, H, hd)).astype(dtype)
+    pos = rng.integers(0, filled, B)
+    end = int(pos.max()) + 1
+    o_ref, _ = ops.attention_forward(q, kc[:, :end], vc[:, :end], pos)
+    kd, vd = dev(kc), dev(vc)
+    o, _ = BE.attention_forward(dev(q), kd[:, :end], vd[:, :end], pos)
+    close(o, o_ref, dtype, "decode")
+    o_int, _ = BE.attention_forward(dev(q), kd[:, :end], vd[:, :end], end - 1)
+    o_ref_int, _ = ops.attention_forward(q, kc[:, :end], vc[:, :end], end - 1)
+    close(o_int, o_ref_int, dtype, "decode, int start")
+
+
+def test_attention_large_head_dim_falls_back_to_reference():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 3, 2, 160)).astype(np.float32)
+    k = rng.standard_normal((1, 3, 1, 160)).astype(np.float32)
+    o, _ = BE.attention_forward(dev(q), dev(k), dev(k), 0)
+    close(o, ops.attention_forward(q, k, k, 0)[0], np.float32, "hd 160")
+
+
+# ------------------------------------------------------------------------------------------------
+@EXAMPLES
+@given(st.integers(1, 5000), dtypes, st.integers(0, 2 ** 31 - 1))
+def test_swiglu(n, dtype, seed):
+    rng = np.random.default_rng(seed)
+    a = (4 * rng.standard_normal(n)).astype(dtype)
+    b = rng.standard_normal(n).astype(dtype)
+    dh = rng.standard_normal(n).astype(dtype)
+    h_ref, c_ref = ops.swiglu_forward(a, b)
+    da_ref, db_ref = ops.swiglu_backward(dh, c_ref)
+    h, c = BE.swiglu_forward(dev(a), dev(b))
+    da, db = BE.swiglu_backward(dev(dh), c)
+    close(h, h_ref, dtype, "swiglu h")
+    close(da, da_ref, dtype, "swiglu da")
+    close(db, db_ref, dtype, "swiglu db")
+
+
+@EXAMPLES
+@given(st.integers(1, 70), st.integers(2, 3000), st.floats(0.0, 1.0), st.sampled_from([-1, -100]),
+       dtypes, st.integers(0, 2 ** 31 - 1))
+def test_cross_entropy(N, V, frac_ignored, ignore, dtype, seed):
+    rng = np.random.default_rng(seed)
+    z = (3 * rng.standard_normal((N, V))).astype(dtype)
+    t = rng.integers(0, V, N)
+    t[rng.random(N) < frac_ignored] = ignore
+    L_ref, c_ref = ops.cross_entropy_forward(z, t, ignore)
+    dz_ref = ops.cross_entropy_backward(0.5, c_ref)
+    L, c = BE.cross_entropy_forward(dev(z), dev(t), ignore)
+    assert L.shape == () and L.dtype == dtype
+    close(L, L_ref, dtype, "cross-entropy loss")
+    close(BE.cross_entropy_backward(0.5, c), dz_ref, dtype, "cross-entropy dlogits")
+
+
+@EXAMPLES
+@given(st.integers(1, 300), st.integers(1, 700), st.integers(1, 4), st.integers(1, 50), dtypes,
+       st.integers(0, 2 ** 31 - 1))
+def test_embedding(V, D, B, T, dtype, seed):
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal((V, D)).astype(dtype)
+    tok = rng.integers(0, min(V, 5) if seed % 2 else V, (B, T))  # many repeats on odd seeds
+    dh = rng.standard_normal((B, T, D)).astype(dtype)
+    h_ref, c_ref = ops.embedding_forward(W, tok)
+    h, c = BE.embedding_forward(dev(W), dev(tok))
+    close(h, h_ref, dtype, "embedding h")
+    close(BE.embedding_backward(dev(dh), c), ops.embedding_backward(dh, c_ref), dtype,
+          "embedding dW (atomic scatter-add)")
+
+
+@EXAMPLES
+@given(st.integers(1, 3000), st.floats(0.0, 0.3), dtypes, st.integers(0, 2 ** 31 - 1))
+def test_adamw_update_matches_optim(n, wd, dtype, seed):
+    from minillama.optim import AdamW  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    p = rng.standard_normal(n).astype(dtype)
+    ref = {"w": p.copy()}
+    opt = AdamW(ref, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd)
+    pd, m, v = dev(p), cp.zeros(n, dtype=dtype), cp.zeros(n, dtype=dtype)
+    for step in range(1, 5):
+        g = rng.standard_normal(n).astype(dtype)
+        opt.step({"w": g})
+        cbk.adamw_update(pd, dev(g), m, v, 3e-3, 0.9, 0.95, 1e-8, wd, step)
+    close(pd, ref["w"], dtype, "adamw param")
+    close(m, opt.m["w"], dtype, "adamw m")
+    close(v, opt.v["w"], dtype, "adamw v")
+
+
+def test_adamw_update_rejects_bad_input():
+    a = cp.zeros(4, dtype=cp.float32)
+    with pytest.raises(MinillamaError, match="step"):
+        cbk.adamw_update(a, a, a.copy(), a.copy(), 1e-3, 0.9, 0.95, 1e-8, 0.0, 0)
+    with pytest.raises(MinillamaError, match="shapes"):
+        cbk.adamw_update(a, cp.zeros(5, cp.float32), a.copy(), a.copy(), 1e-3, 0.9, 0.95, 1e-8,
+                         0.0, 1)
+
+
+# ------------------------------------------------------------------------------------------------
+@settings(max_examples=N_EXAMPLES + 10, deadline=None)
+@given(st.integers(2, 500), st.sampled_from([0.0, 0.7, 1.0, 1.5]),
+       st.sampled_from([None, 1, 5, 1000]), st.sampled_from([None, 0.3, 0.9, 1.0]),
+       st.integers(0, 2 ** 31 - 1))
+def test_device_sampling_matches_host_sampling(V, temperature, top_k, top_p, seed):
+    from minillama.sampling import sample  # noqa: PLC0415
+
+    z = np.random.default_rng(seed).standard_normal(V) * 3
+    got = BE.sample_tokens(dev(z[None]), temperature, top_k, top_p, np.random.default_rng(seed))
+    want = sample(z, np.random.default_rng(seed), temperature, top_k, top_p)
+    assert got.shape == (1,) and int(got[0]) == want
+
+
+# ------------------------------------------------------------------------------------------------
+def test_modules_compile_once_per_device():
+    m1 = cb.get_module("swiglu")
+    m2 = cb.get_module("swiglu")
+    assert m1 is m2
+    assert cb.get_kernel("swiglu", "swiglu_fwd", np.float32) is \
+        cb.get_kernel("swiglu", "swiglu_fwd", np.float32)
+
+
+def test_runtime_compile_error_points_at_file_and_line(tmp_path):
+    bad = tmp_path / "bad.cu"
+    bad.write_text("template <typename T>\n__global__ void bad(T* x) {\n  x[0] = oops;\n}\n"
+                   "// KERNELS: bad\n")
+    with pytest.raises(cb.KernelCompileError) as err:
+        cb.get_module(bad)
+    assert f"{bad.as_posix()}:3:" in str(err.value)
+
+
+def test_model_step_stays_on_device():
+    """A training step's parameters, activations and gradients are CuPy arrays; only the loss
+    crosses to the host."""
+    from minillama.config import ModelConfig  # noqa: PLC0415
+    from minillama.model import Transformer  # noqa: PLC0415
+
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=96,
+                      max_seq_len=64)
+    m_gpu = Transformer(cfg, backend="cupy", seed=1)
+    m_cpu = Transformer(cfg, backend="numpy", seed=1)
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, 97, (3, 33))
+    tgt = rng.integers(0, 97, (3, 33))
+    loss_g, grads_g = m_gpu.loss_and_grads(tok, tgt)
+    loss_c, grads_c = m_cpu.loss_and_grads(tok, tgt)
+    assert all(isinstance(g, cp.ndarray) for g in grads_g.values())
+    assert abs(loss_g - loss_c) <= 1e-5 * abs(loss_c)
+    for k in grads_c:
+        close(grads_g[k], grads_c[k], np.float32, k)
