@@ -1,0 +1,353 @@
+#!/usr/bin/env python
+"""GPU benchmark: minillama on the CuPy backend against PyTorch CUDA eager, same GPU, same weights.
+
+Prints two markdown tables with the peer side by side (ratio > 1: minillama is faster):
+
+* training step tokens/s (forward + backward + AdamW update) for the s15 and s110 shapes;
+* KV-cached greedy decode tokens/s at batch 1 and batch 8 (prefill not counted).
+
+Both sides run float32 without TF32 (CuPy's cuBLAS default; ``torch.backends.cuda.matmul
+.allow_tf32 = False``). The PyTorch peer is a plain eager LLaMA (``F.scaled_dot_product_attention``
+for attention, ``torch.optim.AdamW``); it starts from the same weights, and the script checks that
+the first loss and the greedy tokens agree before timing.
+
+    python scripts/bench_gpu.py                       # s15 and s110, decode at batch 1 and 8
+    python scripts/bench_gpu.py --shapes s15 --steps 3 --decode-tokens 64
+
+Without a CUDA GPU (or without CuPy) it prints one line saying so and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from minillama.config import ModelConfig  # noqa: E402
+from minillama.errors import MinillamaError  # noqa: E402
+from minillama.model import Transformer, init_params  # noqa: E402
+
+#: name -> (config, training batch B, training length T)
+SHAPES = {
+    "s15": (dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=768, vocab_size=32000,
+                 max_seq_len=256), 16, 256),
+    "s110": (dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, hidden_dim=2048,
+                  vocab_size=32000, max_seq_len=1024), 8, 1024),
+}
+ADAM = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, wd=0.1)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="s15,s110", help="comma list of: " + ", ".join(SHAPES))
+    ap.add_argument("--steps", type=int, default=5, help="timed training steps (median)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")
+    ap.add_argument("--batches", default="1,8", help="decode batch sizes")
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens before decoding")
+    ap.add_argument("--decode-tokens", type=int, default=128, help="tokens decoded per sequence")
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch CUDA peer")
+    ap.add_argument("--no-train", action="store_true", help="skip the training-step table")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode table")
+    return ap.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------------
+# minillama on CuPy
+# ------------------------------------------------------------------------------------------------
+def ml_train_step(model, opt_state, tok, tgt):
+    """One step: loss_and_grads, then the fused AdamW kernel on every parameter."""
+    from minillama.backends.cupy_backend import adamw_update  # noqa: PLC0415
+
+    loss, grads = model.loss_and_grads(tok, tgt)
+    opt_state["t"] += 1
+    for name, p in model.params.items():
+        m, v = opt_state["m"][name], opt_state["v"][name]
+        wd = 0.0 if name.endswith("norm.weight") else ADAM["wd"]
+        adamw_update(p, grads[name], m, v, ADAM["lr"], ADAM["beta1"], ADAM["beta2"], ADAM["eps"],
+                     wd, opt_state["t"])
+    return loss
+
+
+def ml_decode(model, prompt: np.ndarray, n_new: int):
+    """Greedy decode with the KV cache; returns (token ids (B, n_new), seconds for the decode
+    loop after the prefill). Only the sampled ids cross to the host."""
+    be = model.backend
+    B, P = prompt.shape
+    cache = model.new_cache(B, P + n_new)
+    logits = model.forward(prompt, 0, cache, last_only=True)
+    nxt = be.sample_tokens(logits, 0.0)
+    out = [nxt]
+    be.synchronize()
+    t0 = time.perf_counter()
+    for i in range(n_new - 1):
+        logits = model.forward(nxt[:, None], P + i, cache, last_only=True)
+        nxt = be.sample_tokens(logits, 0.0)
+        out.append(nxt)
+    be.synchronize()
+    return np.stack(out, axis=1), time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------------
+# PyTorch eager peer (the same architecture and weight layout)
+# ------------------------------------------------------------------------------------------------
+class TorchLlama:
+    """A LLaMA in PyTorch eager ops over the minillama parameter dict (names, (out, in) layout)."""
+
+    def __init__(self, cfg: ModelConfig, params: dict, device: str):
+        import torch  # noqa: PLC0415
+
+        self.torch = torch
+        self.cfg = cfg
+        self.p = {k: torch.tensor(np.asarray(v), device=device, requires_grad=True)
+                  for k, v in params.items()}
+        hd = cfg.head_dim
+        inv = cfg.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+        ang = np.outer(np.arange(cfg.max_seq_len, dtype=np.float64), inv)
+        self.cos = torch.tensor(np.cos(ang), dtype=torch.float32, device=device)
+        self.sin = torch.tensor(np.sin(ang), dtype=torch.float32, device=device)
+        self.device = device
+        self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def _rms(self, x, g):
+        t = self.torch
+        return x * t.rsqrt((x * x).mean(-1, keepdim=True) + self.cfg.norm_eps) * g
+
+    def _rope(self, x, start: int):
+        T = x.shape[1]
+        c = self.cos[start:start + T][None, :, None, :]
+        s = self.sin[start:start + T][None, :, None, :]
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        return self.torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+
+    def forward(self, tok, start: int = 0, cache=None, last_only: bool = False):
+        t, cfg, p = self.torch, self.cfg, self.p
+        F = t.nn.functional
+        B, T = tok.shape
+        H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        x = F.embedding(tok, p["tok_embeddings.weight"])
+        for layer in range(cfg.n_layers):
+            pre = f"layers.{layer}."
+            h = self._rms(x, p[pre + "attention_norm.weight"])
+            q = self._rope((h @ p[pre + "attention.wq.weight"].T).view(B, T, H, hd), start)
+            k = self._rope((h @ p[pre + "attention.wk.weight"].T).view(B, T, KVH, hd), start)
+            v = (h @ p[pre + "attention.wv.weight"].T).view(B, T, KVH, hd)
+            if cache is not None:
+                cache[0][layer][:, start:start + T] = k
+                cache[1][layer][:, start:start + T] = v
+                k = cache[0][layer][:, :start + T]
+                v = cache[1][layer][:, :start + T]
+            a = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=(T > 1 and start == 0), enable_gqa=(KVH != H))
+            if T > 1 and start > 0:
+                raise ValueError("the peer prefills from position 0 only")
+            x = x + a.transpose(1, 2).reshape(B, T, H * hd) @ p[pre + "attention.wo.weight"].T
+            h2 = self._rms(x, p[pre + "ffn_norm.weight"])
+            g = F.silu(h2 @ p[pre + "feed_forward.w1.weight"].T) * \
+                (h2 @ p[pre + "feed_forward.w3.weight"].T)
+            x = x + g @ p[pre + "feed_forward.w2.weight"].T
+        if last_only:
+            x = x[:, -1]
+        head = p["tok_embeddings.weight"] if cfg.tie_embeddings else p["output.weight"]
+        return self._rms(x, p["norm.weight"]) @ head.T
+
+    def new_cache(self, B: int, S: int):
+        t, cfg = self.torch, self.cfg
+        shape = (B, S, cfg.n_kv_heads, cfg.head_dim)
+        return ([t.zeros(shape, device=self.device) for _ in range(cfg.n_layers)],
+                [t.zeros(shape, device=self.device) for _ in range(cfg.n_layers)])
+
+    def make_optimizer(self):
+        t = self.torch
+        decay = [v for k, v in self.p.items() if not k.endswith("norm.weight")]
+        no_decay = [v for k, v in self.p.items() if k.endswith("norm.weight")]
+        return t.optim.AdamW([{"params": decay, "weight_decay": ADAM["wd"]},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=ADAM["lr"], betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"])
+
+    def train_step(self, opt, tok, tgt):
+        F = self.torch.nn.functional
+        opt.zero_grad(set_to_none=True)
+        logits = self.forward(tok)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
+                               ignore_index=-1)
+        loss.backward()
+        opt.step()
+        return loss
+
+    def decode(self, prompt: np.ndarray, n_new: int):
+        t = self.torch
+        with t.inference_mode():
+            B, P = prompt.shape
+            cache = self.new_cache(B, P + n_new)
+            tok = t.tensor(prompt, device=self.device)
+            nxt = self.forward(tok, 0, cache, last_only=True).argmax(-1)
+            out = [nxt.cpu().numpy()]
+            self.sync()
+            t0 = time.perf_counter()
+            for i in range(n_new - 1):
+                nxt = self.forward(nxt[:, None], P + i, cache, last_only=True).argmax(-1)
+                out.append(nxt.cpu().numpy())  # the ids cross to the host, as for minillama
+            self.sync()
+            return np.stack(out, axis=1), time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------------
+def median(xs):
+    return float(np.median(np.asarray(xs)))
+
+
+def bench_train(name, args, torch_ok):
+    cfg_d, B, T = SHAPES[name]
+    cfg = ModelConfig(**cfg_d)
+    params = init_params(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, cfg.vocab_size, (B, T))
+    tgt = rng.integers(0, cfg.vocab_size, (B, T))
+
+    import cupy as cp  # noqa: PLC0415
+
+    model = Transformer(cfg, params, backend="cupy", dtype=np.float32)
+    state = {"t": 0, "m": {k: cp.zeros_like(v) for k, v in model.params.items()},
+             "v": {k: cp.zeros_like(v) for k, v in model.params.items()}}
+    first_loss = ml_train_step(model, state, tok, tgt)
+    for _ in range(max(args.warmup - 1, 0)):
+        ml_train_step(model, state, tok, tgt)
+    times = []
+    for _ in range(args.steps):
+        model.backend.synchronize()
+        t0 = time.perf_counter()
+        ml_train_step(model, state, tok, tgt)  # the loss is already a host float (synchronises)
+        model.backend.synchronize()
+        times.append(time.perf_counter() - t0)
+    ml_s = median(times)
+    del model, state
+    cp.get_default_memory_pool().free_all_blocks()
+
+    torch_s, check = None, "n/a"
+    if torch_ok:
+        import torch  # noqa: PLC0415
+
+        peer = TorchLlama(cfg, params, "cuda")
+        opt = peer.make_optimizer()
+        tt = torch.tensor(tok, device="cuda")
+        tg = torch.tensor(tgt, device="cuda")
+        peer_first = peer.train_step(opt, tt, tg).item()
+        rel = abs(peer_first - first_loss) / abs(peer_first)
+        check = f"first loss {first_loss:.5f} vs {peer_first:.5f} ({'ok' if rel < 1e-4 else 'DIFFERS'})"
+        for _ in range(max(args.warmup - 1, 0)):
+            peer.train_step(opt, tt, tg)
+        times = []
+        for _ in range(args.steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            peer.train_step(opt, tt, tg).item()  # the loss crosses to the host, as for minillama
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        torch_s = median(times)
+        del peer, opt
+        torch.cuda.empty_cache()
+    return dict(shape=name, B=B, T=T, ml=B * T / ml_s, ml_ms=1e3 * ml_s,
+                torch=None if torch_s is None else B * T / torch_s,
+                torch_ms=None if torch_s is None else 1e3 * torch_s, check=check)
+
+
+def bench_decode(name, batch, args, torch_ok):
+    cfg_d, _, _ = SHAPES[name]
+    cfg = ModelConfig(**cfg_d)
+    params = init_params(cfg, seed=0)
+    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, args.prompt))
+    n = min(args.decode_tokens, cfg.max_seq_len - args.prompt)
+    model = Transformer(cfg, params, backend="cupy", dtype=np.float32)
+    ml_decode(model, prompt, min(8, n))  # warm-up: compiles the decode kernels
+    ml_ids, ml_s = ml_decode(model, prompt, n)
+    del model
+    torch_s, check = None, "n/a"
+    if torch_ok:
+        peer = TorchLlama(cfg, params, "cuda")
+        peer.decode(prompt, min(8, n))
+        t_ids, torch_s = peer.decode(prompt, n)
+        same = float(np.mean(t_ids == ml_ids))
+        check = f"greedy ids equal: {100 * same:.0f}%"
+        del peer
+    toks = batch * (n - 1)
+    return dict(shape=name, B=batch, n=n, ml=toks / ml_s,
+                torch=None if torch_s is None else toks / torch_s, check=check)
+
+
+def fmt(x, spec=".0f"):
+    return "n/a" if x is None else format(x, spec)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        from minillama.backends import get_backend  # noqa: PLC0415
+
+        be = get_backend("cupy")
+    except MinillamaError as e:
+        print(f"bench_gpu: nothing to time: {e}")
+        return 2
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    for s in shapes:
+        if s not in SHAPES:
+            print(f"bench_gpu: unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+            return 2
+    torch_ok = False
+    torch_ver = "not installed"
+    if not args.no_torch:
+        try:
+            import torch  # noqa: PLC0415
+
+            torch_ver = torch.__version__
+            torch_ok = torch.cuda.is_available()
+            if torch_ok:
+                torch.backends.cuda.matmul.allow_tf32 = False
+                torch.backends.cudnn.allow_tf32 = False
+            else:
+                torch_ver += " (no CUDA)"
+        except ImportError:
+            pass
+    import cupy as cp  # noqa: PLC0415
+
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"# bench_gpu: {be.device}, {now}, cupy {cp.__version__}, torch {torch_ver}, "
+          f"python {platform.python_version()}")
+    print(f"# command: python scripts/bench_gpu.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+
+    if not args.no_train:
+        print("\n## Training step (forward + backward + AdamW), float32, tokens/s\n")
+        print("| shape | B x T | minillama cupy | ms/step | PyTorch eager | ms/step | "
+              "ratio (torch time / minillama time) | check |")
+        print("|---|---|---|---|---|---|---|---|")
+        for s in shapes:
+            r = bench_train(s, args, torch_ok)
+            ratio = None if r["torch"] is None else r["ml"] / r["torch"]
+            print(f"| {s} | {r['B']} x {r['T']} | {fmt(r['ml'])} | {fmt(r['ml_ms'], '.1f')} | "
+                  f"{fmt(r['torch'])} | {fmt(r['torch_ms'], '.1f')} | {fmt(ratio, '.2f')} | "
+                  f"{r['check']} |", flush=True)
+
+    if not args.no_decode:
+        batches = [int(b) for b in args.batches.split(",") if b.strip()]
+        print(f"\n## Greedy decode with KV cache (prompt {args.prompt}, "
+              f"{args.decode_tokens} new tokens), tokens/s\n")
+        print("| shape | batch | minillama cupy | PyTorch eager | ratio | check |")
+        print("|---|---|---|---|---|---|")
+        for s in shapes:
+            for b in batches:
+                r = bench_decode(s, b, args, torch_ok)
+                ratio = None if r["torch"] is None else r["ml"] / r["torch"]
+                print(f"| {s} | {b} | {fmt(r['ml'])} | {fmt(r['torch'])} | {fmt(ratio, '.2f')} "
+                      f"| {r['check']} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
