@@ -260,8 +260,9 @@ class Transformer:
             da1, db3 = be.swiglu_backward(dg, c_sw)
             dh2, grads[pre + "feed_forward.w1.weight"] = be.linear_backward(da1, c_1)
             dh2b, grads[pre + "feed_forward.w3.weight"] = be.linear_backward(db3, c_3)
-            dxn, grads[pre + "ffn_norm.weight"] = be.rmsnorm_backward(dh2 + dh2b, c_fn)
-            dx = dx + dxn
+            dh2 += dh2b  # fresh arrays: the gradient sums are accumulated in place
+            dxn, grads[pre + "ffn_norm.weight"] = be.rmsnorm_backward(dh2, c_fn)
+            dx += dxn
             # attention branch: x = x + Wo Attn(RoPE(Wq h), RoPE(Wk h), Wv h), h = RMSNorm(x)
             da, grads[pre + "attention.wo.weight"] = be.linear_backward(dx, c_o)
             dq, dk, dv = be.attention_backward(da.reshape(B, T, H, hd), c_att)
@@ -273,13 +274,15 @@ class Transformer:
                 dk.reshape(B, T, KVH * hd), c_k)
             dhv, grads[pre + "attention.wv.weight"] = be.linear_backward(
                 dv.reshape(B, T, KVH * hd), c_v)
-            dxn, grads[pre + "attention_norm.weight"] = be.rmsnorm_backward(dh + dhk + dhv, c_an)
-            dx = dx + dxn
+            dh += dhk
+            dh += dhv
+            dxn, grads[pre + "attention_norm.weight"] = be.rmsnorm_backward(dh, c_an)
+            dx += dxn
 
         (c_emb,) = tape
         d_emb = be.embedding_backward(dx, c_emb)
         if cfg.tie_embeddings:
-            d_emb = d_emb + dw_out  # the tied matrix collects both gradients
+            d_emb += dw_out  # the tied matrix collects both gradients
         else:
             grads["output.weight"] = dw_out
         grads["tok_embeddings.weight"] = d_emb

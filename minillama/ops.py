@@ -70,9 +70,11 @@ def embedding_backward(dout, ctx):
 def linear_forward(x, w):
     r"""Linear map without bias: y = x W^T.
 
-    x: (..., in); w: (out, in). Returns y: (..., out).
+    x: (..., in); w: (out, in). Returns y: (..., out). The leading axes are flattened so that one
+    GEMM of (N, in) x (in, out) runs instead of a stack of small ones.
     """
-    return x @ w.T, (x, w)
+    y = x.reshape(-1, x.shape[-1]) @ w.T
+    return y.reshape(*x.shape[:-1], w.shape[0]), (x, w)
 
 
 def linear_backward(dy, ctx):
@@ -81,8 +83,9 @@ def linear_backward(dy, ctx):
     dy: (..., out). Returns (dx: (..., in), dW: (out, in)).
     """
     x, w = ctx
-    dx = dy @ w
-    dw = dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dx = (dy2 @ w).reshape(*dy.shape[:-1], w.shape[1])
+    dw = dy2.T @ x.reshape(-1, x.shape[-1])
     return dx, dw
 
 
@@ -96,7 +99,9 @@ def rmsnorm_forward(x, g, eps):
     """
     xp = array_module(x)
     rstd = 1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return x * rstd * g, (x, rstd, g)
+    y = x * rstd
+    y *= g
+    return y, (x, rstd, g)
 
 
 def rmsnorm_backward(dy, ctx):
@@ -108,10 +113,14 @@ def rmsnorm_backward(dy, ctx):
     x, rstd, g = ctx
     xp = array_module(dy)
     xhat = x * rstd
-    dg = (dy * xhat).reshape(-1, x.shape[-1]).sum(axis=0)
+    t = dy * xhat
+    dg = t.reshape(-1, x.shape[-1]).sum(axis=0)
     u = dy * g
-    dx = rstd * (u - xhat * xp.mean(u * xhat, axis=-1, keepdims=True))
-    return dx, dg
+    xp.multiply(u, xhat, out=t)
+    xhat *= xp.mean(t, axis=-1, keepdims=True)
+    u -= xhat
+    u *= rstd
+    return u, dg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,9 +157,12 @@ def rope_forward(x, cos, sin):
     xp = array_module(x)
     c, s = _rope_broadcast(cos, x), _rope_broadcast(sin, x)
     x0, x1 = x[..., 0::2], x[..., 1::2]
-    y = xp.empty_like(x)
-    y[..., 0::2] = x0 * c - x1 * s
-    y[..., 1::2] = x0 * s + x1 * c
+    y = xp.empty(x.shape, dtype=x.dtype)
+    y0, y1 = y[..., 0::2], y[..., 1::2]
+    xp.multiply(x0, c, out=y0)
+    y0 -= x1 * s
+    xp.multiply(x0, s, out=y1)
+    y1 += x1 * c
     return y, (cos, sin)
 
 
@@ -165,9 +177,12 @@ def rope_backward(dy, ctx):
     xp = array_module(dy)
     c, s = _rope_broadcast(cos, dy), _rope_broadcast(sin, dy)
     d0, d1 = dy[..., 0::2], dy[..., 1::2]
-    dx = xp.empty_like(dy)
-    dx[..., 0::2] = d0 * c + d1 * s
-    dx[..., 1::2] = d1 * c - d0 * s
+    dx = xp.empty(dy.shape, dtype=dy.dtype)
+    dx0, dx1 = dx[..., 0::2], dx[..., 1::2]
+    xp.multiply(d0, c, out=dx0)
+    dx0 += d1 * s
+    xp.multiply(d1, c, out=dx1)
+    dx1 -= d0 * s
     return dx
 
 
@@ -195,6 +210,14 @@ def softmax(x, axis: int = -1):
     return e / xp.sum(e, axis=axis, keepdims=True)
 
 
+def _future_mask(xp, T: int, S: int, start_pos):
+    """True where key j lies in the future of query t (j > p_b + t), (1 or B, 1, 1, T, S); None
+    when no key is in the future (a single query at the newest position, as in decoding)."""
+    if np.ndim(start_pos) == 0 and S - 1 <= int(start_pos):
+        return None
+    return ~causal_mask(xp, T, S, start_pos)
+
+
 def attention_forward(q, k, v, start_pos=0):
     r"""Causal scaled dot-product attention where query head h reads KV head h // G, G = H / KVH:
 
@@ -203,43 +226,56 @@ def attention_forward(q, k, v, start_pos=0):
 
     q: (B, T, H, hd); k, v: (B, S, KVH, hd) with S >= T (S > T when earlier positions come from a
     KV cache); start_pos: int or (B,) ints, the absolute position of query 0. Returns o: (B, T, H, hd).
-    The query heads of a group are batched against their shared K/V (no repeated K/V is built).
+    The G query heads of a group are stacked into one (G T, hd) matrix that multiplies their
+    shared K/V (no repeated K/V is built): one GEMM per (b, KV head) for S, one for o.
     """
     xp = array_module(q)
     B, T, H, hd = q.shape
     S, KVH = k.shape[1], k.shape[2]
     G = H // KVH
     scale = 1.0 / math.sqrt(hd)
-    qg = q.reshape(B, T, KVH, G, hd).transpose(0, 2, 3, 1, 4)  # (B, KVH, G, T, hd)
-    kt = k.transpose(0, 2, 3, 1)[:, :, None]  # (B, KVH, 1, hd, S)
-    vv = v.transpose(0, 2, 1, 3)[:, :, None]  # (B, KVH, 1, S, hd)
-    scores = (qg @ kt) * scale  # (B, KVH, G, T, S)
-    scores = xp.where(causal_mask(xp, T, S, start_pos), scores, -xp.inf).astype(q.dtype, copy=False)
-    p = softmax(scores, axis=-1)
-    o = p @ vv  # (B, KVH, G, T, hd)
-    out = o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
-    return out, (qg, kt, vv, p, scale)
+    qs = xp.empty((B, KVH, G, T, hd), dtype=q.dtype)  # the queries, pre-scaled by 1/sqrt(hd)
+    xp.multiply(q.reshape(B, T, KVH, G, hd).transpose(0, 2, 3, 1, 4), scale, out=qs)
+    qs = qs.reshape(B, KVH, G * T, hd)
+    kt = k.transpose(0, 2, 3, 1)  # (B, KVH, hd, S), a view
+    vv = v.transpose(0, 2, 1, 3)  # (B, KVH, S, hd), a view
+    p = qs @ kt  # scores (B, KVH, G T, S), turned into probabilities in place below
+    future = _future_mask(xp, T, S, start_pos)
+    if future is not None:
+        xp.copyto(p.reshape(B, KVH, G, T, S), -xp.inf, where=future)
+    p -= xp.max(p, axis=-1, keepdims=True)
+    xp.exp(p, out=p)
+    p *= 1.0 / xp.sum(p, axis=-1, keepdims=True)
+    o = p @ vv  # (B, KVH, G T, hd)
+    out = o.reshape(B, KVH, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
+    return out, (qs, kt, vv, p, o, scale)
 
 
 def attention_backward(dout, ctx):
-    r"""Gradients of causal GQA attention. With dO the output gradient and D_t = \sum_j P_{tj} dP_{tj}:
+    r"""Gradients of causal GQA attention. With dO the output gradient and
+    D_t = \sum_j P_{tj} dP_{tj} = dO_t \cdot o_t:
 
     dP = dO V^T,  dS = P \odot (dP - D),  dQ = dS K / \sqrt{hd},
     dK = \sum_{g \in group} dS^T Q / \sqrt{hd},  dV = \sum_{g \in group} P^T dO.
 
+    The group sums come for free: the G heads of a group are the rows of one (G T, .) matrix.
     dout: (B, T, H, hd). Returns (dq: (B, T, H, hd), dk, dv: (B, S, KVH, hd)).
     """
-    qg, kt, vv, p, scale = ctx
+    qs, kt, vv, p, o, scale = ctx
     xp = array_module(dout)
-    B, KVH, G, T, hd = qg.shape
-    S = kt.shape[-1]
-    do = dout.reshape(B, T, KVH, G, hd).transpose(0, 2, 3, 1, 4)  # (B, KVH, G, T, hd)
-    dv = (xp.swapaxes(p, -1, -2) @ do).sum(axis=2)  # (B, KVH, S, hd)
-    dp = do @ xp.swapaxes(vv, -1, -2)  # (B, KVH, G, T, S)
-    ds = p * (dp - xp.sum(dp * p, axis=-1, keepdims=True))
-    dq = (ds @ xp.swapaxes(kt, -1, -2)) * scale  # (B, KVH, G, T, hd)
-    dk = (xp.swapaxes(ds, -1, -2) @ qg).sum(axis=2) * scale  # (B, KVH, S, hd)
-    dq = dq.transpose(0, 3, 1, 2, 4).reshape(B, T, KVH * G, hd)
+    B, KVH, GT, hd = qs.shape
+    T, H = dout.shape[1], dout.shape[2]
+    G = H // KVH
+    do = xp.ascontiguousarray(dout.reshape(B, T, KVH, G, hd).transpose(0, 2, 3, 1, 4))
+    do = do.reshape(B, KVH, GT, hd)
+    dv = xp.swapaxes(p, -1, -2) @ do  # (B, KVH, S, hd)
+    ds = do @ xp.swapaxes(vv, -1, -2)  # dP (B, KVH, G T, S), turned into dS in place
+    ds -= xp.sum(do * o, axis=-1, keepdims=True)
+    ds *= p
+    dq = ds @ xp.swapaxes(kt, -1, -2)  # (B, KVH, G T, hd)
+    dq *= scale
+    dk = xp.swapaxes(ds, -1, -2) @ qs  # qs carries the 1/sqrt(hd)
+    dq = dq.reshape(B, KVH, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
     return dq, dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
 
 
@@ -247,32 +283,43 @@ def attention_backward(dout, ctx):
 # SwiGLU gate
 # ---------------------------------------------------------------------------------------------
 def sigmoid(a):
-    r"""\sigma(a) = 1 / (1 + e^{-a}), evaluated without overflow for large |a|."""
+    r"""\sigma(a) = 1 / (1 + e^{-a}). For a very negative, e^{-a} overflows to +inf and the result
+    is the correct limit 0 (the overflow warning is silenced); accurate in both tails."""
     xp = array_module(a)
-    e = xp.exp(-xp.abs(a))
-    return xp.where(a >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    with np.errstate(over="ignore"):
+        e = xp.negative(a)
+        xp.exp(e, out=e)
+    e += 1.0
+    return xp.reciprocal(e, out=e)
 
 
 def swiglu_forward(a, b):
     r"""SwiGLU gate: h = \mathrm{silu}(a) \odot b, \mathrm{silu}(a) = a \sigma(a).
 
     In the FFN, a = x W_1^T and b = x W_3^T, and the block returns h W_2^T.
-    a, b: (..., F). Returns h: (..., F).
+    a, b: (..., F). Returns h: (..., F). Saves a, b, \sigma(a) and silu(a).
     """
     s = sigmoid(a)
-    return a * s * b, (a, b, s)
+    silu = a * s
+    return silu * b, (a, b, s, silu)
 
 
 def swiglu_backward(dh, ctx):
     r"""Gradients of h = \mathrm{silu}(a) \odot b:
     db = dh \odot \mathrm{silu}(a), da = dh \odot b \odot \sigma(a)(1 + a(1 - \sigma(a))).
 
-    dh: (..., F). Returns (da, db), each (..., F).
+    dh: (..., F). Returns (da, db), each (..., F) (built in the saved buffers).
     """
-    a, b, s = ctx
-    db = dh * (a * s)
-    da = dh * b * (s * (1.0 + a * (1.0 - s)))
-    return da, db
+    a, b, s, silu = ctx
+    xp = array_module(dh)
+    da = xp.subtract(1.0, s)  # 1 - sigma
+    da *= a
+    da += 1.0
+    da *= s
+    da *= b
+    da *= dh
+    silu *= dh  # db
+    return da, silu
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,9 +337,10 @@ def cross_entropy_forward(logits, targets, ignore_index: int = -1):
     valid = targets != ignore_index
     safe_t = xp.where(valid, targets, 0)
     m = xp.max(logits, axis=-1, keepdims=True)
-    p = xp.exp(logits - m)
+    p = logits - m
+    xp.exp(p, out=p)
     sumexp = xp.sum(p, axis=-1, keepdims=True)
-    p /= sumexp
+    p *= 1.0 / sumexp
     lse = (xp.log(sumexp) + m)[:, 0]
     picked = xp.take_along_axis(logits, safe_t[:, None], axis=-1)[:, 0]
     count = xp.maximum(valid.sum(), 1)

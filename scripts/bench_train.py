@@ -1,0 +1,250 @@
+#!/usr/bin/env python
+"""Time one training step of minillama against PyTorch eager on the same machine, same weights.
+
+One step = forward + backward (loss and every parameter gradient), no optimizer; with
+``--optimizer`` also the full step with AdamW on both sides. Prints a markdown table with
+tokens/s, the share of the measured float32 matmul peak (a large NumPy matmul timed in the same
+run) and the PyTorch/minillama time ratio (> 1: minillama is faster).
+
+    python scripts/bench_train.py --backend numpy --configs tiny,s15 --steps 5 --threads 2
+
+Thread counts are fixed through OMP/OPENBLAS/MKL_NUM_THREADS *before* NumPy is imported, and
+``torch.set_num_threads`` for the peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="numpy", help="minillama backend (default numpy)")
+    ap.add_argument("--configs", default="tiny,s15", help="comma list of: tiny, s15")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per config (median)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    ap.add_argument("--threads", type=int, default=2, help="BLAS / torch threads (default 2)")
+    ap.add_argument("--optimizer", action="store_true",
+                    help="also time the full step with AdamW (minillama.optim vs torch.optim)")
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall: perf_counter (default); cpu: process CPU time, steadier on a "
+                         "shared machine with --threads 1")
+    return ap.parse_args(argv)
+
+
+ARGS = parse_args()
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+             "NUMBA_NUM_THREADS"):
+    os.environ[_var] = str(ARGS.threads)
+
+import numpy as np  # noqa: E402  (after the thread settings)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from minillama import ModelConfig, Transformer  # noqa: E402
+from minillama.model import init_params  # noqa: E402
+
+#: name -> (config, B, T)
+CONFIGS = {
+    "tiny": (dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=384, vocab_size=128,
+                  max_seq_len=128), 16, 128),
+    "s15": (dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=768, vocab_size=32000,
+                 max_seq_len=256), 8, 256),
+}
+
+
+def median_time(fn, steps: int, warmup: int, sync=lambda: None) -> float:
+    clock = time.process_time if ARGS.clock == "cpu" else time.perf_counter
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(steps):
+        t0 = clock()
+        fn()
+        sync()
+        times.append(clock() - t0)
+    return float(np.median(times))
+
+
+def matmul_peak(n: int = 2048, reps: int = 5) -> float:
+    """Best float32 GEMM rate of NumPy's BLAS here, FLOP/s (2 n^3 per n x n product)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    c = np.empty((n, n), np.float32)
+    np.matmul(a, b, out=c)
+    best = min(_timed(lambda: np.matmul(a, b, out=c)) for _ in range(reps))
+    return 2.0 * n**3 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def step_flops(cfg: ModelConfig, B: int, T: int) -> float:
+    r"""FLOPs of forward + backward: 6 N_mm B T for the weight matmuls (N_mm = the layers' matrices
+    plus the V x D head; the embedding lookup does no arithmetic) plus the attention products
+    S = QK^T and O = PV on the full T x T square as the code computes them: 2 * 2 B H T^2 hd
+    forward, twice that backward, per layer."""
+    D, F, V, L = cfg.dim, cfg.hidden_dim, cfg.vocab_size, cfg.n_layers
+    kvd = cfg.n_kv_heads * cfg.head_dim
+    n_mm = L * (2 * D * D + 2 * D * kvd + 3 * D * F) + V * D
+    attn = L * 3 * (4 * B * cfg.n_heads * T * T * cfg.head_dim)
+    return 6.0 * n_mm * B * T + attn
+
+
+# ---------------------------------------------------------------------------------------------
+# the PyTorch peer (eager mode, standard ops: fused SDPA attention, autograd)
+# ---------------------------------------------------------------------------------------------
+def torch_step_fns(torch, cfg: ModelConfig, params, tokens, targets, with_opt: bool):
+    F = torch.nn.functional
+    p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    B, T = tokens.shape
+    H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ang = torch.outer(torch.arange(T, dtype=torch.float64), inv)
+    cos = torch.cos(ang).float()[None, :, None, :]
+    sin = torch.sin(ang).float()[None, :, None, :]
+    tok = torch.tensor(tokens)
+    tgt = torch.tensor(targets.reshape(-1))
+
+    def rope(x):
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+    def rms(x, g):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * g
+
+    def loss_fn():
+        x = F.embedding(tok, p["tok_embeddings.weight"])
+        for layer in range(cfg.n_layers):
+            w = lambda n: p[f"layers.{layer}.{n}.weight"]  # noqa: E731
+            h = rms(x, w("attention_norm"))
+            q = rope(F.linear(h, w("attention.wq")).view(B, T, H, hd)).transpose(1, 2)
+            k = rope(F.linear(h, w("attention.wk")).view(B, T, KVH, hd)).transpose(1, 2)
+            v = F.linear(h, w("attention.wv")).view(B, T, KVH, hd).transpose(1, 2)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KVH != H)
+            x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * hd), w("attention.wo"))
+            h = rms(x, w("ffn_norm"))
+            x = x + F.linear(F.silu(F.linear(h, w("feed_forward.w1")))
+                             * F.linear(h, w("feed_forward.w3")), w("feed_forward.w2"))
+        head = p["tok_embeddings.weight"] if cfg.tie_embeddings else p["output.weight"]
+        logits = F.linear(rms(x, p["norm.weight"]), head)
+        return F.cross_entropy(logits.view(B * T, -1), tgt, ignore_index=-1)
+
+    def step():
+        for t in p.values():
+            t.grad = None
+        loss = loss_fn()
+        loss.backward()
+        return loss.item()
+
+    opt = torch.optim.AdamW(p.values(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.1) if with_opt else None
+
+    def step_opt():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step, step_opt
+
+
+def main() -> int:
+    args = ARGS
+    torch = None
+    if not args.no_torch:
+        try:
+            import torch  # noqa: PLC0415
+            torch.set_num_threads(args.threads)
+        except ImportError:
+            torch = None
+    AdamW = None
+    if args.optimizer:
+        try:
+            from minillama.optim import AdamW  # noqa: PLC0415
+        except ImportError as e:
+            print(f"note: --optimizer: minillama.optim.AdamW not available yet ({e}); "
+                  "optimizer columns skipped")
+
+    peak = matmul_peak()
+    print(f"# minillama training-step benchmark — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, {platform.python_implementation()} "
+          f"{platform.python_version()}, numpy {np.__version__}"
+          + (f", torch {torch.__version__}" if torch else ", torch not installed")
+          + f"; threads={args.threads}; clock={args.clock}")
+    print(f"measured float32 matmul peak (NumPy 2048^3 GEMM): {peak / 1e9:.1f} GFLOP/s")
+    print(f"command: python {' '.join(sys.argv)}\n")
+
+    head = ("| config | backend | B x T | params | ms/step | tokens/s | % of matmul peak "
+            "| torch ms/step | torch tokens/s | torch/minillama |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    opt_rows = []
+    for name in args.configs.split(","):
+        name = name.strip()
+        if name not in CONFIGS:
+            print(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}")
+            return 2
+        kw, B, T = CONFIGS[name]
+        cfg = ModelConfig(**kw)
+        params = init_params(cfg, seed=0, dtype=np.float32)
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, cfg.vocab_size, (B, T))
+        targets = np.roll(tokens, -1, axis=1)
+        model = Transformer(cfg, params, backend=args.backend, dtype=np.float32)
+        sync = model.backend.synchronize
+        t_ours = median_time(lambda: model.loss_and_grads(tokens, targets), args.steps,
+                             args.warmup, sync)
+        ntok = B * T
+        flops = step_flops(cfg, B, T)
+        row = (f"| {name} | {model.backend.name} | {B} x {T} | {cfg.n_params() / 1e6:.2f}M "
+               f"| {t_ours * 1e3:.1f} | {ntok / t_ours:,.0f} | {100 * flops / t_ours / peak:.0f}% ")
+        t_torch = None
+        if torch is not None:
+            step, step_opt = torch_step_fns(torch, cfg, params, tokens, targets, bool(AdamW))
+            t_torch = median_time(step, args.steps, args.warmup)
+            row += f"| {t_torch * 1e3:.1f} | {ntok / t_torch:,.0f} | {t_torch / t_ours:.2f} |"
+        else:
+            row += "| – | – | – |"
+        rows.append(row)
+        print(row, flush=True)
+        if AdamW is not None:
+            opt = AdamW(model.params, lr=1e-4, weight_decay=0.1)
+
+            def full_step():
+                _, grads = model.loss_and_grads(tokens, targets)
+                opt.step(grads)
+
+            t_full = median_time(full_step, args.steps, args.warmup, sync)
+            orow = f"| {name} | {model.backend.name} | {t_full * 1e3:.1f} | {ntok / t_full:,.0f} "
+            if torch is not None:
+                t_tfull = median_time(step_opt, args.steps, args.warmup)
+                orow += f"| {t_tfull * 1e3:.1f} | {t_tfull / t_full:.2f} |"
+            else:
+                orow += "| – | – |"
+            opt_rows.append(orow)
+
+    print("\nOne training step (forward + backward, no optimizer), median of "
+          f"{args.steps} after {args.warmup} warm-up:\n")
+    print("\n".join(rows))
+    if opt_rows:
+        print("\nFull step with AdamW (minillama.optim.AdamW vs torch.optim.AdamW):\n")
+        print("| config | backend | ms/step | tokens/s | torch ms/step | torch/minillama |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(opt_rows))
+    print("\ntorch/minillama > 1 means minillama is faster. % of peak counts "
+          "6 * N_matmul * tokens + full-square attention FLOPs.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
