@@ -32,8 +32,9 @@ from ..errors import MinillamaError
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 
-#: NVRTC options shared by the CI check and the runtime build
-COMPILE_OPTIONS = ("-std=c++17",)
+#: NVRTC options shared by the CI check and the runtime build (NVRTC 12 defaults to C++17; no
+#: -std flag, so it cannot clash with options CuPy adds itself)
+COMPILE_OPTIONS: tuple[str, ...] = ()
 
 #: architectures the CI compile check covers (A100 and H100)
 CHECK_ARCHS = (80, 90)
