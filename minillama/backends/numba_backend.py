@@ -28,6 +28,8 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 #: below this many multiply-adds the serial twin of a kernel runs (waking threads costs more)
 PARALLEL_MIN_WORK = 1 << 17
+#: RoPE is memory-bound: below this many elements one thread is as fast as two
+ROPE_PARALLEL_MIN_SIZE = 1 << 20
 #: at most this many query positions per call take the decode kernel (no K transpose)
 DECODE_MAX_T = 4
 #: the decode kernel splits the keys into chunks of at least this many when it splits them
@@ -82,7 +84,8 @@ class NumbaBackend(NumpyBackend):
             raise MinillamaError(f"per-sequence RoPE tables {cos.shape} need B={B} rows")
         if out is None:
             out = np.empty_like(x)
-        kern = self._k.rope_parallel if self._parallel(x.size * 4) else self._k.rope_serial
+        par = x.size >= ROPE_PARALLEL_MIN_SIZE and self._parallel(x.size)
+        kern = self._k.rope_parallel if par else self._k.rope_serial
         kern(x, cos3, sin3, bsel, inverse, out)
         return out
 

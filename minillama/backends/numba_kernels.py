@@ -438,22 +438,43 @@ def _attn_bwd_item(q, k, v, out, dout, lse, starts, scale, dq, dk, dv, u):
                     prow[c] = pc
                     dsrow[c] = pc * (dsrow[c] - Dr)
                 _axpy_rows(dsrow, k, b, kh, c0, n, dqa[r])
-            # dK, dV of the tile's keys: rows with c < nrow[r] (a suffix of the rows)
+            # dK, dV of the tile's keys: key c gets the rows with c < nrow[r], a suffix
+            # r >= rs of the tile's rows (nrow grows with r); two rows per pass
+            rs = 0
             for c in range(c1 - c0):
+                while rs < nr and nrow[rs] <= c:
+                    rs += 1
                 for d in range(hd):
                     dkc[d] = zero
                     dvc[d] = zero
-                for r in range(nr):
-                    if c < nrow[r]:
-                        t = t0 + r // G
-                        h = kh * G + (r - (r // G) * G)
-                        w = ds[r, c]
-                        pw = p[r, c]
-                        qrow = q[b, t, h]
-                        orow = dout[b, t, h]
-                        for d in range(hd):
-                            dkc[d] += w * qrow[d]
-                            dvc[d] += pw * orow[d]
+                r = rs
+                while r + 2 <= nr:
+                    ta = t0 + r // G
+                    ha = kh * G + (r - (r // G) * G)
+                    tb = t0 + (r + 1) // G
+                    hb = kh * G + (r + 1 - ((r + 1) // G) * G)
+                    wa = ds[r, c]
+                    wb = ds[r + 1, c]
+                    pa = p[r, c]
+                    pb = p[r + 1, c]
+                    qa = q[b, ta, ha]
+                    qb = q[b, tb, hb]
+                    oa = dout[b, ta, ha]
+                    ob = dout[b, tb, hb]
+                    for d in range(hd):
+                        dkc[d] += wa * qa[d] + wb * qb[d]
+                        dvc[d] += pa * oa[d] + pb * ob[d]
+                    r += 2
+                if r < nr:
+                    ta = t0 + r // G
+                    ha = kh * G + (r - (r // G) * G)
+                    wa = ds[r, c]
+                    pa = p[r, c]
+                    qa = q[b, ta, ha]
+                    oa = dout[b, ta, ha]
+                    for d in range(hd):
+                        dkc[d] += wa * qa[d]
+                        dvc[d] += pa * oa[d]
                 dkrow = dk[b, c0 + c, kh]
                 dvrow = dv[b, c0 + c, kh]
                 for d in range(hd):

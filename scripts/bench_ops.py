@@ -1,0 +1,234 @@
+#!/usr/bin/env python
+"""Numba backend vs the NumPy reference, side by side: per-op times of causal attention (forward,
+backward, peak memory) and RoPE, then the end-to-end training step and batch-1 cached decode of
+a stories15M-shaped model on both backends.
+
+    python scripts/bench_ops.py --threads 2
+
+Attention uses the stories15M heads (H = KVH = 6, hd = 48), float32, at T = 128, 512, 2048.
+Times are the best of ``--reps`` runs (the first call, which loads or compiles the kernels, is
+not timed). Peak memory: the most bytes allocated at once during forward + backward (tracemalloc,
+which sees every NumPy array, outputs and gradients included) plus, for Numba, the bound on its
+in-kernel scratch (not traced). The test suite checks the same with the peak RSS at T = 2048.
+``--scripts`` also runs scripts/bench_train.py and scripts/bench_decode.py with
+``--backend numpy`` and ``--backend numba`` and prints their reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import tracemalloc
+import time
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2, help="BLAS / Numba threads (default 2)")
+    ap.add_argument("--T", default="128,512,2048", help="attention lengths (comma list)")
+    ap.add_argument("--batch", type=int, default=1, help="attention batch size B (default 1)")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions, best kept")
+    ap.add_argument("--train-batch", type=int, default=8, help="training step B (T = 256)")
+    ap.add_argument("--decode-tokens", type=int, default=32, help="timed decode steps")
+    ap.add_argument("--decode-start", default="16,1000",
+                    help="prompt lengths after which decode is timed (comma list)")
+    ap.add_argument("--skip-model", action="store_true", help="ops only")
+    ap.add_argument("--scripts", action="store_true",
+                    help="also run bench_train.py / bench_decode.py on both backends")
+    return ap.parse_args(argv)
+
+
+ARGS = parse_args()
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    os.environ[_var] = str(ARGS.threads)
+
+import numpy as np  # noqa: E402  (after the thread settings)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from minillama import ops  # noqa: E402
+from minillama.backends import get_backend  # noqa: E402
+from minillama.config import ModelConfig  # noqa: E402
+from minillama.model import Transformer, init_params  # noqa: E402
+
+def peak_alloc(fn) -> int:
+    """Peak bytes of NumPy/Python allocations alive at once while ``fn()`` runs (tracemalloc),
+    above what was allocated before. Numba's in-kernel scratch (NRT) is not traced; it is
+    bounded by :func:`numba_scratch_bytes`."""
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        fn()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def numba_scratch_bytes(nb_threads: int, G: int, hd: int, itemsize: int = 4) -> int:
+    """Upper bound of the attention kernels' scratch: per running work item two (BR G, BC)
+    tiles, a (BR G, hd) accumulator and a few (BR G) / (hd) vectors."""
+    from minillama.backends import numba_kernels as K  # noqa: PLC0415
+
+    R = K.BR * G
+    return nb_threads * itemsize * (2 * R * K.BC + R * hd + 4 * R + 2 * hd)
+
+
+def best(fn, reps: int, setup=None) -> float:
+    times = []
+    for _ in range(reps):
+        arg = setup() if setup else None
+        t0 = time.perf_counter()
+        fn(arg) if setup else fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def fmt_ms(s: float) -> str:
+    return f"{s * 1e3:.2f}" if s < 1 else f"{s * 1e3:.0f}"
+
+
+def bench_attention(nb, T_list, B, reps):
+    H, KVH, hd = 6, 6, 48
+    rows = []
+    for T in T_list:
+        rng = np.random.default_rng(T)
+        q, k, v, do = (rng.standard_normal((B, T, n, hd)).astype(np.float32)
+                       for n in (H, KVH, KVH, H))
+        res = {}
+        for name, fwd, bwd in (("numpy", ops.attention_forward, ops.attention_backward),
+                               ("numba", nb.attention_forward, nb.attention_backward)):
+            o, c = fwd(q, k, v)  # warm-up (kernel load/compile)
+            bwd(do, c)
+            del o, c
+            r = max(1, reps if T < 2048 else min(reps, 2))
+            tf = best(lambda: fwd(q, k, v), r)
+            tb = best(lambda ctx: bwd(do, ctx), r, setup=lambda: fwd(q, k, v)[1])
+            mem = peak_alloc(lambda: bwd(do, fwd(q, k, v)[1]))
+            if name == "numba":
+                mem += numba_scratch_bytes(nb.num_threads, H // KVH, hd)
+            res[name] = (tf, tb, mem)
+        (f0, b0, m0), (f1, b1, m1) = res["numpy"], res["numba"]
+        rows.append(
+            f"| attention | {B}x{T}x{H}x{hd} | {fmt_ms(f0)} | {fmt_ms(f1)} | {f0 / f1:.1f}x "
+            f"| {fmt_ms(b0)} | {fmt_ms(b1)} | {b0 / b1:.1f}x | {(f0 + b0) / (f1 + b1):.1f}x "
+            f"| {m0 / 2**20:.1f} | {m1 / 2**20:.1f} |")
+    return rows
+
+
+def bench_rope(nb, reps):
+    rows = []
+    for B, T, nh, hd in ((8, 256, 6, 48), (1, 2048, 6, 48), (1, 1, 6, 48)):
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((B, T, nh, hd)).astype(np.float32)
+        cos, sin = ops.rope_tables(hd, max(T, 256), 10000.0, np.float32)
+        cos, sin = cos[:T], sin[:T]
+        res = {}
+        for name, fwd, bwd in (("numpy", ops.rope_forward, ops.rope_backward),
+                               ("numba", nb.rope_forward, nb.rope_backward)):
+            _, c = fwd(x, cos, sin)
+            bwd(x, c)
+            r = reps * 20
+            res[name] = (best(lambda: fwd(x, cos, sin), r), best(lambda: bwd(x, c), r))
+        (f0, b0), (f1, b1) = res["numpy"], res["numba"]
+        rows.append(
+            f"| rope | {B}x{T}x{nh}x{hd} | {f0 * 1e3:.3f} | {f1 * 1e3:.3f} | {f0 / f1:.1f}x "
+            f"| {b0 * 1e3:.3f} | {b1 * 1e3:.3f} | {b0 / b1:.1f}x | {(f0 + b0) / (f1 + b1):.1f}x "
+            f"| | |")
+    return rows
+
+
+S15 = dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=768, vocab_size=32000,
+           max_seq_len=1280)
+
+
+def bench_model(reps):
+    cfg = ModelConfig(**S15)
+    params = init_params(cfg, seed=0, dtype=np.float32)
+    rng = np.random.default_rng(0)
+    Bt, Tt = ARGS.train_batch, 256
+    tok = rng.integers(0, cfg.vocab_size, size=(Bt, Tt))
+    tgt = rng.integers(0, cfg.vocab_size, size=(Bt, Tt))
+    starts = [int(s) for s in ARGS.decode_start.split(",")]
+    n_dec = ARGS.decode_tokens
+    out = {}
+    for name in ("numpy", "numba"):
+        model = Transformer(cfg, params=params, backend=name)
+        model.loss_and_grads(tok[:1, :32], tgt[:1, :32])  # warm-up
+        t_train = best(lambda: model.loss_and_grads(tok, tgt), max(1, reps - 1))
+        dec = []
+        for start in starts:
+            prompt = rng.integers(0, cfg.vocab_size, size=(1, start))
+            steps = rng.integers(0, cfg.vocab_size, size=(n_dec, 1, 1))
+
+            def setup():
+                cache = model.new_cache(1)
+                model.forward(prompt, 0, cache, last_only=True)
+                return cache
+
+            def decode(cache):
+                for i in range(n_dec):
+                    model.forward(steps[i], start + i, cache, last_only=True)
+
+            dec.append(best(decode, max(1, reps - 1), setup=setup) / n_dec)
+        out[name] = (t_train, dec)
+    rows = []
+    (t0, d0), (t1, d1) = out["numpy"], out["numba"]
+    toks = Bt * Tt
+    rows.append(f"| training step (loss + all grads) | s15, B={Bt}, T={Tt} | {fmt_ms(t0)} ms "
+                f"({toks / t0:.0f} tok/s) | {fmt_ms(t1)} ms ({toks / t1:.0f} tok/s) "
+                f"| {t0 / t1:.2f}x |")
+    for start, a, b in zip(starts, d0, d1):
+        rows.append(f"| batch-1 decode, positions {start}..{start + n_dec - 1} | s15 "
+                    f"| {a * 1e3:.2f} ms/tok | {b * 1e3:.2f} ms/tok | {a / b:.2f}x |")
+    return rows
+
+
+def run_scripts():
+    here = os.path.dirname(os.path.abspath(__file__))
+    jobs = []
+    for be in ("numpy", "numba"):
+        jobs.append([sys.executable, os.path.join(here, "bench_train.py"), "--backend", be,
+                     "--configs", "s15", "--no-torch", "--steps", "3",
+                     "--threads", str(ARGS.threads)])
+        jobs.append([sys.executable, os.path.join(here, "bench_decode.py"), "--backend", be,
+                     "--shapes", "s15", "--no-hf", "--threads", str(ARGS.threads)])
+    for cmd in jobs:
+        if not os.path.exists(cmd[1]):
+            print(f"\n({os.path.basename(cmd[1])} not found, skipped)")
+            continue
+        print(f"\n$ python {' '.join(os.path.relpath(c) if c.endswith('.py') else c for c in cmd[1:])}")
+        sys.stdout.flush()
+        subprocess.run(cmd, check=False)
+
+
+def main() -> int:
+    nb = get_backend("numba")
+    print(f"# bench_ops: numba vs numpy — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    cpu = platform.processor() or platform.machine()
+    print(f"machine: {cpu}, {os.cpu_count()} CPUs; python {platform.python_version()}, numpy "
+          f"{np.__version__}, numba {nb._numba.__version__}; threads={ARGS.threads} "
+          f"(numba {nb.num_threads})")
+    print(f"command: python {' '.join(sys.argv)}\n")
+    print("| op | shape (B x T x H x hd) | numpy fwd ms | numba fwd ms | fwd speed-up "
+          "| numpy bwd ms | numba bwd ms | bwd speed-up | fwd+bwd speed-up "
+          "| numpy peak MiB | numba peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    T_list = [int(t) for t in ARGS.T.split(",") if t]
+    for row in bench_attention(nb, T_list, ARGS.batch, ARGS.reps):
+        print(row, flush=True)
+    for row in bench_rope(nb, ARGS.reps):
+        print(row, flush=True)
+    if not ARGS.skip_model:
+        print("\n| end to end | model | numpy | numba | numba speed-up |")
+        print("|---|---|---|---|---|")
+        for row in bench_model(ARGS.reps):
+            print(row, flush=True)
+    if ARGS.scripts:
+        run_scripts()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
