@@ -139,26 +139,30 @@ def test_softmax_shift_invariance(seed, N, V, shift):
 # attention statistics
 # ---------------------------------------------------------------------------------------------
 def test_scaled_scores_have_unit_variance():
-    r"""For q, k with i.i.d. N(0,1) entries, q.k/\sqrt{hd} has mean 0 and variance exactly 1.
+    r"""For q, k with i.i.d. N(0,1) entries, s = q.k/\sqrt{hd} has mean 0 and variance exactly 1
+    (a sum of hd products of variance 1, divided by sqrt(hd)).
 
-    The scores are read off the op itself: with one query at the last position every key is
-    visible, and log P_j = S_j - logsumexp(S), so the variance of log P across keys is the
-    variance of the scores. Per row that variance is |q|^2/hd (conditionally on q), whose mean
-    over R rows has std sqrt(2/(hd R)); with hd = 64, R = 2*8 = 16 rows of S = 4096 keys the
-    estimator's std is ~0.045, and the bound |var - 1| < 0.25 is > 5 sigma. A missing or
-    doubled 1/sqrt(hd) would give variance 64 or 1/64.
+    The score is read off the op's output: with two visible keys, k_0 = 0 (score 0) and k_1 = k,
+    and values v_0 = 0, v_1 = e_0, the output's first entry is P_1 = sigmoid(s), so
+    s = log(o / (1 - o)). n = B H = 16000 scores; the sample variance has std
+    sqrt(Var(s^2)/n) = sqrt((2 + 6/hd)/n) ~ 0.011 (heads of one KV group share k, which adds a
+    little correlation), so |var - 1| < 0.1 is a ~9 sigma bound. A missing or doubled 1/sqrt(hd)
+    gives variance hd = 64 or 1/64; using 1/hd gives 1/64 too.
     """
     rng = np.random.default_rng(2024)
-    B, H, KVH, S, hd = 2, 8, 4, 4096, 64
+    B, H, KVH, hd = 2000, 8, 4, 64
     q = rng.standard_normal((B, 1, H, hd))
-    k = rng.standard_normal((B, S, KVH, hd))
-    v = rng.standard_normal((B, S, KVH, hd))
-    _, ctx = ops.attention_forward(q, k, v, start_pos=S - 1)
-    p = ctx[3]  # the saved probabilities (B, KVH, G, 1, S) of the reference backend
-    assert p.shape == (B, KVH, H // KVH, 1, S)
-    logp = np.log(p)
-    var = np.var(logp, axis=-1).mean()
-    assert abs(var - 1.0) < 0.25, var
+    k = np.zeros((B, 2, KVH, hd))
+    k[:, 1] = rng.standard_normal((B, KVH, hd))
+    v = np.zeros((B, 2, KVH, hd))
+    v[:, 1, :, 0] = 1.0
+    o, _ = ops.attention_forward(q, k, v, start_pos=1)
+    p1 = o[:, 0, :, 0]
+    s = np.log(p1 / (1.0 - p1))
+    direct = np.einsum("bhd,bhd->bh", q[:, 0], np.repeat(k[:, 1], H // KVH, axis=1)) / np.sqrt(hd)
+    np.testing.assert_allclose(s, direct, rtol=1e-8, atol=1e-8)  # the readout is exact
+    assert abs(s.mean()) < 0.05  # std of the mean ~ 1/sqrt(16000) = 0.008
+    assert abs(s.var() - 1.0) < 0.1, s.var()
 
 
 @FAST
