@@ -174,6 +174,7 @@ def be(emu_lib, monkeypatch):
     monkeypatch.setattr(cb, "get_kernel", get_kernel)
     backend = object.__new__(cbk.CupyBackend)
     backend.xp, backend.device, backend._dummy_start = np, "cpu-emulation", {}
+    backend._start_cache = None
     return backend
 
 
@@ -319,3 +320,9 @@ def test_device_sampling_matches_host_sampling(be):
         p = [None, 0.3, 0.9, 1.0][(trial // 16) % 4]
         got = be.sample_tokens(z[None], t, k, p, np.random.default_rng(trial))
         assert int(got[0]) == sample(z, np.random.default_rng(trial), t, k, p)
+    # a batch with one uniform per row (each sequence's own generator) = row by row on the host
+    Z = rng.standard_normal((5, 40)) * 2
+    gens = [np.random.default_rng(100 + b) for b in range(5)]
+    u = np.array([np.random.default_rng(100 + b).random() for b in range(5)])
+    got = be.sample_tokens(Z, 0.8, 10, 0.9, uniforms=u)
+    assert got.tolist() == [sample(Z[b], gens[b], 0.8, 10, 0.9) for b in range(5)]

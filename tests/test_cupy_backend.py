@@ -272,6 +272,17 @@ def test_device_sampling_matches_host_sampling(V, temperature, top_k, top_p, see
     assert got.shape == (1,) and int(got[0]) == want
 
 
+def test_device_sampling_one_uniform_per_sequence():
+    from minillama.sampling import sample  # noqa: PLC0415
+
+    Z = np.random.default_rng(5).standard_normal((6, 300)) * 2
+    u = np.array([np.random.default_rng(10 + b).random() for b in range(6)])
+    got = BE.sample_tokens(dev(Z), 0.9, 20, 0.8, uniforms=u)
+    want = [sample(Z[b], np.random.default_rng(10 + b), 0.9, 20, 0.8) for b in range(6)]
+    assert got.tolist() == want
+    assert BE.sample_tokens(dev(Z), 0.0).tolist() == Z.argmax(axis=1).tolist()
+
+
 # ------------------------------------------------------------------------------------------------
 def test_modules_compile_once_per_device():
     m1 = cb.get_module("swiglu")

@@ -124,6 +124,7 @@ class CupyBackend(NumpyBackend):
             label = "GPU"
         self.device = f"cuda:{dev.id} ({label})"
         self._dummy_start = {}
+        self._start_cache = None
 
     # --- helpers -------------------------------------------------------------------------------
     def asarray(self, a, dtype=None):
@@ -147,7 +148,14 @@ class CupyBackend(NumpyBackend):
                 return self._dummy(), np.int64(int(arr[0])), np.int32(0)
             if arr.size != B:
                 raise MinillamaError(f"start_pos has {arr.size} entries for a batch of {B}")
-            return _c(cp.asarray(arr, dtype=cp.int64)), np.int64(0), np.int32(1)
+            if isinstance(arr, cp.ndarray):
+                return _c(arr.astype(cp.int64, copy=False)), np.int64(0), np.int32(1)
+            # every layer of one forward passes the same host positions: copy them once
+            pos = np.asarray(arr, dtype=np.int64)
+            key = (cp.cuda.Device().id, pos.tobytes())
+            if self._start_cache is None or self._start_cache[0] != key:
+                self._start_cache = (key, cp.asarray(pos))
+            return self._start_cache[1], np.int64(0), np.int32(1)
         return self._dummy(), np.int64(int(start_pos)), np.int32(0)
 
     def _dummy(self):
@@ -443,9 +451,9 @@ class CupyBackend(NumpyBackend):
         adamw_update(param, grad, m, v, lr, beta1, beta2, eps, wd, step)
 
     def sample_tokens(self, logits, temperature: float = 0.0, top_k=None, top_p=None,
-                      rng: np.random.Generator | None = None):
+                      rng: np.random.Generator | None = None, uniforms=None):
         """See :func:`sample_tokens`."""
-        return sample_tokens(logits, temperature, top_k, top_p, rng)
+        return sample_tokens(logits, temperature, top_k, top_p, rng, uniforms)
 
 
 def adamw_update(param, grad, m, v, lr, beta1, beta2, eps, wd, step) -> None:
@@ -484,15 +492,16 @@ def adamw_update(param, grad, m, v, lr, beta1, beta2, eps, wd, step) -> None:
 
 
 def sample_tokens(logits, temperature: float = 0.0, top_k=None, top_p=None,
-                  rng: np.random.Generator | None = None) -> np.ndarray:
+                  rng: np.random.Generator | None = None, uniforms=None) -> np.ndarray:
     r"""Next token ids for a (B, V) batch of device logits, chosen on the device; only the B ids
     cross to the host.
 
     \tau = 0: \arg\max_v z_v. Otherwise p = \mathrm{softmax}(z / \tau), restricted to the k most
     likely tokens (top-k) and to the shortest most-likely prefix whose mass reaches top_p (the
     token crossing the threshold is kept), renormalised, and sampled by inverse CDF with one
-    uniform per row drawn from ``rng`` on the host (so a seed reproduces the draw).
-    Returns (B,) int64 ids on the host.
+    uniform per row: ``uniforms`` (B,) when given (e.g. one draw from each sequence's own
+    generator), else ``rng.random(B)``. With the same uniform, row b picks the token that
+    :func:`minillama.sampling.sample` picks. Returns (B,) int64 ids on the host.
     """
     from ..sampling import check_sampling  # noqa: PLC0415
 
@@ -504,8 +513,13 @@ def sample_tokens(logits, temperature: float = 0.0, top_k=None, top_p=None,
     B, V = z.shape
     if temperature == 0.0:
         return cp.asnumpy(cp.argmax(z, axis=-1)).astype(np.int64)
-    if rng is None:
-        raise MinillamaError("sampling with temperature > 0 needs a random generator")
+    if uniforms is None:
+        if rng is None:
+            raise MinillamaError("sampling with temperature > 0 needs a random generator")
+        uniforms = rng.random(B)
+    uniforms = np.asarray(uniforms, dtype=np.float64).reshape(-1)
+    if uniforms.size != B:
+        raise MinillamaError(f"sample_tokens: {uniforms.size} uniforms for {B} rows")
     zz = z.astype(cp.float64) / float(temperature)
     use_k = top_k is not None and int(top_k) < V
     use_p = top_p is not None and top_p < 1.0
@@ -524,7 +538,7 @@ def sample_tokens(logits, temperature: float = 0.0, top_k=None, top_p=None,
         keep &= before < float(top_p)
     p = cp.where(keep, p, 0.0)
     c = cp.cumsum(p, axis=-1)
-    u = cp.asarray(rng.random(B)) * c[:, -1]
+    u = cp.asarray(uniforms) * c[:, -1]
     j = cp.minimum((c <= u[:, None]).sum(axis=-1), keep.sum(axis=-1) - 1)
     ids = cp.take_along_axis(order, j[:, None], axis=-1)[:, 0]
     return cp.asnumpy(ids).astype(np.int64)
