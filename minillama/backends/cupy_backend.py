@@ -112,6 +112,8 @@ class CupyBackend(NumpyBackend):
     """
 
     name = "cupy"
+    #: the kernels are instantiated for float64 too, so the float64 gradient checks run on them
+    supports_float64 = True
 
     def __init__(self) -> None:  # noqa: D107 - documented on the class
         super().__init__()
