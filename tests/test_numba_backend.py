@@ -226,10 +226,10 @@ def test_decode_kernel_key_split(dtype, T, rng):
     ref, _ = ops.attention_forward(q, k, v, starts)
     kern = be._k
     for nsplit in (1, 3, 7):
-        rows = T * G
-        pm = np.empty((B * KVH * nsplit, rows), dtype)
+        rows = T * KVH * G
+        pm = np.empty((B * nsplit, rows), dtype)
         pl = np.empty_like(pm)
-        pacc = np.empty((B * KVH * nsplit, rows, hd), dtype)
+        pacc = np.empty((B * nsplit, rows, hd), dtype)
         out = np.empty_like(q)
         lse = np.empty((B, KVH * G, T), dtype)
         kern.attn_dec_serial(q, k, v, starts.astype(np.int64), dtype(hd ** -0.5), nsplit,

@@ -26,8 +26,9 @@ from .numpy_backend import NumpyBackend
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
-#: below this many multiply-adds the serial twin of a kernel runs (waking threads costs more)
-PARALLEL_MIN_WORK = 1 << 17
+#: below this many multiply-adds (about a millisecond of one core) the serial twin of a kernel
+#: runs: waking the thread pool costs more, and far more on a busy machine
+PARALLEL_MIN_WORK = 1 << 22
 #: RoPE is memory-bound: below this many elements one thread is as fast as two
 ROPE_PARALLEL_MIN_SIZE = 1 << 20
 #: at most this many query positions per call take the decode kernel (no K transpose)
@@ -149,16 +150,13 @@ class NumbaBackend(NumpyBackend):
             work = 2 * B * H * T * keys * hd
             par = self._parallel(work)
             if T <= DECODE_MAX_T:
-                units = B * KVH
                 nsplit = 1
-                if par and units < 2 * self.num_threads:
-                    # few (b, kv head) items: also split the keys so every thread gets work
-                    nsplit = max(1, min(-(-2 * self.num_threads // units),
-                                        keys // DECODE_MIN_CHUNK))
-                rows = T * (H // KVH)
-                pm = np.empty((units * nsplit, rows), dtype=dt)
-                pl = np.empty((units * nsplit, rows), dtype=dt)
-                pacc = np.empty((units * nsplit, rows, hd), dtype=dt)
+                if par and B < 2 * self.num_threads:
+                    # few sequences: split the keys so that every thread gets work
+                    nsplit = max(1, min(-(-2 * self.num_threads // B), keys // DECODE_MIN_CHUNK))
+                pm = np.empty((B * nsplit, T * H), dtype=dt)
+                pl = np.empty((B * nsplit, T * H), dtype=dt)
+                pacc = np.empty((B * nsplit, T * H, hd), dtype=dt)
                 kern = self._k.attn_dec_parallel if par else self._k.attn_dec_serial
                 kern(q, k, v, starts, scale, nsplit, pm, pl, pacc, out, lse)
             else:

@@ -280,16 +280,16 @@ def attn_fwd_serial(q, k, v, starts, scale, out, lse):
 # ---------------------------------------------------------------------------------------------
 @njit(**_opts)
 def _attn_dec_item(q, k, v, starts, scale, nsplit, pm, pl, pacc, w):
-    # work item w = (b, kv head, key chunk): unnormalised partial softmax of its rows over
-    # its chunk of keys -> pm (max), pl (sum of e^{s - max}), pacc (sum of e^{s - max} v)
+    # work item w = (b, key chunk), all heads: the cache rows k[b, c] / v[b, c] (KVH*hd numbers,
+    # contiguous) are streamed once in memory order. Per row r = t*H + h it leaves the
+    # unnormalised partial softmax over its chunk: pm (max), pl (sum of e^{s - max}),
+    # pacc (sum of e^{s - max} v).
     B, T, H, hd = q.shape
     S = k.shape[1]
     KVH = k.shape[2]
     G = H // KVH
-    u = w // nsplit
-    sp = w - u * nsplit
-    b = u // KVH
-    kh = u - b * KVH
+    b = w // nsplit
+    sp = w - b * nsplit
     st = starts[b]
     dt = q.dtype
     zero = scale - scale
@@ -297,55 +297,69 @@ def _attn_dec_item(q, k, v, starts, scale, nsplit, pm, pl, pacc, w):
     chunk = (nk + nsplit - 1) // nsplit
     cs = sp * chunk
     ce = min(cs + chunk, nk)
-    p = np.empty(max(chunk, 1), dtype=dt)
+    p = np.empty((H, max(chunk, 1)), dtype=dt)
     for t in range(T):
-        hi = min(ce, st + t + 1)
-        for g in range(G):
-            r = t * G + g
-            arow = pacc[w, r]
+        n = min(ce, st + t + 1) - cs  # keys cs .. cs+n-1 are visible to query t
+        for h in range(H):
+            r = t * H + h
             for d in range(hd):
-                arow[d] = zero
-            if hi <= cs:
-                pm[w, r] = -np.inf
-                pl[w, r] = zero
-                continue
-            n = hi - cs
-            _scores(q[b, t, kh * G + g], k, b, kh, cs, n, scale, p)
-            mx = p[0]
+                pacc[w, r, d] = zero
+            pm[w, r] = -np.inf
+            pl[w, r] = zero
+        if n <= 0:
+            continue
+        for c in range(n):
+            for kh in range(KVH):
+                krow = k[b, cs + c, kh]
+                for g in range(G):
+                    h = kh * G + g
+                    qrow = q[b, t, h]
+                    a = zero
+                    for d in range(hd):
+                        a += qrow[d] * krow[d]
+                    p[h, c] = a * scale
+        for h in range(H):
+            prow = p[h]
+            mx = prow[0]
             for c in range(n):
-                mx = max(mx, p[c])
+                mx = max(mx, prow[c])
             tot = zero
             for c in range(n):
-                e = fexp(p[c] - mx)
-                p[c] = e
+                e = fexp(prow[c] - mx)
+                prow[c] = e
                 tot += e
-            _axpy_rows(p, v, b, kh, cs, n, arow)
-            pm[w, r] = mx
-            pl[w, r] = tot
+            pm[w, t * H + h] = mx
+            pl[w, t * H + h] = tot
+        for c in range(n):
+            for kh in range(KVH):
+                vrow = v[b, cs + c, kh]
+                for g in range(G):
+                    h = kh * G + g
+                    pc = p[h, c]
+                    arow = pacc[w, t * H + h]
+                    for d in range(hd):
+                        arow[d] += pc * vrow[d]
 
 
 @njit(**_opts)
-def _attn_dec_combine(q, nsplit, pm, pl, pacc, out, lse, KVH):
+def _attn_dec_combine(nsplit, pm, pl, pacc, out, lse):
     # merge the chunks of each row: M = max_i m_i, L = sum_i l_i e^{m_i - M},
     # o = sum_i acc_i e^{m_i - M} / L, lse = M + log L
-    B, T, H, hd = q.shape
-    G = H // KVH
+    B, T, H, hd = out.shape
     zero = pl[0, 0] - pl[0, 0]
     one = zero + 1
-    for u in range(B * KVH):
-        b = u // KVH
-        kh = u - b * KVH
-        for r in range(T * G):
-            t = r // G
-            h = kh * G + (r - t * G)
-            M = pm[u * nsplit, r]
+    for b in range(B):
+        for r in range(T * H):
+            t = r // H
+            h = r - t * H
+            M = pm[b * nsplit, r]
             for sp in range(1, nsplit):
-                M = max(M, pm[u * nsplit + sp, r])
+                M = max(M, pm[b * nsplit + sp, r])
             L = zero
             for d in range(hd):
                 out[b, t, h, d] = zero
             for sp in range(nsplit):
-                w = u * nsplit + sp
+                w = b * nsplit + sp
                 f = fexp(pm[w, r] - M)  # 0 for an empty chunk (pm = -inf)
                 L += pl[w, r] * f
                 for d in range(hd):
@@ -358,25 +372,25 @@ def _attn_dec_combine(q, nsplit, pm, pl, pacc, out, lse, KVH):
 
 @njit(parallel=True, **_opts)
 def attn_dec_parallel(q, k, v, starts, scale, nsplit, pm, pl, pacc, out, lse):
-    r"""Decode-shaped attention (few queries, long KV cache): work items (b, kv head, key chunk)
-    in parallel, each a two-pass softmax over its chunk (scores from contiguous cache rows, no
-    transpose), then the exact merge of the chunks (split-K / flash-decoding):
+    r"""Decode-shaped attention (few queries, long KV cache): work items (b, key chunk) in
+    parallel, each streaming its cache rows once in memory order for all heads (no transpose),
+    a two-pass softmax over its chunk, then the exact merge of the chunks (flash-decoding):
 
     M = \max_i m_i,  L = \sum_i l_i e^{m_i - M},  o = \sum_i a_i e^{m_i - M} / L.
 
-    pm, pl: (B*KVH*nsplit, T*G) and pacc: (B*KVH*nsplit, T*G, hd) scratch. Same outputs as
-    :func:`attn_fwd_parallel`."""
-    for w in prange(k.shape[0] * k.shape[2] * nsplit):
+    pm, pl: (B*nsplit, T*H) and pacc: (B*nsplit, T*H, hd) scratch; O(H S / nsplit) scores per
+    item. Same outputs as :func:`attn_fwd_parallel`."""
+    for w in prange(k.shape[0] * nsplit):
         _attn_dec_item(q, k, v, starts, scale, nsplit, pm, pl, pacc, w)
-    _attn_dec_combine(q, nsplit, pm, pl, pacc, out, lse, k.shape[2])
+    _attn_dec_combine(nsplit, pm, pl, pacc, out, lse)
 
 
 @njit(**_opts)
 def attn_dec_serial(q, k, v, starts, scale, nsplit, pm, pl, pacc, out, lse):
     """Serial twin of :func:`attn_dec_parallel`."""
-    for w in range(k.shape[0] * k.shape[2] * nsplit):
+    for w in range(k.shape[0] * nsplit):
         _attn_dec_item(q, k, v, starts, scale, nsplit, pm, pl, pacc, w)
-    _attn_dec_combine(q, nsplit, pm, pl, pacc, out, lse, k.shape[2])
+    _attn_dec_combine(nsplit, pm, pl, pacc, out, lse)
 
 
 # ---------------------------------------------------------------------------------------------
