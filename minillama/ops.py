@@ -19,6 +19,8 @@ Conventions
 from __future__ import annotations
 
 import math
+import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -31,6 +33,54 @@ def array_module(x: Any):
 
         return cupy
     return np
+
+
+# ---------------------------------------------------------------------------------------------
+# Row-parallel elementwise work (NumPy arrays only)
+# ---------------------------------------------------------------------------------------------
+#: below this many elements an op runs in the calling thread (dispatch costs ~20 us)
+PARALLEL_MIN_ELEMENTS = 1 << 16
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def num_threads() -> int:
+    """Threads for the row-parallel elementwise parts of the NumPy ops: ``MINILLAMA_NUM_THREADS``,
+    else ``OMP_NUM_THREADS``, else ``OPENBLAS_NUM_THREADS``, else the CPU count. BLAS calls are
+    threaded by the BLAS library itself."""
+    for var in ("MINILLAMA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return os.cpu_count() or 1
+
+
+def parallel_rows(fn, n_rows: int, n_elements: int, xp=np) -> None:
+    """Call ``fn(lo, hi)`` on contiguous chunks covering rows [0, n_rows), in threads.
+
+    NumPy releases the GIL inside ufuncs and reductions on large arrays, so chunks of an
+    elementwise op run truly in parallel. Row-wise ops give bit-identical results however they
+    are chunked. CuPy arrays (``xp`` not NumPy) and small ops run ``fn(0, n_rows)`` directly.
+    """
+    nt = min(num_threads(), n_rows)
+    if xp is not np or nt <= 1 or n_elements < PARALLEL_MIN_ELEMENTS:
+        fn(0, n_rows)
+        return
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < nt - 1:
+            from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+            _pool = ThreadPoolExecutor(max_workers=nt - 1, thread_name_prefix="minillama-ops")
+        pool = _pool
+    step = -(-n_rows // nt)
+    bounds = [(lo, min(lo + step, n_rows)) for lo in range(0, n_rows, step)]
+    futures = [pool.submit(fn, lo, hi) for lo, hi in bounds[1:]]
+    try:
+        fn(*bounds[0])
+    finally:
+        for f in futures:
+            f.result()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,10 +148,24 @@ def rmsnorm_forward(x, g, eps):
     x: (..., D); g: (D,). Returns y: (..., D). Saves r = 1/\sqrt{\mathrm{mean}(x^2)+\epsilon}: (..., 1).
     """
     xp = array_module(x)
-    rstd = 1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)
-    y = x * rstd
-    y *= g
-    return y, (x, rstd, g)
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    N = x2.shape[0]
+    y = xp.empty((N, D), dtype=xp.result_type(x, g))
+    rstd = xp.empty((N, 1), dtype=x.dtype)
+
+    def rows(lo, hi):
+        xs, r = x2[lo:hi], rstd[lo:hi]
+        xp.mean(xs * xs, axis=-1, keepdims=True, out=r)
+        r += eps
+        xp.sqrt(r, out=r)
+        xp.reciprocal(r, out=r)
+        ys = y[lo:hi]
+        xp.multiply(xs, r, out=ys)
+        ys *= g
+
+    parallel_rows(rows, N, x2.size, xp)
+    return y.reshape(x.shape), (x, rstd.reshape(*x.shape[:-1], 1), g)
 
 
 def rmsnorm_backward(dy, ctx):
@@ -112,15 +176,30 @@ def rmsnorm_backward(dy, ctx):
     """
     x, rstd, g = ctx
     xp = array_module(dy)
-    xhat = x * rstd
-    t = dy * xhat
-    dg = t.reshape(-1, x.shape[-1]).sum(axis=0)
-    u = dy * g
-    xp.multiply(u, xhat, out=t)
-    xhat *= xp.mean(t, axis=-1, keepdims=True)
-    u -= xhat
-    u *= rstd
-    return u, dg
+    D = x.shape[-1]
+    x2, dy2, r2 = x.reshape(-1, D), dy.reshape(-1, D), rstd.reshape(-1, 1)
+    N = x2.shape[0]
+    dx = xp.empty((N, D), dtype=xp.result_type(dy, x))
+    partial_dg = {}
+
+    def rows(lo, hi):
+        r = r2[lo:hi]
+        xhat = x2[lo:hi] * r
+        t = dy2[lo:hi] * xhat
+        partial_dg[lo] = t.sum(axis=0)
+        u = dx[lo:hi]
+        xp.multiply(dy2[lo:hi], g, out=u)
+        xp.multiply(u, xhat, out=t)
+        xhat *= xp.mean(t, axis=-1, keepdims=True)
+        u -= xhat
+        u *= r
+
+    parallel_rows(rows, N, x2.size, xp)
+    parts = [partial_dg[k] for k in sorted(partial_dg)]
+    dg = parts[0]
+    for part in parts[1:]:
+        dg += part
+    return dx.reshape(dy.shape), dg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,6 +224,30 @@ def _rope_broadcast(c, x):
     return c[None, :, None, :] if c.ndim == 2 else c[:, :, None, :]
 
 
+def _rope_rotate(x, cos, sin, sign: float):
+    """y = R(sign * angle) x over the pairs of the last axis, chunked over the batch axis."""
+    xp = array_module(x)
+    c, s = _rope_broadcast(cos, x), _rope_broadcast(sin, x)
+    y = xp.empty(x.shape, dtype=xp.result_type(x, c))
+
+    def rows(lo, hi):
+        cc = c if c.shape[0] == 1 else c[lo:hi]
+        ss = s if s.shape[0] == 1 else s[lo:hi]
+        x0, x1 = x[lo:hi, ..., 0::2], x[lo:hi, ..., 1::2]
+        y0, y1 = y[lo:hi, ..., 0::2], y[lo:hi, ..., 1::2]
+        xp.multiply(x0, cc, out=y0)
+        xp.multiply(x1, cc, out=y1)
+        if sign > 0:  # (x0 c - x1 s, x0 s + x1 c)
+            y0 -= x1 * ss
+            y1 += x0 * ss
+        else:  # (x0 c + x1 s, -x0 s + x1 c)
+            y0 += x1 * ss
+            y1 -= x0 * ss
+
+    parallel_rows(rows, x.shape[0], x.size, xp)
+    return y
+
+
 def rope_forward(x, cos, sin):
     r"""Rotate each pair (x_{2i}, x_{2i+1}) of every head by the angle m \theta_i of its position m:
 
@@ -154,16 +257,7 @@ def rope_forward(x, cos, sin):
     x: (B, T, nh, hd); cos, sin: (T, hd/2) or (B, T, hd/2), already gathered at the positions.
     Returns y: (B, T, nh, hd).
     """
-    xp = array_module(x)
-    c, s = _rope_broadcast(cos, x), _rope_broadcast(sin, x)
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    y = xp.empty(x.shape, dtype=x.dtype)
-    y0, y1 = y[..., 0::2], y[..., 1::2]
-    xp.multiply(x0, c, out=y0)
-    y0 -= x1 * s
-    xp.multiply(x0, s, out=y1)
-    y1 += x1 * c
-    return y, (cos, sin)
+    return _rope_rotate(x, cos, sin, 1.0), (cos, sin)
 
 
 def rope_backward(dy, ctx):
@@ -174,16 +268,7 @@ def rope_backward(dy, ctx):
     dy: (B, T, nh, hd). Returns dx: (B, T, nh, hd).
     """
     cos, sin = ctx
-    xp = array_module(dy)
-    c, s = _rope_broadcast(cos, dy), _rope_broadcast(sin, dy)
-    d0, d1 = dy[..., 0::2], dy[..., 1::2]
-    dx = xp.empty(dy.shape, dtype=dy.dtype)
-    dx0, dx1 = dx[..., 0::2], dx[..., 1::2]
-    xp.multiply(d0, c, out=dx0)
-    dx0 += d1 * s
-    xp.multiply(d1, c, out=dx1)
-    dx1 -= d0 * s
-    return dx
+    return _rope_rotate(dy, cos, sin, -1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,11 +326,17 @@ def attention_forward(q, k, v, start_pos=0):
     vv = v.transpose(0, 2, 1, 3)  # (B, KVH, S, hd), a view
     p = qs @ kt  # scores (B, KVH, G T, S), turned into probabilities in place below
     future = _future_mask(xp, T, S, start_pos)
-    if future is not None:
-        xp.copyto(p.reshape(B, KVH, G, T, S), -xp.inf, where=future)
-    p -= xp.max(p, axis=-1, keepdims=True)
-    xp.exp(p, out=p)
-    p *= 1.0 / xp.sum(p, axis=-1, keepdims=True)
+
+    def rows(lo, hi):  # masked softmax of sequences lo..hi-1
+        pp = p[lo:hi]
+        if future is not None:
+            fm = future if future.shape[0] == 1 else future[lo:hi]
+            xp.copyto(pp.reshape(hi - lo, KVH, G, T, S), -xp.inf, where=fm)
+        pp -= xp.max(pp, axis=-1, keepdims=True)
+        xp.exp(pp, out=pp)
+        pp *= 1.0 / xp.sum(pp, axis=-1, keepdims=True)
+
+    parallel_rows(rows, B, p.size, xp)
     o = p @ vv  # (B, KVH, G T, hd)
     out = o.reshape(B, KVH, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
     return out, (qs, kt, vv, p, o, scale)
@@ -270,8 +361,13 @@ def attention_backward(dout, ctx):
     do = do.reshape(B, KVH, GT, hd)
     dv = xp.swapaxes(p, -1, -2) @ do  # (B, KVH, S, hd)
     ds = do @ xp.swapaxes(vv, -1, -2)  # dP (B, KVH, G T, S), turned into dS in place
-    ds -= xp.sum(do * o, axis=-1, keepdims=True)
-    ds *= p
+
+    def rows(lo, hi):
+        d = ds[lo:hi]
+        d -= xp.sum(do[lo:hi] * o[lo:hi], axis=-1, keepdims=True)
+        d *= p[lo:hi]
+
+    parallel_rows(rows, B, ds.size, xp)
     dq = ds @ xp.swapaxes(kt, -1, -2)  # (B, KVH, G T, hd)
     dq *= scale
     dk = xp.swapaxes(ds, -1, -2) @ qs  # qs carries the 1/sqrt(hd)
@@ -299,27 +395,51 @@ def swiglu_forward(a, b):
     In the FFN, a = x W_1^T and b = x W_3^T, and the block returns h W_2^T.
     a, b: (..., F). Returns h: (..., F). Saves a, b, \sigma(a) and silu(a).
     """
-    s = sigmoid(a)
-    silu = a * s
-    return silu * b, (a, b, s, silu)
+    xp = array_module(a)
+    F = a.shape[-1]
+    a2, b2 = a.reshape(-1, F), b.reshape(-1, F)
+    N = a2.shape[0]
+    dt = xp.result_type(a, b)
+    s, silu, h = (xp.empty((N, F), dtype=dt) for _ in range(3))
+
+    def rows(lo, hi):
+        aa, ss, sl = a2[lo:hi], s[lo:hi], silu[lo:hi]
+        with np.errstate(over="ignore"):  # e^{-a} = inf for a << 0 gives sigma = 0, the limit
+            xp.negative(aa, out=ss)
+            xp.exp(ss, out=ss)
+        ss += 1.0
+        xp.reciprocal(ss, out=ss)
+        xp.multiply(aa, ss, out=sl)
+        xp.multiply(sl, b2[lo:hi], out=h[lo:hi])
+
+    parallel_rows(rows, N, a2.size, xp)
+    return h.reshape(a.shape), (a2, b2, s, silu)
 
 
 def swiglu_backward(dh, ctx):
     r"""Gradients of h = \mathrm{silu}(a) \odot b:
     db = dh \odot \mathrm{silu}(a), da = dh \odot b \odot \sigma(a)(1 + a(1 - \sigma(a))).
 
-    dh: (..., F). Returns (da, db), each (..., F) (built in the saved buffers).
+    dh: (..., F). Returns (da, db), each (..., F) (db is built in the saved silu buffer).
     """
-    a, b, s, silu = ctx
+    a2, b2, s, silu = ctx
     xp = array_module(dh)
-    da = xp.subtract(1.0, s)  # 1 - sigma
-    da *= a
-    da += 1.0
-    da *= s
-    da *= b
-    da *= dh
-    silu *= dh  # db
-    return da, silu
+    dh2 = dh.reshape(-1, a2.shape[-1])
+    N = a2.shape[0]
+    da = xp.empty((N, a2.shape[-1]), dtype=xp.result_type(dh, s))
+
+    def rows(lo, hi):
+        d, ss, g = da[lo:hi], s[lo:hi], dh2[lo:hi]
+        xp.subtract(1.0, ss, out=d)  # 1 - sigma
+        d *= a2[lo:hi]
+        d += 1.0
+        d *= ss
+        d *= b2[lo:hi]
+        d *= g
+        silu[lo:hi] *= g  # db
+
+    parallel_rows(rows, N, a2.size, xp)
+    return da.reshape(dh.shape), silu.reshape(dh.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,12 +456,20 @@ def cross_entropy_forward(logits, targets, ignore_index: int = -1):
     xp = array_module(logits)
     valid = targets != ignore_index
     safe_t = xp.where(valid, targets, 0)
-    m = xp.max(logits, axis=-1, keepdims=True)
-    p = logits - m
-    xp.exp(p, out=p)
-    sumexp = xp.sum(p, axis=-1, keepdims=True)
-    p *= 1.0 / sumexp
-    lse = (xp.log(sumexp) + m)[:, 0]
+    N = logits.shape[0]
+    p = xp.empty(logits.shape, dtype=logits.dtype)
+    lse = xp.empty(N, dtype=logits.dtype)
+
+    def rows(lo, hi):
+        z, pp = logits[lo:hi], p[lo:hi]
+        m = xp.max(z, axis=-1, keepdims=True)
+        xp.subtract(z, m, out=pp)
+        xp.exp(pp, out=pp)
+        sumexp = xp.sum(pp, axis=-1, keepdims=True)
+        pp *= 1.0 / sumexp
+        lse[lo:hi] = (xp.log(sumexp) + m)[:, 0]
+
+    parallel_rows(rows, N, logits.size, xp)
     picked = xp.take_along_axis(logits, safe_t[:, None], axis=-1)[:, 0]
     count = xp.maximum(valid.sum(), 1)
     loss = xp.sum(xp.where(valid, lse - picked, 0.0)) / count
@@ -356,7 +484,12 @@ def cross_entropy_backward(dloss, ctx):
     """
     p, safe_t, valid, count = ctx
     xp = array_module(p)
-    rows = xp.arange(p.shape[0])
-    p[rows, safe_t] -= 1.0
-    p *= (xp.asarray(dloss, dtype=p.dtype) / count).astype(p.dtype) * valid[:, None]
+    N = p.shape[0]
+    p[xp.arange(N), safe_t] -= 1.0
+    coef = ((xp.asarray(dloss, dtype=p.dtype) / count) * valid).astype(p.dtype)[:, None]
+
+    def rows(lo, hi):
+        p[lo:hi] *= coef[lo:hi]
+
+    parallel_rows(rows, N, p.size, xp)
     return p
