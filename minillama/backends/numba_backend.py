@@ -33,6 +33,12 @@ PARALLEL_MIN_WORK = 1 << 22
 ROPE_PARALLEL_MIN_SIZE = 1 << 20
 #: at most this many query positions per call take the decode kernel (no K transpose)
 DECODE_MAX_T = 4
+#: from this many query positions on, attention runs BLAS-tiled (score tiles by matmul, softmax
+#: work in Numba tile kernels); below, the all-Numba loop kernels
+TILED_MIN_T = 16
+#: query positions and keys per tile of the BLAS-tiled path (tile memory B*H*BQ*BK numbers)
+TILE_BQ = 64
+TILE_BK = 256
 #: the decode kernel splits the keys into chunks of at least this many when it splits them
 DECODE_MIN_CHUNK = 256
 
@@ -114,6 +120,103 @@ class NumbaBackend(NumpyBackend):
     # -----------------------------------------------------------------------------------------
     # attention
     # -----------------------------------------------------------------------------------------
+    # the BLAS-tiled path ---------------------------------------------------------------------
+    @staticmethod
+    def _heads_major(x, G):
+        """(B, T, KVH*G, hd) -> contiguous (B*KVH, T*G, hd), rows (t, g) of each KV head."""
+        B, T, H, hd = x.shape
+        KVH = H // G
+        y = np.ascontiguousarray(x.reshape(B, T, KVH, G, hd).transpose(0, 2, 1, 3, 4))
+        return y.reshape(B * KVH, T * G, hd)
+
+    @staticmethod
+    def _from_heads_major(y, B, T, KVH, G):
+        """Inverse of :meth:`_heads_major`: (B*KVH, T*G, hd) -> (B, T, KVH*G, hd)."""
+        hd = y.shape[-1]
+        return np.ascontiguousarray(
+            y.reshape(B, KVH, T, G, hd).transpose(0, 2, 1, 3, 4)).reshape(B, T, KVH * G, hd)
+
+    def _tile_kernel(self, name, n_elems):
+        par = self._parallel(n_elems * 4)
+        return getattr(self._k, f"tile_{name}_{'parallel' if par else 'serial'}")
+
+    def _attn_fwd_tiled(self, q, k, v, starts, scale, out, lse):
+        B, T, H, hd = q.shape
+        S, KVH = k.shape[1], k.shape[2]
+        G = H // KVH
+        BKV = B * KVH
+        dt = q.dtype
+        qh = self._heads_major(q, G)
+        kh = self._heads_major(k, 1)
+        vh = self._heads_major(v, 1)
+        oh = np.empty((BKV, T * G, hd), dtype=dt)
+        lh = np.empty((BKV, T * G), dtype=dt)
+        smax = int(starts.max())
+        for t0 in range(0, T, TILE_BQ):
+            t1 = min(T, t0 + TILE_BQ)
+            rows = slice(t0 * G, t1 * G)
+            R = (t1 - t0) * G
+            qi = qh[:, rows]
+            m = np.full((BKV, R), -np.inf, dtype=dt)
+            l = np.zeros((BKV, R), dtype=dt)
+            o = np.zeros((BKV, R, hd), dtype=dt)
+            pv = np.empty((BKV, R, hd), dtype=dt)
+            kend = min(S, smax + t1)
+            for c0 in range(0, kend, TILE_BK):
+                c1 = min(kend, c0 + TILE_BK)
+                s = np.matmul(qi, kh[:, c0:c1].transpose(0, 2, 1))  # (BKV, R, C)
+                self._tile_kernel("fwd", s.size)(s, m, l, o, starts, KVH, G, t0, c0, scale)
+                np.matmul(s, vh[:, c0:c1], out=pv)
+                o += pv
+            o /= l[:, :, None]
+            oh[:, rows] = o
+            lh[:, rows] = m + np.log(l)
+        out[...] = self._from_heads_major(oh, B, T, KVH, G)
+        lse[...] = lh.reshape(B, KVH, T, G).transpose(0, 1, 3, 2).reshape(B, H, T)
+
+    def _attn_bwd_tiled(self, q, k, v, out, dout, lse, starts, scale):
+        B, T, H, hd = q.shape
+        S, KVH = k.shape[1], k.shape[2]
+        G = H // KVH
+        BKV = B * KVH
+        dt = q.dtype
+        qh = self._heads_major(q, G)
+        doh = self._heads_major(dout, G)
+        kh = self._heads_major(k, 1)
+        vh = self._heads_major(v, 1)
+        # D_t = dO_t . O_t and the saved lse, in the same (B*KVH, T*G) row order
+        Dh = np.einsum("btgd,btgd->btg", dout.reshape(B, T, KVH * G, hd),
+                       out.reshape(B, T, KVH * G, hd))
+        Dh = self._heads_major(Dh[..., None], G)[..., 0]
+        lh = np.ascontiguousarray(
+            lse.reshape(B, KVH, G, T).transpose(0, 1, 3, 2)).reshape(BKV, T * G)
+        dqh = np.zeros((BKV, T * G, hd), dtype=dt)
+        dkh = np.zeros((BKV, S, hd), dtype=dt)
+        dvh = np.zeros((BKV, S, hd), dtype=dt)
+        smax = int(starts.max())
+        for t0 in range(0, T, TILE_BQ):
+            t1 = min(T, t0 + TILE_BQ)
+            rows = slice(t0 * G, t1 * G)
+            qi, doi = qh[:, rows], doh[:, rows]
+            li = np.ascontiguousarray(lh[:, rows])
+            Di = np.ascontiguousarray(Dh[:, rows])
+            dqi = np.zeros((BKV, (t1 - t0) * G, hd), dtype=dt)
+            kend = min(S, smax + t1)
+            for c0 in range(0, kend, TILE_BK):
+                c1 = min(kend, c0 + TILE_BK)
+                kj, vj = kh[:, c0:c1], vh[:, c0:c1]
+                s = np.matmul(qi, kj.transpose(0, 2, 1))  # (BKV, R, C)
+                dp = np.matmul(doi, vj.transpose(0, 2, 1))
+                self._tile_kernel("bwd", s.size)(s, dp, li, Di, starts, KVH, G, t0, c0, scale)
+                dvh[:, c0:c1] += np.matmul(s.transpose(0, 2, 1), doi)
+                dkh[:, c0:c1] += np.matmul(dp.transpose(0, 2, 1), qi)
+                dqi += np.matmul(dp, kj)
+            dqh[:, rows] = dqi
+        dq = self._from_heads_major(dqh, B, T, KVH, G)
+        dk = self._from_heads_major(dkh, B, S, KVH, 1)
+        dv = self._from_heads_major(dvh, B, S, KVH, 1)
+        return dq, dk, dv
+
     def attention_forward(self, q, k, v, start_pos=0):
         r"""Causal GQA attention (same contract as :func:`minillama.ops.attention_forward`):
 
@@ -159,6 +262,8 @@ class NumbaBackend(NumpyBackend):
                 pacc = np.empty((B * nsplit, T * H, hd), dtype=dt)
                 kern = self._k.attn_dec_parallel if par else self._k.attn_dec_serial
                 kern(q, k, v, starts, scale, nsplit, pm, pl, pacc, out, lse)
+            elif T >= TILED_MIN_T:
+                self._attn_fwd_tiled(q, k, v, starts, scale, out, lse)
             else:
                 kern = self._k.attn_fwd_parallel if par else self._k.attn_fwd_serial
                 kern(q, k, v, starts, scale, out, lse)
@@ -180,6 +285,8 @@ class NumbaBackend(NumpyBackend):
         dout = dout if dout.dtype == q.dtype else dout.astype(q.dtype)
         B, T, H, hd = q.shape
         S = k.shape[1]
+        if T >= TILED_MIN_T and B * H:
+            return self._attn_bwd_tiled(q, k, v, out, dout, lse, starts, scale)
         dq = np.empty_like(q, order="C")
         dk = np.empty(k.shape, dtype=q.dtype)
         dv = np.empty(k.shape, dtype=q.dtype)

@@ -519,3 +519,102 @@ def attn_bwd_serial(q, k, v, out, dout, lse, starts, scale, dq, dk, dv):
     """Serial twin of :func:`attn_bwd_parallel`."""
     for u in range(k.shape[0] * k.shape[2]):
         _attn_bwd_item(q, k, v, out, dout, lse, starts, scale, dq, dk, dv, u)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile kernels of the BLAS-tiled attention (the backend's path for long sequences): the score
+# tiles S = Q_i K_j^T, dP = dO_i V_j^T and the products with V, K, Q are BLAS matmuls on
+# (B*KVH, R, C) stacks; these kernels do the elementwise softmax work between them, in place.
+# Row r of a tile is query time t0 + r // G, head g = r % G of its KV head; column c is key c0 + c.
+# ---------------------------------------------------------------------------------------------
+@njit(**_opts)
+def _tile_fwd_item(s, m, l, o, starts, KVH, G, t0, c0, scale, u):
+    R = s.shape[1]
+    C = s.shape[2]
+    hd = o.shape[2]
+    st = starts[u // KVH]
+    zero = scale - scale
+    for r in range(R):
+        srow = s[u, r]
+        n = min(st + t0 + r // G + 1 - c0, C)  # visible keys of this row in the tile
+        if n <= 0:
+            for c in range(C):
+                srow[c] = zero
+            continue
+        mold = m[u, r]
+        mx = mold
+        for c in range(n):
+            x = srow[c] * scale
+            srow[c] = x
+            mx = max(mx, x)
+        corr = fexp(mold - mx)  # 0 on the row's first tile (mold = -inf)
+        tot = zero
+        for c in range(n):
+            e = fexp(srow[c] - mx)
+            srow[c] = e
+            tot += e
+        for c in range(n, C):
+            srow[c] = zero
+        l[u, r] = l[u, r] * corr + tot
+        m[u, r] = mx
+        orow = o[u, r]
+        for d in range(hd):
+            orow[d] *= corr
+
+
+@njit(parallel=True, **_opts)
+def tile_fwd_parallel(s, m, l, o, starts, KVH, G, t0, c0, scale):
+    r"""Online-softmax step on a score tile s = Q_i K_j^T (B*KVH, R, C), in place:
+
+    x = s / \sqrt{hd} (masked: key c0 + c > p_b + t),  m' = \max(m, \max_c x_c),
+    s \leftarrow e^{x - m'} (0 where masked),  l' = l e^{m - m'} + \sum_c s_c,  o \leftarrow o e^{m - m'}.
+
+    m, l: (B*KVH, R); o: (B*KVH, R, hd). The caller then adds s V_j to o (BLAS)."""
+    for u in prange(s.shape[0]):
+        _tile_fwd_item(s, m, l, o, starts, KVH, G, t0, c0, scale, u)
+
+
+@njit(**_opts)
+def tile_fwd_serial(s, m, l, o, starts, KVH, G, t0, c0, scale):
+    """Serial twin of :func:`tile_fwd_parallel`."""
+    for u in range(s.shape[0]):
+        _tile_fwd_item(s, m, l, o, starts, KVH, G, t0, c0, scale, u)
+
+
+@njit(**_opts)
+def _tile_bwd_item(s, dp, lse, D, starts, KVH, G, t0, c0, scale, u):
+    R = s.shape[1]
+    C = s.shape[2]
+    st = starts[u // KVH]
+    zero = scale - scale
+    for r in range(R):
+        srow = s[u, r]
+        dprow = dp[u, r]
+        n = max(min(st + t0 + r // G + 1 - c0, C), 0)
+        L = lse[u, r]
+        Dr = D[u, r]
+        for c in range(n):
+            pc = fexp(srow[c] * scale - L)
+            srow[c] = pc
+            dprow[c] = pc * (dprow[c] - Dr) * scale
+        for c in range(n, C):
+            srow[c] = zero
+            dprow[c] = zero
+
+
+@njit(parallel=True, **_opts)
+def tile_bwd_parallel(s, dp, lse, D, starts, KVH, G, t0, c0, scale):
+    r"""Backward step on a tile, in place: s = Q_i K_j^T becomes P = e^{s/\sqrt{hd} - lse}
+    (0 where masked) and dp = dO_i V_j^T becomes dS / \sqrt{hd} = P (dP - D) / \sqrt{hd}.
+
+    lse, D: (B*KVH, R). The caller then adds P^T dO_i to dV_j, dS^T Q_i to dK_j, dS K_j to
+    dQ_i (BLAS)."""
+    for u in prange(s.shape[0]):
+        _tile_bwd_item(s, dp, lse, D, starts, KVH, G, t0, c0, scale, u)
+
+
+@njit(**_opts)
+def tile_bwd_serial(s, dp, lse, D, starts, KVH, G, t0, c0, scale):
+    """Serial twin of :func:`tile_bwd_parallel`."""
+    for u in range(s.shape[0]):
+        _tile_bwd_item(s, dp, lse, D, starts, KVH, G, t0, c0, scale, u)
