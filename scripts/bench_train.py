@@ -57,18 +57,22 @@ CONFIGS = {
 }
 
 
-def median_time(fn, steps: int, warmup: int, sync=lambda: None) -> float:
+def median_times(fns, steps: int, warmup: int, sync=lambda: None) -> list[float]:
+    """Median step time of each function in ``fns``. The functions take turns step by step
+    (A B A B ...), so on a shared machine both sides see the same background load."""
     clock = time.process_time if ARGS.clock == "cpu" else time.perf_counter
     for _ in range(warmup):
-        fn()
+        for fn in fns:
+            fn()
     sync()
-    times = []
+    times = [[] for _ in fns]
     for _ in range(steps):
-        t0 = clock()
-        fn()
-        sync()
-        times.append(clock() - t0)
-    return float(np.median(times))
+        for fn, ts in zip(fns, times):
+            t0 = clock()
+            fn()
+            sync()
+            ts.append(clock() - t0)
+    return [float(np.median(ts)) for ts in times]
 
 
 def matmul_peak(n: int = 2048, reps: int = 5) -> float:
@@ -203,16 +207,17 @@ def main() -> int:
         targets = np.roll(tokens, -1, axis=1)
         model = Transformer(cfg, params, backend=args.backend, dtype=np.float32)
         sync = model.backend.synchronize
-        t_ours = median_time(lambda: model.loss_and_grads(tokens, targets), args.steps,
-                             args.warmup, sync)
+        ours = [lambda: model.loss_and_grads(tokens, targets)]
+        if torch is not None:
+            step, step_opt = torch_step_fns(torch, cfg, params, tokens, targets, bool(AdamW))
+            ours.append(step)
+        t_ours, *t_peer = median_times(ours, args.steps, args.warmup, sync)
         ntok = B * T
         flops = step_flops(cfg, B, T)
         row = (f"| {name} | {model.backend.name} | {B} x {T} | {cfg.n_params() / 1e6:.2f}M "
                f"| {t_ours * 1e3:.1f} | {ntok / t_ours:,.0f} | {100 * flops / t_ours / peak:.0f}% ")
-        t_torch = None
-        if torch is not None:
-            step, step_opt = torch_step_fns(torch, cfg, params, tokens, targets, bool(AdamW))
-            t_torch = median_time(step, args.steps, args.warmup)
+        if t_peer:
+            t_torch = t_peer[0]
             row += f"| {t_torch * 1e3:.1f} | {ntok / t_torch:,.0f} | {t_torch / t_ours:.2f} |"
         else:
             row += "| – | – | – |"
@@ -225,17 +230,18 @@ def main() -> int:
                 _, grads = model.loss_and_grads(tokens, targets)
                 opt.step(grads)
 
-            t_full = median_time(full_step, args.steps, args.warmup, sync)
+            fns = [full_step] + ([step_opt] if torch is not None else [])
+            t_full, *t_tf = median_times(fns, args.steps, args.warmup, sync)
             orow = f"| {name} | {model.backend.name} | {t_full * 1e3:.1f} | {ntok / t_full:,.0f} "
-            if torch is not None:
-                t_tfull = median_time(step_opt, args.steps, args.warmup)
+            if t_tf:
+                t_tfull = t_tf[0]
                 orow += f"| {t_tfull * 1e3:.1f} | {t_tfull / t_full:.2f} |"
             else:
                 orow += "| – | – |"
             opt_rows.append(orow)
 
     print("\nOne training step (forward + backward, no optimizer), median of "
-          f"{args.steps} after {args.warmup} warm-up:\n")
+          f"{args.steps} after {args.warmup} warm-up, minillama and torch steps alternating:\n")
     print("\n".join(rows))
     if opt_rows:
         print("\nFull step with AdamW (minillama.optim.AdamW vs torch.optim.AdamW):\n")
