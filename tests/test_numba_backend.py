@@ -117,7 +117,7 @@ def test_fast_exp_float32():
     apply(x32, y)
     ref = np.exp(x32.astype(np.float64))
     ok = x32 >= -86
-    assert np.max(np.abs(y[ok] - ref[ok]) / ref[ok]) < 2e-7
+    assert np.max(np.abs(y[ok] - ref[ok]) / ref[ok]) < 3.6e-7  # 3 ulp
     assert y[-4] == 0.0 and y[-3] == 0.0 and 0 <= y[-2] < 1e-37 and np.isnan(y[-1])
 
 
@@ -286,6 +286,58 @@ def test_attention_bad_shapes_are_clear_errors():
         be.attention_forward(q, k, k)
     with pytest.raises(MinillamaError, match=">= 0"):
         be.attention_forward(q[:, :, :2], k, k, -1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("T", [2, 9, 70])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_attention_each_path(dtype, T, parallel, rng):
+    """Each attention path on a GQA case with per-sequence offsets: decode kernel (T <= 4),
+    loop kernels (short T) and the BLAS-tiled path (several query and key tiles)."""
+    be = _numba_backend()
+    from minillama.backends import numba_backend
+
+    starts = np.array([5, 300, 0])
+    q, k, v, dout = _attention_case(rng, dtype, 3, T, 2, 3, 16, starts, 3)
+    old = numba_backend.TILE_BQ, numba_backend.TILE_BK
+    numba_backend.TILE_BQ, numba_backend.TILE_BK = 16, 64  # many tiles, partial ones included
+    try:
+        with parallel_threshold(0 if parallel else 1 << 60):
+            _check_attention(be, q, k, v, dout, starts, dtype)
+    finally:
+        numba_backend.TILE_BQ, numba_backend.TILE_BK = old
+
+
+# ---------------------------------------------------------------------------------------------
+# cross-entropy
+# ---------------------------------------------------------------------------------------------
+@settings(max_examples=25, deadline=None)
+@given(dtype=st.sampled_from([np.float32, np.float64]), N=st.integers(1, 60),
+       V=st.integers(1, 300), spread=st.sampled_from([0.1, 3.0, 30.0]),
+       ignore_frac=st.sampled_from([0.0, 0.3, 1.0]), dloss=st.floats(0.1, 3.0),
+       seed=st.integers(0, 2**16))
+def test_cross_entropy_matches_reference(dtype, N, V, spread, ignore_frac, dloss, seed):
+    be = _numba_backend()
+    rng = np.random.default_rng(seed)
+    z = (rng.standard_normal((N, V)) * spread).astype(dtype)
+    t = rng.integers(0, V, size=N)
+    t[rng.random(N) < ignore_frac] = -1
+    loss, ctx = be.cross_entropy_forward(z, t)
+    dz = be.cross_entropy_backward(dloss, ctx)
+    loss_ref, ctx_ref = ops.cross_entropy_forward(z, t)
+    dz_ref = ops.cross_entropy_backward(dloss, ctx_ref)
+    tol = TOL[dtype]
+    assert loss.dtype == dtype and loss.shape == ()
+    assert abs(float(loss) - float(loss_ref)) <= tol * max(abs(float(loss_ref)), 1.0)
+    assert dz.dtype == dtype and rel_err(dz, dz_ref) <= tol
+    if ignore_frac == 1.0:
+        assert float(loss) == 0.0 and not dz.any()
+
+
+def test_cross_entropy_bad_targets_are_clear_errors():
+    be = _numba_backend()
+    with pytest.raises(MinillamaError, match="targets must lie"):
+        be.cross_entropy_forward(np.zeros((2, 5), np.float32), np.array([1, 5]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -296,3 +296,46 @@ class NumbaBackend(NumpyBackend):
         if B * H:
             kern(q, k, v, out, dout, lse, starts, scale, dq, dk, dv)
         return dq, dk, dv
+
+    # -----------------------------------------------------------------------------------------
+    # softmax cross-entropy
+    # -----------------------------------------------------------------------------------------
+    def cross_entropy_forward(self, logits, targets, ignore_index: int = -1):
+        r"""Mean softmax cross-entropy over the rows whose target is not ``ignore_index``
+        (see :func:`minillama.ops.cross_entropy_forward`):
+
+        \ell_n = \log \sum_v e^{z_{nv}} - z_{n, y_n},  L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} \ell_n.
+
+        logits: (N, V) float32/float64; targets: (N,) ints. One fused Numba pass per row
+        (max, exponentials and their sum, normalisation) instead of NumPy's temporaries.
+        Returns (0-d loss, ctx) with the probabilities saved for the backward.
+        """
+        if logits.dtype not in _FLOATS or logits.ndim != 2 or logits.shape[1] == 0:
+            return ops.cross_entropy_forward(logits, targets, ignore_index)
+        N, V = logits.shape
+        targets = np.asarray(targets).reshape(-1)
+        if targets.shape[0] != N:
+            raise MinillamaError(f"cross-entropy: {targets.shape[0]} targets for {N} rows")
+        valid = targets != ignore_index
+        safe_t = np.where(valid, targets, 0).astype(np.int64)
+        if safe_t.size and (safe_t.min() < 0 or safe_t.max() >= V):
+            raise MinillamaError(f"cross-entropy targets must lie in [0, {V}) or equal the "
+                                 f"ignore index {ignore_index}")
+        p = np.empty((N, V), dtype=logits.dtype)
+        row_loss = np.empty(N, dtype=logits.dtype)
+        if N:
+            self._k.xent_fwd(logits, safe_t, valid, p, row_loss)
+        count = max(int(valid.sum()), 1)
+        loss = np.asarray(row_loss.sum() / count, dtype=logits.dtype)
+        return loss, (p, safe_t, valid, count)
+
+    def cross_entropy_backward(self, dloss, ctx):
+        r"""\partial L / \partial z_{nv} = (p_{nv} - [v = y_n]) \cdot dloss / |\mathcal{V}| for kept
+        rows, 0 for ignored rows; built in place in the saved probabilities. Returns (N, V)."""
+        p, safe_t, valid, count = ctx
+        if p.dtype not in _FLOATS or p.ndim != 2 or p.shape[1] == 0:
+            return ops.cross_entropy_backward(dloss, ctx)
+        scale = p.dtype.type(float(np.asarray(dloss)) / count)
+        if p.shape[0]:
+            self._k.xent_bwd(p, safe_t, valid, scale)
+        return p

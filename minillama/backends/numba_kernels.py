@@ -54,10 +54,11 @@ def _int32_bits_as_float32(typingctx, i):
 
 def fexp(x):
     r"""e^x. float64: ``math.exp``. float32: a branch-free version the loop vectoriser can widen
-    (libm's expf is a scalar call): e^x = 2^n e^r with n = \lfloor x \log_2 e + 1/2 \rceil and
+    (libm's expf is a scalar call): e^x = 2^n e^r with n = \lfloor x \log_2 e + 1/2 \rfloor and
     r = x - n \ln 2 (ln 2 split in two for an exact product), e^r by a degree-7 polynomial on
     |r| <= ln2/2 (Cephes' coefficients), 2^n assembled in the exponent bits. Relative error
-    < 1e-7 for x >= -87; 0 below (including -inf); the callers only pass x <= 0 or NaN."""
+    < 3 ulp (3.6e-7) for -87 <= x <= 88; 0 below (including -inf), NaN for NaN; the callers pass
+    x <= 0 (up to rounding) or NaN."""
     return math.exp(x)
 
 
@@ -67,7 +68,10 @@ def _fexp_overload(x):
         def impl(x):
             lo = np.float32(-87.0)
             xc = min(max(x, lo), np.float32(88.0))
-            n = math.floor(xc * np.float32(1.4426950408889634) + np.float32(0.5))
+            # k = n + 127 with n = floor(x log2(e) + 1/2): the argument is > 0 after the
+            # clamp, so truncation is the floor (float -> int conversions vectorise)
+            k = np.int32(xc * np.float32(1.4426950408889634) + np.float32(127.5))
+            n = np.float32(k - np.int32(127))
             r = xc - n * np.float32(0.693359375)
             r = r - n * np.float32(-2.12194440e-4)
             y = np.float32(1.9875691500e-4)
@@ -77,14 +81,49 @@ def _fexp_overload(x):
             y = y * r + np.float32(1.6666665459e-1)
             y = y * r + np.float32(5.0000001201e-1)
             y = y * r * r + r + np.float32(1.0)
-            e = y * _int32_bits_as_float32((np.int32(n) + np.int32(127)) << np.int32(23))
-            if x >= lo:
-                return e
-            if x != x:  # NaN stays NaN
-                return x
-            return np.float32(0.0)
+            e = y * _int32_bits_as_float32(k << np.int32(23))  # 2^n from its exponent bits
+            e = e if x >= lo else np.float32(0.0)  # underflow, -inf
+            return e if x == x else x  # NaN stays NaN
         return impl
     return lambda x: math.exp(x)
+
+
+@njit(**_opts)
+def _rowmax(z, n):
+    # max of z[0:n], n >= 1; eight running maxima so the loop vectorises (a plain max
+    # reduction does not without 'nnan'). NaN inputs are skipped here but still poison the
+    # softmax sums that follow, as in the reference.
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = z[0]
+    j = 0
+    while j + 8 <= n:
+        x0 = z[j]
+        x1 = z[j + 1]
+        x2 = z[j + 2]
+        x3 = z[j + 3]
+        x4 = z[j + 4]
+        x5 = z[j + 5]
+        x6 = z[j + 6]
+        x7 = z[j + 7]
+        m0 = x0 if x0 > m0 else m0
+        m1 = x1 if x1 > m1 else m1
+        m2 = x2 if x2 > m2 else m2
+        m3 = x3 if x3 > m3 else m3
+        m4 = x4 if x4 > m4 else m4
+        m5 = x5 if x5 > m5 else m5
+        m6 = x6 if x6 > m6 else m6
+        m7 = x7 if x7 > m7 else m7
+        j += 8
+    while j < n:
+        x0 = z[j]
+        m0 = x0 if x0 > m0 else m0
+        j += 1
+    m0 = m1 if m1 > m0 else m0
+    m2 = m3 if m3 > m2 else m2
+    m4 = m5 if m5 > m4 else m4
+    m6 = m7 if m7 > m6 else m6
+    m0 = m2 if m2 > m0 else m0
+    m4 = m6 if m6 > m4 else m4
+    return m4 if m4 > m0 else m0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,9 +268,7 @@ def _attn_fwd_item(q, k, v, starts, scale, out, lse, u):
                 srow = s[r]
                 _scores(q[b, t, h], k, b, kh, c0, n, scale, srow)
                 mold = m[r]
-                mx = mold
-                for c in range(n):
-                    mx = max(mx, srow[c])
+                mx = max(mold, _rowmax(srow, n))
                 corr = fexp(mold - mx)  # 0 on the first tile (mold = -inf)
                 tot = zero
                 for c in range(n):
@@ -320,9 +357,7 @@ def _attn_dec_item(q, k, v, starts, scale, nsplit, pm, pl, pacc, w):
                     p[h, c] = a * scale
         for h in range(H):
             prow = p[h]
-            mx = prow[0]
-            for c in range(n):
-                mx = max(mx, prow[c])
+            mx = _rowmax(prow, n)
             tot = zero
             for c in range(n):
                 e = fexp(prow[c] - mx)
@@ -541,12 +576,10 @@ def _tile_fwd_item(s, m, l, o, starts, KVH, G, t0, c0, scale, u):
             for c in range(C):
                 srow[c] = zero
             continue
-        mold = m[u, r]
-        mx = mold
         for c in range(n):
-            x = srow[c] * scale
-            srow[c] = x
-            mx = max(mx, x)
+            srow[c] *= scale
+        mold = m[u, r]
+        mx = max(mold, _rowmax(srow, n))
         corr = fexp(mold - mx)  # 0 on the row's first tile (mold = -inf)
         tot = zero
         for c in range(n):
@@ -618,3 +651,46 @@ def tile_bwd_serial(s, dp, lse, D, starts, KVH, G, t0, c0, scale):
     """Serial twin of :func:`tile_bwd_parallel`."""
     for u in range(s.shape[0]):
         _tile_bwd_item(s, dp, lse, D, starts, KVH, G, t0, c0, scale, u)
+
+
+# ---------------------------------------------------------------------------------------------
+# Softmax cross-entropy, fused: two passes over each row of logits instead of NumPy's five
+# ---------------------------------------------------------------------------------------------
+@njit(parallel=True, **_opts)
+def xent_fwd(logits, targets, valid, p, row_loss):
+    r"""Per row n: m = \max_v z_{nv}, p_{nv} = e^{z_{nv} - m} / \sum_u e^{z_{nu} - m},
+    \ell_n = m + \log \sum_u e^{z_{nu} - m} - z_{n y_n} (0 for ignored rows).
+
+    logits, p: (N, V); targets: (N,) int64 (already 0 where ignored); valid: (N,) bool;
+    row_loss: (N,). Rows in parallel."""
+    N, V = logits.shape
+    for n in prange(N):
+        z = logits[n]
+        pr = p[n]
+        mx = _rowmax(z, V)
+        tot = z[0] - z[0]
+        for j in range(V):
+            e = fexp(z[j] - mx)
+            pr[j] = e
+            tot += e
+        inv = (tot / tot) / tot
+        for j in range(V):
+            pr[j] *= inv
+        if valid[n]:
+            row_loss[n] = mx + math.log(tot) - z[targets[n]]
+        else:
+            row_loss[n] = tot - tot
+
+
+@njit(parallel=True, **_opts)
+def xent_bwd(p, targets, valid, scale):
+    r"""In place: p_{nv} \leftarrow (p_{nv} - [v = y_n]) \cdot scale for kept rows, 0 for ignored
+    rows (scale = dL / |kept|). p: (N, V)."""
+    N, V = p.shape
+    zero = scale - scale
+    for n in prange(N):
+        pr = p[n]
+        s = scale if valid[n] else zero
+        for j in range(V):
+            pr[j] *= s
+        pr[targets[n]] -= s
