@@ -192,3 +192,23 @@ def test_text_streamer_never_splits_characters():
     pieces = [s.start()] + [s.put(i) for i in ids] + [s.flush()]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_numba_decode_gemv_matches_blas():
+    """The numba backend's one/two-row linear (the decode GEMV) equals x W^T."""
+    from minillama.backends import get_backend
+    from minillama.errors import MinillamaError as E
+    try:
+        be = get_backend("numba")
+    except E as e:
+        pytest.skip(str(e))
+    rng = np.random.default_rng(0)
+    for dtype, tol in ((np.float32, 1e-5), (np.float64, 1e-13)):
+        w = rng.standard_normal((37, 29)).astype(dtype)
+        for shape in ((1, 1, 29), (2, 1, 29), (1, 2, 29), (3, 1, 29), (29,)):
+            x = rng.standard_normal(shape).astype(dtype)
+            y, ctx = be.linear_forward(x, w)
+            assert y.shape == shape[:-1] + (37,) and y.dtype == dtype
+            np.testing.assert_allclose(y, x @ w.T, rtol=tol, atol=tol)
+            dx, dw = be.linear_backward(np.ones_like(y), ctx)
+            assert dx.shape == x.shape and dw.shape == w.shape

@@ -62,6 +62,9 @@ class NumbaBackend(NumpyBackend):
             ) from None
         self._numba = numba
         self._k = numba_kernels
+        from . import numba_gemv  # noqa: PLC0415
+
+        self._gemv = numba_gemv
 
     @property
     def num_threads(self) -> int:
@@ -70,6 +73,20 @@ class NumbaBackend(NumpyBackend):
 
     def _parallel(self, work: int) -> bool:
         return work >= PARALLEL_MIN_WORK and self.num_threads > 1
+
+    # -----------------------------------------------------------------------------------------
+    # linear: BLAS, except a Numba GEMV for one or two rows (decoding)
+    # -----------------------------------------------------------------------------------------
+    def linear_forward(self, x, w):
+        r"""y = x W^T (x: (..., in), W: (out, in)); one or two rows (decoding) take the Numba
+        GEMV of :mod:`.numba_gemv`, which streams W at close to memory bandwidth; else BLAS."""
+        K = x.shape[-1]
+        rows = x.size // K if K else 0
+        if (0 < rows <= self._gemv.GEMV_MAX_ROWS and x.dtype == w.dtype and x.dtype in _FLOATS
+                and w.flags.c_contiguous):
+            y = self._gemv.gemv(x.reshape(rows, K), w)
+            return y.reshape(*x.shape[:-1], w.shape[0]), (x, w)
+        return ops.linear_forward(x, w)
 
     # -----------------------------------------------------------------------------------------
     # RoPE
