@@ -47,12 +47,15 @@ def parallel_threshold(value: int):
     """Force the parallel (0) or the serial (huge) twin of every kernel."""
     from minillama.backends import numba_backend
 
-    old = numba_backend.PARALLEL_MIN_WORK, numba_backend.ROPE_PARALLEL_MIN_SIZE
+    old = (numba_backend.PARALLEL_MIN_WORK, numba_backend.ROPE_PARALLEL_MIN_SIZE,
+           numba_backend.TILE_PARALLEL)
     numba_backend.PARALLEL_MIN_WORK = numba_backend.ROPE_PARALLEL_MIN_SIZE = value
+    numba_backend.TILE_PARALLEL = value == 0
     try:
         yield
     finally:
-        numba_backend.PARALLEL_MIN_WORK, numba_backend.ROPE_PARALLEL_MIN_SIZE = old
+        (numba_backend.PARALLEL_MIN_WORK, numba_backend.ROPE_PARALLEL_MIN_SIZE,
+         numba_backend.TILE_PARALLEL) = old
 
 
 def _run_py(code: str, env_extra: dict | None = None) -> str:

@@ -39,6 +39,8 @@ TILED_MIN_T = 16
 #: query positions and keys per tile of the BLAS-tiled path (tile memory B*H*BQ*BK numbers)
 TILE_BQ = 64
 TILE_BK = 256
+#: run the tile kernels of the BLAS-tiled path on Numba's threads too (see _tile_kernel)
+TILE_PARALLEL = False
 #: the decode kernel splits the keys into chunks of at least this many when it splits them
 DECODE_MIN_CHUNK = 256
 
@@ -75,10 +77,10 @@ class NumbaBackend(NumpyBackend):
         return work >= PARALLEL_MIN_WORK and self.num_threads > 1
 
     # -----------------------------------------------------------------------------------------
-    # linear: BLAS, except a Numba GEMV for one or two rows (decoding)
+    # linear: BLAS, except a Numba GEMV for up to four rows (decoding)
     # -----------------------------------------------------------------------------------------
     def linear_forward(self, x, w):
-        r"""y = x W^T (x: (..., in), W: (out, in)); one or two rows (decoding) take the Numba
+        r"""y = x W^T (x: (..., in), W: (out, in)); up to four rows (decoding) take the Numba
         GEMV of :mod:`.numba_gemv`, which streams W at close to memory bandwidth; else BLAS."""
         K = x.shape[-1]
         rows = x.size // K if K else 0
@@ -154,7 +156,11 @@ class NumbaBackend(NumpyBackend):
             y.reshape(B, KVH, T, G, hd).transpose(0, 2, 1, 3, 4)).reshape(B, T, KVH * G, hd)
 
     def _tile_kernel(self, name, n_elems):
-        par = self._parallel(n_elems * 4)
+        # Serial unless TILE_PARALLEL: the tiled path alternates these kernels with BLAS calls,
+        # and BLAS threads still spinning after a matmul starve a parallel region on a small
+        # or shared machine (measured: 10-100x slower steps on 2 busy cores); the matmuls
+        # carry the parallelism.
+        par = TILE_PARALLEL and self._parallel(n_elems * 4)
         return getattr(self._k, f"tile_{name}_{'parallel' if par else 'serial'}")
 
     def _attn_fwd_tiled(self, q, k, v, starts, scale, out, lse):

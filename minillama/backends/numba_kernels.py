@@ -656,15 +656,15 @@ def tile_bwd_serial(s, dp, lse, D, starts, KVH, G, t0, c0, scale):
 # ---------------------------------------------------------------------------------------------
 # Softmax cross-entropy, fused: two passes over each row of logits instead of NumPy's five
 # ---------------------------------------------------------------------------------------------
-@njit(parallel=True, **_opts)
+@njit(**_opts)
 def xent_fwd(logits, targets, valid, p, row_loss):
     r"""Per row n: m = \max_v z_{nv}, p_{nv} = e^{z_{nv} - m} / \sum_u e^{z_{nu} - m},
     \ell_n = m + \log \sum_u e^{z_{nu} - m} - z_{n y_n} (0 for ignored rows).
 
     logits, p: (N, V); targets: (N,) int64 (already 0 where ignored); valid: (N,) bool;
-    row_loss: (N,). Rows in parallel."""
+    row_loss: (N,). One thread: the op sits between BLAS calls and is bound by memory."""
     N, V = logits.shape
-    for n in prange(N):
+    for n in range(N):
         z = logits[n]
         pr = p[n]
         mx = _rowmax(z, V)
@@ -682,13 +682,13 @@ def xent_fwd(logits, targets, valid, p, row_loss):
             row_loss[n] = tot - tot
 
 
-@njit(parallel=True, **_opts)
+@njit(**_opts)
 def xent_bwd(p, targets, valid, scale):
     r"""In place: p_{nv} \leftarrow (p_{nv} - [v = y_n]) \cdot scale for kept rows, 0 for ignored
     rows (scale = dL / |kept|). p: (N, V)."""
     N, V = p.shape
     zero = scale - scale
-    for n in prange(N):
+    for n in range(N):
         pr = p[n]
         s = scale if valid[n] else zero
         for j in range(V):
