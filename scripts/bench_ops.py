@@ -144,6 +144,8 @@ S15 = dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=768, vocab_s
 
 
 def bench_model(reps):
+    """Training step and cached batch-1 decode, the two backends' models timed alternately in
+    the same loop (so a busy spell on a shared machine hits both), best of ``reps``."""
     cfg = ModelConfig(**S15)
     params = init_params(cfg, seed=0, dtype=np.float32)
     rng = np.random.default_rng(0)
@@ -152,34 +154,38 @@ def bench_model(reps):
     tgt = rng.integers(0, cfg.vocab_size, size=(Bt, Tt))
     starts = [int(s) for s in ARGS.decode_start.split(",")]
     n_dec = ARGS.decode_tokens
-    out = {}
-    for name in ("numpy", "numba"):
-        model = Transformer(cfg, params=params, backend=name)
-        model.loss_and_grads(tok[:1, :32], tgt[:1, :32])  # warm-up
-        t_train = best(lambda: model.loss_and_grads(tok, tgt), max(1, reps - 1))
-        dec = []
-        for start in starts:
-            prompt = rng.integers(0, cfg.vocab_size, size=(1, start))
-            steps = rng.integers(0, cfg.vocab_size, size=(n_dec, 1, 1))
-
-            def setup():
+    names = ("numpy", "numba")
+    models = {name: Transformer(cfg, params=params, backend=name) for name in names}
+    for m in models.values():
+        m.loss_and_grads(tok[:1, :32], tgt[:1, :32])  # warm-up (kernel load/compile)
+    train = {name: [] for name in names}
+    for _ in range(max(1, reps)):
+        for name in names:
+            t0 = time.perf_counter()
+            models[name].loss_and_grads(tok, tgt)
+            train[name].append(time.perf_counter() - t0)
+    dec = {name: [] for name in names}
+    for start in starts:
+        prompt = rng.integers(0, cfg.vocab_size, size=(1, start))
+        steps = rng.integers(0, cfg.vocab_size, size=(n_dec, 1, 1))
+        best_t = {name: float("inf") for name in names}
+        for _ in range(max(1, reps)):
+            for name in names:
+                model = models[name]
                 cache = model.new_cache(1)
                 model.forward(prompt, 0, cache, last_only=True)
-                return cache
-
-            def decode(cache):
+                t0 = time.perf_counter()
                 for i in range(n_dec):
                     model.forward(steps[i], start + i, cache, last_only=True)
-
-            dec.append(best(decode, max(1, reps - 1), setup=setup) / n_dec)
-        out[name] = (t_train, dec)
-    rows = []
-    (t0, d0), (t1, d1) = out["numpy"], out["numba"]
+                best_t[name] = min(best_t[name], (time.perf_counter() - t0) / n_dec)
+        for name in names:
+            dec[name].append(best_t[name])
+    t0, t1 = min(train["numpy"]), min(train["numba"])
     toks = Bt * Tt
-    rows.append(f"| training step (loss + all grads) | s15, B={Bt}, T={Tt} | {fmt_ms(t0)} ms "
-                f"({toks / t0:.0f} tok/s) | {fmt_ms(t1)} ms ({toks / t1:.0f} tok/s) "
-                f"| {t0 / t1:.2f}x |")
-    for start, a, b in zip(starts, d0, d1):
+    rows = [f"| training step (loss + all grads) | s15, B={Bt}, T={Tt} | {fmt_ms(t0)} ms "
+            f"({toks / t0:.0f} tok/s) | {fmt_ms(t1)} ms ({toks / t1:.0f} tok/s) "
+            f"| {t0 / t1:.2f}x |"]
+    for start, a, b in zip(starts, dec["numpy"], dec["numba"]):
         rows.append(f"| batch-1 decode, positions {start}..{start + n_dec - 1} | s15 "
                     f"| {a * 1e3:.2f} ms/tok | {b * 1e3:.2f} ms/tok | {a / b:.2f}x |")
     return rows
@@ -193,12 +199,14 @@ def run_scripts():
                      "--configs", "s15", "--no-torch", "--steps", "3",
                      "--threads", str(ARGS.threads)])
         jobs.append([sys.executable, os.path.join(here, "bench_decode.py"), "--backend", be,
-                     "--shapes", "s15", "--no-hf", "--threads", str(ARGS.threads)])
+                     "--shapes", "s15", "--no-hf", "--plot", "", "--reps", "2",
+                     "--threads", str(ARGS.threads)])
     for cmd in jobs:
         if not os.path.exists(cmd[1]):
             print(f"\n({os.path.basename(cmd[1])} not found, skipped)")
             continue
-        print(f"\n$ python {' '.join(os.path.relpath(c) if c.endswith('.py') else c for c in cmd[1:])}")
+        shown = [os.path.relpath(c) if c.endswith(".py") else (c or "''") for c in cmd[1:]]
+        print(f"\n$ python {' '.join(shown)}")
         sys.stdout.flush()
         subprocess.run(cmd, check=False)
 

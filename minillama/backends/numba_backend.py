@@ -1,13 +1,25 @@
 r"""The ``numba`` backend: NumPy arrays, BLAS for every matrix product, and Numba-compiled loops
-for the two ops where plain NumPy wastes time or memory:
+where plain NumPy wastes time or memory:
 
-* RoPE, forward and backward, one pass over (B, T, heads, pairs) instead of strided slices and
+* RoPE, forward and backward: one pass over (B, T, heads, pairs) instead of strided slices and
   temporaries (in place when ``out=x`` is passed);
-* causal GQA attention, forward and backward, FlashAttention-style: the forward streams over key
-  tiles with an online softmax and never builds the (T, S) score matrix (it keeps the per-row
-  log-sum-exp, (B, H, T)); the backward recomputes the probabilities tile by tile from it.
-  Extra memory is O(T) per head instead of the reference's O(T S). Few new queries against a long
-  KV cache (decoding) take a kernel without the K transpose.
+* causal GQA attention, forward and backward, FlashAttention-style: never a (T, S) score matrix.
+  The forward streams over key tiles with an online softmax and keeps only the per-row
+  log-sum-exp, (B, H, T); the backward recomputes the probabilities tile by tile from it with
+  D_t = dO_t . O_t. Extra memory is O(T) per head instead of the reference's O(T S). Three paths:
+
+  - T >= :data:`TILED_MIN_T`: BLAS-tiled. Q, K, V are laid out (B*KVH, rows, hd) with the G query
+    heads of a KV head as rows of the same tile, so each K/V tile is read once per group; the
+    (B*KVH, BQ*G, BK) score tiles are BLAS matmuls (matrix products stay in BLAS) and the
+    softmax work between them runs in Numba tile kernels. Causal tiles above the diagonal are
+    skipped.
+  - short T: all-Numba loop kernels, ``prange`` over B x KVH.
+  - T <= :data:`DECODE_MAX_T` (decoding against a KV cache): one pass over the cache rows in
+    memory order for all heads, split along the keys across threads when the batch is small.
+
+* softmax cross-entropy: one fused pass per row (max, exponentials, sum, normalisation);
+* linear layers with at most a few rows (decoding): a Numba GEMV (:mod:`.numba_gemv`) that
+  streams W near memory bandwidth; every other matrix product is BLAS.
 
 Importing this module imports neither Numba nor the kernels; constructing :class:`NumbaBackend`
 imports Numba (a clear :class:`~minillama.errors.MinillamaError` when it is missing) and each
@@ -46,7 +58,8 @@ DECODE_MIN_CHUNK = 256
 
 
 class NumbaBackend(NumpyBackend):
-    """NumPy + BLAS, with Numba kernels for RoPE and attention (forward and backward)."""
+    """NumPy + BLAS, with Numba kernels for RoPE, attention and cross-entropy (forward and
+    backward)."""
 
     name = "numba"
 
