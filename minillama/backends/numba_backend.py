@@ -342,9 +342,10 @@ class NumbaBackend(NumpyBackend):
 
         \ell_n = \log \sum_v e^{z_{nv}} - z_{n, y_n},  L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} \ell_n.
 
-        logits: (N, V) float32/float64; targets: (N,) ints. One fused Numba pass per row
-        (max, exponentials and their sum, normalisation) instead of NumPy's temporaries.
-        Returns (0-d loss, ctx) with the probabilities saved for the backward.
+        logits: (N, V) float32/float64; targets: (N,) ints. Two reads of each row (max, then
+        the sum of exponentials) and no (N, V) temporary: ctx keeps the logits and the row
+        log-sum-exp (N,), and the backward recomputes the probabilities.
+        Returns (0-d loss, ctx).
         """
         if logits.dtype not in _FLOATS or logits.ndim != 2 or logits.shape[1] == 0:
             return ops.cross_entropy_forward(logits, targets, ignore_index)
@@ -357,21 +358,23 @@ class NumbaBackend(NumpyBackend):
         if safe_t.size and (safe_t.min() < 0 or safe_t.max() >= V):
             raise MinillamaError(f"cross-entropy targets must lie in [0, {V}) or equal the "
                                  f"ignore index {ignore_index}")
-        p = np.empty((N, V), dtype=logits.dtype)
+        lse = np.empty(N, dtype=logits.dtype)
         row_loss = np.empty(N, dtype=logits.dtype)
         if N:
-            self._k.xent_fwd(logits, safe_t, valid, p, row_loss)
+            self._k.xent_fwd(logits, safe_t, valid, lse, row_loss)
         count = max(int(valid.sum()), 1)
         loss = np.asarray(row_loss.sum() / count, dtype=logits.dtype)
-        return loss, (p, safe_t, valid, count)
+        return loss, (logits, lse, safe_t, valid, count)
 
     def cross_entropy_backward(self, dloss, ctx):
         r"""\partial L / \partial z_{nv} = (p_{nv} - [v = y_n]) \cdot dloss / |\mathcal{V}| for kept
-        rows, 0 for ignored rows; built in place in the saved probabilities. Returns (N, V)."""
-        p, safe_t, valid, count = ctx
-        if p.dtype not in _FLOATS or p.ndim != 2 or p.shape[1] == 0:
+        rows, 0 for ignored rows, with p_{nv} = e^{z_{nv} - lse_n} recomputed from the saved
+        logits and row log-sum-exp (one pass). Returns dlogits (N, V)."""
+        if len(ctx) != 5:  # a reference ctx (the forward fell back to the reference)
             return ops.cross_entropy_backward(dloss, ctx)
-        scale = p.dtype.type(float(np.asarray(dloss)) / count)
-        if p.shape[0]:
-            self._k.xent_bwd(p, safe_t, valid, scale)
-        return p
+        logits, lse, safe_t, valid, count = ctx
+        dz = np.empty(logits.shape, dtype=logits.dtype)
+        scale = logits.dtype.type(float(np.asarray(dloss)) / count)
+        if logits.shape[0]:
+            self._k.xent_bwd(logits, lse, safe_t, valid, scale, dz)
+        return dz

@@ -657,40 +657,41 @@ def tile_bwd_serial(s, dp, lse, D, starts, KVH, G, t0, c0, scale):
 # Softmax cross-entropy, fused: two passes over each row of logits instead of NumPy's five
 # ---------------------------------------------------------------------------------------------
 @njit(**_opts)
-def xent_fwd(logits, targets, valid, p, row_loss):
-    r"""Per row n: m = \max_v z_{nv}, p_{nv} = e^{z_{nv} - m} / \sum_u e^{z_{nu} - m},
-    \ell_n = m + \log \sum_u e^{z_{nu} - m} - z_{n y_n} (0 for ignored rows).
+def xent_fwd(logits, targets, valid, lse, row_loss):
+    r"""Per row n: m = \max_v z_{nv}, lse_n = m + \log \sum_v e^{z_{nv} - m},
+    \ell_n = lse_n - z_{n y_n} (0 for ignored rows). Two reads of the row, nothing written
+    but lse and \ell: the backward recomputes the probabilities.
 
-    logits, p: (N, V); targets: (N,) int64 (already 0 where ignored); valid: (N,) bool;
-    row_loss: (N,). One thread: the op sits between BLAS calls and is bound by memory."""
+    logits: (N, V); targets: (N,) int64 (0 where ignored); valid: (N,) bool; lse, row_loss: (N,).
+    One thread: the op sits between BLAS calls and is bound by memory."""
     N, V = logits.shape
     for n in range(N):
         z = logits[n]
-        pr = p[n]
         mx = _rowmax(z, V)
         tot = z[0] - z[0]
         for j in range(V):
-            e = fexp(z[j] - mx)
-            pr[j] = e
-            tot += e
-        inv = (tot / tot) / tot
-        for j in range(V):
-            pr[j] *= inv
+            tot += fexp(z[j] - mx)
+        lse[n] = mx + math.log(tot)
         if valid[n]:
-            row_loss[n] = mx + math.log(tot) - z[targets[n]]
+            row_loss[n] = lse[n] - z[targets[n]]
         else:
             row_loss[n] = tot - tot
 
 
 @njit(**_opts)
-def xent_bwd(p, targets, valid, scale):
-    r"""In place: p_{nv} \leftarrow (p_{nv} - [v = y_n]) \cdot scale for kept rows, 0 for ignored
-    rows (scale = dL / |kept|). p: (N, V)."""
-    N, V = p.shape
+def xent_bwd(logits, lse, targets, valid, scale, dz):
+    r"""dz_{nv} = (e^{z_{nv} - lse_n} - [v = y_n]) \cdot scale for kept rows, 0 for ignored rows
+    (scale = dL / |kept|). logits, dz: (N, V); one pass."""
+    N, V = logits.shape
     zero = scale - scale
     for n in range(N):
-        pr = p[n]
-        s = scale if valid[n] else zero
-        for j in range(V):
-            pr[j] *= s
-        pr[targets[n]] -= s
+        z = logits[n]
+        d = dz[n]
+        if valid[n]:
+            L = lse[n]
+            for j in range(V):
+                d[j] = fexp(z[j] - L) * scale
+            d[targets[n]] -= scale
+        else:
+            for j in range(V):
+                d[j] = zero
