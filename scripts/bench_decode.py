@@ -13,7 +13,8 @@ For each shape (random weights, tied classifier as in llama2.c's TinyStories mod
   prefix every step), plotted to a PNG;
 * when transformers + torch are installed, ``LlamaForCausalLM.generate`` (greedy, eager attention,
   its own KV cache) on the same weights: tokens/s and the ratio (> 1: minillama is faster), and
-  how many greedy tokens agree.
+  how many greedy tokens agree. The two decode loops take turns, repetition by repetition, so
+  both see the same background load; the best repetition of each counts.
 
     python scripts/bench_decode.py --backend numpy --threads 2
 
@@ -98,20 +99,42 @@ def prompt_ids(cfg, n, seed=0):
     return np.random.default_rng(seed).integers(3, cfg.vocab_size, size=n).tolist()
 
 
-def bench_ours(model, cfg, be):
-    res = {}
+def decode_alternating(model, cfg, hf_run):
+    """Batch-1 greedy decode: minillama and (when given) HF take turns, so both see the same
+    background load; the best repetition of each counts."""
     prompt = prompt_ids(cfg, PROMPT)
+    n = ARGS.decode_tokens + 1
     generate(model, prompt, max_new_tokens=4)  # warm-up (JIT backends compile here)
+    if hf_run is not None:
+        hf_run(4)
     best = None
+    t1 = tn = float("inf")
+    hf_tokens = None
     for _ in range(ARGS.reps):
         st = GenerationStats()
-        toks = generate(model, prompt, max_new_tokens=ARGS.decode_tokens + 1, stats=st)
+        toks = generate(model, prompt, max_new_tokens=n, stats=st)
         if best is None or st.decode_s < best[0].decode_s:
             best = (st, toks)
-    st, res["tokens"] = best
-    res["decode_tps"] = st.decode_tokens_per_s
-    res["cache_bytes_b1"] = st.cache_bytes
-    # prefill of a long prompt
+        if hf_run is not None:
+            t1 = min(t1, hf_run(1)[0])
+            t, hf_tokens = hf_run(n)
+            tn = min(tn, t)
+    st, tokens = best
+    res = {"decode_tps": st.decode_tokens_per_s, "cache_bytes_b1": st.cache_bytes}
+    hf = None
+    if hf_run is not None:
+        agree = 0
+        for a, b in zip(hf_tokens, tokens):
+            if a != b:
+                break
+            agree += 1
+        hf = {"decode_tps": (n - 1) / (tn - t1), "agree": agree, "n": n}
+    return res, hf
+
+
+def bench_ours(model, cfg, be):
+    """Prefill of a long prompt and aggregate decode at batch ARGS.batch."""
+    res = {}
     long = np.array([prompt_ids(cfg, min(ARGS.prefill, cfg.max_seq_len), seed=1)])
 
     def prefill():
@@ -120,9 +143,9 @@ def bench_ours(model, cfg, be):
         be.synchronize()
         return out
 
+    prefill()
     t, _ = best_of(prefill, max(1, ARGS.reps - 1))
     res["prefill_tps"] = long.shape[1] / t
-    # batch
     prompts = [prompt_ids(cfg, PROMPT, seed=10 + b) for b in range(ARGS.batch)]
     generate(model, prompts, max_new_tokens=2)
     best_tps = 0.0
@@ -160,8 +183,9 @@ def per_position(model, cfg, be, positions):
     return with_cache, no_cache
 
 
-def bench_hf(cfg, params, ours_tokens):
-    """LlamaForCausalLM.generate on the same weights: decode tok/s, and greedy agreement."""
+def hf_peer(cfg, params):
+    """``run(n) -> (seconds, new token ids)``: LlamaForCausalLM.generate (greedy, eager attention,
+    exactly n new tokens) on the same weights; None without transformers/torch."""
     try:
         import torch
         import transformers
@@ -178,22 +202,13 @@ def bench_hf(cfg, params, ours_tokens):
     prompt = torch.tensor([prompt_ids(cfg, PROMPT)])
 
     def run(n):
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                  eos_token_id=None)
+            out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 eos_token_id=None)
+        return time.perf_counter() - t0, out[0, PROMPT:].tolist()
 
-    run(4)
-    n = ARGS.decode_tokens + 1
-    t1, _ = best_of(lambda: run(1), ARGS.reps)
-    tn, out = best_of(lambda: run(n), ARGS.reps)
-    hf_tokens = out[0, PROMPT:].tolist()
-    agree = 0
-    for a, b in zip(hf_tokens, ours_tokens):
-        if a != b:
-            break
-        agree += 1
-    return {"decode_tps": (n - 1) / (tn - t1), "agree": agree, "n": n,
-            "torch": torch.__version__, "transformers": transformers.__version__}
+    return run
 
 
 def main():
@@ -216,10 +231,12 @@ def main():
         # the best of several copies (here and at the start) estimates the attainable bandwidth
         bw = max(bw0, copy_bandwidth(max(wbytes, 256 << 20)))
         roof_ms = wbytes / bw * 1e3
-        ours = bench_ours(model, cfg, be)
+        hf_run = None if ARGS.no_hf else hf_peer(cfg, params)
+        ours, hf = decode_alternating(model, cfg, hf_run)
+        del hf_run
+        ours.update(bench_ours(model, cfg, be))
         positions = sorted({min(int(p), cfg.max_seq_len - 1) for p in ARGS.positions.split(",")})
         curves[name] = (positions, *per_position(model, cfg, be, positions))
-        hf = None if ARGS.no_hf else bench_hf(cfg, params, ours["tokens"])
         ms = 1e3 / ours["decode_tps"]
         rows.append((name, cfg, wbytes, bw, roof_ms, ours, ms, hf))
         print(f"{name}: decode {ours['decode_tps']:.1f} tok/s ({ms:.1f} ms/token, roofline "
