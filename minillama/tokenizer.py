@@ -4,6 +4,7 @@ stored in checkpoints so :func:`tokenizer_from_spec` can rebuild it)."""
 
 from __future__ import annotations
 
+import heapq
 from typing import Any, Iterable
 
 from .errors import MinillamaError
@@ -161,29 +162,40 @@ class Llama2cTokenizer:
             else:
                 syms.extend([None] * len(tid))
             ids.extend(tid)
-        ninf = float("-inf")
+        # merge with a heap of candidate pairs keyed (-score, left index): the best score first,
+        # the leftmost on ties; entries made stale by an earlier merge are skipped when popped
         lookup, scores = self.lookup, self.scores
+        n = len(syms)
+        nxt = list(range(1, n + 1))
+        prv = list(range(-1, n - 1))
+        heap: list[tuple[float, int, int, str]] = []
 
-        def pair_score(i: int) -> float:
-            a, b = syms[i], syms[i + 1]
-            if a is None or b is None:
-                return ninf
-            j = lookup.get(a + b)
-            return ninf if j is None else scores[j]
+        def push(i: int) -> None:
+            j = nxt[i] if 0 <= i < n else n
+            if j >= n or syms[i] is None or syms[j] is None:
+                return
+            merged = syms[i] + syms[j]
+            t = lookup.get(merged)
+            if t is not None:
+                heapq.heappush(heap, (-scores[t], i, j, merged))
 
-        pair = [pair_score(i) for i in range(len(syms) - 1)]
-        while pair:
-            best = max(range(len(pair)), key=pair.__getitem__)  # first (leftmost) maximum
-            if pair[best] == ninf:
-                break
-            merged = syms[best] + syms[best + 1]
-            syms[best:best + 2] = [merged]
-            ids[best:best + 2] = [lookup[merged]]
-            del pair[best]
-            if best > 0:
-                pair[best - 1] = pair_score(best - 1)
-            if best < len(pair):
-                pair[best] = pair_score(best)
+        for i in range(n - 1):
+            push(i)
+        while heap:
+            _, i, j, merged = heapq.heappop(heap)
+            if syms[i] is None or syms[j] is None or nxt[i] != j or syms[i] + syms[j] != merged:
+                continue  # stale
+            syms[i] = merged
+            ids[i] = lookup[merged]
+            syms[j] = None
+            ids[j] = -1
+            nxt[i] = nxt[j]
+            if nxt[j] < n:
+                prv[nxt[j]] = i
+            if prv[i] >= 0:
+                push(prv[i])
+            push(i)
+        ids = [t for t in ids if t >= 0]
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:

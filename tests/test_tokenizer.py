@@ -190,3 +190,12 @@ def test_byte_tokenizer_and_specs(llama_tok):
     assert again.encode("a spec") == llama_tok.encode("a spec")
     with pytest.raises(MinillamaError, match="unknown tokenizer type"):
         tokenizer_from_spec({"type": "nope"})
+
+
+def test_long_text_matches_sentencepiece(llama_tok, spm):
+    """A few thousand characters (the heap-based merge must agree with SentencePiece's order)."""
+    text = "\n".join(FIXED + _random_strings(60, seed=7)) * 2
+    assert len(text) > 3000
+    ids = llama_tok.encode(text)
+    assert ids == spm.encode(text)
+    assert llama_tok.decode(ids) == text.replace("\u2581", " ")
