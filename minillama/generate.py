@@ -17,7 +17,6 @@ the batch ends when all have stopped. Sequence b samples with its own generator 
 from __future__ import annotations
 
 import codecs
-import os
 import sys
 import time
 from dataclasses import dataclass, field

@@ -128,7 +128,6 @@ def test_own_format_round_trip_with_tokenizer(tmp_path, backend):
 
 def test_hf_bfloat16_weights_are_widened(tmp_path):
     """A bf16 checkpoint (the usual HF dtype) loads: values are the float32 with low bits 0."""
-    from safetensors.numpy import save_file
     cfg, params = _cfg(), _params(_cfg())
     d = save_hf(tmp_path / "hf", cfg, params)
     from minillama.formats.hf import read_safetensors_file
@@ -146,7 +145,6 @@ def test_hf_bfloat16_weights_are_widened(tmp_path):
     for k, v in params.items():
         expect = (v.view(np.uint32) & 0xFFFF0000).view(np.float32)
         np.testing.assert_array_equal(p2[k], expect)
-    del save_file
 
 
 # ---------------------------------------------------------------------------------------------
