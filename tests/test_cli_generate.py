@@ -144,3 +144,14 @@ def test_hf_directory_with_tokenizer_json(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert rc == 0 and out.startswith("the cat"), (out, err)
     assert "tok/s" in err
+
+
+def test_shipped_default_checkpoint(capsys):
+    if not gen.DEFAULT_CHECKPOINT.is_file():
+        pytest.skip("no default checkpoint shipped")
+    rc = main(["generate", "--prompt", "ROMEO:", "-n", "40", "--temperature", "0"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out.startswith("ROMEO:") and len(out) > len("ROMEO:") + 5
+    assert "KV cache:" in err
+    rc = main(["generate", "--prompt", "ROMEO:", "-n", "40", "--temperature", "0"])
+    assert capsys.readouterr().out == out  # greedy is deterministic
