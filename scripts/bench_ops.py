@@ -36,13 +36,17 @@ def parse_args(argv=None):
     ap.add_argument("--decode-start", default="16,1000",
                     help="prompt lengths after which decode is timed (comma list)")
     ap.add_argument("--skip-model", action="store_true", help="ops only")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall: perf_counter (default); cpu: process CPU time, steadier on a "
+                         "shared machine with --threads 1")
     ap.add_argument("--scripts", action="store_true",
                     help="also run bench_train.py / bench_decode.py on both backends")
     return ap.parse_args(argv)
 
 
 ARGS = parse_args()
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS",
+             "MINILLAMA_NUM_THREADS"):
     os.environ[_var] = str(ARGS.threads)
 
 import numpy as np  # noqa: E402  (after the thread settings)
@@ -75,13 +79,17 @@ def numba_scratch_bytes(nb_threads: int, G: int, hd: int, itemsize: int = 4) -> 
     return nb_threads * itemsize * (2 * R * K.BC + R * hd + 4 * R + 2 * hd)
 
 
+def clock() -> float:
+    return time.process_time() if ARGS.clock == "cpu" else time.perf_counter()
+
+
 def best(fn, reps: int, setup=None) -> float:
     times = []
     for _ in range(reps):
         arg = setup() if setup else None
-        t0 = time.perf_counter()
+        t0 = clock()
         fn(arg) if setup else fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return min(times)
 
 
@@ -161,9 +169,9 @@ def bench_model(reps):
     train = {name: [] for name in names}
     for _ in range(max(1, reps)):
         for name in names:
-            t0 = time.perf_counter()
+            t0 = clock()
             models[name].loss_and_grads(tok, tgt)
-            train[name].append(time.perf_counter() - t0)
+            train[name].append(clock() - t0)
     dec = {name: [] for name in names}
     for start in starts:
         prompt = rng.integers(0, cfg.vocab_size, size=(1, start))
@@ -174,10 +182,10 @@ def bench_model(reps):
                 model = models[name]
                 cache = model.new_cache(1)
                 model.forward(prompt, 0, cache, last_only=True)
-                t0 = time.perf_counter()
+                t0 = clock()
                 for i in range(n_dec):
                     model.forward(steps[i], start + i, cache, last_only=True)
-                best_t[name] = min(best_t[name], (time.perf_counter() - t0) / n_dec)
+                best_t[name] = min(best_t[name], (clock() - t0) / n_dec)
         for name in names:
             dec[name].append(best_t[name])
     t0, t1 = min(train["numpy"]), min(train["numba"])
@@ -217,7 +225,8 @@ def main() -> int:
     cpu = platform.processor() or platform.machine()
     print(f"machine: {cpu}, {os.cpu_count()} CPUs; python {platform.python_version()}, numpy "
           f"{np.__version__}, numba {nb._numba.__version__}; threads={ARGS.threads} "
-          f"(numba {nb.num_threads})")
+          f"(numba {nb.num_threads}); clock={ARGS.clock}; load average "
+          f"{os.getloadavg()[0]:.1f}")
     print(f"command: python {' '.join(sys.argv)}\n")
     print("| op | shape (B x T x H x hd) | numpy fwd ms | numba fwd ms | fwd speed-up "
           "| numpy bwd ms | numba bwd ms | bwd speed-up | fwd+bwd speed-up "
