@@ -95,6 +95,7 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
             f"prompt of {longest} tokens is longer than the model context of {cfg.max_seq_len}")
     stop = {int(t) for t in stop_ids}
     stats = stats if stats is not None else GenerationStats()
+    stats.__dict__.update(GenerationStats().__dict__)  # a reused stats object starts afresh
     stats.batch_size = B
     if max_new_tokens == 0:
         return
@@ -130,27 +131,25 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
     stats.new_tokens += len(step_out)
     if step_out:
         yield step_out
-    # -- decode -----------------------------------------------------------------------------
-    t0 = time.perf_counter()
-    try:
-        while True:
-            # a sequence keeps running while it may emit and its next token has a slot to go
-            alive &= pos < cache_len
-            if not alive.any():
-                break
-            feed_pos = np.minimum(pos, cache_len - 1)
-            sp = int(feed_pos[0]) if B == 1 else feed_pos
-            logits = model.forward(last[:, None], start_pos=sp, cache=cache, last_only=True)
-            z = be.to_numpy(logits)
-            pos = pos + alive
-            step_out = _choose(z, rngs, temperature, top_k, top_p, alive, stop, last, emitted,
-                               budget)
-            stats.decode_steps += 1
-            stats.new_tokens += len(step_out)
-            if step_out:
-                yield step_out
-    finally:
-        stats.decode_s = time.perf_counter() - t0
+    # -- decode (the time the caller spends between our yields is not counted) ---------------
+    while True:
+        t0 = time.perf_counter()
+        # a sequence keeps running while it may emit and its next token has a slot to go
+        alive &= pos < cache_len
+        if not alive.any():
+            break
+        feed_pos = np.minimum(pos, cache_len - 1)
+        sp = int(feed_pos[0]) if B == 1 else feed_pos
+        logits = model.forward(last[:, None], start_pos=sp, cache=cache, last_only=True)
+        z = be.to_numpy(logits)
+        pos = pos + alive
+        step_out = _choose(z, rngs, temperature, top_k, top_p, alive, stop, last, emitted,
+                           budget)
+        stats.decode_steps += 1
+        stats.new_tokens += len(step_out)
+        stats.decode_s += time.perf_counter() - t0
+        if step_out:
+            yield step_out
 
 
 def _choose(z, rngs, temperature, top_k, top_p, alive, stop, last, emitted, budget):
