@@ -305,3 +305,27 @@ def test_resume_rejects_a_different_model(play_data, tmp_path, capsys):
     assert _run_cli(capsys, *base)[0] == 0
     rc, _, err = _run_cli(capsys, "--resume", "--out", str(tmp_path / "r"), "--dim", "64")
     assert rc == 2 and "dim=32" in err and len(_error_lines(err)) == 1
+
+
+# --- the shipped default model ------------------------------------------------------------------
+def test_shipped_default_checkpoint():
+    """The model `minillama generate` runs by default: small, GQA, float16 on disk, and it
+    predicts the held-out plays at <= 1.6 nats per byte (the full split gave 1.4636)."""
+    from minillama.data import VAL_PLAYS, encode_documents, shakespeare_documents
+    from minillama.generate import DEFAULT_CHECKPOINT
+
+    assert DEFAULT_CHECKPOINT.is_file()
+    assert DEFAULT_CHECKPOINT.stat().st_size < 8e6
+    tensors, _ = read_safetensors(DEFAULT_CHECKPOINT)
+    assert all(v.dtype == np.float16 for v in tensors.values())
+    cfg, params, meta = load_checkpoint(DEFAULT_CHECKPOINT)
+    assert meta["tokenizer"] == {"type": "byte"} and cfg.vocab_size == 258
+    assert cfg.n_params() <= 5_000_000 and cfg.n_kv_heads < cfg.n_heads
+    model = Transformer(cfg, params, dtype=np.float32)
+    docs = dict(shakespeare_documents())
+    val = encode_documents([docs[p] for p in VAL_PLAYS]).astype(np.int64)
+    T = cfg.max_seq_len
+    starts = np.linspace(0, val.size - T - 1, 32).astype(np.int64)
+    w = val[starts[:, None] + np.arange(T + 1)[None, :]]
+    losses = [model.loss(w[i:i + 8, :-1], w[i:i + 8, 1:]) for i in range(0, 32, 8)]
+    assert float(np.mean(losses)) <= 1.6
