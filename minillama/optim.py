@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import numpy as np
+
 from .errors import MinillamaError
 from .ops import array_module
 
@@ -43,12 +45,15 @@ class AdamW:
     the RMSNorm gains, plus the embedding when ``decay_embeddings`` is false.
     The state (``m``, ``v`` per parameter and the step count t) round-trips through
     :meth:`state_dict` / :meth:`load_state_dict` for checkpoints.
+    ``backend`` (optional): when it provides a fused ``adamw_update(p, g, m, v, lr, beta1, beta2,
+    eps, wd, t)`` (the CuPy backend does), each parameter is updated by that one kernel instead
+    of the array expressions below; the math is the same.
     """
 
     def __init__(self, params: dict[str, Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.1, no_decay: Callable[[str], bool] | None = None,
-                 decay_embeddings: bool = True):
+                 decay_embeddings: bool = True, backend=None):
         if not params:
             raise MinillamaError("AdamW needs at least one parameter")
         b1, b2 = (float(b) for b in betas)
@@ -70,6 +75,7 @@ class AdamW:
                     return is_norm_gain(name) or is_embedding(name)
         self.no_decay = no_decay
         self.decays = {k: not no_decay(k) for k in params}
+        self._fused = getattr(backend, "adamw_update", None) if backend is not None else None
         self.t = 0
         self.m = {k: array_module(p).zeros_like(p) for k, p in params.items()}
         self.v = {k: array_module(p).zeros_like(p) for k, p in params.items()}
@@ -94,6 +100,10 @@ class AdamW:
                                      f"parameter has {p.shape}")
             xp = array_module(p)
             m, v = self.m[k], self.v[k]
+            if self._fused is not None and xp is not np:
+                wd = self.weight_decay if self.decays[k] else 0.0
+                self._fused(p, g, m, v, eta, b1, b2, self.eps, wd, self.t)
+                continue
             if self.decays[k] and self.weight_decay:
                 p *= 1.0 - eta * self.weight_decay
             # m = b1 m + (1 - b1) g ; v = b2 v + (1 - b2) g^2   (in place, no big temporaries)

@@ -222,7 +222,8 @@ class Trainer:
         self.model = Transformer(self.cfg, backend=tc.backend, dtype=np.dtype(tc.dtype),
                                  seed=tc.seed)
         self.opt = AdamW(self.model.params, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
-                         weight_decay=tc.weight_decay, decay_embeddings=tc.decay_embeddings)
+                         weight_decay=tc.weight_decay, decay_embeddings=tc.decay_embeddings,
+                         backend=self.model.backend)
         self.step = 0
         self.history: dict[str, list] = {"train": [], "val": []}  # [step, loss] pairs
         self.tokens_seen = 0
