@@ -84,6 +84,80 @@ def parallel_rows(fn, n_rows: int, n_elements: int, xp=np) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# BLAS thread control (OpenBLAS as bundled with NumPy; a no-op anywhere else)
+# ---------------------------------------------------------------------------------------------
+_blas_api: Any = None
+
+
+def _openblas_api():
+    """(get, set) of the OpenBLAS that NumPy loaded, found by its exported symbols; None if the
+    BLAS is not OpenBLAS or cannot be found (then thread control is a no-op)."""
+    global _blas_api
+    if _blas_api is not None:
+        return _blas_api or None
+    _blas_api = False
+    try:
+        import ctypes  # noqa: PLC0415
+
+        with open("/proc/self/maps") as f:
+            paths = sorted({ln.split()[-1] for ln in f if "openblas" in ln.lower() and "/" in ln})
+        for path in paths:
+            lib = ctypes.CDLL(path)
+            for get_name, set_name in (
+                    ("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
+                    ("scipy_openblas_get_num_threads", "scipy_openblas_set_num_threads"),
+                    ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
+                    ("openblas_get_num_threads", "openblas_set_num_threads")):
+                if hasattr(lib, get_name) and hasattr(lib, set_name):
+                    getter, setter = getattr(lib, get_name), getattr(lib, set_name)
+                    getter.restype, setter.argtypes = ctypes.c_int, [ctypes.c_int]
+                    _blas_api = (getter, setter)
+                    return _blas_api
+    except (OSError, ValueError, AttributeError):  # no /proc, odd paths: leave BLAS alone
+        pass
+    return None
+
+
+class _NoOp:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _blas_for_rows(xp, n_rows: int):
+    """single-threaded BLAS while :func:`parallel_rows` spreads ``n_rows`` over threads."""
+    if xp is np and n_rows > 1 and num_threads() > 1:
+        return single_threaded_blas()
+    return _NoOp()
+
+
+class single_threaded_blas:  # noqa: N801 - used like a function: ``with single_threaded_blas():``
+    """Run the block with OpenBLAS on one thread, then restore its thread count.
+
+    Attention is a stack of small GEMMs (one per sequence and KV head); letting OpenBLAS split
+    each of them over its threads costs a synchronisation per GEMM, which dominates when the
+    cores are busy. The NumPy ops instead give whole sequences to the threads of
+    :func:`parallel_rows`, each running single-threaded GEMMs."""
+
+    def __enter__(self):
+        api = _openblas_api()
+        self._restore = None
+        if api is not None:
+            n = api[0]()
+            if n > 1:
+                api[1](1)
+                self._restore = n
+        return self
+
+    def __exit__(self, *exc):
+        if self._restore is not None:
+            _openblas_api()[1](self._restore)
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
 # Token embedding
 # ---------------------------------------------------------------------------------------------
 def embedding_forward(weight, tokens):
@@ -312,7 +386,8 @@ def attention_forward(q, k, v, start_pos=0):
     q: (B, T, H, hd); k, v: (B, S, KVH, hd) with S >= T (S > T when earlier positions come from a
     KV cache); start_pos: int or (B,) ints, the absolute position of query 0. Returns o: (B, T, H, hd).
     The G query heads of a group are stacked into one (G T, hd) matrix that multiplies their
-    shared K/V (no repeated K/V is built): one GEMM per (b, KV head) for S, one for o.
+    shared K/V (no repeated K/V is built): one GEMM per (b, KV head) for S, one for o. On NumPy,
+    whole sequences are spread over threads, each running single-threaded GEMMs.
     """
     xp = array_module(q)
     B, T, H, hd = q.shape
@@ -320,26 +395,31 @@ def attention_forward(q, k, v, start_pos=0):
     G = H // KVH
     scale = 1.0 / math.sqrt(hd)
     qs = xp.empty((B, KVH, G, T, hd), dtype=q.dtype)  # the queries, pre-scaled by 1/sqrt(hd)
-    xp.multiply(q.reshape(B, T, KVH, G, hd).transpose(0, 2, 3, 1, 4), scale, out=qs)
-    qs = qs.reshape(B, KVH, G * T, hd)
+    q5 = q.reshape(B, T, KVH, G, hd).transpose(0, 2, 3, 1, 4)
+    qs4 = qs.reshape(B, KVH, G * T, hd)
     kt = k.transpose(0, 2, 3, 1)  # (B, KVH, hd, S), a view
     vv = v.transpose(0, 2, 1, 3)  # (B, KVH, S, hd), a view
-    p = qs @ kt  # scores (B, KVH, G T, S), turned into probabilities in place below
+    dt = xp.result_type(q, k, v)
+    p = xp.empty((B, KVH, G * T, S), dtype=dt)  # scores, turned into probabilities in place
+    o = xp.empty((B, KVH, G * T, hd), dtype=dt)
     future = _future_mask(xp, T, S, start_pos)
 
-    def rows(lo, hi):  # masked softmax of sequences lo..hi-1
+    def rows(lo, hi):  # sequences lo..hi-1
+        xp.multiply(q5[lo:hi], scale, out=qs[lo:hi])
         pp = p[lo:hi]
+        xp.matmul(qs4[lo:hi], kt[lo:hi], out=pp)
         if future is not None:
             fm = future if future.shape[0] == 1 else future[lo:hi]
             xp.copyto(pp.reshape(hi - lo, KVH, G, T, S), -xp.inf, where=fm)
         pp -= xp.max(pp, axis=-1, keepdims=True)
         xp.exp(pp, out=pp)
         pp *= 1.0 / xp.sum(pp, axis=-1, keepdims=True)
+        xp.matmul(pp, vv[lo:hi], out=o[lo:hi])
 
-    parallel_rows(rows, B, p.size, xp)
-    o = p @ vv  # (B, KVH, G T, hd)
+    with _blas_for_rows(xp, B):
+        parallel_rows(rows, B, p.size, xp)
     out = o.reshape(B, KVH, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
-    return out, (qs, kt, vv, p, o, scale)
+    return out, (qs4, kt, vv, p, o, scale)
 
 
 def attention_backward(dout, ctx):
@@ -356,21 +436,30 @@ def attention_backward(dout, ctx):
     xp = array_module(dout)
     B, KVH, GT, hd = qs.shape
     T, H = dout.shape[1], dout.shape[2]
+    S = p.shape[-1]
     G = H // KVH
-    do = xp.ascontiguousarray(dout.reshape(B, T, KVH, G, hd).transpose(0, 2, 3, 1, 4))
-    do = do.reshape(B, KVH, GT, hd)
-    dv = xp.swapaxes(p, -1, -2) @ do  # (B, KVH, S, hd)
-    ds = do @ xp.swapaxes(vv, -1, -2)  # dP (B, KVH, G T, S), turned into dS in place
+    dt = xp.result_type(dout, p)
+    do5 = dout.reshape(B, T, KVH, G, hd).transpose(0, 2, 3, 1, 4)
+    do = xp.empty((B, KVH, G, T, hd), dtype=dt)
+    do4 = do.reshape(B, KVH, GT, hd)
+    dv = xp.empty((B, KVH, S, hd), dtype=dt)
+    dk = xp.empty((B, KVH, S, hd), dtype=dt)
+    dq = xp.empty((B, KVH, GT, hd), dtype=dt)
+    ds = xp.empty((B, KVH, GT, S), dtype=dt)
 
-    def rows(lo, hi):
-        d = ds[lo:hi]
-        d -= xp.sum(do[lo:hi] * o[lo:hi], axis=-1, keepdims=True)
-        d *= p[lo:hi]
+    def rows(lo, hi):  # sequences lo..hi-1
+        d_o, d, pp = do4[lo:hi], ds[lo:hi], p[lo:hi]
+        do[lo:hi] = do5[lo:hi]
+        xp.matmul(xp.swapaxes(pp, -1, -2), d_o, out=dv[lo:hi])
+        xp.matmul(d_o, xp.swapaxes(vv[lo:hi], -1, -2), out=d)  # dP, turned into dS in place
+        d -= xp.sum(d_o * o[lo:hi], axis=-1, keepdims=True)
+        d *= pp
+        xp.matmul(d, xp.swapaxes(kt[lo:hi], -1, -2), out=dq[lo:hi])
+        dq[lo:hi] *= scale
+        xp.matmul(xp.swapaxes(d, -1, -2), qs[lo:hi], out=dk[lo:hi])  # qs carries 1/sqrt(hd)
 
-    parallel_rows(rows, B, ds.size, xp)
-    dq = ds @ xp.swapaxes(kt, -1, -2)  # (B, KVH, G T, hd)
-    dq *= scale
-    dk = xp.swapaxes(ds, -1, -2) @ qs  # qs carries the 1/sqrt(hd)
+    with _blas_for_rows(xp, B):
+        parallel_rows(rows, B, ds.size, xp)
     dq = dq.reshape(B, KVH, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
     return dq, dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
 

@@ -285,3 +285,22 @@ def test_threaded_ops_match_serial_bitwise(rng, monkeypatch):
                 np.testing.assert_allclose(u, w, rtol=1e-5, atol=1e-5)
             else:
                 np.testing.assert_array_equal(u, w)
+
+
+def test_single_threaded_blas_restores_thread_count(rng, monkeypatch):
+    api = ops._openblas_api()
+    if api is None:
+        pytest.skip("NumPy's BLAS is not an OpenBLAS this process can reach")
+    get, set_ = api
+    before = get()
+    try:
+        set_(2)
+        with ops.single_threaded_blas():
+            assert get() == 1
+        assert get() == 2
+        monkeypatch.setenv("MINILLAMA_NUM_THREADS", "2")
+        q = rng.standard_normal((4, 3, 2, 4))
+        ops.attention_backward(q, ops.attention_forward(q, q, q)[1])
+        assert get() == 2
+    finally:
+        set_(before)
