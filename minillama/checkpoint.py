@@ -60,6 +60,9 @@ def save_checkpoint(path, cfg: ModelConfig, params: dict[str, Any], *, tokenizer
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=meta)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -29,7 +29,7 @@ from .errors import MinillamaError
 from .sampling import check_sampling, sample
 
 #: where the training issue ships the default model (own format, byte tokenizer in the metadata)
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "data" / "shakespeare.safetensors"
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "weights" / "shakespeare.safetensors"
 
 
 @dataclass
@@ -307,7 +307,7 @@ def run_cli(args) -> int:
     if args.checkpoint is None:
         if not DEFAULT_CHECKPOINT.is_file():
             raise MinillamaError(
-                "no default checkpoint ships yet (minillama/data/shakespeare.safetensors is "
+                "no default checkpoint ships yet (minillama/weights/shakespeare.safetensors is "
                 "missing); pass --checkpoint PATH")
         checkpoint = DEFAULT_CHECKPOINT
     else:
