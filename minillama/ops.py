@@ -191,13 +191,34 @@ def embedding_backward(dout, ctx):
 # ---------------------------------------------------------------------------------------------
 # Linear (no bias)
 # ---------------------------------------------------------------------------------------------
+#: linear layers split their GEMMs over the threads of :func:`parallel_rows` (single-threaded
+#: BLAS each) instead of leaving the threading to BLAS; see :func:`linear_forward`
+THREADED_LINEAR = True
+
+
+def _split_gemm(xp, a, b, out) -> None:
+    """out = a @ b with the rows of ``a`` (and ``out``) spread over threads (NumPy), or one GEMM."""
+    if THREADED_LINEAR and xp is np and a.shape[0] > 1 and num_threads() > 1:
+        def rows(lo, hi):
+            xp.matmul(a[lo:hi], b, out=out[lo:hi])
+
+        with single_threaded_blas():
+            parallel_rows(rows, a.shape[0], a.shape[0] * b.shape[1] * 8, xp)
+    else:
+        xp.matmul(a, b, out=out)
+
+
 def linear_forward(x, w):
     r"""Linear map without bias: y = x W^T.
 
     x: (..., in); w: (out, in). Returns y: (..., out). The leading axes are flattened so that one
-    GEMM of (N, in) x (in, out) runs instead of a stack of small ones.
+    GEMM of (N, in) x (in, out) runs instead of a stack of small ones; on NumPy its rows are
+    split over threads (one synchronisation per GEMM, which matters on a busy machine).
     """
-    y = x.reshape(-1, x.shape[-1]) @ w.T
+    xp = array_module(x)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = xp.empty((x2.shape[0], w.shape[0]), dtype=xp.result_type(x, w))
+    _split_gemm(xp, x2, w.T, y)
     return y.reshape(*x.shape[:-1], w.shape[0]), (x, w)
 
 
@@ -207,10 +228,15 @@ def linear_backward(dy, ctx):
     dy: (..., out). Returns (dx: (..., in), dW: (out, in)).
     """
     x, w = ctx
+    xp = array_module(dy)
     dy2 = dy.reshape(-1, dy.shape[-1])
-    dx = (dy2 @ w).reshape(*dy.shape[:-1], w.shape[1])
-    dw = dy2.T @ x.reshape(-1, x.shape[-1])
-    return dx, dw
+    x2 = x.reshape(-1, x.shape[-1])
+    dt = xp.result_type(dy, x, w)
+    dx = xp.empty((dy2.shape[0], w.shape[1]), dtype=dt)
+    _split_gemm(xp, dy2, w, dx)
+    dw = xp.empty(w.shape, dtype=dt)
+    _split_gemm(xp, dy2.T, x2, dw)  # rows of dW = output features
+    return dx.reshape(*dy.shape[:-1], w.shape[1]), dw
 
 
 # ---------------------------------------------------------------------------------------------
