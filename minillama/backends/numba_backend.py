@@ -51,7 +51,9 @@ TILED_MIN_T = 16
 #: query positions and keys per tile of the BLAS-tiled path (tile memory B*H*BQ*BK numbers)
 TILE_BQ = 64
 TILE_BK = 256
-#: run the tile kernels of the BLAS-tiled path on Numba's threads too (see _tile_kernel)
+#: True: one thread runs all B*KVH groups of the BLAS-tiled path with threaded BLAS and
+#: Numba-parallel tile kernels; False (default): the groups are spread over row threads, each
+#: with one-threaded BLAS and serial tile kernels (see NumbaBackend._over_groups)
 TILE_PARALLEL = False
 #: the decode kernel splits the keys into chunks of at least this many when it splits them
 DECODE_MIN_CHUNK = 256
@@ -169,12 +171,21 @@ class NumbaBackend(NumpyBackend):
             y.reshape(B, KVH, T, G, hd).transpose(0, 2, 1, 3, 4)).reshape(B, T, KVH * G, hd)
 
     def _tile_kernel(self, name, n_elems):
-        # Serial unless TILE_PARALLEL: the tiled path alternates these kernels with BLAS calls,
-        # and BLAS threads still spinning after a matmul starve a parallel region on a small
-        # or shared machine (measured: 10-100x slower steps on 2 busy cores); the matmuls
-        # carry the parallelism.
+        # Serial unless TILE_PARALLEL: the tiled path runs the B*KVH groups on row threads
+        # (see _over_groups), each with one-threaded BLAS and these serial kernels.
         par = TILE_PARALLEL and self._parallel(n_elems * 4)
         return getattr(self._k, f"tile_{name}_{'parallel' if par else 'serial'}")
+
+    def _over_groups(self, fn, BKV: int, work: int) -> None:
+        """Run ``fn(lo, hi)`` over slices of the B*KVH groups: with one-threaded BLAS on the
+        row threads of :func:`minillama.ops.parallel_rows` (the tile kernels release the GIL).
+        Splitting each small GEMM over BLAS threads instead costs a synchronisation per GEMM,
+        which dominates on a small or busy machine."""
+        if TILE_PARALLEL or BKV == 1:
+            fn(0, BKV)
+            return
+        with ops.single_threaded_blas():
+            ops.parallel_rows(fn, BKV, work, np)
 
     def _attn_fwd_tiled(self, q, k, v, starts, scale, out, lse):
         B, T, H, hd = q.shape
@@ -188,25 +199,31 @@ class NumbaBackend(NumpyBackend):
         oh = np.empty((BKV, T * G, hd), dtype=dt)
         lh = np.empty((BKV, T * G), dtype=dt)
         smax = int(starts.max())
-        for t0 in range(0, T, TILE_BQ):
-            t1 = min(T, t0 + TILE_BQ)
-            rows = slice(t0 * G, t1 * G)
-            R = (t1 - t0) * G
-            qi = qh[:, rows]
-            m = np.full((BKV, R), -np.inf, dtype=dt)
-            l = np.zeros((BKV, R), dtype=dt)
-            o = np.zeros((BKV, R, hd), dtype=dt)
-            pv = np.empty((BKV, R, hd), dtype=dt)
-            kend = min(S, smax + t1)
-            for c0 in range(0, kend, TILE_BK):
-                c1 = min(kend, c0 + TILE_BK)
-                s = np.matmul(qi, kh[:, c0:c1].transpose(0, 2, 1))  # (BKV, R, C)
-                self._tile_kernel("fwd", s.size)(s, m, l, o, starts, KVH, G, t0, c0, scale)
-                np.matmul(s, vh[:, c0:c1], out=pv)
-                o += pv
-            o /= l[:, :, None]
-            oh[:, rows] = o
-            lh[:, rows] = m + np.log(l)
+
+        def groups(u0, u1):
+            n = u1 - u0
+            for t0 in range(0, T, TILE_BQ):
+                t1 = min(T, t0 + TILE_BQ)
+                rows = slice(t0 * G, t1 * G)
+                R = (t1 - t0) * G
+                qi = qh[u0:u1, rows]
+                m = np.full((n, R), -np.inf, dtype=dt)
+                l = np.zeros((n, R), dtype=dt)
+                o = np.zeros((n, R, hd), dtype=dt)
+                pv = np.empty((n, R, hd), dtype=dt)
+                kend = min(S, smax + t1)
+                for c0 in range(0, kend, TILE_BK):
+                    c1 = min(kend, c0 + TILE_BK)
+                    s = np.matmul(qi, kh[u0:u1, c0:c1].transpose(0, 2, 1))  # (n, R, C)
+                    self._tile_kernel("fwd", s.size)(s, m, l, o, starts, KVH, G, t0, c0, scale,
+                                                     u0)
+                    np.matmul(s, vh[u0:u1, c0:c1], out=pv)
+                    o += pv
+                o /= l[:, :, None]
+                oh[u0:u1, rows] = o
+                lh[u0:u1, rows] = m + np.log(l)
+
+        self._over_groups(groups, BKV, BKV * T * hd)
         out[...] = self._from_heads_major(oh, B, T, KVH, G)
         lse[...] = lh.reshape(B, KVH, T, G).transpose(0, 1, 3, 2).reshape(B, H, T)
 
@@ -226,28 +243,33 @@ class NumbaBackend(NumpyBackend):
         Dh = self._heads_major(Dh[..., None], G)[..., 0]
         lh = np.ascontiguousarray(
             lse.reshape(B, KVH, G, T).transpose(0, 1, 3, 2)).reshape(BKV, T * G)
-        dqh = np.zeros((BKV, T * G, hd), dtype=dt)
+        dqh = np.empty((BKV, T * G, hd), dtype=dt)
         dkh = np.zeros((BKV, S, hd), dtype=dt)
         dvh = np.zeros((BKV, S, hd), dtype=dt)
         smax = int(starts.max())
-        for t0 in range(0, T, TILE_BQ):
-            t1 = min(T, t0 + TILE_BQ)
-            rows = slice(t0 * G, t1 * G)
-            qi, doi = qh[:, rows], doh[:, rows]
-            li = np.ascontiguousarray(lh[:, rows])
-            Di = np.ascontiguousarray(Dh[:, rows])
-            dqi = np.zeros((BKV, (t1 - t0) * G, hd), dtype=dt)
-            kend = min(S, smax + t1)
-            for c0 in range(0, kend, TILE_BK):
-                c1 = min(kend, c0 + TILE_BK)
-                kj, vj = kh[:, c0:c1], vh[:, c0:c1]
-                s = np.matmul(qi, kj.transpose(0, 2, 1))  # (BKV, R, C)
-                dp = np.matmul(doi, vj.transpose(0, 2, 1))
-                self._tile_kernel("bwd", s.size)(s, dp, li, Di, starts, KVH, G, t0, c0, scale)
-                dvh[:, c0:c1] += np.matmul(s.transpose(0, 2, 1), doi)
-                dkh[:, c0:c1] += np.matmul(dp.transpose(0, 2, 1), qi)
-                dqi += np.matmul(dp, kj)
-            dqh[:, rows] = dqi
+
+        def groups(u0, u1):
+            for t0 in range(0, T, TILE_BQ):
+                t1 = min(T, t0 + TILE_BQ)
+                rows = slice(t0 * G, t1 * G)
+                qi, doi = qh[u0:u1, rows], doh[u0:u1, rows]
+                li = np.ascontiguousarray(lh[u0:u1, rows])
+                Di = np.ascontiguousarray(Dh[u0:u1, rows])
+                dqi = np.zeros((u1 - u0, (t1 - t0) * G, hd), dtype=dt)
+                kend = min(S, smax + t1)
+                for c0 in range(0, kend, TILE_BK):
+                    c1 = min(kend, c0 + TILE_BK)
+                    kj, vj = kh[u0:u1, c0:c1], vh[u0:u1, c0:c1]
+                    s = np.matmul(qi, kj.transpose(0, 2, 1))  # (n, R, C)
+                    dp = np.matmul(doi, vj.transpose(0, 2, 1))
+                    self._tile_kernel("bwd", s.size)(s, dp, li, Di, starts, KVH, G, t0, c0,
+                                                     scale, u0)
+                    dvh[u0:u1, c0:c1] += np.matmul(s.transpose(0, 2, 1), doi)
+                    dkh[u0:u1, c0:c1] += np.matmul(dp.transpose(0, 2, 1), qi)
+                    dqi += np.matmul(dp, kj)
+                dqh[u0:u1, rows] = dqi
+
+        self._over_groups(groups, BKV, BKV * T * hd)
         dq = self._from_heads_major(dqh, B, T, KVH, G)
         dk = self._from_heads_major(dkh, B, S, KVH, 1)
         dv = self._from_heads_major(dvh, B, S, KVH, 1)

@@ -563,11 +563,11 @@ def attn_bwd_serial(q, k, v, out, dout, lse, starts, scale, dq, dk, dv):
 # Row r of a tile is query time t0 + r // G, head g = r % G of its KV head; column c is key c0 + c.
 # ---------------------------------------------------------------------------------------------
 @njit(**_opts)
-def _tile_fwd_item(s, m, l, o, starts, KVH, G, t0, c0, scale, u):
+def _tile_fwd_item(s, m, l, o, starts, KVH, G, t0, c0, scale, u0, u):
     R = s.shape[1]
     C = s.shape[2]
     hd = o.shape[2]
-    st = starts[u // KVH]
+    st = starts[(u0 + u) // KVH]
     zero = scale - scale
     for r in range(R):
         srow = s[u, r]
@@ -596,29 +596,30 @@ def _tile_fwd_item(s, m, l, o, starts, KVH, G, t0, c0, scale, u):
 
 
 @njit(parallel=True, **_opts)
-def tile_fwd_parallel(s, m, l, o, starts, KVH, G, t0, c0, scale):
+def tile_fwd_parallel(s, m, l, o, starts, KVH, G, t0, c0, scale, u0):
     r"""Online-softmax step on a score tile s = Q_i K_j^T (B*KVH, R, C), in place:
 
     x = s / \sqrt{hd} (masked: key c0 + c > p_b + t),  m' = \max(m, \max_c x_c),
     s \leftarrow e^{x - m'} (0 where masked),  l' = l e^{m - m'} + \sum_c s_c,  o \leftarrow o e^{m - m'}.
 
-    m, l: (B*KVH, R); o: (B*KVH, R, hd). The caller then adds s V_j to o (BLAS)."""
+    m, l: (B*KVH, R); o: (B*KVH, R, hd); the stack may be the slice u0.. of the B*KVH groups.
+    The caller then adds s V_j to o (BLAS)."""
     for u in prange(s.shape[0]):
-        _tile_fwd_item(s, m, l, o, starts, KVH, G, t0, c0, scale, u)
+        _tile_fwd_item(s, m, l, o, starts, KVH, G, t0, c0, scale, u0, u)
 
 
 @njit(**_opts)
-def tile_fwd_serial(s, m, l, o, starts, KVH, G, t0, c0, scale):
+def tile_fwd_serial(s, m, l, o, starts, KVH, G, t0, c0, scale, u0):
     """Serial twin of :func:`tile_fwd_parallel`."""
     for u in range(s.shape[0]):
-        _tile_fwd_item(s, m, l, o, starts, KVH, G, t0, c0, scale, u)
+        _tile_fwd_item(s, m, l, o, starts, KVH, G, t0, c0, scale, u0, u)
 
 
 @njit(**_opts)
-def _tile_bwd_item(s, dp, lse, D, starts, KVH, G, t0, c0, scale, u):
+def _tile_bwd_item(s, dp, lse, D, starts, KVH, G, t0, c0, scale, u0, u):
     R = s.shape[1]
     C = s.shape[2]
-    st = starts[u // KVH]
+    st = starts[(u0 + u) // KVH]
     zero = scale - scale
     for r in range(R):
         srow = s[u, r]
@@ -636,21 +637,21 @@ def _tile_bwd_item(s, dp, lse, D, starts, KVH, G, t0, c0, scale, u):
 
 
 @njit(parallel=True, **_opts)
-def tile_bwd_parallel(s, dp, lse, D, starts, KVH, G, t0, c0, scale):
+def tile_bwd_parallel(s, dp, lse, D, starts, KVH, G, t0, c0, scale, u0):
     r"""Backward step on a tile, in place: s = Q_i K_j^T becomes P = e^{s/\sqrt{hd} - lse}
     (0 where masked) and dp = dO_i V_j^T becomes dS / \sqrt{hd} = P (dP - D) / \sqrt{hd}.
 
     lse, D: (B*KVH, R). The caller then adds P^T dO_i to dV_j, dS^T Q_i to dK_j, dS K_j to
     dQ_i (BLAS)."""
     for u in prange(s.shape[0]):
-        _tile_bwd_item(s, dp, lse, D, starts, KVH, G, t0, c0, scale, u)
+        _tile_bwd_item(s, dp, lse, D, starts, KVH, G, t0, c0, scale, u0, u)
 
 
 @njit(**_opts)
-def tile_bwd_serial(s, dp, lse, D, starts, KVH, G, t0, c0, scale):
+def tile_bwd_serial(s, dp, lse, D, starts, KVH, G, t0, c0, scale, u0):
     """Serial twin of :func:`tile_bwd_parallel`."""
     for u in range(s.shape[0]):
-        _tile_bwd_item(s, dp, lse, D, starts, KVH, G, t0, c0, scale, u)
+        _tile_bwd_item(s, dp, lse, D, starts, KVH, G, t0, c0, scale, u0, u)
 
 
 # ---------------------------------------------------------------------------------------------
