@@ -179,7 +179,13 @@ def embedding_backward(dout, ctx):
     dw = xp.zeros(shape, dtype=dout.dtype)
     flat_tok = tokens.reshape(-1)
     flat_d = dout.reshape(-1, shape[1])
-    if xp is np:
+    if xp is np and flat_tok.size >= shape[0]:
+        # many repeats: sort the rows by token and sum each run with one reduceat
+        order = np.argsort(flat_tok, kind="stable")
+        tok_sorted = flat_tok[order]
+        starts = np.flatnonzero(np.r_[True, tok_sorted[1:] != tok_sorted[:-1]])
+        dw[tok_sorted[starts]] = np.add.reduceat(flat_d[order], starts, axis=0)
+    elif xp is np:
         np.add.at(dw, flat_tok, flat_d)
     else:  # CuPy: atomic scatter-add
         import cupyx  # noqa: PLC0415

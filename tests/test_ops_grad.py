@@ -80,8 +80,9 @@ def check(forward, backward, inputs, rng, n_out=1):
 
 
 # ---------------------------------------------------------------------------------------------
-def test_embedding_grad_repeated_tokens(rng):
-    V, D = 7, 5
+@pytest.mark.parametrize("V", [7, 20], ids=["sorted-reduceat", "add-at"])  # N = 8 >= V or < V
+def test_embedding_grad_repeated_tokens(rng, V):
+    D = 5
     w = rng.standard_normal((V, D))
     tokens = np.array([[1, 3, 1, 6], [0, 1, 3, 3]])  # repeats: the scatter-add must accumulate
     out, ctx = ops.embedding_forward(w, tokens)
