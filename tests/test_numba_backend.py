@@ -330,7 +330,7 @@ def test_attention_tiled_groups_on_row_threads(dtype, rng, monkeypatch):
     starts = np.array([0, 40, 7, 100])
     q, k, v, dout = _attention_case(rng, dtype, 4, 50, 2, 2, 8, starts, 1)
     _check_attention(be, q, k, v, dout, starts, dtype)
-    assert calls[:2] == [8, 8]  # our forward and backward split the 4 x 2 groups (then the reference)
+    assert calls[:2] == [8, 8]  # our forward and backward split the 4 x 2 groups
 
 
 # ---------------------------------------------------------------------------------------------

@@ -118,7 +118,8 @@ class NumbaBackend(NumpyBackend):
             cos3, sin3, bsel = cos[None], sin[None], 0
         else:
             cos3, sin3, bsel = cos, sin, 1
-        if cos3.shape[1:] != (T, hd // 2) or cos3.shape[0] not in (1, B) or sin3.shape != cos3.shape:
+        if (cos3.shape[1:] != (T, hd // 2) or cos3.shape[0] not in (1, B)
+                or sin3.shape != cos3.shape):
             raise MinillamaError(
                 f"RoPE tables of shape {cos.shape} do not match x of shape {x.shape}")
         if bsel and cos3.shape[0] != B:
@@ -278,7 +279,8 @@ class NumbaBackend(NumpyBackend):
     def attention_forward(self, q, k, v, start_pos=0):
         r"""Causal GQA attention (same contract as :func:`minillama.ops.attention_forward`):
 
-        s_{tj} = q_t \cdot k_j / \sqrt{hd} for j \le p_b + t,  o_t = \sum_j \mathrm{softmax}_j(s_t)_j v_j,
+        s_{tj} = q_t \cdot k_j / \sqrt{hd} for j \le p_b + t,
+        o_t = \sum_j \mathrm{softmax}_j(s_t)_j v_j,
 
         query head h reading KV head h // G. q: (B, T, H, hd); k, v: (B, S, KVH, hd);
         start_pos: int or (B,) ints (query t of sequence b sits at p_b + t). Returns
@@ -362,7 +364,8 @@ class NumbaBackend(NumpyBackend):
         r"""Mean softmax cross-entropy over the rows whose target is not ``ignore_index``
         (see :func:`minillama.ops.cross_entropy_forward`):
 
-        \ell_n = \log \sum_v e^{z_{nv}} - z_{n, y_n},  L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} \ell_n.
+        \ell_n = \log \sum_v e^{z_{nv}} - z_{n, y_n},
+        L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} \ell_n.
 
         logits: (N, V) float32/float64; targets: (N,) ints. Two reads of each row (max, then
         the sum of exponentials) and no (N, V) temporary: ctx keeps the logits and the row

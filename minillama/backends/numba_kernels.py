@@ -600,7 +600,8 @@ def tile_fwd_parallel(s, m, l, o, starts, KVH, G, t0, c0, scale, u0):
     r"""Online-softmax step on a score tile s = Q_i K_j^T (B*KVH, R, C), in place:
 
     x = s / \sqrt{hd} (masked: key c0 + c > p_b + t),  m' = \max(m, \max_c x_c),
-    s \leftarrow e^{x - m'} (0 where masked),  l' = l e^{m - m'} + \sum_c s_c,  o \leftarrow o e^{m - m'}.
+    s \leftarrow e^{x - m'} (0 where masked),  l' = l e^{m - m'} + \sum_c s_c,
+    o \leftarrow o e^{m - m'}.
 
     m, l: (B*KVH, R); o: (B*KVH, R, hd); the stack may be the slice u0.. of the B*KVH groups.
     The caller then adds s V_j to o (BLAS)."""
