@@ -147,6 +147,26 @@ def bench_rope(nb, reps):
     return rows
 
 
+def bench_cross_entropy(nb, reps):
+    """Softmax cross-entropy over the s15 training step's logits (B*T = 2048 rows, V = 32000)."""
+    rng = np.random.default_rng(0)
+    N, V = 2048, 32000
+    z = rng.standard_normal((N, V)).astype(np.float32)
+    t = rng.integers(0, V, size=N)
+    res = {}
+    for name, fwd, bwd in (("numpy", ops.cross_entropy_forward, ops.cross_entropy_backward),
+                           ("numba", nb.cross_entropy_forward, nb.cross_entropy_backward)):
+        bwd(1.0, fwd(z, t)[1])
+        tf = best(lambda: fwd(z, t), reps)
+        tb = best(lambda ctx: bwd(1.0, ctx), reps, setup=lambda: fwd(z, t)[1])
+        mem = peak_alloc(lambda: bwd(1.0, fwd(z, t)[1]))
+        res[name] = (tf, tb, mem)
+    (f0, b0, m0), (f1, b1, m1) = res["numpy"], res["numba"]
+    return [f"| cross-entropy | {N}x{V} (N x V) | {fmt_ms(f0)} | {fmt_ms(f1)} | {f0 / f1:.1f}x "
+            f"| {fmt_ms(b0)} | {fmt_ms(b1)} | {b0 / b1:.1f}x | {(f0 + b0) / (f1 + b1):.1f}x "
+            f"| {m0 / 2**20:.0f} | {m1 / 2**20:.0f} |"]
+
+
 S15 = dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=768, vocab_size=32000,
            max_seq_len=1280)
 
@@ -236,6 +256,8 @@ def main() -> int:
     for row in bench_attention(nb, T_list, ARGS.batch, ARGS.reps):
         print(row, flush=True)
     for row in bench_rope(nb, ARGS.reps):
+        print(row, flush=True)
+    for row in bench_cross_entropy(nb, ARGS.reps):
         print(row, flush=True)
     if not ARGS.skip_model:
         print("\n| end to end | model | numpy | numba | numba speed-up |")
