@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 
+import _bench_common
+
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -51,23 +53,15 @@ def parse_args(argv=None):
 
 
 ARGS = parse_args()
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
-             "NUMBA_NUM_THREADS"):
-    os.environ[_var] = str(ARGS.threads)
+_bench_common.pin_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402  (after the thread settings)
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from minillama import ModelConfig, Transformer  # noqa: E402
 from minillama.generate import GenerationStats, generate  # noqa: E402
 from minillama.model import init_params  # noqa: E402
 
-SHAPES = {
-    "s15": dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=768, vocab_size=32000,
-                max_seq_len=256),
-    "s110": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, hidden_dim=2048,
-                 vocab_size=32000, max_seq_len=1024),
-}
+SHAPES = {name: _bench_common.shape(name) for name in ("s15", "s110")}
 PROMPT = 16
 
 

@@ -27,20 +27,18 @@ import platform
 import sys
 import time
 
+import _bench_common
+
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, _bench_common.REPO)
 from minillama.config import ModelConfig  # noqa: E402
 from minillama.errors import MinillamaError  # noqa: E402
 from minillama.model import Transformer, init_params  # noqa: E402
 
 #: name -> (config, training batch B, training length T)
-SHAPES = {
-    "s15": (dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=768, vocab_size=32000,
-                 max_seq_len=256), 16, 256),
-    "s110": (dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, hidden_dim=2048,
-                  vocab_size=32000, max_seq_len=1024), 8, 1024),
-}
+SHAPES = {"s15": (_bench_common.shape("s15"), 16, 256),
+          "s110": (_bench_common.shape("s110"), 8, 1024)}
 ADAM = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, wd=0.1)
 
 

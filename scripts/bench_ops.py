@@ -24,6 +24,8 @@ import sys
 import tracemalloc
 import time
 
+import _bench_common
+
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -45,13 +47,10 @@ def parse_args(argv=None):
 
 
 ARGS = parse_args()
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS",
-             "MINILLAMA_NUM_THREADS"):
-    os.environ[_var] = str(ARGS.threads)
+_bench_common.pin_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402  (after the thread settings)
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from minillama import ops  # noqa: E402
 from minillama.backends import get_backend  # noqa: E402
 from minillama.config import ModelConfig  # noqa: E402
@@ -167,8 +166,7 @@ def bench_cross_entropy(nb, reps):
             f"| {m0 / 2**20:.0f} | {m1 / 2**20:.0f} |"]
 
 
-S15 = dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=768, vocab_size=32000,
-           max_seq_len=1280)
+S15 = _bench_common.shape("s15", max_seq_len=1280)
 
 
 def bench_model(reps):

@@ -20,6 +20,8 @@ import platform
 import sys
 import time
 
+import _bench_common
+
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -38,22 +40,17 @@ def parse_args(argv=None):
 
 
 ARGS = parse_args()
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
-             "NUMBA_NUM_THREADS"):
-    os.environ[_var] = str(ARGS.threads)
+_bench_common.pin_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402  (after the thread settings)
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from minillama import ModelConfig, Transformer  # noqa: E402
 from minillama.model import init_params  # noqa: E402
 
 #: name -> (config, B, T)
 CONFIGS = {
-    "tiny": (dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=384, vocab_size=128,
-                  max_seq_len=128), 16, 128),
-    "s15": (dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=768, vocab_size=32000,
-                 max_seq_len=256), 8, 256),
+    "tiny": (_bench_common.shape("tiny"), 16, 128),
+    "s15": (_bench_common.shape("s15"), 8, 256),
 }
 
 
