@@ -124,22 +124,16 @@ def test_python_m_minillama_generate_subprocess(shared_data):
     np.testing.assert_equal(r.stdout, "")
 
 
-def test_hf_directory_with_tokenizer_json(tmp_path, capsys):
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+def test_hf_directory_with_tokenizer_json(tmp_path, capsys, hf_tokenizer_json):
+    import tokenizers
 
     from minillama.formats import save_hf
-    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the cat sat on the mat"] * 20, trainer)
-    V = tok.get_vocab_size(with_added_tokens=True)
+    V = tokenizers.Tokenizer.from_file(str(hf_tokenizer_json)).get_vocab_size(
+        with_added_tokens=True)
     cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=V, hidden_dim=40,
                       max_seq_len=32, tie_embeddings=False)
     d = save_hf(tmp_path / "hf", cfg, init_params(cfg, seed=1))
-    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer.json").write_bytes(hf_tokenizer_json.read_bytes())
     rc = main(["generate", "-c", str(d), "--prompt", "the cat", "-n", "6", "--seed", "0"])
     out, err = capsys.readouterr()
     assert rc == 0 and out.startswith("the cat"), (out, err)
