@@ -27,6 +27,7 @@ import numpy as np
 
 from .errors import MinillamaError
 from .sampling import check_sampling, sample
+from .tokenizer import ByteTokenizer
 
 #: where the training issue ships the default model (own format, byte tokenizer in the metadata)
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "weights" / "shakespeare.safetensors"
@@ -259,7 +260,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--tokenizer", "-t", default=None,
                    help="tokenizer: llama2.c tokenizer.bin, Hugging Face tokenizer.json, or "
                         "'byte' (default: the one stored with the checkpoint)")
-    p.add_argument("--prompt", "-p", default="", help="prompt text (default: empty, start at BOS)")
+    p.add_argument("--prompt", "-p", default="",
+                   help="prompt text (default: empty: start at BOS; byte-level models start at "
+                        "BOS and a newline)")
     p.add_argument("-n", "--max-new-tokens", type=int, default=256,
                    help="most tokens to generate (default 256)")
     p.add_argument("--temperature", type=float, default=1.0,
@@ -324,7 +327,12 @@ def run_cli(args) -> int:
         bos, stop = 1, ({1, 2} if fmt == "llama2c" else set())
         prompt_ids = [bos if bos < cfg.vocab_size else 0]
     else:
-        prompt_ids = tok.encode(args.prompt, bos=True)
+        text = args.prompt
+        if not text and isinstance(tok, ByteTokenizer):
+            # Byte models are trained on windows at random offsets, so they almost never see a
+            # token right after BOS and sample noise there; start at the beginning of a line.
+            text = "\n"
+        prompt_ids = tok.encode(text, bos=True)
         stop = {tok.eos_id}
         if tok.bos_id is not None:
             stop.add(tok.bos_id)  # a new document starts: the text is over (llama2.c does this)

@@ -149,3 +149,14 @@ def test_shipped_default_checkpoint(capsys):
     assert "KV cache:" in err
     rc = main(["generate", "--prompt", "ROMEO:", "-n", "40", "--temperature", "0"])
     assert capsys.readouterr().out == out  # greedy is deterministic
+
+
+def test_default_command_prints_clean_text(capsys):
+    """`minillama generate` with no prompt: the shipped byte model starts at a line start, so its
+    sampled text holds only the ASCII it was trained on (a bare BOS start gave U+FFFD noise)."""
+    if not gen.DEFAULT_CHECKPOINT.is_file():
+        pytest.skip("no default checkpoint shipped")
+    for seed in range(6):
+        assert main(["generate", "-n", "60", "--seed", str(seed)]) == 0
+        out = capsys.readouterr().out
+        assert out.isascii() and "\ufffd" not in out, (seed, out)
