@@ -1,6 +1,6 @@
 // Shared device helpers for the minillama CUDA kernels.
 //
-// The loader (minillama/backends/cuda_build.py) pastes this file in place of the line
+// The loader (backends/cuda_build.py) pastes this file in place of the line
 // `#include "common.cu"` with #line markers, so compiler messages keep naming the real file and
 // line. It also compiles on its own (the CI check compiles every .cu file).
 #pragma once
