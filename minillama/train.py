@@ -216,14 +216,9 @@ class Trainer:
         self.tc = tc
         self.out = Path(tc.out)
         self.cfg = tc.model_config()
-        folder = Path(data_dir) if data_dir is not None else prepare_data(tc.data,
-                                                                           self.out / "data")
-        self.data = TokenData(folder, tc.context, seed=tc.seed, vocab_size=self.cfg.vocab_size)
-        self.model = Transformer(self.cfg, backend=tc.backend, dtype=np.dtype(tc.dtype),
-                                 seed=tc.seed)
-        self.opt = AdamW(self.model.params, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
-                         weight_decay=tc.weight_decay, decay_embeddings=tc.decay_embeddings,
-                         backend=self.model.backend)
+        self.data = self._open_data(data_dir)
+        self.model = self._build_model()
+        self.opt = self._build_optimizer()
         self.step = 0
         self.history: dict[str, list] = {"train": [], "val": []}  # [step, loss] pairs
         self.tokens_seen = 0
@@ -231,53 +226,107 @@ class Trainer:
         self.progress = progress
         self._val_cache = None
 
+    # --- construction --------------------------------------------------------------------------
+    def _open_data(self, data_dir) -> TokenData:
+        """The token files: ``data_dir`` if given, else ``tc.data`` prepared under ``out/data``."""
+        folder = Path(data_dir) if data_dir is not None else prepare_data(self.tc.data,
+                                                                           self.out / "data")
+        return TokenData(folder, self.tc.context, seed=self.tc.seed,
+                         vocab_size=self.cfg.vocab_size)
+
+    def _build_model(self) -> Transformer:
+        """A freshly initialised model (weights from ``tc.seed``)."""
+        return Transformer(self.cfg, backend=self.tc.backend, dtype=np.dtype(self.tc.dtype),
+                           seed=self.tc.seed)
+
+    def _build_optimizer(self) -> AdamW:
+        tc = self.tc
+        return AdamW(self.model.params, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
+                     weight_decay=tc.weight_decay, decay_embeddings=tc.decay_embeddings,
+                     backend=self.model.backend)
+
     @property
     def ckpt_path(self) -> Path:
         return self.out / CKPT_NAME
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens in one optimisation step: A micro-batches of B windows of T tokens."""
+        return self.tc.grad_accum * self.tc.batch_size * self.tc.context
+
     # --- checkpoints ---------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
+        """The training state stored in the checkpoint's metadata (``train_state``)."""
         return {"step": self.step, "optim_step": self.opt.t, "data": self.data.state(),
                 "history": self.history, "tokens_seen": self.tokens_seen,
                 "train_seconds": self.train_seconds, "config": self.tc.to_dict()}
 
-    def save(self, path=None) -> Path:
-        path = Path(path) if path is not None else self.ckpt_path
+    def _optimizer_tensors(self) -> dict[str, Any]:
+        """The AdamW moments as extra checkpoint tensors ``optim.m.<name>`` / ``optim.v.<name>``."""
         extra = {}
         for k in self.model.params:
             extra[f"optim.m.{k}"] = self.opt.m[k]
             extra[f"optim.v.{k}"] = self.opt.v[k]
+        return extra
+
+    def save(self, path=None) -> Path:
+        """Write the checkpoint (atomically), then redraw the loss plot."""
+        path = Path(path) if path is not None else self.ckpt_path
         save_checkpoint(path, self.cfg, self.model.params, tokenizer=ByteTokenizer(),
-                        extra_tensors=extra, extra_metadata={"train_state": self.state()})
+                        extra_tensors=self._optimizer_tensors(),
+                        extra_metadata={"train_state": self.state()})
+        self._draw_plot()
+        return path
+
+    def _draw_plot(self) -> None:
+        """``out/loss.png``; a plotting failure is a warning, never a lost checkpoint."""
         try:
             plot_losses(self.history, self.out / PLOT_NAME,
                         title=f"{self.cfg.n_params() / 1e6:.2f}M params, step {self.step}")
-        except Exception as e:  # a plotting failure must never lose a checkpoint
+        except Exception as e:
             print(f"minillama: warning: could not draw the loss plot: {e}", file=sys.stderr)
-        return path
 
     def resume(self, path=None) -> None:
+        """Restore weights, optimizer moments, data position and history from a checkpoint."""
         path = Path(path) if path is not None else self.ckpt_path
+        cfg, params, meta = self._read_checkpoint(path)
+        self._check_same_model(cfg)
+        self._load_params(params)
+        self._load_optimizer(meta["train_state"], meta.get("tensors", {}))
+        self._load_progress(meta["train_state"])
+
+    @staticmethod
+    def _read_checkpoint(path: Path):
+        """(config, params, metadata) of a training checkpoint (one with ``train_state``)."""
         if not path.is_file():
             raise MinillamaError(f"--resume: no checkpoint at {path}")
         cfg, params, meta = load_checkpoint(path, with_extras=True)
-        st = meta.get("train_state")
-        if not isinstance(st, dict):
+        if not isinstance(meta.get("train_state"), dict):
             raise MinillamaError(f"{path} is a model file without training state; cannot resume")
+        return cfg, params, meta
+
+    def _check_same_model(self, cfg: ModelConfig) -> None:
+        """The checkpoint's model shape must be the one this run's config asks for."""
         mine, theirs = self.cfg.to_dict(), cfg.to_dict()
         diff = [k for k in mine if mine[k] != theirs.get(k)]
         if diff:
             k = diff[0]
             raise MinillamaError(f"--resume: the checkpoint's model has {k}={theirs.get(k)!r}, "
                                  f"the config asks for {mine[k]!r}")
+
+    def _load_params(self, params: dict[str, Any]) -> None:
         be = self.model.backend
         for k in self.model.params:
             self.model.params[k][...] = be.asarray(params[k], dtype=self.model.dtype)
-        tens = meta.get("tensors", {})
+
+    def _load_optimizer(self, st: dict[str, Any], tensors: dict[str, Any]) -> None:
         self.opt.load_state_dict({
             "step": st["optim_step"],
-            "m": {k[len("optim.m."):]: v for k, v in tens.items() if k.startswith("optim.m.")},
-            "v": {k[len("optim.v."):]: v for k, v in tens.items() if k.startswith("optim.v.")}})
+            "m": {k[len("optim.m."):]: v for k, v in tensors.items() if k.startswith("optim.m.")},
+            "v": {k[len("optim.v."):]: v for k, v in tensors.items() if k.startswith("optim.v.")}})
+
+    def _load_progress(self, st: dict[str, Any]) -> None:
+        """Step, data position, loss history and counters."""
         self.data.set_state(st["data"])
         self.step = int(st["step"])
         self.history = {"train": [list(x) for x in st["history"]["train"]],
@@ -301,14 +350,25 @@ class Trainer:
             count += x.size
         return total / count
 
-    # --- the loop ------------------------------------------------------------------------------
+    # --- one optimisation step -----------------------------------------------------------------
     def train_step(self) -> tuple[float, float, float]:
         """One optimisation step; returns (loss, grad norm before clipping, lr)."""
-        tc = self.tc
-        lr = lr_at(self.step, tc.lr, tc.warmup, tc.steps, tc.min_lr)
+        lr = lr_at(self.step, self.tc.lr, self.tc.warmup, self.tc.steps, self.tc.min_lr)
+        loss, grads = self._mean_loss_and_grads()
+        self._check_finite("loss", loss)
+        norm = clip_grad_norm(grads, self.tc.grad_clip)
+        self._check_finite("gradient norm", norm)
+        self.opt.step(grads, lr=lr)
+        self._record_step(loss)
+        return loss, norm, lr
+
+    def _mean_loss_and_grads(self) -> tuple[float, dict[str, Any]]:
+        r"""The loss and gradient averaged over ``grad_accum`` micro-batches:
+        g = \frac{1}{A} \sum_a \nabla_\theta L(x_a, y_a)."""
+        A = self.tc.grad_accum
         loss_sum, grads = 0.0, None
-        for _ in range(tc.grad_accum):
-            x, y = self.data.train_batch(tc.batch_size)
+        for _ in range(A):
+            x, y = self.data.train_batch(self.tc.batch_size)
             loss, g = self.model.loss_and_grads(x, y)
             loss_sum += loss
             if grads is None:
@@ -316,78 +376,97 @@ class Trainer:
             else:
                 for k in grads:
                     grads[k] += g[k]
-        if tc.grad_accum > 1:
+        if A > 1:
             for k in grads:
-                grads[k] *= 1.0 / tc.grad_accum
-        loss = loss_sum / tc.grad_accum
-        if not math.isfinite(loss):
-            raise TrainingDiverged(self._diverged_msg("loss", loss))
-        norm = clip_grad_norm(grads, tc.grad_clip)
-        if not math.isfinite(norm):
-            raise TrainingDiverged(self._diverged_msg("gradient norm", norm))
-        self.opt.step(grads, lr=lr)
+                grads[k] *= 1.0 / A
+        return loss_sum / A, grads
+
+    def _check_finite(self, what: str, value: float) -> None:
+        """Stop with :class:`TrainingDiverged` when ``value`` is NaN or infinite."""
+        if not math.isfinite(value):
+            keep = (f"the last good checkpoint {self.ckpt_path} is kept"
+                    if self.ckpt_path.is_file() else "no checkpoint was written")
+            raise TrainingDiverged(f"training diverged: {what} is {value} at step "
+                                   f"{self.step + 1}; {keep} (try a lower --lr or --grad-clip)")
+
+    def _record_step(self, loss: float) -> None:
         self.step += 1
-        self.tokens_seen += tc.grad_accum * tc.batch_size * tc.context
+        self.tokens_seen += self.tokens_per_step
         self.history["train"].append([self.step, loss])
-        return loss, norm, lr
 
-    def _diverged_msg(self, what: str, value: float) -> str:
-        keep = (f"the last good checkpoint {self.ckpt_path} is kept"
-                if self.ckpt_path.is_file() else "no checkpoint was written")
-        return (f"training diverged: {what} is {value} at step {self.step + 1}; {keep} "
-                f"(try a lower --lr or --grad-clip)")
-
+    # --- the loop ------------------------------------------------------------------------------
     def train(self, stop_at: int | None = None) -> dict[str, Any]:
         """Run to ``tc.steps`` (or only to step ``stop_at``, saving a checkpoint there; the
         schedule still spans ``tc.steps``); returns a summary (steps, losses, tokens/s, time)."""
         tc = self.tc
         end = tc.steps if stop_at is None else min(int(stop_at), tc.steps)
-        ckpt_every = tc.ckpt_interval or tc.eval_interval
-        tok_per_step = tc.grad_accum * tc.batch_size * tc.context
         start_step = self.step
         t0 = time.perf_counter()
         deadline = t0 + tc.time_limit * 60 if tc.time_limit else None
         stopped_early = False
-        bar = _progress(total=tc.steps, initial=self.step, enabled=self.progress)
         last_loss = math.nan
+        bar = _progress(total=tc.steps, initial=self.step, enabled=self.progress)
         try:
-            if self.step == 0:
-                v = self.evaluate()
-                self.history["val"].append([0, v])
-                bar.write(f"step 0: val loss {v:.4f}")
+            self._evaluate_at_start(bar)
             while self.step < end:
-                ts = time.perf_counter()
-                last_loss, norm, lr = self.train_step()
-                dt = time.perf_counter() - ts
-                self.train_seconds += dt
-                bar.update(1)
-                bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}",
-                                tok_s=f"{tok_per_step / max(dt, 1e-9):.0f}", refresh=False)
-                at_end = self.step == end
-                if self.step % tc.eval_interval == 0 or self.step == tc.steps:
-                    v = self.evaluate()
-                    self.history["val"].append([self.step, v])
-                    bar.write(f"step {self.step}: train loss {last_loss:.4f}, val loss {v:.4f}, "
-                              f"lr {lr:.2e}, {self.tokens_seen / max(self.train_seconds, 1e-9):.0f}"
-                              f" tok/s")
-                if self.step % ckpt_every == 0 or at_end:
-                    self.save()
-                if deadline is not None and time.perf_counter() > deadline and not at_end:
-                    self.save()
+                last_loss, lr = self._timed_step(bar)
+                self._evaluate_if_due(bar, last_loss, lr)
+                self._checkpoint_if_due(end)
+                if self.step < end and deadline is not None and time.perf_counter() > deadline:
+                    self._stop_for_time_limit(bar)
                     stopped_early = True
-                    bar.write(f"time limit of {tc.time_limit} min reached at step {self.step}; "
-                              f"checkpoint saved, continue with --resume")
                     break
         finally:
             bar.close()
-        wall = time.perf_counter() - t0
+        return self._summary(start_step, time.perf_counter() - t0, last_loss, stopped_early)
+
+    def _evaluate_at_start(self, bar) -> None:
+        """The validation loss of the initial weights (a fresh run only)."""
+        if self.step == 0:
+            v = self.evaluate()
+            self.history["val"].append([0, v])
+            bar.write(f"step 0: val loss {v:.4f}")
+
+    def _timed_step(self, bar) -> tuple[float, float]:
+        """:meth:`train_step`, timed into ``train_seconds`` and shown on the progress bar."""
+        ts = time.perf_counter()
+        loss, _, lr = self.train_step()
+        dt = time.perf_counter() - ts
+        self.train_seconds += dt
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}",
+                        tok_s=f"{self.tokens_per_step / max(dt, 1e-9):.0f}", refresh=False)
+        return loss, lr
+
+    def _evaluate_if_due(self, bar, train_loss: float, lr: float) -> None:
+        """Every ``eval_interval`` steps and at the last step: validation loss, logged."""
+        if self.step % self.tc.eval_interval == 0 or self.step == self.tc.steps:
+            v = self.evaluate()
+            self.history["val"].append([self.step, v])
+            bar.write(f"step {self.step}: train loss {train_loss:.4f}, val loss {v:.4f}, "
+                      f"lr {lr:.2e}, {self.tokens_seen / max(self.train_seconds, 1e-9):.0f} tok/s")
+
+    def _checkpoint_if_due(self, end: int) -> None:
+        """Every ``ckpt_interval`` (default: ``eval_interval``) steps and at ``end``."""
+        every = self.tc.ckpt_interval or self.tc.eval_interval
+        if self.step % every == 0 or self.step == end:
+            self.save()
+
+    def _stop_for_time_limit(self, bar) -> None:
+        self.save()
+        bar.write(f"time limit of {self.tc.time_limit} min reached at step {self.step}; "
+                  f"checkpoint saved, continue with --resume")
+
+    def _summary(self, start_step: int, wall: float, last_loss: float,
+                 stopped_early: bool) -> dict[str, Any]:
         steps_run = self.step - start_step
         return {"steps": self.step, "steps_run": steps_run, "wall_seconds": wall,
                 "train_seconds": self.train_seconds, "tokens_seen": self.tokens_seen,
-                "tokens_per_second": steps_run * tok_per_step / max(wall, 1e-9),
+                "tokens_per_second": steps_run * self.tokens_per_step / max(wall, 1e-9),
                 "final_train_loss": last_loss,
                 "final_val_loss": self.history["val"][-1][1] if self.history["val"] else None,
-                "stopped_early": stopped_early or self.step < tc.steps, "checkpoint": str(self.ckpt_path)}
+                "stopped_early": stopped_early or self.step < self.tc.steps,
+                "checkpoint": str(self.ckpt_path)}
 
 
 def _progress(total: int, initial: int, enabled: bool):
