@@ -94,6 +94,13 @@ class Transformer:
     ``params`` maps names (see :func:`param_shapes`) to arrays; missing, extra or misshapen ones
     are a clear error. Without ``params`` the weights come from :func:`init_params` with ``seed``.
     ``dtype`` (default: that of the given params, else float32) is the compute precision.
+
+    Reading order: :meth:`forward` / :meth:`loss_and_grads` call :meth:`_run`, which is
+    :meth:`_embed`, one :meth:`_block_forward` per layer (:meth:`_attention_sublayer` then
+    :meth:`_ffn_sublayer`) and :meth:`_head`. The backward visits the same pieces in reverse:
+    :meth:`_head_backward`, :meth:`_block_backward` per layer from the last
+    (:meth:`_ffn_sublayer_backward` then :meth:`_attention_sublayer_backward`) and
+    :meth:`_embed_backward`.
     """
 
     def __init__(self, cfg: ModelConfig, params: dict[str, Any] | None = None, backend=None,
@@ -115,6 +122,8 @@ class Transformer:
                                          self.dtype, xp)
 
     # ----------------------------------------------------------------------------------------
+    # small helpers: the head matrix, caches, input checks, RoPE rows
+    # ----------------------------------------------------------------------------------------
     @property
     def output_weight(self):
         """The classifier matrix (V, D): ``output.weight``, or the embedding when tied."""
@@ -126,6 +135,7 @@ class Transformer:
         return KVCache(self.cfg, batch_size, max_seq_len, dtype=self.dtype, xp=self.backend.xp)
 
     def _tokens(self, tokens):
+        """``tokens`` as a checked (B, T) NumPy integer array with ids in [0, V)."""
         tok = np.asarray(self.backend.to_numpy(tokens) if not isinstance(tokens, (list, tuple))
                          else tokens)
         if tok.ndim == 1:
@@ -140,6 +150,16 @@ class Transformer:
                 f"token ids must lie in [0, {self.cfg.vocab_size}), got min {tok.min()} "
                 f"max {tok.max()}")
         return tok
+
+    def _targets(self, targets, shape):
+        """``targets`` as a (B, T) NumPy array shaped like the tokens."""
+        tgt = np.asarray(self.backend.to_numpy(targets) if not isinstance(targets, (list, tuple))
+                         else targets)
+        if tgt.ndim == 1:
+            tgt = tgt[None, :]
+        if tgt.shape != shape:
+            raise MinillamaError(f"targets shape {tgt.shape} != tokens shape {shape}")
+        return tgt
 
     def _rope_at(self, start_pos, T: int):
         """cos/sin gathered at positions start_pos .. start_pos + T - 1: (T, hd/2) or (B, T, hd/2)."""
@@ -159,51 +179,94 @@ class Transformer:
         return self.cos[pos], self.sin[pos]
 
     # ----------------------------------------------------------------------------------------
+    # forward, piece by piece
+    # ----------------------------------------------------------------------------------------
+    def _embed(self, tok):
+        """h_0 = E[x]: (B, T) ids -> (B, T, D). Returns (h_0, ctx)."""
+        return self.backend.embedding_forward(self.params["tok_embeddings.weight"],
+                                              self.backend.asarray(tok))
+
+    def _attention_sublayer(self, layer: int, x, cos, sin, cache, start_pos):
+        r"""\mathrm{Attn}(\mathrm{RMSNorm}(x)) = W_o\, \mathrm{attn}(\mathrm{RoPE}(W_q h),
+        \mathrm{RoPE}(W_k h), W_v h), h = \mathrm{RMSNorm}(x; g^{att}).
+
+        x: (B, T, D). With a ``cache`` the new K/V are written at ``start_pos`` and attention reads
+        every cached position. Returns the branch output (B, T, D) (not yet added to x) and ctx.
+        """
+        be, p, cfg = self.backend, self.params, self.cfg
+        pre = f"layers.{layer}."
+        B, T, _ = x.shape
+        H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        h, c_norm = be.rmsnorm_forward(x, p[pre + "attention_norm.weight"], cfg.norm_eps)
+        q, c_q = be.linear_forward(h, p[pre + "attention.wq.weight"])
+        k, c_k = be.linear_forward(h, p[pre + "attention.wk.weight"])
+        v, c_v = be.linear_forward(h, p[pre + "attention.wv.weight"])
+        q, c_rq = be.rope_forward(q.reshape(B, T, H, hd), cos, sin)    # (B, T, H, hd)
+        k, c_rk = be.rope_forward(k.reshape(B, T, KVH, hd), cos, sin)  # (B, T, KVH, hd)
+        v = v.reshape(B, T, KVH, hd)
+        if cache is not None:
+            k, v = cache.update(layer, k, v, start_pos)  # (B, S, KVH, hd)
+        a, c_att = be.attention_forward(q, k, v, start_pos)
+        o, c_o = be.linear_forward(a.reshape(B, T, H * hd), p[pre + "attention.wo.weight"])
+        return o, (c_norm, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o)
+
+    def _ffn_sublayer(self, layer: int, x):
+        r"""\mathrm{FFN}(\mathrm{RMSNorm}(x)) = W_2(\mathrm{silu}(W_1 n) \odot W_3 n),
+        n = \mathrm{RMSNorm}(x; g^{ffn}).
+
+        x: (B, T, D). Returns the branch output (B, T, D) (not yet added to x) and ctx.
+        """
+        be, p, cfg = self.backend, self.params, self.cfg
+        pre = f"layers.{layer}."
+        n, c_norm = be.rmsnorm_forward(x, p[pre + "ffn_norm.weight"], cfg.norm_eps)
+        a1, c_1 = be.linear_forward(n, p[pre + "feed_forward.w1.weight"])  # (B, T, F)
+        b3, c_3 = be.linear_forward(n, p[pre + "feed_forward.w3.weight"])  # (B, T, F)
+        g, c_sw = be.swiglu_forward(a1, b3)
+        f, c_2 = be.linear_forward(g, p[pre + "feed_forward.w2.weight"])   # (B, T, D)
+        return f, (c_norm, c_1, c_3, c_sw, c_2)
+
+    def _block_forward(self, layer: int, x, cos, sin, cache, start_pos):
+        """One pre-norm residual block: a = x + Attn(RMSNorm(x)), x' = a + FFN(RMSNorm(a)).
+
+        x: (B, T, D). Returns (x', ctx) with ctx = (attention ctx, FFN ctx)."""
+        o, c_attn = self._attention_sublayer(layer, x, cos, sin, cache, start_pos)
+        x = x + o
+        f, c_ffn = self._ffn_sublayer(layer, x)
+        return x + f, (c_attn, c_ffn)
+
+    def _pick_positions(self, x, output_index):
+        """x[:, i] for one index i, or x[b, i_b] for (B,) indices: (B, T, D) -> (B, D)."""
+        idx = np.asarray(output_index, dtype=np.int64).reshape(-1)
+        if idx.size == 1:
+            return x[:, int(idx[0])]
+        be = self.backend
+        return x[be.asarray(np.arange(x.shape[0])), be.asarray(idx)]
+
+    def _head(self, x):
+        r"""z = \mathrm{RMSNorm}(x; g) W_{out}^T: (..., D) -> (..., V). Returns (z, ctx)."""
+        be = self.backend
+        hn, c_n = be.rmsnorm_forward(x, self.params["norm.weight"], self.cfg.norm_eps)
+        logits, c_out = be.linear_forward(hn, self.output_weight)
+        return logits, (c_n, c_out)
+
     def _run(self, tok, start_pos, cache: KVCache | None, train: bool, output_index=None):
-        """The forward pass. Returns (logits, tape) where tape holds each op's ctx when training."""
-        cfg, be, p = self.cfg, self.backend, self.params
+        """The forward pass. Returns (logits, tape) where tape holds each piece's ctx when training:
+        [embedding ctx, block 0 ctx, ..., block L-1 ctx, head ctx]."""
         B, T = tok.shape
-        H, KVH, hd, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
-        eps = cfg.norm_eps
         if cache is not None and cache.batch_size != B:
             raise MinillamaError(f"KV cache batch {cache.batch_size} != token batch {B}")
         cos, sin = self._rope_at(start_pos, T)
-        tok_dev = be.asarray(tok)
-        x, c_emb = be.embedding_forward(p["tok_embeddings.weight"], tok_dev)
+        x, c_emb = self._embed(tok)
         tape: list[Any] = [c_emb]
-        for layer in range(cfg.n_layers):
-            pre = f"layers.{layer}."
-            h, c_an = be.rmsnorm_forward(x, p[pre + "attention_norm.weight"], eps)
-            q, c_q = be.linear_forward(h, p[pre + "attention.wq.weight"])
-            k, c_k = be.linear_forward(h, p[pre + "attention.wk.weight"])
-            v, c_v = be.linear_forward(h, p[pre + "attention.wv.weight"])
-            q, c_rq = be.rope_forward(q.reshape(B, T, H, hd), cos, sin)
-            k, c_rk = be.rope_forward(k.reshape(B, T, KVH, hd), cos, sin)
-            v = v.reshape(B, T, KVH, hd)
-            if cache is not None:
-                k, v = cache.update(layer, k, v, start_pos)
-            a, c_att = be.attention_forward(q, k, v, start_pos)
-            o, c_o = be.linear_forward(a.reshape(B, T, H * hd), p[pre + "attention.wo.weight"])
-            x = x + o
-            h2, c_fn = be.rmsnorm_forward(x, p[pre + "ffn_norm.weight"], eps)
-            a1, c_1 = be.linear_forward(h2, p[pre + "feed_forward.w1.weight"])
-            b3, c_3 = be.linear_forward(h2, p[pre + "feed_forward.w3.weight"])
-            g, c_sw = be.swiglu_forward(a1, b3)
-            f, c_2 = be.linear_forward(g, p[pre + "feed_forward.w2.weight"])
-            x = x + f
+        for layer in range(self.cfg.n_layers):
+            x, c_block = self._block_forward(layer, x, cos, sin, cache, start_pos)
             if train:
-                tape.append((c_an, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o, c_fn, c_1, c_3, c_sw,
-                             c_2))
+                tape.append(c_block)
         if output_index is not None:
-            idx = np.asarray(output_index, dtype=np.int64).reshape(-1)
-            if idx.size == 1:
-                x = x[:, int(idx[0])]
-            else:
-                x = x[be.asarray(np.arange(B)), be.asarray(idx)]
-        hn, c_n = be.rmsnorm_forward(x, p["norm.weight"], eps)
-        logits, c_out = be.linear_forward(hn, self.output_weight)
+            x = self._pick_positions(x, output_index)
+        logits, c_head = self._head(x)
         if train:
-            tape.append((c_n, c_out))
+            tape.append(c_head)
         return logits, tape
 
     def forward(self, tokens, start_pos=0, cache: KVCache | None = None, last_only: bool = False,
@@ -224,6 +287,66 @@ class Transformer:
     __call__ = forward
 
     # ----------------------------------------------------------------------------------------
+    # backward, the same pieces in reverse
+    # ----------------------------------------------------------------------------------------
+    def _head_backward(self, dlogits, ctx, grads):
+        """dz (B, T, V) -> dx (B, T, D); sets grads["norm.weight"], returns (dx, dW_out)."""
+        c_n, c_out = ctx
+        dhn, dw_out = self.backend.linear_backward(dlogits, c_out)
+        dx, grads["norm.weight"] = self.backend.rmsnorm_backward(dhn, c_n)
+        return dx, dw_out
+
+    def _ffn_sublayer_backward(self, layer: int, df, ctx, grads):
+        """Gradient of the FFN branch: df (B, T, D) -> d(its input) (B, T, D); fills the w1, w2, w3
+        and ffn_norm gradients of ``layer``."""
+        be, pre = self.backend, f"layers.{layer}."
+        c_norm, c_1, c_3, c_sw, c_2 = ctx
+        dg, grads[pre + "feed_forward.w2.weight"] = be.linear_backward(df, c_2)
+        da1, db3 = be.swiglu_backward(dg, c_sw)
+        dn, grads[pre + "feed_forward.w1.weight"] = be.linear_backward(da1, c_1)
+        dn3, grads[pre + "feed_forward.w3.weight"] = be.linear_backward(db3, c_3)
+        dn += dn3  # fresh arrays: the gradient sums are accumulated in place
+        dx, grads[pre + "ffn_norm.weight"] = be.rmsnorm_backward(dn, c_norm)
+        return dx
+
+    def _attention_sublayer_backward(self, layer: int, do, ctx, grads):
+        """Gradient of the attention branch: do (B, T, D) -> d(its input) (B, T, D); fills the wq,
+        wk, wv, wo and attention_norm gradients of ``layer``."""
+        be, cfg, pre = self.backend, self.cfg, f"layers.{layer}."
+        B, T, _ = do.shape
+        H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        c_norm, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o = ctx
+        da, grads[pre + "attention.wo.weight"] = be.linear_backward(do, c_o)
+        dq, dk, dv = be.attention_backward(da.reshape(B, T, H, hd), c_att)
+        dq = be.rope_backward(dq, c_rq)
+        dk = be.rope_backward(dk, c_rk)
+        dh, grads[pre + "attention.wq.weight"] = be.linear_backward(dq.reshape(B, T, H * hd), c_q)
+        dhk, grads[pre + "attention.wk.weight"] = be.linear_backward(dk.reshape(B, T, KVH * hd),
+                                                                     c_k)
+        dhv, grads[pre + "attention.wv.weight"] = be.linear_backward(dv.reshape(B, T, KVH * hd),
+                                                                     c_v)
+        dh += dhk
+        dh += dhv
+        dx, grads[pre + "attention_norm.weight"] = be.rmsnorm_backward(dh, c_norm)
+        return dx
+
+    def _block_backward(self, layer: int, dx, ctx, grads):
+        """Gradient through one residual block, last sublayer first: dx (B, T, D) -> dx (B, T, D).
+        Each residual adds its branch's input gradient to the gradient that skips it."""
+        c_attn, c_ffn = ctx
+        dx += self._ffn_sublayer_backward(layer, dx, c_ffn, grads)
+        dx += self._attention_sublayer_backward(layer, dx, c_attn, grads)
+        return dx
+
+    def _embed_backward(self, dx, ctx, dw_out, grads) -> None:
+        """Scatter dx (B, T, D) into dE (V, D); a tied head adds its dW_out to the same matrix."""
+        d_emb = self.backend.embedding_backward(dx, ctx)
+        if self.cfg.tie_embeddings:
+            d_emb += dw_out  # the tied matrix collects both gradients
+        else:
+            grads["output.weight"] = dw_out
+        grads["tok_embeddings.weight"] = d_emb
+
     def loss_and_grads(self, tokens, targets, ignore_index: int = -1):
         r"""Mean next-token cross-entropy L and \partial L / \partial \theta for every parameter.
 
@@ -232,60 +355,19 @@ class Transformer:
         The backward visits the ops in exactly the reverse order of the forward.
         """
         tok = self._tokens(tokens)
-        tgt = np.asarray(self.backend.to_numpy(targets) if not isinstance(targets, (list, tuple))
-                         else targets)
-        if tgt.ndim == 1:
-            tgt = tgt[None, :]
-        if tgt.shape != tok.shape:
-            raise MinillamaError(f"targets shape {tgt.shape} != tokens shape {tok.shape}")
-        cfg, be, p = self.cfg, self.backend, self.params
+        tgt = self._targets(targets, tok.shape)
+        be = self.backend
         B, T = tok.shape
-        H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         logits, tape = self._run(tok, 0, None, train=True)
         loss, c_ce = be.cross_entropy_forward(logits.reshape(B * T, -1),
                                               be.asarray(tgt.reshape(-1)), ignore_index)
         grads: dict[str, Any] = {}
-
-        # head: logits = RMSNorm(x) W_out^T
         dlogits = be.cross_entropy_backward(1.0, c_ce).reshape(B, T, -1)
-        c_n, c_out = tape.pop()
-        dhn, dw_out = be.linear_backward(dlogits, c_out)
-        dx, grads["norm.weight"] = be.rmsnorm_backward(dhn, c_n)
-
-        for layer in reversed(range(cfg.n_layers)):
-            pre = f"layers.{layer}."
-            (c_an, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o, c_fn, c_1, c_3, c_sw, c_2) = tape.pop()
-            # FFN branch: x = x + W2 (silu(W1 n) * W3 n), n = RMSNorm(x)
-            dg, grads[pre + "feed_forward.w2.weight"] = be.linear_backward(dx, c_2)
-            da1, db3 = be.swiglu_backward(dg, c_sw)
-            dh2, grads[pre + "feed_forward.w1.weight"] = be.linear_backward(da1, c_1)
-            dh2b, grads[pre + "feed_forward.w3.weight"] = be.linear_backward(db3, c_3)
-            dh2 += dh2b  # fresh arrays: the gradient sums are accumulated in place
-            dxn, grads[pre + "ffn_norm.weight"] = be.rmsnorm_backward(dh2, c_fn)
-            dx += dxn
-            # attention branch: x = x + Wo Attn(RoPE(Wq h), RoPE(Wk h), Wv h), h = RMSNorm(x)
-            da, grads[pre + "attention.wo.weight"] = be.linear_backward(dx, c_o)
-            dq, dk, dv = be.attention_backward(da.reshape(B, T, H, hd), c_att)
-            dq = be.rope_backward(dq, c_rq)
-            dk = be.rope_backward(dk, c_rk)
-            dh, grads[pre + "attention.wq.weight"] = be.linear_backward(dq.reshape(B, T, H * hd),
-                                                                        c_q)
-            dhk, grads[pre + "attention.wk.weight"] = be.linear_backward(
-                dk.reshape(B, T, KVH * hd), c_k)
-            dhv, grads[pre + "attention.wv.weight"] = be.linear_backward(
-                dv.reshape(B, T, KVH * hd), c_v)
-            dh += dhk
-            dh += dhv
-            dxn, grads[pre + "attention_norm.weight"] = be.rmsnorm_backward(dh, c_an)
-            dx += dxn
-
+        dx, dw_out = self._head_backward(dlogits, tape.pop(), grads)
+        for layer in reversed(range(self.cfg.n_layers)):
+            dx = self._block_backward(layer, dx, tape.pop(), grads)
         (c_emb,) = tape
-        d_emb = be.embedding_backward(dx, c_emb)
-        if cfg.tie_embeddings:
-            d_emb += dw_out  # the tied matrix collects both gradients
-        else:
-            grads["output.weight"] = dw_out
-        grads["tok_embeddings.weight"] = d_emb
+        self._embed_backward(dx, c_emb, dw_out, grads)
         return float(be.to_numpy(loss)), {k: grads[k] for k in self.params}
 
     def loss(self, tokens, targets, ignore_index: int = -1) -> float:
