@@ -70,6 +70,15 @@ class NumpyBackend:
     swiglu_backward = staticmethod(ops.swiglu_backward)
     cross_entropy_forward = staticmethod(ops.cross_entropy_forward)
     cross_entropy_backward = staticmethod(ops.cross_entropy_backward)
+    # the notes' other pieces (model variants, cross/latent attention): reference code everywhere
+    layernorm_forward = staticmethod(ops.layernorm_forward)
+    layernorm_backward = staticmethod(ops.layernorm_backward)
+    gelu_forward = staticmethod(ops.gelu_forward)
+    gelu_backward = staticmethod(ops.gelu_backward)
+    relu_forward = staticmethod(ops.relu_forward)
+    relu_backward = staticmethod(ops.relu_backward)
+    cross_attention_forward = staticmethod(ops.cross_attention_forward)
+    cross_attention_backward = staticmethod(ops.cross_attention_backward)
 
     # helpers
     def asarray(self, a, dtype=None):
