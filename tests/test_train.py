@@ -11,7 +11,7 @@ import pytest
 from minillama import cli
 from minillama.checkpoint import load_checkpoint, read_safetensors
 from minillama.config import ModelConfig
-from minillama.data import prepare_text_file, shakespeare_dir
+from minillama.data import prepare_text_file, shakespeare_documents
 from minillama.model import Transformer
 from minillama.optim import AdamW, clip_grad_norm
 from minillama.train import CKPT_NAME, PLOT_NAME, TrainConfig, Trainer, TrainingDiverged
@@ -24,8 +24,7 @@ TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, context=32, batch_size=
 def play_txt(tmp_path_factory):
     """Hamlet as a plain text file (about 170 kB)."""
     path = tmp_path_factory.mktemp("corpus") / "hamlet.txt"
-    path.write_text((shakespeare_dir() / "hamlet_gut.txt").read_text(encoding="utf-8"),
-                    encoding="utf-8")
+    path.write_text(dict(shakespeare_documents())["hamlet_gut.txt"], encoding="utf-8")
     return path
 
 
