@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from .errors import MinillamaError
 
@@ -51,7 +54,7 @@ class ModelConfig:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.hidden_dim is None:
-            self.validate_positive("dim", "multiple_of")
+            self.validate_fields("dim", "multiple_of", "ffn_dim_multiplier")
             self.hidden_dim = llama_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
         self.validate()
 
@@ -67,6 +70,20 @@ class ModelConfig:
         return self.n_heads // self.n_kv_heads
 
     # --- checks ----------------------------------------------------------------------------
+    def validate_fields(self, *names: str) -> None:
+        """Check the type and range of the named fields (all of them when none is named).
+
+        The rule of a field is its entry in :data:`FIELD_RULES`; a field without one (added by a
+        later model variant) is checked by its annotation: ``int`` fields are integers in
+        [0, :data:`MAX_SIZE`], ``float`` fields finite numbers, ``bool`` fields booleans,
+        ``str`` fields strings, and ``X | None`` allows None.
+        """
+        for f in dataclasses.fields(self):
+            if names and f.name not in names:
+                continue
+            value = _check_field(f.name, getattr(self, f.name), str(f.type))
+            object.__setattr__(self, f.name, value)  # NumPy scalars become plain Python
+
     def validate_positive(self, *names: str) -> None:
         for name in names:
             value = getattr(self, name)
@@ -74,13 +91,14 @@ class ModelConfig:
                 raise MinillamaError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
 
     def validate(self) -> None:
-        """Raise :class:`MinillamaError` naming the fields of the first broken invariant."""
-        self.validate_positive("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
-                               "hidden_dim", "max_seq_len")
+        """Raise :class:`MinillamaError` naming the fields of the first broken rule: every
+        field's type and range (sizes bounded, so a lying config is refused before anything is
+        allocated), then the cross-field invariants."""
+        self.validate_fields()
         if self.dim % self.n_heads:
             raise MinillamaError(
                 f"dim % n_heads must be 0 (dim={self.dim}, n_heads={self.n_heads})")
-        if self.n_heads % self.n_kv_heads:
+        if self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads:
             raise MinillamaError(
                 f"n_heads % n_kv_heads must be 0 (n_heads={self.n_heads}, "
                 f"n_kv_heads={self.n_kv_heads})")
@@ -88,10 +106,6 @@ class ModelConfig:
             raise MinillamaError(
                 f"RoPE needs an even head dimension dim / n_heads, got {self.head_dim} "
                 f"(dim={self.dim}, n_heads={self.n_heads})")
-        if not (self.norm_eps > 0):
-            raise MinillamaError(f"norm_eps must be > 0, got {self.norm_eps!r}")
-        if not (self.rope_theta > 0):
-            raise MinillamaError(f"rope_theta must be > 0, got {self.rope_theta!r}")
 
     # --- (de)serialisation -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -100,7 +114,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        if not isinstance(d, dict):
+            raise MinillamaError(f"a model config must be a mapping, got {type(d).__name__}")
+        unknown = sorted(str(k) for k in set(d) - known)
         if unknown:
             raise MinillamaError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
         try:
@@ -117,3 +133,72 @@ class ModelConfig:
         kv = self.n_kv_heads * self.head_dim
         per_layer = D * D * 2 + 2 * D * kv + 3 * D * F + 2 * D
         return V * D * (1 if self.tie_embeddings else 2) + L * per_layer + D
+
+
+# ---------------------------------------------------------------------------------------------
+# field rules: the one place that says what a valid config holds
+# ---------------------------------------------------------------------------------------------
+#: the largest size any integer field may take unless its rule says otherwise; a config asking
+#: for more is refused before anything is allocated (a lying header cannot exhaust memory)
+MAX_SIZE = 1 << 24
+
+#: field -> (kind, low, high); kind "int" (bool refused), "float" (finite; ints accepted),
+#: "bool"; bounds inclusive. Generous for real models (Llama 3 405B: D 16384, L 126, H 128,
+#: F 53248, V 128256) and small enough that nothing absurd gets allocated.
+FIELD_RULES: dict[str, tuple[str, float, float]] = {
+    "dim": ("int", 1, 1 << 16),
+    "n_layers": ("int", 1, 1 << 10),
+    "n_heads": ("int", 1, 1 << 10),
+    "n_kv_heads": ("int", 1, 1 << 10),
+    "vocab_size": ("int", 1, 1 << 22),
+    "hidden_dim": ("int", 1, 1 << 18),
+    "multiple_of": ("int", 1, 1 << 16),
+    "ffn_dim_multiplier": ("float", 1e-3, 1e3),
+    "norm_eps": ("float", 1e-12, 1.0),
+    "rope_theta": ("float", 1.0, 1e12),
+    "max_seq_len": ("int", 1, 1 << 21),
+    "tie_embeddings": ("bool", 0, 1),
+}
+
+
+def _check_field(name: str, value: Any, annotation: str) -> Any:
+    """``value`` as a plain Python value if it fits field ``name``, else a one-line
+    :class:`MinillamaError`."""
+    optional = "None" in annotation or "Optional" in annotation
+    if value is None:
+        if optional:
+            return None
+        raise MinillamaError(f"ModelConfig.{name} must be set, got None")
+    kind, lo, hi = FIELD_RULES.get(name, (None, None, None))
+    if kind is None:
+        base = annotation.replace("| None", "").replace("Optional[", "").strip(" ]")
+        kind = {"int": "int", "float": "float", "bool": "bool", "str": "str"}.get(base)
+        lo, hi = (0, MAX_SIZE) if kind == "int" else (-math.inf, math.inf)
+    if kind == "bool":
+        if not isinstance(value, (bool, np.bool_)):
+            raise MinillamaError(f"ModelConfig.{name} must be true or false, got {_show(value)}")
+        return bool(value)
+    if kind == "str":
+        if not isinstance(value, str):
+            raise MinillamaError(f"ModelConfig.{name} must be a string, got {_show(value)}")
+        return value
+    if kind == "int":
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise MinillamaError(f"ModelConfig.{name} must be an integer, got {_show(value)}")
+        if not lo <= value <= hi:
+            raise MinillamaError(f"ModelConfig.{name} must be in [{lo}, {hi}], got {value}")
+        return int(value)
+    if kind == "float":
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+            raise MinillamaError(f"ModelConfig.{name} must be a number, got {_show(value)}")
+        if not (math.isfinite(value) and lo <= value <= hi):
+            raise MinillamaError(f"ModelConfig.{name} must be a finite number in [{lo:g}, "
+                                 f"{hi:g}], got {value!r}")
+        return float(value)
+    return value
+
+
+def _show(value: Any) -> str:
+    """A short repr (a huge string or list in a config must not flood the error line)."""
+    r = repr(value)
+    return r if len(r) <= 60 else r[:57] + "..."
