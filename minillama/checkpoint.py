@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig
-from .errors import MinillamaError
+from .errors import MinillamaError, OutputError
 from .model import check_params
 
 FORMAT = "minillama"
@@ -55,19 +55,67 @@ def save_checkpoint(path, cfg: ModelConfig, params: dict[str, Any], *, tokenizer
         meta["tokenizer"] = json.dumps(tokenizer.spec() if hasattr(tokenizer, "spec") else tokenizer)
     for k, v in (extra_metadata or {}).items():
         meta[k] = json.dumps(v)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), "checkpoint")
+
+
+def check_output_file(path, what: str = "output file") -> Path:
+    """Refuse, before any work is done, an output file path that cannot be written: an existing
+    folder, a parent that is a file, or a folder we may not write into."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputError(f"{what} {path} is a folder, not a file")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise OutputError(f"{what} {path} is not writable")
+    check_output_dir(path.parent, f"folder of the {what}")
+    return path
+
+
+def check_output_dir(path, what: str = "output folder") -> Path:
+    """Refuse an output folder that is an existing file, sits below a file, or cannot be created
+    or written into (the nearest existing ancestor decides)."""
+    path = Path(path)
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        where = "is" if probe == path else f"lies below {probe}, which is"
+        raise OutputError(f"{what} {path} {where} a file, not a folder")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        raise OutputError(f"{what} {path} is not writable (no write permission on {probe})")
+    return path
+
+
+def atomic_write(path, write, what: str = "file") -> Path:
+    """Write ``path`` through ``write(tmp_path)`` into a temporary file in the same folder, fsync,
+    then ``os.replace``: a failed or interrupted write (full disk, no permission) leaves the
+    previous file untouched and no temporary behind, and is one :class:`MinillamaError`."""
+    path = Path(path)
+    check_output_file(path, what)
+    tmp = None
     try:
-        save_file(tensors, tmp, metadata=meta)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        write(tmp)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        kept = " (the previous file is kept)" if path.is_file() else ""
+        raise OutputError(f"cannot write {what} {path}: {e.strerror or e}{kept}") from None
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError":  # its I/O errors (os error 28: disk full)
+            raise
+        kept = " (the previous file is kept)" if path.is_file() else ""
+        msg = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise OutputError(f"cannot write {what} {path}: {msg}{kept}") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
     return path
 
@@ -77,24 +125,12 @@ def _host(a) -> np.ndarray:
 
 
 def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """All tensors and the metadata of a safetensors file; any corruption is a MinillamaError."""
-    from safetensors import safe_open  # noqa: PLC0415
+    """All tensors (stored float dtype; BF16 widened to float32) and the metadata of a
+    safetensors file; any corruption is a one-line MinillamaError
+    (:mod:`minillama.formats.safetensors_file` checks the header before reading)."""
+    from .formats.safetensors_file import read_safetensors_file  # noqa: PLC0415
 
-    path = Path(path)
-    if not path.is_file():
-        raise MinillamaError(f"checkpoint not found: {path}")
-    try:
-        tensors = {}
-        with safe_open(str(path), framework="np") as f:
-            meta = dict(f.metadata() or {})
-            for k in f.keys():
-                tensors[k] = f.get_tensor(k)
-    except MinillamaError:
-        raise
-    except Exception as e:  # safetensors raises its own error types for bad headers/sizes
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise MinillamaError(f"corrupt or truncated safetensors file {path}: {msg}") from None
-    return tensors, meta
+    return read_safetensors_file(path, native=True)
 
 
 def load_checkpoint(path, with_extras: bool = False):
@@ -107,13 +143,27 @@ def load_checkpoint(path, with_extras: bool = False):
     tensors, raw = read_safetensors(path)
     if raw.get("format") != FORMAT or "config" not in raw:
         raise MinillamaError(f"{path} is not a minillama checkpoint (no minillama metadata)")
-    try:
-        meta = {k: json.loads(v) for k, v in raw.items() if k not in ("format", "format_version")}
-    except json.JSONDecodeError as e:
-        raise MinillamaError(f"corrupt metadata in {path}: {e}") from None
+    if raw.get("format_version") not in (None, FORMAT_VERSION):
+        raise MinillamaError(f"{path}: unsupported minillama format_version "
+                             f"{raw['format_version'][:20]!r} (this version reads "
+                             f"{FORMAT_VERSION})")
+    meta = {}
+    for k, v in raw.items():
+        if k in ("format", "format_version"):
+            continue
+        try:
+            meta[k] = json.loads(v)
+        except (ValueError, RecursionError) as e:
+            msg = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
+            raise MinillamaError(f"corrupt metadata {k[:40]!r} in {path}: {msg}") from None
     if not isinstance(meta.get("config"), dict):
-        raise MinillamaError(f"corrupt config metadata in {path}")
-    cfg = ModelConfig.from_dict(meta.pop("config"))
+        raise MinillamaError(f"corrupt config metadata in {path}: not a JSON object")
+    if meta.get("tokenizer") is not None and not isinstance(meta["tokenizer"], dict):
+        raise MinillamaError(f"corrupt tokenizer metadata in {path}: not a JSON object")
+    try:
+        cfg = ModelConfig.from_dict(meta.pop("config"))
+    except MinillamaError as e:
+        raise MinillamaError(f"{path}: {e}") from None
     params = {k: v for k, v in tensors.items() if not k.startswith("optim.")}
     check_params(cfg, params)
     check_finite(params, path)
@@ -122,10 +172,31 @@ def load_checkpoint(path, with_extras: bool = False):
     return cfg, params, meta
 
 
-def check_finite(params: dict[str, np.ndarray], path="") -> None:
-    """Raise a clear error naming the first parameter that holds NaN or Inf."""
+#: the largest magnitude a loaded weight may have: float16's maximum. No trained LLaMA-family
+#: weight comes near it, while a flipped exponent bit in a stored weight (0.02 -> 6.8e36) lands far
+#: beyond it and would overflow the forward pass into NaN logits.
+MAX_ABS_WEIGHT = 65504.0
+
+
+def check_finite(params: dict[str, np.ndarray], path="", limit: float | None = MAX_ABS_WEIGHT
+                 ) -> None:
+    """Refuse, naming the tensor, NaN/inf values and (unless ``limit`` is None) magnitudes above
+    ``limit``: ``layers.3.attention.wq holds 12 NaN/inf values``. One reduction per array
+    (max |w|, which is NaN when any NaN is there); the count is taken only for the offender."""
+    where = f" (in {path})" if str(path) else ""
     for k, v in params.items():
         if not np.issubdtype(v.dtype, np.floating):
-            raise MinillamaError(f"parameter {k} in {path} has non-float dtype {v.dtype}")
-        if not np.isfinite(v).all():
-            raise MinillamaError(f"parameter {k} in {path} contains NaN or Inf")
+            raise MinillamaError(f"parameter {k}{where} has non-float dtype {v.dtype}")
+        if v.size == 0:
+            continue
+        top = float(np.max(np.abs(v)))
+        name = k.removesuffix(".weight")
+        if not np.isfinite(top):
+            bad = int(v.size - np.count_nonzero(np.isfinite(v)))
+            raise MinillamaError(f"{name} holds {bad} NaN/inf value{'s' if bad != 1 else ''}"
+                                 f"{where}")
+        if limit is not None and top > limit:
+            bad = int(np.count_nonzero(np.abs(v) > limit))
+            raise MinillamaError(f"{name} holds {bad} value{'s' if bad != 1 else ''} beyond "
+                                 f"+-{limit:g} (largest {top:.3g}): not a plausible model weight"
+                                 f"{where}")

@@ -47,14 +47,18 @@ def main(argv: list[str] | None = None) -> int:
     except MinillamaError as e:
         print(f"minillama: error: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        print(f"minillama: error: {e.strerror or e}: {e.filename}", file=sys.stderr)
+    except BrokenPipeError:
+        return 0
+    except OSError as e:  # a missing file, a folder given for a file, a full disk...
+        where = f": {e.filename}" if e.filename else ""
+        print(f"minillama: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print("minillama: error: out of memory", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("minillama: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

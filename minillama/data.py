@@ -81,6 +81,9 @@ def _write_tokens(path: Path, tokens: np.ndarray) -> None:
 
 def _write_split(out_dir: Path, train: list[tuple[str, str]], val: list[tuple[str, str]],
                  source: str, tokenizer) -> Path:
+    from .checkpoint import check_output_dir  # noqa: PLC0415
+
+    check_output_dir(out_dir, "data output folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     meta: dict[str, Any] = {"source": source, "tokenizer": tokenizer.spec(),
                             "token_dtype": "uint16-le"}
@@ -138,13 +141,22 @@ def prepare_text_file(path, out_dir, val_fraction: float = 0.1) -> Path:
                         [(path.name + ":val", val)], str(path), ByteTokenizer())
 
 
+def _prepared_shakespeare(meta_path: Path) -> bool:
+    """True when ``meta_path`` is the meta.json of a prepared Shakespeare folder; an unreadable
+    or corrupt one means: prepare it again."""
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(meta, dict) and meta.get("source") == "shakespeare"
+
+
 def prepare_data(data: str, out_dir) -> Path:
     """Resolve ``--data``: ``"shakespeare"`` (prepared into ``out_dir`` unless already there), a
     prepared folder (has ``train.bin``), or a plain text file (prepared into ``out_dir``)."""
     out_dir = Path(out_dir)
     if data == "shakespeare":
-        if not ((out_dir / "meta.json").is_file()
-                and json.loads((out_dir / "meta.json").read_text()).get("source") == "shakespeare"):
+        if not _prepared_shakespeare(out_dir / "meta.json"):
             prepare_shakespeare(out_dir)
         return out_dir
     p = Path(data)

@@ -8,3 +8,10 @@ message. The CLI prints that line and exits with status 2 instead of showing a t
 
 class MinillamaError(ValueError):
     """A user-facing error whose message is one clear line."""
+
+
+class OutputError(MinillamaError, OSError):
+    """Writing an output failed (a full disk, no permission, a folder where a file should go).
+
+    Also an :class:`OSError`, so code that handles I/O failures keeps working; the file that was
+    there before is left untouched (writes are atomic)."""

@@ -294,10 +294,9 @@ def resolve_tokenizer(spec: str | None, model_tokenizer, cfg, checkpoint: Path, 
             cand = load_tokenizer(str(side))
             if cand.vocab_size == cfg.vocab_size:
                 tok = cand
-    if tok is not None and tok.vocab_size != cfg.vocab_size:
-        raise MinillamaError(
-            f"tokenizer vocabulary ({tok.vocab_size} tokens) does not match the model "
-            f"vocabulary ({cfg.vocab_size})")
+    from .formats import check_tokenizer  # noqa: PLC0415
+
+    check_tokenizer(tok, cfg.vocab_size)
     return tok
 
 

@@ -39,14 +39,17 @@ def tokenizer_from_spec(spec: dict[str, Any] | None):
     """Rebuild the tokenizer a checkpoint names (``{"type": "byte"}``, ...)."""
     if not spec:
         return None
+    if not isinstance(spec, dict):
+        raise MinillamaError(f"bad tokenizer spec in checkpoint: {str(spec)[:60]!r}")
     kind = spec.get("type")
     if kind == "byte":
         return ByteTokenizer()
-    if kind == "llama2c":
-        return Llama2cTokenizer(spec["path"])
-    if kind == "hf":
-        return HFTokenizer(spec["path"])
-    raise MinillamaError(f"unknown tokenizer type {kind!r} in checkpoint")
+    if kind in ("llama2c", "hf"):
+        path = spec.get("path")
+        if not isinstance(path, str) or not path:
+            raise MinillamaError(f"bad {kind} tokenizer spec in checkpoint: no path")
+        return Llama2cTokenizer(path) if kind == "llama2c" else HFTokenizer(path)
+    raise MinillamaError(f"unknown tokenizer type {str(kind)[:40]!r} in checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,6 +107,9 @@ class Llama2cTokenizer:
                 raise MinillamaError(f"truncated tokenizer file {self.path} at token {len(pieces)}")
             score, n = struct.unpack_from("<fi", data, pos)
             pos += 8
+            if score != score or abs(score) == float("inf"):
+                raise MinillamaError(f"corrupt tokenizer file {self.path}: token {len(pieces)} "
+                                     f"has score {score}")
             if n < 0 or n > self.max_token_length or pos + n > len(data):
                 raise MinillamaError(f"corrupt tokenizer file {self.path}: token {len(pieces)} "
                                      f"has length {n}")
@@ -253,16 +259,21 @@ class HFTokenizer:
             raise MinillamaError(f"tokenizer not found: {self.path}")
         try:
             self._tok = Tokenizer.from_file(str(self.path))
-        except Exception as e:  # the tokenizers package raises its own exception types
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - its own error types, and Rust panics
+            msg = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
             raise MinillamaError(f"cannot read tokenizer {self.path}: {msg}") from None
         names = {}
         cfg_path = self.path.parent / "tokenizer_config.json"
         if cfg_path.is_file():
             try:
-                conf = json.loads(cfg_path.read_text())
-            except json.JSONDecodeError:
-                conf = {}
+                conf = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError, RecursionError) as e:
+                raise MinillamaError(f"corrupt {cfg_path}: {str(e).splitlines()[0][:100]}") \
+                    from None
+            if not isinstance(conf, dict):
+                raise MinillamaError(f"corrupt {cfg_path}: not a JSON object")
             for key in ("bos_token", "eos_token"):
                 v = conf.get(key)
                 if isinstance(v, dict):

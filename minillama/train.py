@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import (check_finite, check_output_dir, check_output_file, load_checkpoint,
+                         save_checkpoint)
 from .config import ModelConfig
 from .data import TokenData, prepare_data, prepare_shakespeare, prepare_text_file
 from .errors import MinillamaError
@@ -141,6 +142,21 @@ class TrainConfig:
             raise MinillamaError("train config: data must be a path or 'shakespeare'")
         if not isinstance(self.out, str) or not self.out:
             raise MinillamaError("train config: out must be a folder path")
+        if self.backend is not None and not isinstance(self.backend, str):
+            raise MinillamaError(f"train config: backend must be a name, got {self.backend!r}")
+        for name, limit in (("batch_size", 1 << 16), ("grad_accum", 1 << 16),
+                            ("eval_iters", 1 << 16), ("steps", 1 << 40)):
+            if getattr(self, name) > limit:
+                raise MinillamaError(f"train config: {name} must be <= {limit}, got "
+                                     f"{getattr(self, name)}")
+        if self.batch_size * self.context > 1 << 24:
+            raise MinillamaError(f"train config: batch_size * context = "
+                                 f"{self.batch_size * self.context} tokens per micro-batch is "
+                                 f"more than {1 << 24}")
+        if self.batch_size * self.context * self.eval_iters > 1 << 26:
+            raise MinillamaError(f"train config: batch_size * context * eval_iters = "
+                                 f"{self.batch_size * self.context * self.eval_iters} validation "
+                                 f"tokens is more than {1 << 26}")
         self.model_config()  # the model-shape invariants (dim % n_heads, ...)
 
     def model_config(self) -> ModelConfig:
@@ -179,7 +195,11 @@ def read_config_file(path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise MinillamaError(f"config file not found: {path}")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise MinillamaError(f"config file {path} is not UTF-8 text ({e.reason} at byte "
+                             f"{e.start})") from None
     try:
         if path.suffix.lower() == ".toml":
             import tomllib  # noqa: PLC0415
@@ -187,7 +207,7 @@ def read_config_file(path) -> dict[str, Any]:
             d = tomllib.loads(text)
         else:
             d = json.loads(text)
-    except Exception as e:  # tomllib.TOMLDecodeError, json.JSONDecodeError
+    except (ValueError, RecursionError) as e:  # tomllib.TOMLDecodeError, JSONDecodeError
         raise MinillamaError(f"cannot parse config file {path}: {str(e).splitlines()[0]}") \
             from None
     if not isinstance(d, dict):
@@ -214,7 +234,7 @@ class Trainer:
     def __init__(self, tc: TrainConfig, data_dir=None, progress: bool = True):
         tc.validate()
         self.tc = tc
-        self.out = Path(tc.out)
+        self.out = check_output_dir(tc.out, "output folder (--out)")
         self.cfg = tc.model_config()
         self.data = self._open_data(data_dir)
         self.model = self._build_model()
@@ -291,9 +311,15 @@ class Trainer:
         path = Path(path) if path is not None else self.ckpt_path
         cfg, params, meta = self._read_checkpoint(path)
         self._check_same_model(cfg)
+        try:
+            self._load_optimizer(meta["train_state"], meta.get("tensors", {}), path)
+            self._load_progress(meta["train_state"])
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            if isinstance(e, MinillamaError):
+                raise
+            raise MinillamaError(f"corrupt training state in {path}: {type(e).__name__} "
+                                 f"{str(e)[:80]}") from None
         self._load_params(params)
-        self._load_optimizer(meta["train_state"], meta.get("tensors", {}))
-        self._load_progress(meta["train_state"])
 
     @staticmethod
     def _read_checkpoint(path: Path):
@@ -319,7 +345,8 @@ class Trainer:
         for k in self.model.params:
             self.model.params[k][...] = be.asarray(params[k], dtype=self.model.dtype)
 
-    def _load_optimizer(self, st: dict[str, Any], tensors: dict[str, Any]) -> None:
+    def _load_optimizer(self, st: dict[str, Any], tensors: dict[str, Any], path="") -> None:
+        check_finite(tensors, path, limit=None)  # the moments: NaN/inf only (v may be large)
         self.opt.load_state_dict({
             "step": st["optim_step"],
             "m": {k[len("optim.m."):]: v for k, v in tensors.items() if k.startswith("optim.m.")},
@@ -642,6 +669,9 @@ def build_config(args) -> TrainConfig:
 
 def run_train(args) -> int:
     tc = build_config(args)
+    check_output_dir(tc.out, "output folder (--out)")
+    if args.export:  # refused now, not after the training
+        check_output_file(args.export, "--export file")
     trainer = Trainer(tc, progress=not args.no_progress)
     n = trainer.cfg.n_params()
     print(f"model: dim {tc.dim}, {tc.n_layers} layers, {tc.n_heads} heads / {tc.n_kv_heads} kv "

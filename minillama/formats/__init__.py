@@ -69,7 +69,29 @@ def load_params(path):
         tok = tokenizer_from_spec(meta.get("tokenizer"))
     else:
         cfg, params = load_llama2c(path)
+    check_tokenizer(tok, cfg.vocab_size, path)
     return fmt, cfg, params, tok
+
+
+def check_tokenizer(tok, vocab_size: int, where="") -> None:
+    """A tokenizer fits a model when every id it makes (BOS/EOS included) indexes the model's
+    vocabulary and every id the model samples decodes: V_tok = V, except that a Hugging Face
+    model may pad its vocabulary beyond its tokenizer.json's (V_tok <= V; such ids decode to
+    nothing)."""
+    from ..tokenizer import HFTokenizer  # noqa: PLC0415
+
+    if tok is None:
+        return
+    at = f" of {where}" if str(where) else ""
+    n = tok.vocab_size
+    if n > vocab_size or (n != vocab_size and not isinstance(tok, HFTokenizer)):
+        raise MinillamaError(f"tokenizer vocabulary ({n} tokens) does not match the model "
+                             f"vocabulary ({vocab_size}){at}")
+    for name in ("bos_id", "eos_id"):
+        i = getattr(tok, name, None)
+        if i is not None and not 0 <= i < vocab_size:
+            raise MinillamaError(f"tokenizer {name} {i} lies outside the model vocabulary "
+                                 f"({vocab_size}){at}")
 
 
 def load_model(path, backend=None, dtype=None):

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
 
 import numpy as np
 
 from ..config import ModelConfig
 from ..errors import MinillamaError
+from .safetensors_file import read_safetensors_file
+
+__all__ = ["config_from_hf", "config_to_hf", "load_hf", "save_hf", "read_safetensors_file",
+           "hf_to_interleaved", "interleaved_to_hf", "is_hf_dir"]
 
 _LAYER_MAP = {
     "input_layernorm.weight": "attention_norm.weight",
@@ -40,111 +43,70 @@ _LAYER_MAP = {
     "mlp.down_proj.weight": "feed_forward.w2.weight",
     "mlp.up_proj.weight": "feed_forward.w3.weight",
 }
-_DTYPES = {"F32": np.dtype("<f4"), "F64": np.dtype("<f8"), "F16": np.dtype("<f2"),
-           "BF16": np.dtype("<u2")}
-_MAX_HEADER = 100 * 1024 * 1024
-
-
-# ---------------------------------------------------------------------------------------------
-# safetensors, parsed by hand
-# ---------------------------------------------------------------------------------------------
-def read_safetensors_file(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """All tensors of a safetensors file as float32/float64 NumPy arrays, and its metadata.
-
-    Layout: uint64 little-endian header length N, N bytes of JSON ``{name: {dtype, shape,
-    data_offsets: [begin, end]}, "__metadata__": {...}}``, then the data block. BF16 is widened
-    to float32 exactly (its bits are the top half of a float32).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise MinillamaError(f"weights file not found: {path}")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise MinillamaError(f"truncated safetensors file {path} ({size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, _MAX_HEADER):
-            raise MinillamaError(f"corrupt safetensors file {path}: header of {n} bytes overruns "
-                                 f"the file of {size} bytes")
-        try:
-            header = json.loads(f.read(n).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise MinillamaError(f"corrupt safetensors header in {path}: {e}") from None
-        if not isinstance(header, dict):
-            raise MinillamaError(f"corrupt safetensors header in {path}: not a JSON object")
-        meta = header.pop("__metadata__", None) or {}
-        data = f.read()
-    base = 8 + n
-    tensors = {}
-    for name, info in header.items():
-        try:
-            dt, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise MinillamaError(f"corrupt safetensors entry {name!r} in {path}") from None
-        if dt not in _DTYPES:
-            raise MinillamaError(f"tensor {name} in {path} has unsupported dtype {dt} "
-                                 f"(supported: {', '.join(_DTYPES)})")
-        count = int(np.prod(shape)) if shape else 1
-        if not (0 <= begin <= end) or end - begin != count * _DTYPES[dt].itemsize:
-            raise MinillamaError(f"tensor {name} in {path}: byte range {begin}..{end} does not "
-                                 f"fit its shape {list(shape)} and dtype {dt}")
-        if base + end > size:
-            raise MinillamaError(f"truncated safetensors file {path}: tensor {name} ends at byte "
-                                 f"{base + end}, the file has {size}")
-        raw = np.frombuffer(data, dtype=_DTYPES[dt], count=count, offset=begin)
-        if dt == "BF16":
-            arr = (raw.astype(np.uint32) << 16).view(np.float32)
-        elif dt == "F64":
-            arr = raw.astype(np.float64)
-        else:
-            arr = raw.astype(np.float32)
-        tensors[name] = arr.reshape(shape)
-    return tensors, meta
 
 
 # ---------------------------------------------------------------------------------------------
 # config
 # ---------------------------------------------------------------------------------------------
+#: HF config.json field -> ModelConfig field (to name both in error messages)
+_HF_FIELDS = {"hidden_size": "dim", "num_hidden_layers": "n_layers",
+              "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
+              "vocab_size": "vocab_size", "intermediate_size": "hidden_dim",
+              "rms_norm_eps": "norm_eps", "max_position_embeddings": "max_seq_len",
+              "tie_word_embeddings": "tie_embeddings", "rope_theta": "rope_theta"}
+
+
 def config_from_hf(c: dict, where="config.json") -> ModelConfig:
-    """A :class:`ModelConfig` from a HF ``LlamaConfig`` dict; unsupported settings raise."""
+    """A :class:`ModelConfig` from a HF ``LlamaConfig`` dict; unsupported settings raise.
+
+    Values are passed through as they are: :class:`ModelConfig` alone checks their types and
+    ranges (its messages name the HF field too)."""
+    if not isinstance(c, dict):
+        raise MinillamaError(f"{where}: not a JSON object")
     if c.get("model_type", "llama") != "llama":
-        raise MinillamaError(f"{where}: model_type {c.get('model_type')!r} is not supported "
-                             f"(only 'llama')")
+        raise MinillamaError(f"{where}: model_type {str(c.get('model_type'))[:40]!r} is not "
+                             f"supported (only 'llama')")
     try:
-        D = int(c["hidden_size"])
-        H = int(c["num_attention_heads"])
-        cfg_args = dict(dim=D, n_layers=int(c["num_hidden_layers"]), n_heads=H,
-                        n_kv_heads=int(c.get("num_key_value_heads") or H),
-                        vocab_size=int(c["vocab_size"]), hidden_dim=int(c["intermediate_size"]),
-                        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                        max_seq_len=int(c.get("max_position_embeddings", 2048)),
-                        tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+        H = c["num_attention_heads"]
+        cfg_args = dict(dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=H,
+                        n_kv_heads=c.get("num_key_value_heads") or H,
+                        vocab_size=c["vocab_size"], hidden_dim=c["intermediate_size"],
+                        norm_eps=c.get("rms_norm_eps", 1e-6),
+                        max_seq_len=c.get("max_position_embeddings", 2048),
+                        tie_embeddings=c.get("tie_word_embeddings", False))
     except KeyError as e:
         raise MinillamaError(f"{where}: missing field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise MinillamaError(f"{where}: bad field value ({e})") from None
     if c.get("hidden_act", "silu") != "silu":
-        raise MinillamaError(f"{where}: hidden_act {c['hidden_act']!r} is not supported (silu)")
+        raise MinillamaError(f"{where}: hidden_act {str(c['hidden_act'])[:40]!r} is not "
+                             f"supported (silu)")
     for flag in ("attention_bias", "mlp_bias"):
         if c.get(flag):
             raise MinillamaError(f"{where}: {flag} = true is not supported")
-    hd = c.get("head_dim")
-    if hd is not None and int(hd) != D // H:
-        raise MinillamaError(f"{where}: head_dim {hd} != hidden_size / num_attention_heads "
-                             f"= {D // H} is not supported")
     rope = c.get("rope_parameters") or {}
     scaling = c.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-    for d in (rope, scaling):
+    for key, d in (("rope_parameters", rope), ("rope_scaling", scaling)):
+        if not isinstance(d, dict):
+            raise MinillamaError(f"{where}: {key} must be an object or null, got "
+                                 f"{type(d).__name__}")
         kind = d.get("rope_type", d.get("type", "default"))
         if kind not in ("default", None):
-            raise MinillamaError(f"{where}: rope scaling type {kind!r} is not supported "
-                                 f"(only plain RoPE)")
+            raise MinillamaError(f"{where}: rope scaling type {str(kind)[:40]!r} is not "
+                                 f"supported (only plain RoPE)")
     if c.get("pretraining_tp", 1) not in (1, None):
         raise MinillamaError(f"{where}: pretraining_tp != 1 is not supported")
-    cfg_args["rope_theta"] = float(theta)
-    return ModelConfig(**cfg_args)
+    cfg_args["rope_theta"] = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+    try:
+        cfg = ModelConfig(**cfg_args)
+    except MinillamaError as e:
+        msg = str(e)
+        for hf_name, ours in _HF_FIELDS.items():
+            msg = msg.replace(f"ModelConfig.{ours} ", f"{hf_name} ", 1)
+        raise MinillamaError(f"{where}: bad field value: {msg}") from None
+    hd = c.get("head_dim")
+    if hd is not None and hd != cfg.head_dim:
+        raise MinillamaError(f"{where}: head_dim {str(hd)[:20]} != hidden_size / "
+                             f"num_attention_heads = {cfg.head_dim} is not supported")
+    return cfg
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -197,11 +159,19 @@ def _weight_files(d: Path) -> list[Path]:
         return [single]
     if index.is_file():
         try:
-            idx = json.loads(index.read_text())
-            files = sorted(set(idx["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise MinillamaError(f"corrupt {index}: {e}") from None
-        return [d / f for f in files]
+            idx = json.loads(index.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise MinillamaError(f"corrupt {index}: {str(e).splitlines()[0][:100]}") from None
+        wm = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(wm, dict) or not wm:
+            raise MinillamaError(f"corrupt {index}: no weight_map object")
+        files = set()
+        for k, v in wm.items():
+            if not isinstance(v, str) or not v or Path(v).name != v or v in (".", ".."):
+                raise MinillamaError(f"corrupt {index}: tensor {k[:80]!r} maps to "
+                                     f"{str(v)[:80]!r}, not a file name in the folder")
+            files.add(v)
+        return [d / f for f in sorted(files)]
     if list(d.glob("*.bin")) or list(d.glob("*.pt")) or list(d.glob("*.pth")):
         raise MinillamaError(f"{d} holds only PyTorch pickle weights; minillama never unpickles "
                              f"- save them as safetensors")
@@ -211,21 +181,26 @@ def _weight_files(d: Path) -> list[Path]:
 def load_hf(path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read a HF LLaMA directory: returns ``(cfg, params)`` with Meta names and interleaved RoPE
     rows. Missing/extra tensors, wrong shapes and non-finite values raise."""
+    from ..checkpoint import check_finite  # noqa: PLC0415
     from ..model import check_params  # noqa: PLC0415
 
     d = Path(path)
     try:
-        c = json.loads((d / "config.json").read_text())
+        c = json.loads((d / "config.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise MinillamaError(f"{d} has no config.json") from None
-    except json.JSONDecodeError as e:
-        raise MinillamaError(f"corrupt {d / 'config.json'}: {e}") from None
-    if not isinstance(c, dict):
-        raise MinillamaError(f"corrupt {d / 'config.json'}: not a JSON object")
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise MinillamaError(f"corrupt {d / 'config.json'}: "
+                             f"{str(e).splitlines()[0][:100]}") from None
+    except OSError as e:
+        raise MinillamaError(f"cannot read {d / 'config.json'}: {e.strerror or e}") from None
     cfg = config_from_hf(c, str(d / "config.json"))
     tensors: dict[str, np.ndarray] = {}
     for f in _weight_files(d):
         t, _ = read_safetensors_file(f)
+        twice = sorted(set(t) & set(tensors))
+        if twice:
+            raise MinillamaError(f"tensor {twice[0]} appears in more than one shard of {d}")
         tensors.update(t)
     params: dict[str, np.ndarray] = {}
     for name, arr in tensors.items():
@@ -247,9 +222,7 @@ def load_hf(path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         else:
             raise MinillamaError(f"unexpected tensor {name} in {d}")
     check_params(cfg, params)
-    for k, v in params.items():
-        if not np.isfinite(v).all():
-            raise MinillamaError(f"non-finite values (NaN/Inf) in {k} of {d}")
+    check_finite(params, d)
     for layer in range(cfg.n_layers):
         q, k = f"layers.{layer}.attention.wq.weight", f"layers.{layer}.attention.wk.weight"
         params[q] = hf_to_interleaved(params[q], cfg.n_heads)
@@ -262,8 +235,13 @@ def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None) 
     with an index when ``max_shard_bytes`` is given)."""
     from safetensors.numpy import save_file  # noqa: PLC0415
 
-    d = Path(path)
-    d.mkdir(parents=True, exist_ok=True)
+    from ..checkpoint import atomic_write, check_output_dir  # noqa: PLC0415
+
+    d = check_output_dir(path, "Hugging Face output folder")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MinillamaError(f"cannot create {d}: {e.strerror or e}") from None
     host = {k: np.asarray(v.get() if hasattr(v, "get") and not isinstance(v, np.ndarray) else v)
             for k, v in params.items()}
     inv = {v: k for k, v in _LAYER_MAP.items()}
@@ -283,9 +261,11 @@ def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None) 
             elif sub == "attention.wk.weight":
                 v = interleaved_to_hf(v, cfg.n_kv_heads)
             out[f"model.layers.{layer}.{inv[sub]}"] = v
-    (d / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
+    atomic_write(d / "config.json",
+                 lambda t: Path(t).write_text(json.dumps(config_to_hf(cfg), indent=2)))
     if not max_shard_bytes:
-        save_file(out, str(d / "model.safetensors"), metadata={"format": "pt"})
+        atomic_write(d / "model.safetensors",
+                     lambda t: save_file(out, t, metadata={"format": "pt"}), "weights file")
         return d
     shards: list[dict[str, np.ndarray]] = [{}]
     used = 0
@@ -298,11 +278,14 @@ def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None) 
     weight_map = {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(d / fname), metadata={"format": "pt"})
+        atomic_write(d / fname,
+                     lambda t, shard=shard: save_file(shard, t, metadata={"format": "pt"}),
+                     "weights file")
         weight_map.update({k: fname for k in shard})
     index = {"metadata": {"total_size": sum(v.nbytes for v in out.values())},
              "weight_map": weight_map}
-    (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    atomic_write(d / "model.safetensors.index.json",
+                 lambda t: Path(t).write_text(json.dumps(index, indent=2)))
     stale = d / "model.safetensors"
     if stale.exists():
         os.unlink(stale)

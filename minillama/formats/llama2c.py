@@ -23,12 +23,12 @@ norm epsilon is 1e-5.
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint import atomic_write, check_finite
 from ..config import ModelConfig
 from ..errors import MinillamaError
 
@@ -158,10 +158,13 @@ def load_llama2c(path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         if name == "<skip>":
             continue
         block = block.astype(np.float32).reshape(shape)  # a writable native-endian copy
-        if not np.isfinite(block).all():
-            raise MinillamaError(f"non-finite values (NaN/Inf) in {name} of {path}")
-        if len(shape) == 3 or (len(shape) == 2 and name.endswith("norm.weight")
-                               and name != "norm.weight"):
+        stacked = len(shape) == 3 or (len(shape) == 2 and name.endswith("norm.weight")
+                                      and name != "norm.weight")
+        if stacked:  # checked per layer, so an error names it: layers.3.attention.wq
+            check_finite({f"layers.{i}.{name}": block[i] for i in range(cfg.n_layers)}, path)
+        else:
+            check_finite({name: block}, path)
+        if stacked:
             for layer in range(cfg.n_layers):
                 params[f"layers.{layer}.{name}"] = np.ascontiguousarray(block[layer])
         else:
@@ -182,30 +185,31 @@ def save_llama2c(path, cfg: ModelConfig, params, version: int = 1) -> Path:
     path = Path(path)
     header_fields = (cfg.dim, cfg.hidden_dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
                      cfg.vocab_size, cfg.max_seq_len)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        if version == 0:
-            fields = list(header_fields)
-            if not cfg.tie_embeddings:
-                fields[5] = -fields[5]
-            f.write(struct.pack("<7i", *fields))
-        else:
-            head = struct.pack("<Ii7iB", MAGIC, 1, *header_fields, int(cfg.tie_embeddings))
-            f.write(head + b"\0" * (V1_HEADER_BYTES - len(head)))
-        inv = cfg.rope_theta ** (-np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
-        ang = np.outer(np.arange(cfg.max_seq_len, dtype=np.float64), inv)
-        skips = [np.cos(ang), np.sin(ang)]
-        for name, shape in _order(cfg, version):
-            if name == "<skip>":
-                block = skips.pop(0)
-            elif name in host:
-                block = host[name]
+
+    def write(tmp) -> None:
+        with open(tmp, "wb") as f:
+            if version == 0:
+                fields = list(header_fields)
+                if not cfg.tie_embeddings:
+                    fields[5] = -fields[5]
+                f.write(struct.pack("<7i", *fields))
             else:
-                block = np.stack([host[f"layers.{i}.{name}"] for i in range(cfg.n_layers)])
-            if block.shape != shape:
-                raise MinillamaError(f"{name} has shape {block.shape}, expected {shape}")
-            f.write(np.ascontiguousarray(block, dtype="<f4").tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+                head = struct.pack("<Ii7iB", MAGIC, 1, *header_fields, int(cfg.tie_embeddings))
+                f.write(head + b"\0" * (V1_HEADER_BYTES - len(head)))
+            inv = cfg.rope_theta ** (-np.arange(0, cfg.head_dim, 2, dtype=np.float64)
+                                     / cfg.head_dim)
+            ang = np.outer(np.arange(cfg.max_seq_len, dtype=np.float64), inv)
+            skips = [np.cos(ang), np.sin(ang)]
+            for name, shape in _order(cfg, version):
+                if name == "<skip>":
+                    block = skips.pop(0)
+                elif name in host:
+                    block = host[name]
+                else:
+                    block = np.stack([host[f"layers.{i}.{name}"] for i in range(cfg.n_layers)])
+                if block.shape != shape:
+                    raise MinillamaError(f"{name} has shape {block.shape}, expected {shape}")
+                f.write(np.ascontiguousarray(block, dtype="<f4").tobytes())
+
+    return atomic_write(path, write, "llama2.c checkpoint")
+
