@@ -38,10 +38,13 @@ from typing import Any
 
 import numpy as np
 
+from .backends import resolve_name
 from .checkpoint import (check_finite, check_output_dir, check_output_file, load_checkpoint,
                          save_checkpoint)
 from .config import ModelConfig
 from .data import TokenData, prepare_data, prepare_shakespeare, prepare_text_file
+from .distributed import (Communicator, NCCLComm, RanksFailed, SingleProcess, open_world,
+                          share_cores)
 from .errors import MinillamaError
 from .model import Transformer
 from .optim import AdamW, clip_grad_norm, lr_at
@@ -229,30 +232,59 @@ class Trainer:
 
     ``Trainer(tc)`` starts fresh; :meth:`resume` restores a checkpoint; :meth:`train` runs to
     ``tc.steps`` (or the time limit) and saves checkpoints every ``ckpt_interval`` steps.
+
+    ``comm`` (a :class:`~minillama.distributed.Communicator`, default one process) makes it one
+    rank of a data-parallel run: every rank builds the same model from the same seed, draws the
+    same global batch of ``size x grad_accum`` micro-batches and trains on its own share, the
+    gradients are summed over the ranks in one flat buffer, and only rank 0 evaluates, prints and
+    writes checkpoints.
     """
 
-    def __init__(self, tc: TrainConfig, data_dir=None, progress: bool = True):
+    def __init__(self, tc: TrainConfig, data_dir=None, progress: bool = True,
+                 comm: Communicator | None = None):
         tc.validate()
         self.tc = tc
-        self.out = check_output_dir(tc.out, "output folder (--out)")
+        self.comm = comm if comm is not None else SingleProcess()
+        self.is_root = self.comm.rank == 0
+        self.out = self.comm.agree(lambda: check_output_dir(tc.out, "output folder (--out)"),
+                                   root_only=True)
         self.cfg = tc.model_config()
         self.data = self._open_data(data_dir)
-        self.model = self._build_model()
+        self.comm.agree(self._check_share_of_data)
+        self.model = self.comm.agree(self._build_model)
         self.opt = self._build_optimizer()
         self.step = 0
         self.history: dict[str, list] = {"train": [], "val": []}  # [step, loss] pairs
         self.tokens_seen = 0
         self.train_seconds = 0.0
-        self.progress = progress
+        self.progress = progress and self.is_root
         self._val_cache = None
+        self._flat = None  # (buffer, views): the gradients of a data-parallel step, flat
+        self._deadline = None  # perf_counter() time of --time-limit while train() runs
+        self._stop_voted = False  # some rank's time limit has passed (decided in the last step)
+        self._check_weights_agree()
 
     # --- construction --------------------------------------------------------------------------
     def _open_data(self, data_dir) -> TokenData:
-        """The token files: ``data_dir`` if given, else ``tc.data`` prepared under ``out/data``."""
-        folder = Path(data_dir) if data_dir is not None else prepare_data(self.tc.data,
-                                                                           self.out / "data")
-        return TokenData(folder, self.tc.context, seed=self.tc.seed,
-                         vocab_size=self.cfg.vocab_size)
+        """The token files: ``data_dir`` if given, else ``tc.data`` prepared under ``out/data``
+        (by rank 0 alone; the others open what it wrote)."""
+        if data_dir is not None:
+            folder = Path(data_dir)
+        else:
+            folder = self.comm.agree(lambda: prepare_data(self.tc.data, self.out / "data"),
+                                     root_only=True)
+        return self.comm.agree(lambda: TokenData(folder, self.tc.context, seed=self.tc.seed,
+                                                 vocab_size=self.cfg.vocab_size))
+
+    def _check_share_of_data(self) -> None:
+        """Several ranks need at least as many distinct training windows as one step uses."""
+        N, A, B, T = self.comm.size, self.tc.grad_accum, self.tc.batch_size, self.tc.context
+        windows = self.data.train.size - T
+        if N > 1 and N * A * B > windows:
+            raise MinillamaError(
+                f"{N} ranks x --grad-accum {A} x --batch-size {B} = {N * A * B} windows per step, "
+                f"but the training split has only {windows} windows of {T} + 1 tokens: launch "
+                f"fewer ranks or use a smaller batch")
 
     def _build_model(self) -> Transformer:
         """A freshly initialised model (weights from ``tc.seed``)."""
@@ -271,15 +303,28 @@ class Trainer:
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens in one optimisation step: A micro-batches of B windows of T tokens."""
-        return self.tc.grad_accum * self.tc.batch_size * self.tc.context
+        """Tokens in one optimisation step: N ranks x A micro-batches of B windows of T tokens."""
+        return self.comm.size * self.tc.grad_accum * self.tc.batch_size * self.tc.context
+
+    def _check_weights_agree(self) -> None:
+        """Every rank must hold bit-identical weights (same seed or checkpoint, same updates)."""
+        if self.comm.size > 1:
+            import hashlib  # noqa: PLC0415
+
+            h = hashlib.sha1()
+            for k in sorted(self.model.params):
+                h.update(np.ascontiguousarray(self.model.backend.to_numpy(
+                    self.model.params[k])).tobytes())
+            self.comm.agree_on("the model weights (SHA-1 of every parameter)",
+                               {"weights": h.hexdigest()})
 
     # --- checkpoints ---------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """The training state stored in the checkpoint's metadata (``train_state``)."""
         return {"step": self.step, "optim_step": self.opt.t, "data": self.data.state(),
                 "history": self.history, "tokens_seen": self.tokens_seen,
-                "train_seconds": self.train_seconds, "config": self.tc.to_dict()}
+                "train_seconds": self.train_seconds, "config": self.tc.to_dict(),
+                "world_size": self.comm.size}
 
     def _optimizer_tensors(self) -> dict[str, Any]:
         """The AdamW moments as extra checkpoint tensors ``optim.m.<name>`` / ``optim.v.<name>``."""
@@ -306,20 +351,31 @@ class Trainer:
         except Exception as e:
             print(f"minillama: warning: could not draw the loss plot: {e}", file=sys.stderr)
 
+    def _save_on_root(self) -> None:
+        """Rank 0 writes the checkpoint while the others wait to hear that it did."""
+        self.comm.agree(self.save, root_only=True)
+        self._check_weights_agree()
+
     def resume(self, path=None) -> None:
-        """Restore weights, optimizer moments, data position and history from a checkpoint."""
+        """Restore weights, optimizer moments, data position and history from a checkpoint
+        (every rank reads the same file)."""
         path = Path(path) if path is not None else self.ckpt_path
-        cfg, params, meta = self._read_checkpoint(path)
-        self._check_same_model(cfg)
-        try:
-            self._load_optimizer(meta["train_state"], meta.get("tensors", {}), path)
-            self._load_progress(meta["train_state"])
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-            if isinstance(e, MinillamaError):
-                raise
-            raise MinillamaError(f"corrupt training state in {path}: {type(e).__name__} "
-                                 f"{str(e)[:80]}") from None
-        self._load_params(params)
+
+        def restore() -> None:
+            cfg, params, meta = self._read_checkpoint(path)
+            self._check_same_model(cfg)
+            try:
+                self._load_optimizer(meta["train_state"], meta.get("tensors", {}), path)
+                self._load_progress(meta["train_state"])
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+                if isinstance(e, MinillamaError):
+                    raise
+                raise MinillamaError(f"corrupt training state in {path}: {type(e).__name__} "
+                                     f"{str(e)[:80]}") from None
+            self._load_params(params)
+
+        self.comm.agree(restore)
+        self._check_weights_agree()
 
     @staticmethod
     def _read_checkpoint(path: Path):
@@ -390,12 +446,30 @@ class Trainer:
         return loss, norm, lr
 
     def _mean_loss_and_grads(self) -> tuple[float, dict[str, Any]]:
-        r"""The loss and gradient averaged over ``grad_accum`` micro-batches:
-        g = \frac{1}{A} \sum_a \nabla_\theta L(x_a, y_a)."""
-        A = self.tc.grad_accum
+        r"""The loss and gradient averaged over the N x A micro-batches of the global batch
+        (N ranks, A = ``grad_accum``): g = \frac{1}{N A} \sum_{r} \sum_{a} \nabla_\theta
+        L(x_{rA+a}, y_{rA+a}). One process (N = 1) sums its A micro-batches; several sum theirs,
+        then :meth:`_sum_over_ranks`."""
+        loss_sum, grads = self._local_loss_and_grads()
+        self._stop_voted = self._time_is_up()
+        if self.comm.size > 1:
+            loss_sum, grads = self._sum_over_ranks(loss_sum, grads)
+        n = self.comm.size * self.tc.grad_accum
+        if n > 1:
+            for k in grads:
+                grads[k] *= 1.0 / n
+        return loss_sum / n, grads
+
+    def _local_loss_and_grads(self) -> tuple[float, dict[str, Any]]:
+        """This rank's share of the global batch: micro-batches rA .. rA + A - 1 of the N x A that
+        every rank draws from the same sampler (so the data position stays the same everywhere);
+        returns the sums of their losses and of their gradients."""
+        A, r = self.tc.grad_accum, self.comm.rank
         loss_sum, grads = 0.0, None
-        for _ in range(A):
+        for j in range(self.comm.size * A):
             x, y = self.data.train_batch(self.tc.batch_size)
+            if j // A != r:
+                continue
             loss, g = self.model.loss_and_grads(x, y)
             loss_sum += loss
             if grads is None:
@@ -403,10 +477,40 @@ class Trainer:
             else:
                 for k in grads:
                     grads[k] += g[k]
-        if A > 1:
-            for k in grads:
-                grads[k] *= 1.0 / A
-        return loss_sum / A, grads
+        return loss_sum, grads
+
+    def _flat_buffer(self):
+        """(buf, views): one contiguous array (in the parameters' array module: host or device)
+        holding every gradient followed by two slots, the loss sum and the time-limit vote;
+        ``views[name]`` is the gradient's piece, shaped like the parameter."""
+        if self._flat is None:
+            params = self.model.params
+            xp = self.model.backend.xp
+            n = sum(int(p.size) for p in params.values())
+            buf = xp.zeros(n + 2, dtype=self.model.dtype)
+            views, off = {}, 0
+            for k, p in params.items():
+                views[k] = buf[off:off + p.size].reshape(p.shape)
+                off += p.size
+            self._flat = (buf, views)
+        return self._flat
+
+    def _sum_over_ranks(self, loss_sum: float, grads: dict[str, Any]):
+        """Sum the gradients, the loss and the time-limit votes of every rank with one in-place
+        all-reduce of the flat buffer (bucketed by the communicator); returns the summed loss and
+        the summed gradients (views into the buffer)."""
+        buf, views = self._flat_buffer()
+        for k, v in views.items():
+            v[...] = grads[k]
+        buf[-2] = loss_sum
+        buf[-1] = 1.0 if self._stop_voted else 0.0
+        self.comm.allreduce_(buf)
+        tail = self.model.backend.to_numpy(buf[-2:])
+        self._stop_voted = bool(tail[1] > 0)
+        return float(tail[0]), dict(views)
+
+    def _time_is_up(self) -> bool:
+        return self._deadline is not None and time.perf_counter() > self._deadline
 
     def _check_finite(self, what: str, value: float) -> None:
         """Stop with :class:`TrainingDiverged` when ``value`` is NaN or infinite."""
@@ -429,7 +533,7 @@ class Trainer:
         end = tc.steps if stop_at is None else min(int(stop_at), tc.steps)
         start_step = self.step
         t0 = time.perf_counter()
-        deadline = t0 + tc.time_limit * 60 if tc.time_limit else None
+        self._deadline = t0 + tc.time_limit * 60 if tc.time_limit else None
         stopped_early = False
         last_loss = math.nan
         bar = _progress(total=tc.steps, initial=self.step, enabled=self.progress)
@@ -439,17 +543,18 @@ class Trainer:
                 last_loss, lr = self._timed_step(bar)
                 self._evaluate_if_due(bar, last_loss, lr)
                 self._checkpoint_if_due(end)
-                if self.step < end and deadline is not None and time.perf_counter() > deadline:
+                if self.step < end and self._stop_voted:
                     self._stop_for_time_limit(bar)
                     stopped_early = True
                     break
         finally:
             bar.close()
+            self._deadline = None
         return self._summary(start_step, time.perf_counter() - t0, last_loss, stopped_early)
 
     def _evaluate_at_start(self, bar) -> None:
-        """The validation loss of the initial weights (a fresh run only)."""
-        if self.step == 0:
+        """The validation loss of the initial weights (a fresh run only; rank 0)."""
+        if self.step == 0 and self.is_root:
             v = self.evaluate()
             self.history["val"].append([0, v])
             bar.write(f"step 0: val loss {v:.4f}")
@@ -466,7 +571,9 @@ class Trainer:
         return loss, lr
 
     def _evaluate_if_due(self, bar, train_loss: float, lr: float) -> None:
-        """Every ``eval_interval`` steps and at the last step: validation loss, logged."""
+        """Every ``eval_interval`` steps and at the last step: validation loss, logged (rank 0)."""
+        if not self.is_root:
+            return
         if self.step % self.tc.eval_interval == 0 or self.step == self.tc.steps:
             v = self.evaluate()
             self.history["val"].append([self.step, v])
@@ -477,10 +584,10 @@ class Trainer:
         """Every ``ckpt_interval`` (default: ``eval_interval``) steps and at ``end``."""
         every = self.tc.ckpt_interval or self.tc.eval_interval
         if self.step % every == 0 or self.step == end:
-            self.save()
+            self._save_on_root()
 
     def _stop_for_time_limit(self, bar) -> None:
-        self.save()
+        self._save_on_root()
         bar.write(f"time limit of {self.tc.time_limit} min reached at step {self.step}; "
                   f"checkpoint saved, continue with --resume")
 
@@ -647,51 +754,109 @@ def _flag_overrides(args) -> dict[str, Any]:
     return out
 
 
-def build_config(args) -> TrainConfig:
-    """defaults < (checkpoint's config on --resume) < --config file < flags."""
+def build_config(args, world_size: int = 1) -> TrainConfig:
+    """defaults < (checkpoint's config on --resume) < --config file < flags.
+
+    On ``--resume`` with another rank count than the checkpoint's, ``grad_accum`` becomes what
+    keeps the global batch (unless the file or a flag sets it): see :func:`grad_accum_for`."""
     flags = _flag_overrides(args)
     file_cfg = read_config_file(args.config) if getattr(args, "config", None) else {}
     base = TrainConfig()
+    saved_world = None
     if getattr(args, "resume", False):
         out = flags.get("out", file_cfg.get("out", base.out))
         ckpt = Path(out) / CKPT_NAME
         if not ckpt.is_file():
             raise MinillamaError(f"--resume: no checkpoint at {ckpt}")
         _, _, meta = load_checkpoint(ckpt)
-        saved = (meta.get("train_state") or {}).get("config")
+        st = meta.get("train_state") or {}
+        saved = st.get("config")
         if not isinstance(saved, dict):
             raise MinillamaError(f"{ckpt} has no training state; cannot resume")
         base = TrainConfig.from_dict(saved)
-    tc = TrainConfig.from_dict({**file_cfg, **flags}, base=base)
+        saved_world = st.get("world_size", 1)
+    settings = {**file_cfg, **flags}
+    tc = TrainConfig.from_dict(settings, base=base)
+    if saved_world is not None and "grad_accum" not in settings:
+        tc.grad_accum = grad_accum_for(saved_world, base.grad_accum, base.batch_size, world_size)
     tc.validate()
     return tc
 
 
+def grad_accum_for(saved_world: int, saved_accum: int, batch_size: int, world_size: int) -> int:
+    """The ``grad_accum`` with which ``world_size`` ranks continue a run written by
+    ``saved_world`` ranks with ``saved_accum``: the same N x A micro-batches per step, so the
+    resumed run draws and averages the same global batches as the original one."""
+    if isinstance(saved_world, bool) or not isinstance(saved_world, int) or saved_world < 1:
+        raise MinillamaError(f"--resume: bad world_size {saved_world!r} in the checkpoint")
+    micro = saved_world * saved_accum
+    if micro % world_size:
+        raise MinillamaError(
+            f"--resume: the checkpoint's steps are {micro} micro-batches of {batch_size} windows "
+            f"({saved_world} rank(s) x --grad-accum {saved_accum}), which {world_size} ranks "
+            f"cannot share evenly: launch a rank count that divides {micro}, or pass --grad-accum "
+            f"to choose a new global batch")
+    return micro // world_size
+
+
 def run_train(args) -> int:
-    tc = build_config(args)
-    check_output_dir(tc.out, "output folder (--out)")
-    if args.export:  # refused now, not after the training
-        check_output_file(args.export, "--export file")
-    trainer = Trainer(tc, progress=not args.no_progress)
+    """``minillama train``: one process, or one rank of ``mpiexec -n N minillama train``."""
+    world = open_world()
+    with world.guard(collective_errors=(TrainingDiverged,)):
+        return _train_command(args, world)
+
+
+def _train_command(args, world: Communicator) -> int:
+    say = _say if world.rank == 0 else _silent
+    if world.size > 1:
+        share_cores(world.local_size)
+    tc = world.agree(lambda: build_config(args, world_size=world.size))
+    backend = world.agree(lambda: resolve_name(tc.backend))
+    world.agree_on("the training settings",
+                   {**tc.to_dict(), "backend": backend, "resume": bool(args.resume),
+                    "stop_at": args.stop_at, "export": args.export,
+                    "export_dtype": args.export_dtype})
+    if args.stop_at is not None and args.stop_at < 1:
+        raise RanksFailed(f"--stop-at must be >= 1, got {args.stop_at}")
+    world.agree(lambda: _check_outputs(tc, args), root_only=True)
+    comm = NCCLComm(world) if world.size > 1 and backend == "cupy" else world
+    trainer = Trainer(tc, progress=not args.no_progress, comm=comm)
     n = trainer.cfg.n_params()
-    print(f"model: dim {tc.dim}, {tc.n_layers} layers, {tc.n_heads} heads / {tc.n_kv_heads} kv "
-          f"heads, F {trainer.cfg.hidden_dim}, context {tc.context}: {n:,} parameters; "
-          f"backend {trainer.model.backend.name}", file=sys.stderr)
-    print(f"data: {trainer.data.folder} ({trainer.data.train.size:,} train / "
-          f"{trainer.data.val.size:,} val tokens)", file=sys.stderr)
+    say(f"model: dim {tc.dim}, {tc.n_layers} layers, {tc.n_heads} heads / {tc.n_kv_heads} kv "
+        f"heads, F {trainer.cfg.hidden_dim}, context {tc.context}: {n:,} parameters; "
+        f"backend {trainer.model.backend.name}")
+    say(f"data: {trainer.data.folder} ({trainer.data.train.size:,} train / "
+        f"{trainer.data.val.size:,} val tokens)")
+    if comm.size > 1:
+        say(f"data parallel: {comm.size} ranks over {comm.name.upper()}, "
+            f"{comm.size} x {tc.grad_accum} micro-batches of {tc.batch_size} windows per step")
     if args.resume:
         trainer.resume()
-        print(f"resumed at step {trainer.step}", file=sys.stderr)
-    if args.stop_at is not None and args.stop_at < 1:
-        raise MinillamaError(f"--stop-at must be >= 1, got {args.stop_at}")
+        say(f"resumed at step {trainer.step}")
     summary = trainer.train(stop_at=args.stop_at)
-    print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v)
-                      for k, v in summary.items()}))
+    if world.rank == 0:
+        print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v)
+                          for k, v in summary.items()}))
     if args.export:
-        path = export_model(trainer.ckpt_path, args.export, args.export_dtype)
-        print(f"exported the model to {path} ({path.stat().st_size / 1e6:.2f} MB)",
-              file=sys.stderr)
+        path = world.agree(lambda: export_model(trainer.ckpt_path, args.export,
+                                                args.export_dtype), root_only=True)
+        say(f"exported the model to {path} ({path.stat().st_size / 1e6:.2f} MB)")
     return 0
+
+
+def _check_outputs(tc: TrainConfig, args) -> None:
+    """Refuse unwritable outputs now, not after the training (rank 0 writes them)."""
+    check_output_dir(tc.out, "output folder (--out)")
+    if args.export:
+        check_output_file(args.export, "--export file")
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def _silent(line: str) -> None:
+    pass
 
 
 def run_prepare(args) -> int:
