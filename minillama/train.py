@@ -97,6 +97,7 @@ class TrainConfig:
     seed: int = 0
     out: str = "runs/default"
     time_limit: float | None = None  # minutes; save and stop cleanly when reached
+    plot: bool = True  # redraw out/loss.png at every checkpoint
 
     # --- validation ----------------------------------------------------------------------------
     def validate(self) -> None:
@@ -135,7 +136,7 @@ class TrainConfig:
         num("norm_eps", lo_open=True)
         if self.time_limit is not None:
             num("time_limit", lo_open=True)
-        for name in ("tie_embeddings", "decay_embeddings"):
+        for name in ("tie_embeddings", "decay_embeddings", "plot"):
             if not isinstance(getattr(self, name), bool):
                 raise MinillamaError(f"train config: {name} must be true or false")
         if self.dtype not in ("float32", "float64"):
@@ -335,12 +336,13 @@ class Trainer:
         return extra
 
     def save(self, path=None) -> Path:
-        """Write the checkpoint (atomically), then redraw the loss plot."""
+        """Write the checkpoint (atomically), then redraw the loss plot (unless ``plot`` is off)."""
         path = Path(path) if path is not None else self.ckpt_path
         save_checkpoint(path, self.cfg, self.model.params, tokenizer=ByteTokenizer(),
                         extra_tensors=self._optimizer_tensors(),
                         extra_metadata={"train_state": self.state()})
-        self._draw_plot()
+        if self.tc.plot:
+            self._draw_plot()
         return path
 
     def _draw_plot(self) -> None:
@@ -713,6 +715,7 @@ _FLAGS = [
     ("--out", str, "output folder (checkpoint, loss plot, prepared data)"),
     ("--data", str, "'shakespeare' (default), a text file, or a prepared data folder"),
     ("--time-limit", float, "minutes; save a checkpoint and stop when reached"),
+    ("--plot", _bool, "redraw OUT/loss.png at every checkpoint (true/false; default true)"),
 ]
 
 
