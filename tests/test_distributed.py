@@ -186,6 +186,19 @@ def test_resume_with_one_process_keeps_the_global_batch(stopped_at_2, two_ranks,
         assert sa == sb and _rel(la, lb) <= 1e-5
 
 
+@needs_mpi
+def test_time_limit_stops_every_rank_at_the_same_step(data, tmp_path):
+    """The time-limit vote travels in the gradient buffer: both ranks stop after the same step
+    and rank 0 saves there."""
+    out = tmp_path / "run"
+    proc = _mpiexec(2, *TINY_FLAGS, f"--data={data}", f"--out={out}", "--time-limit=1e-9")
+    assert proc.returncode == 0, proc.stderr
+    assert "time limit of 1e-09 min reached at step 1" in proc.stdout
+    summary = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][0])
+    assert summary["steps"] == 1 and summary["stopped_early"]
+    assert _history(out)["step"] == 1
+
+
 # --- the NCCL communicator, with MPI standing in for NCCL and the GPUs ------------------------
 @needs_mpi
 def test_nccl_path_with_an_mpi_stand_in(data, two_ranks, tmp_path):
