@@ -29,6 +29,8 @@ SHAPES = {
 
 
 def add_cli(sub) -> None:
+    from .cli import positive_int  # noqa: PLC0415
+
     p = sub.add_parser("backends", help="list the backends and whether each can run here")
     p.set_defaults(func=cmd_backends)
 
@@ -36,10 +38,11 @@ def add_cli(sub) -> None:
     p.add_argument("--backend", default="all",
                    help="comma-separated backend names, or 'all' (those that can run here)")
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
-    p.add_argument("--batch", type=int, default=8, help="B of the training step")
-    p.add_argument("--seq", type=int, default=128, help="T of the training step")
-    p.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded at batch 1")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=positive_int, default=8, help="B of the training step")
+    p.add_argument("--seq", type=positive_int, default=128, help="T of the training step")
+    p.add_argument("--decode-tokens", type=positive_int, default=32,
+                   help="tokens decoded at batch 1")
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.set_defaults(func=cmd_bench)
 
 

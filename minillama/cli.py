@@ -17,10 +17,31 @@ from .errors import MinillamaError
 COMMAND_MODULES = ("minillama.generate", "minillama.train", "minillama.bench")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line ``minillama: error: ...``, status 2
+    (argparse's own prints the usage and then ``minillama generate: error: ...``)."""
+
+    def error(self, message: str):
+        cmd = self.prog.removeprefix("minillama").strip()
+        where = f"{cmd}: " if cmd else ""
+        self.exit(2, f"minillama: error: {where}{message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__  # noqa: PLC0415
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="minillama",
         description="A LLaMA-family model in NumPy with hand-written backprop.")
     parser.add_argument("--version", action="version", version=f"minillama {__version__}")
@@ -36,12 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_names(parser: argparse.ArgumentParser) -> list[str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return list(action.choices)
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
+        parser.error("a command is required: " + ", ".join(_command_names(parser)))
     try:
         return int(args.func(args) or 0)
     except MinillamaError as e:

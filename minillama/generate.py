@@ -107,6 +107,8 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
     stats.cache_shape = (2, cfg.n_layers, B, cache_len, cfg.n_kv_heads, cfg.head_dim)
     if seed is None:
         seed = int(np.random.SeedSequence().entropy % (1 << 63))
+    elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise MinillamaError(f"seed must be a non-negative integer, got {seed!r}")
     rngs = [np.random.default_rng(seed + b) for b in range(B)]
     # token k of sequence b lands at position n_b + k - 1 and is sampled after feeding position
     # n_b + k - 2, which must lie inside the context: k <= S - n_b + 1
@@ -304,6 +306,12 @@ def run_cli(args) -> int:
     from .formats import detect_format, load_model  # noqa: PLC0415
 
     check_sampling(args.temperature, args.top_k, args.top_p)
+    if args.seed is not None and args.seed < 0:
+        raise MinillamaError(f"--seed must be a non-negative integer, got {args.seed}")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise MinillamaError("--prompt is not valid UTF-8 text") from None
     if args.max_new_tokens < 0:
         raise MinillamaError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.checkpoint is None:

@@ -148,6 +148,7 @@ class TrainConfig:
             raise MinillamaError("train config: out must be a folder path")
         if self.backend is not None and not isinstance(self.backend, str):
             raise MinillamaError(f"train config: backend must be a name, got {self.backend!r}")
+        resolve_name(self.backend)  # an unknown name (or $MINILLAMA_BACKEND) fails now
         for name, limit in (("batch_size", 1 << 16), ("grad_accum", 1 << 16),
                             ("eval_iters", 1 << 16), ("steps", 1 << 40)):
             if getattr(self, name) > limit:

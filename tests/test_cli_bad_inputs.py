@@ -1,0 +1,219 @@
+"""Every bad command line is one line ``minillama: error: ...`` on stderr and exit status 2.
+
+A table: each row is an invocation (a flag's bad value, a missing or wrong file, an unusable
+output path, a garbage ``MINILLAMA_BACKEND``) and words its error line must contain. The CLI
+runs in-process (``minillama.cli.main``); one row also runs as a real subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minillama import cli
+from minillama.checkpoint import save_checkpoint
+from minillama.config import ModelConfig
+from minillama.formats import save_llama2c
+from minillama.fuzz import _write_tokenizer_bin
+from minillama.model import init_params
+from minillama.tokenizer import ByteTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Small real inputs and deliberately wrong ones."""
+    d = tmp_path_factory.mktemp("cli")
+    cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=ByteTokenizer.vocab_size,
+                      hidden_dim=24, max_seq_len=32)
+    f = {"d": d}
+    f["ckpt"] = save_checkpoint(d / "m.safetensors", cfg, init_params(cfg), tokenizer=ByteTokenizer())
+    lc = ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=40, hidden_dim=24, max_seq_len=32)
+    f["l2c"] = save_llama2c(d / "m.bin", lc, init_params(lc))
+    f["tokbin"] = _write_tokenizer_bin(d / "tokenizer.bin")  # 381 tokens: fits no model here
+    f["text"] = d / "notes.txt"
+    f["text"].write_text("To be, or not to be: that is the question.\n" * 40)
+    f["empty"] = d / "empty.txt"
+    f["empty"].write_text("")
+    f["binary"] = d / "blob.bin"
+    f["binary"].write_bytes(bytes(range(256)) * 8)
+    f["folder"] = d / "folder"
+    f["folder"].mkdir()
+    f["file"] = d / "a_file"
+    f["file"].write_text("x")
+    f["missing"] = d / "missing"
+    (d / "broken.toml").write_text("steps = = 3\n")
+    (d / "unknown.json").write_text(json.dumps({"dimm": 64}))
+    (d / "wrongtype.json").write_text(json.dumps({"steps": "ten"}))
+    (d / "list.json").write_text("[1, 2]")
+    (d / "deep.json").write_text("[" * 50000)
+    (d / "nested.toml").write_text("[train]\nsteps = 5\n[other]\nx = 1\n")
+    (d / "tiny.model").write_bytes(b"\x0a\x00")
+    # a run folder whose checkpoint is corrupt, and one whose checkpoint holds no training state
+    (d / "corrupt_run").mkdir()
+    (d / "corrupt_run" / "ckpt.safetensors").write_bytes(f["ckpt"].read_bytes()[:-40])
+    (d / "model_run").mkdir()
+    (d / "model_run" / "ckpt.safetensors").write_bytes(f["ckpt"].read_bytes())
+    return f
+
+
+def _table(f):
+    d = f["d"]
+    out = ["--out", str(d / "run_never_made")]
+    data = ["--data", str(f["text"])]
+    ck = ["-c", str(f["ckpt"])]
+    gen = [
+        (["-c", str(f["missing"])], "not found"),
+        (["-c", str(f["folder"])], "without config.json"),
+        (["-c", str(f["text"])], "not a recognised checkpoint"),
+        (["-c", str(f["binary"])], "not a recognised checkpoint"),
+        ([*ck, "-n", "x"], "invalid int value"),
+        ([*ck, "-n", "-1"], "max-new-tokens"),
+        ([*ck, "--temperature", "-1"], "temperature"),
+        ([*ck, "--temperature", "nan"], "temperature"),
+        ([*ck, "--temperature", "inf"], "temperature"),
+        ([*ck, "--temperature", "hot"], "invalid float value"),
+        ([*ck, "--top-k", "0"], "top_k"),
+        ([*ck, "--top-k", "1.5"], "invalid int value"),
+        ([*ck, "--top-p", "0"], "top_p"),
+        ([*ck, "--top-p", "1.5"], "top_p"),
+        ([*ck, "--top-p", "nan"], "top_p"),
+        ([*ck, "--seed", "-1"], "--seed must be a non-negative integer"),
+        ([*ck, "--seed", "one"], "invalid int value"),
+        ([*ck, "--backend", "tpu"], "unknown backend 'tpu'"),
+        ([*ck, "--dtype", "float16"], "invalid choice"),
+        ([*ck, "--tokenizer", str(f["missing"])], "tokenizer not found"),
+        ([*ck, "--tokenizer", str(f["folder"])], "tokenizer not found"),
+        ([*ck, "--tokenizer", str(f["text"])], "not a llama2.c tokenizer.bin"),
+        ([*ck, "--tokenizer", str(d / "tiny.model")], "SentencePiece .model files"),
+        ([*ck, "--tokenizer", str(f["tokbin"])], "does not match the model vocabulary"),
+        (["-c", str(f["l2c"]), "--prompt", "hi"], "has no tokenizer"),
+        ([*ck, "--prompt", "x" * 100], "longer than the model context"),
+        ([*ck, "--prompt", "\udcff"], "not valid UTF-8"),
+        ([*ck, "--bogus"], "unrecognized arguments"),
+    ]
+    train = [
+        (["--out", str(f["file"]), *data], "is a file, not a folder"),
+        (["--out", str(f["file"] / "sub"), *data], "which is a file, not a folder"),
+        ([*out, *data, "--export", str(f["folder"])], "--export file"),
+        ([*out, *data, "--export", str(f["file"] / "m.safetensors")], "is a file, not a folder"),
+        ([*out, *data, "--steps", "0"], "steps must be a positive integer"),
+        ([*out, *data, "--steps", "x"], "invalid int value"),
+        ([*out, *data, "--lr", "nan"], "lr must be a number"),
+        ([*out, *data, "--lr", "-1"], "lr must be a number"),
+        ([*out, *data, "--lr", "1e-4", "--min-lr", "1e-3"], "min_lr"),
+        ([*out, *data, "--beta1", "1.5"], "beta1"),
+        ([*out, *data, "--eps", "0"], "eps must be"),
+        ([*out, *data, "--grad-clip", "-1"], "grad_clip"),
+        ([*out, *data, "--weight-decay", "inf"], "weight_decay"),
+        ([*out, *data, "--warmup", "-1"], "warmup"),
+        ([*out, *data, "--seed", "-1"], "seed"),
+        ([*out, *data, "--context", "0"], "context must be a positive integer"),
+        ([*out, *data, "--context", str(10 ** 12)], "context"),
+        ([*out, *data, "--batch-size", "0"], "batch_size"),
+        ([*out, *data, "--batch-size", str(10 ** 9)], "batch_size must be <="),
+        ([*out, *data, "--grad-accum", "0"], "grad_accum"),
+        ([*out, *data, "--eval-interval", "0"], "eval_interval"),
+        ([*out, *data, "--eval-iters", "0"], "eval_iters"),
+        ([*out, *data, "--ckpt-interval", "0"], "ckpt_interval"),
+        ([*out, *data, "--dim", "0"], "dim"),
+        ([*out, *data, "--dim", "30", "--n-heads", "4"], "dim % n_heads"),
+        ([*out, *data, "--n-heads", "6", "--n-kv-heads", "4"], "n_heads % n_kv_heads"),
+        ([*out, *data, "--n-layers", str(10 ** 12)], "n_layers"),
+        ([*out, *data, "--hidden-dim", "-1"], "hidden_dim"),
+        ([*out, *data, "--multiple-of", "0"], "multiple_of"),
+        ([*out, *data, "--tie-embeddings", "maybe"], "expected true/false"),
+        ([*out, *data, "--decay-embeddings", "2"], "expected true/false"),
+        ([*out, *data, "--dtype", "float16"], "dtype must be float32 or float64"),
+        ([*out, *data, "--backend", "tpu"], "unknown backend"),
+        ([*out, *data, "--time-limit", "0"], "time_limit"),
+        ([*out, *data, "--time-limit", "nan"], "time_limit"),
+        ([*out, *data, "--stop-at", "0"], "--stop-at must be >= 1"),
+        ([*out, *data, "--export-dtype", "int8"], "invalid choice"),
+        ([*out, "--data", str(f["missing"])], "data file not found"),
+        ([*out, "--data", str(f["folder"])], "has no train.bin"),
+        ([*out, "--data", str(f["binary"])], "not UTF-8 text"),
+        ([*out, "--data", str(f["empty"])], "is empty"),
+        ([*out, *data, "--config", str(f["missing"])], "config file not found"),
+        ([*out, *data, "--config", str(f["folder"])], "config file not found"),
+        ([*out, *data, "--config", str(f["binary"])], "not UTF-8 text"),
+        ([*out, *data, "--config", str(d / "broken.toml")], "cannot parse config file"),
+        ([*out, *data, "--config", str(d / "unknown.json")], "unknown field(s) dimm"),
+        ([*out, *data, "--config", str(d / "wrongtype.json")], "steps must be a positive"),
+        ([*out, *data, "--config", str(d / "list.json")], "must hold a table/object"),
+        ([*out, *data, "--config", str(d / "deep.json")], "cannot parse config file"),
+        ([*out, *data, "--config", str(d / "nested.toml")], "unknown field(s)"),
+        (["--resume", "--out", str(f["missing"])], "no checkpoint"),
+        (["--resume", "--out", str(d / "corrupt_run")], "corrupt or truncated"),
+        (["--resume", "--out", str(d / "model_run")], "no training state"),
+    ]
+    prep = [
+        (["--data", str(f["missing"]), "--out", str(d / "p")], "data file not found"),
+        (["--data", str(f["folder"]), "--out", str(d / "p")], "not a file"),
+        (["--data", str(f["binary"]), "--out", str(d / "p")], "not UTF-8 text"),
+        (["--data", str(f["empty"]), "--out", str(d / "p")], "is empty"),
+        (["--data", str(f["text"]), "--out", str(f["file"])], "is a file, not a folder"),
+    ]
+    bench = [
+        (["--backend", "tpu"], "unknown backend"),
+        (["--batch", "0"], "expected a positive integer"),
+        (["--seq", "0"], "expected a positive integer"),
+        (["--seq", "100000"], "must fit the context"),
+        (["--repeats", "-2"], "expected a positive integer"),
+        (["--decode-tokens", "0"], "expected a positive integer"),
+        (["--shape", "huge"], "invalid choice"),
+    ]
+    rows = [(["generate", *a], w) for a, w in gen] + [(["train", "--no-progress", *a], w)
+                                                       for a, w in train]
+    rows += [(["prepare-data", *a], w) for a, w in prep] + [(["bench", *a], w) for a, w in bench]
+    rows += [(["nope"], "invalid choice: 'nope'"), ([], "a command is required")]
+    return rows
+
+
+def _run(argv) -> int:
+    try:
+        return cli.main(argv)
+    except SystemExit as e:  # argparse
+        return e.code
+
+
+def test_every_bad_invocation_is_one_error_line(files, capsys, monkeypatch):
+    monkeypatch.delenv("MINILLAMA_BACKEND", raising=False)
+    bad = []
+    rows = _table(files)
+    for argv, words in rows:
+        rc = _run(argv)
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        ok = (rc == 2 and len(lines) == 1 and lines[0].startswith("minillama: error: ")
+              and words in lines[0] and "Traceback" not in err)
+        if (files["d"] / "run_never_made").exists():  # refused before any work is done
+            ok = False
+            shutil.rmtree(files["d"] / "run_never_made")
+        if not ok:
+            bad.append(f"{argv}: rc={rc}, expected {words!r}, stderr={err[-400:]!r}")
+    assert not bad, f"{len(bad)} of {len(rows)} rows:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("garbage", ["tpu", "nump y", "NUMPY;rm -rf", "\u00fc", "cupy2"])
+def test_minillama_backend_garbage(files, capsys, monkeypatch, garbage):
+    monkeypatch.setenv("MINILLAMA_BACKEND", garbage)
+    rc = _run(["generate", "-c", str(files["ckpt"]), "-n", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("minillama: error: unknown backend")
+
+
+def test_backend_garbage_in_a_real_process(files):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MINILLAMA_BACKEND": "garbage"}
+    r = subprocess.run([sys.executable, "-m", "minillama", "generate", "-c", str(files["ckpt"]),
+                        "-n", "1"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]
+    assert r.stderr.startswith("minillama: error: unknown backend 'garbage'")
