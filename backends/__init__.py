@@ -7,7 +7,8 @@ A backend is an object with
 * one attribute per named op, ``<op>_forward`` / ``<op>_backward`` for ``embedding``, ``linear``,
   ``rmsnorm``, ``rope``, ``attention``, ``swiglu`` and ``cross_entropy``, with the signatures of
   :mod:`minillama.ops` (the reference math). A backend replaces only the pairs it makes faster;
-  the rest are inherited from :class:`~minillama.backends.numpy_backend.NumpyBackend`;
+  the rest are inherited (``reference`` is the plain ops; ``numpy`` overrides most of them with
+  the threaded CPU path and ``numba`` derives from it; ``cupy`` derives from ``reference``);
 * helpers ``asarray``, ``to_numpy`` and ``synchronize``.
 
 Backends are named in :data:`BACKENDS` and imported only when chosen, so ``import minillama``
@@ -24,6 +25,7 @@ from ..errors import MinillamaError
 #: name -> "module:Class", imported lazily
 BACKENDS: dict[str, str] = {
     "numpy": "minillama.backends.numpy_backend:NumpyBackend",
+    "reference": "minillama.backends.reference_backend:ReferenceBackend",
     "numba": "minillama.backends.numba_backend:NumbaBackend",
     "cupy": "minillama.backends.cupy_backend:CupyBackend",
 }

@@ -34,7 +34,7 @@ import numpy as np
 from .. import ops
 from ..errors import MinillamaError
 from . import cuda_build as cb
-from .numpy_backend import NumpyBackend
+from .reference_backend import ReferenceBackend
 
 INSTALL_HINT = 'install the GPU extra: pip install -e ".[gpu]"'
 
@@ -104,7 +104,7 @@ def _launch(file: str, kernel: str, dtype, grid, block, args) -> None:
     cb.get_kernel(file, kernel, dtype)(grid, block, args)
 
 
-class CupyBackend(NumpyBackend):
+class CupyBackend(ReferenceBackend):
     """NVIDIA GPU through CuPy: cuBLAS GEMMs and the CUDA kernels of ``kernels/*.cu``.
 
     Constructing it without CuPy, or without a usable GPU, raises one clear

@@ -34,6 +34,7 @@ import numpy as np
 
 from .. import ops
 from ..errors import MinillamaError
+from . import cpu_threads
 from .numpy_backend import NumpyBackend
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -103,7 +104,7 @@ class NumbaBackend(NumpyBackend):
                 and w.flags.c_contiguous):
             y = self._gemv.gemv(x.reshape(rows, K), w)
             return y.reshape(*x.shape[:-1], w.shape[0]), (x, w)
-        return ops.linear_forward(x, w)
+        return super().linear_forward(x, w)
 
     # -----------------------------------------------------------------------------------------
     # RoPE
@@ -179,14 +180,14 @@ class NumbaBackend(NumpyBackend):
 
     def _over_groups(self, fn, BKV: int, work: int) -> None:
         """Run ``fn(lo, hi)`` over slices of the B*KVH groups: with one-threaded BLAS on the
-        row threads of :func:`minillama.ops.parallel_rows` (the tile kernels release the GIL).
+        row threads of :func:`.cpu_threads.parallel_rows` (the tile kernels release the GIL).
         Splitting each small GEMM over BLAS threads instead costs a synchronisation per GEMM,
         which dominates on a small or busy machine."""
         if TILE_PARALLEL or BKV == 1:
             fn(0, BKV)
             return
-        with ops.single_threaded_blas():
-            ops.parallel_rows(fn, BKV, work, np)
+        with cpu_threads.single_threaded_blas():
+            cpu_threads.parallel_rows(fn, BKV, work, np)
 
     def _attn_fwd_tiled(self, q, k, v, starts, scale, out, lse):
         B, T, H, hd = q.shape

@@ -1,13 +1,33 @@
-"""The reference backend: NumPy arrays and the reference ops of :mod:`minillama.ops`."""
+r"""The default ``numpy`` backend: the reference ops made fast on a CPU, still plain NumPy.
+
+Each function below overrides the op of the same name in :mod:`minillama.ops` (same signature,
+same equation; its own ``ctx``) and is held to it by ``tests/test_numpy_backend.py``. What makes
+them faster, none of which changes the math:
+
+* rows split over Python threads (:func:`.cpu_threads.parallel_rows`; NumPy releases the GIL),
+  with OpenBLAS on one thread meanwhile (:class:`.cpu_threads.single_threaded_blas`), for the
+  row-wise ops, the linear GEMMs (:func:`.cpu_threads.split_gemm`) and attention (whole
+  sequences per thread);
+* in-place work in preallocated buffers instead of temporaries; attention multiplies the G query
+  heads of a group as one (G T, hd) matrix against their shared K/V, with Q pre-scaled;
+* RoPE as one complex product per pair, (x_{2i} + i x_{2i+1}) e^{i m \theta_i};
+* the embedding gradient by sorting the tokens and summing each run with one ``reduceat``;
+* glibc malloc tuned to keep freed activation buffers (:func:`tune_malloc`).
+
+``NumpyBackend`` derives from the reference backend; Numba derives from it in turn.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
 import numpy as np
 
 from .. import ops
+from .cpu_threads import blas_for_rows, parallel_rows, split_gemm
+from .reference_backend import ReferenceBackend
 
 _MALLOC_TUNED: bool | None = None
 
@@ -44,53 +64,337 @@ def tune_malloc() -> bool:
     return _MALLOC_TUNED
 
 
-class NumpyBackend:
-    """NumPy on the CPU; every op is the reference implementation. Other backends subclass this
-    and override only the op pairs they accelerate."""
+# ---------------------------------------------------------------------------------------------
+# Token embedding (the forward is the reference gather)
+# ---------------------------------------------------------------------------------------------
+def embedding_backward(dout, ctx):
+    r"""dE_v = \sum_{(b,t): x_{b,t} = v} dh_{b,t}. When the tokens outnumber the vocabulary the
+    rows are sorted by token and each run summed with one ``reduceat``; else ``np.add.at``."""
+    tokens, shape = ctx
+    flat_tok = tokens.reshape(-1)
+    if flat_tok.size < shape[0]:
+        return ops.embedding_backward(dout, ctx)
+    flat_d = dout.reshape(-1, shape[1])
+    dw = np.zeros(shape, dtype=dout.dtype)
+    order = np.argsort(flat_tok, kind="stable")
+    tok_sorted = flat_tok[order]
+    starts = np.flatnonzero(np.r_[True, tok_sorted[1:] != tok_sorted[:-1]])
+    dw[tok_sorted[starts]] = np.add.reduceat(flat_d[order], starts, axis=0)
+    return dw
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear: one (N, in) x (in, out) GEMM, its rows split over threads
+# ---------------------------------------------------------------------------------------------
+def linear_forward(x, w):
+    r"""y = x W^T. x: (..., in); w: (out, in). Returns (y (..., out), ctx)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = np.empty((x2.shape[0], w.shape[0]), dtype=np.result_type(x, w))
+    split_gemm(x2, w.T, y)
+    return y.reshape(*x.shape[:-1], w.shape[0]), (x, w)
+
+
+def linear_backward(dy, ctx):
+    r"""dx = dy W, dW = dy^T x. Returns (dx (..., in), dW (out, in))."""
+    x, w = ctx
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
+    dt = np.result_type(dy, x, w)
+    dx = np.empty((dy2.shape[0], w.shape[1]), dtype=dt)
+    split_gemm(dy2, w, dx)
+    dw = np.empty(w.shape, dtype=dt)
+    split_gemm(dy2.T, x2, dw)  # rows of dW = output features
+    return dx.reshape(*dy.shape[:-1], w.shape[1]), dw
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm, row blocks on threads
+# ---------------------------------------------------------------------------------------------
+def rmsnorm_forward(x, g, eps):
+    r"""y = x r \odot g, r = 1/\sqrt{\mathrm{mean}(x^2) + \epsilon}. x: (..., D); g: (D,)."""
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    N = x2.shape[0]
+    y = np.empty((N, D), dtype=np.result_type(x, g))
+    rstd = np.empty((N, 1), dtype=x.dtype)
+
+    def rows(lo, hi):
+        xs, r = x2[lo:hi], rstd[lo:hi]
+        np.mean(xs * xs, axis=-1, keepdims=True, out=r)
+        r += eps
+        np.sqrt(r, out=r)
+        np.reciprocal(r, out=r)
+        ys = y[lo:hi]
+        np.multiply(xs, r, out=ys)
+        ys *= g
+
+    parallel_rows(rows, N, x2.size)
+    return y.reshape(x.shape), (x, rstd.reshape(*x.shape[:-1], 1), g)
+
+
+def rmsnorm_backward(dy, ctx):
+    r"""dx = r (u - \hat{x}\, \mathrm{mean}(u \odot \hat{x})), u = dy \odot g;
+    dg = \sum_{rows} dy \odot \hat{x} (summed per thread block, then over blocks)."""
+    x, rstd, g = ctx
+    D = x.shape[-1]
+    x2, dy2, r2 = x.reshape(-1, D), dy.reshape(-1, D), rstd.reshape(-1, 1)
+    N = x2.shape[0]
+    dx = np.empty((N, D), dtype=np.result_type(dy, x))
+    partial_dg = {}
+
+    def rows(lo, hi):
+        r = r2[lo:hi]
+        xhat = x2[lo:hi] * r
+        t = dy2[lo:hi] * xhat
+        partial_dg[lo] = t.sum(axis=0)
+        u = dx[lo:hi]
+        np.multiply(dy2[lo:hi], g, out=u)
+        np.multiply(u, xhat, out=t)
+        xhat *= np.mean(t, axis=-1, keepdims=True)
+        u -= xhat
+        u *= r
+
+    parallel_rows(rows, N, x2.size)
+    parts = [partial_dg[k] for k in sorted(partial_dg)]
+    dg = parts[0]
+    for part in parts[1:]:
+        dg += part
+    return dx.reshape(dy.shape), dg
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE as one complex product per pair
+# ---------------------------------------------------------------------------------------------
+def _rope_complex(x, cos, sin, sign: float):
+    """y = R(sign * angle) x, the pair (x_{2i}, x_{2i+1}) read as the complex number
+    x_{2i} + i x_{2i+1} times e^{i sign angle}: one SIMD pass, batch rows on threads. None when
+    the dtypes do not allow the complex view (the caller then runs the reference)."""
+    c = cos[None, :, None, :] if cos.ndim == 2 else cos[:, :, None, :]
+    s = sin[None, :, None, :] if sin.ndim == 2 else sin[:, :, None, :]
+    dt = np.result_type(x, c)
+    if x.dtype != dt or dt not in (np.float32, np.float64) or x.shape[-1] % 2:
+        return None
+    cdt = np.complex64 if dt == np.float32 else np.complex128
+    xc = np.ascontiguousarray(x).view(cdt)
+    rot = np.empty(c.shape, dtype=cdt)
+    rot.real, rot.imag = c, s if sign > 0 else -s
+    y = np.empty(x.shape, dtype=dt)
+    yc = y.view(cdt)
+
+    def rows(lo, hi):
+        np.multiply(xc[lo:hi], rot if rot.shape[0] == 1 else rot[lo:hi], out=yc[lo:hi])
+
+    parallel_rows(rows, x.shape[0], x.size)
+    return y
+
+
+def rope_forward(x, cos, sin):
+    r"""y_{2i} + i y_{2i+1} = (x_{2i} + i x_{2i+1}) e^{i m \theta_i}. x: (B, T, nh, hd)."""
+    y = _rope_complex(x, cos, sin, 1.0)
+    return (y, (cos, sin)) if y is not None else ops.rope_forward(x, cos, sin)
+
+
+def rope_backward(dy, ctx):
+    r"""dx_{2i} + i dx_{2i+1} = (dy_{2i} + i dy_{2i+1}) e^{-i m \theta_i}. dy: (B, T, nh, hd)."""
+    cos, sin = ctx
+    dx = _rope_complex(dy, cos, sin, -1.0)
+    return dx if dx is not None else ops.rope_backward(dy, ctx)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: whole sequences on threads, single-threaded GEMMs per (b, KV head)
+# ---------------------------------------------------------------------------------------------
+def _future_mask(T: int, S: int, start_pos):
+    """True where key j lies in the future of query t (j > p_b + t), (1 or B, 1, 1, T, S); None
+    when no key is in the future (a single query at the newest position, as in decoding)."""
+    if np.ndim(start_pos) == 0 and S - 1 <= int(start_pos):
+        return None
+    return ~ops.causal_mask(np, T, S, start_pos)
+
+
+def attention_forward(q, k, v, start_pos=0):
+    r"""S = Q K^T / \sqrt{hd} + M, P = \mathrm{softmax}(S), O = P V with GQA (see
+    :func:`minillama.ops.attention_forward`). The G query heads of a group are stacked into one
+    (G T, hd) matrix that multiplies their shared K/V: one GEMM per (b, KV head) for S, one for
+    O; whole sequences are spread over threads. q: (B, T, H, hd); k, v: (B, S, KVH, hd)."""
+    B, T, H, hd = q.shape
+    S, KVH = k.shape[1], k.shape[2]
+    G = H // KVH
+    scale = 1.0 / math.sqrt(hd)
+    qs = np.empty((B, KVH, G, T, hd), dtype=q.dtype)  # the queries, pre-scaled by 1/sqrt(hd)
+    q5 = q.reshape(B, T, KVH, G, hd).transpose(0, 2, 3, 1, 4)
+    qs4 = qs.reshape(B, KVH, G * T, hd)
+    kt = k.transpose(0, 2, 3, 1)  # (B, KVH, hd, S), a view
+    vv = v.transpose(0, 2, 1, 3)  # (B, KVH, S, hd), a view
+    dt = np.result_type(q, k, v)
+    p = np.empty((B, KVH, G * T, S), dtype=dt)  # scores, turned into probabilities in place
+    o = np.empty((B, KVH, G * T, hd), dtype=dt)
+    future = _future_mask(T, S, start_pos)
+
+    def rows(lo, hi):  # sequences lo..hi-1
+        np.multiply(q5[lo:hi], scale, out=qs[lo:hi])
+        pp = p[lo:hi]
+        np.matmul(qs4[lo:hi], kt[lo:hi], out=pp)
+        if future is not None:
+            fm = future if future.shape[0] == 1 else future[lo:hi]
+            np.copyto(pp.reshape(hi - lo, KVH, G, T, S), -np.inf, where=fm)
+        pp -= np.max(pp, axis=-1, keepdims=True)
+        np.exp(pp, out=pp)
+        pp *= 1.0 / np.sum(pp, axis=-1, keepdims=True)
+        np.matmul(pp, vv[lo:hi], out=o[lo:hi])
+
+    with blas_for_rows(B):
+        parallel_rows(rows, B, p.size)
+    out = o.reshape(B, KVH, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
+    return out, (qs4, kt, vv, p, o, scale)
+
+
+def attention_backward(dout, ctx):
+    r"""dP = dO V^T, dS = P \odot (dP - D), D_t = dO_t \cdot o_t, dQ = dS K / \sqrt{hd},
+    dK = \sum_g dS^T Q / \sqrt{hd}, dV = \sum_g P^T dO; the group sums come free as the rows of
+    one (G T, .) matrix. dout: (B, T, H, hd). Returns (dq, dk, dv)."""
+    qs, kt, vv, p, o, scale = ctx
+    B, KVH, GT, hd = qs.shape
+    T, H = dout.shape[1], dout.shape[2]
+    S = p.shape[-1]
+    G = H // KVH
+    dt = np.result_type(dout, p)
+    do5 = dout.reshape(B, T, KVH, G, hd).transpose(0, 2, 3, 1, 4)
+    do = np.empty((B, KVH, G, T, hd), dtype=dt)
+    do4 = do.reshape(B, KVH, GT, hd)
+    dv = np.empty((B, KVH, S, hd), dtype=dt)
+    dk = np.empty((B, KVH, S, hd), dtype=dt)
+    dq = np.empty((B, KVH, GT, hd), dtype=dt)
+    ds = np.empty((B, KVH, GT, S), dtype=dt)
+
+    def rows(lo, hi):  # sequences lo..hi-1
+        d_o, d, pp = do4[lo:hi], ds[lo:hi], p[lo:hi]
+        do[lo:hi] = do5[lo:hi]
+        np.matmul(np.swapaxes(pp, -1, -2), d_o, out=dv[lo:hi])
+        np.matmul(d_o, np.swapaxes(vv[lo:hi], -1, -2), out=d)  # dP, turned into dS in place
+        d -= np.sum(d_o * o[lo:hi], axis=-1, keepdims=True)
+        d *= pp
+        np.matmul(d, np.swapaxes(kt[lo:hi], -1, -2), out=dq[lo:hi])
+        dq[lo:hi] *= scale
+        np.matmul(np.swapaxes(d, -1, -2), qs[lo:hi], out=dk[lo:hi])  # qs carries 1/sqrt(hd)
+
+    with blas_for_rows(B):
+        parallel_rows(rows, B, ds.size)
+    dq = dq.reshape(B, KVH, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
+    return dq, dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# SwiGLU, row blocks on threads, in place
+# ---------------------------------------------------------------------------------------------
+def swiglu_forward(a, b):
+    r"""h = \mathrm{silu}(a) \odot b, \mathrm{silu}(a) = a \sigma(a). a, b: (..., F)."""
+    F = a.shape[-1]
+    a2, b2 = a.reshape(-1, F), b.reshape(-1, F)
+    N = a2.shape[0]
+    dt = np.result_type(a, b)
+    s, silu, h = (np.empty((N, F), dtype=dt) for _ in range(3))
+
+    def rows(lo, hi):
+        aa, ss, sl = a2[lo:hi], s[lo:hi], silu[lo:hi]
+        with np.errstate(over="ignore"):  # e^{-a} = inf for a << 0 gives sigma = 0, the limit
+            np.negative(aa, out=ss)
+            np.exp(ss, out=ss)
+        ss += 1.0
+        np.reciprocal(ss, out=ss)
+        np.multiply(aa, ss, out=sl)
+        np.multiply(sl, b2[lo:hi], out=h[lo:hi])
+
+    parallel_rows(rows, N, a2.size)
+    return h.reshape(a.shape), (a2, b2, s, silu)
+
+
+def swiglu_backward(dh, ctx):
+    r"""db = dh \odot \mathrm{silu}(a), da = dh \odot b \odot \sigma(a)(1 + a(1 - \sigma(a)));
+    db is built in the saved silu buffer (call once per forward)."""
+    a2, b2, s, silu = ctx
+    dh2 = dh.reshape(-1, a2.shape[-1])
+    N = a2.shape[0]
+    da = np.empty((N, a2.shape[-1]), dtype=np.result_type(dh, s))
+
+    def rows(lo, hi):
+        d, ss, g = da[lo:hi], s[lo:hi], dh2[lo:hi]
+        np.subtract(1.0, ss, out=d)  # 1 - sigma
+        d *= a2[lo:hi]
+        d += 1.0
+        d *= ss
+        d *= b2[lo:hi]
+        d *= g
+        silu[lo:hi] *= g  # db
+
+    parallel_rows(rows, N, a2.size)
+    return da.reshape(dh.shape), silu.reshape(dh.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Softmax cross-entropy, row blocks on threads, in place
+# ---------------------------------------------------------------------------------------------
+def cross_entropy_forward(logits, targets, ignore_index: int = -1):
+    r"""\ell_n = \log \sum_v e^{z_{nv}} - z_{n, y_n}, L = mean over the kept rows.
+    logits: (N, V); targets: (N,). Saves the probabilities (N, V) for the backward."""
+    valid = targets != ignore_index
+    safe_t = np.where(valid, targets, 0)
+    N = logits.shape[0]
+    p = np.empty(logits.shape, dtype=logits.dtype)
+    lse = np.empty(N, dtype=logits.dtype)
+
+    def rows(lo, hi):
+        z, pp = logits[lo:hi], p[lo:hi]
+        m = np.max(z, axis=-1, keepdims=True)
+        np.subtract(z, m, out=pp)
+        np.exp(pp, out=pp)
+        sumexp = np.sum(pp, axis=-1, keepdims=True)
+        pp *= 1.0 / sumexp
+        lse[lo:hi] = (np.log(sumexp) + m)[:, 0]
+
+    parallel_rows(rows, N, logits.size)
+    picked = np.take_along_axis(logits, safe_t[:, None], axis=-1)[:, 0]
+    count = np.maximum(valid.sum(), 1)
+    loss = np.sum(np.where(valid, lse - picked, 0.0)) / count
+    return loss.astype(logits.dtype), (p, safe_t, valid, count)
+
+
+def cross_entropy_backward(dloss, ctx):
+    r"""dz_{nv} = (p_{nv} - [v = y_n]) dloss / |\mathcal{V}| for kept rows, 0 for ignored rows;
+    built in the saved probability buffer (call once per forward)."""
+    p, safe_t, valid, count = ctx
+    N = p.shape[0]
+    p[np.arange(N), safe_t] -= 1.0
+    coef = ((np.asarray(dloss, dtype=p.dtype) / count) * valid).astype(p.dtype)[:, None]
+
+    def rows(lo, hi):
+        p[lo:hi] *= coef[lo:hi]
+
+    parallel_rows(rows, N, p.size)
+    return p
+
+
+class NumpyBackend(ReferenceBackend):
+    """NumPy on the CPU: the reference ops with the fast overrides of this module (threads,
+    single-threaded BLAS, in-place buffers) and glibc malloc tuned once per process. Numba
+    subclasses this and overrides only the op pairs it accelerates further."""
 
     name = "numpy"
-    device = "cpu"
 
     def __init__(self) -> None:
-        self.xp = np
+        super().__init__()
         tune_malloc()
 
-    # the named ops (forward and backward side by side, as in minillama.ops)
-    embedding_forward = staticmethod(ops.embedding_forward)
-    embedding_backward = staticmethod(ops.embedding_backward)
-    linear_forward = staticmethod(ops.linear_forward)
-    linear_backward = staticmethod(ops.linear_backward)
-    rmsnorm_forward = staticmethod(ops.rmsnorm_forward)
-    rmsnorm_backward = staticmethod(ops.rmsnorm_backward)
-    rope_forward = staticmethod(ops.rope_forward)
-    rope_backward = staticmethod(ops.rope_backward)
-    attention_forward = staticmethod(ops.attention_forward)
-    attention_backward = staticmethod(ops.attention_backward)
-    swiglu_forward = staticmethod(ops.swiglu_forward)
-    swiglu_backward = staticmethod(ops.swiglu_backward)
-    cross_entropy_forward = staticmethod(ops.cross_entropy_forward)
-    cross_entropy_backward = staticmethod(ops.cross_entropy_backward)
-    # the notes' other pieces (model variants, cross/latent attention): reference code everywhere
-    layernorm_forward = staticmethod(ops.layernorm_forward)
-    layernorm_backward = staticmethod(ops.layernorm_backward)
-    gelu_forward = staticmethod(ops.gelu_forward)
-    gelu_backward = staticmethod(ops.gelu_backward)
-    relu_forward = staticmethod(ops.relu_forward)
-    relu_backward = staticmethod(ops.relu_backward)
-    cross_attention_forward = staticmethod(ops.cross_attention_forward)
-    cross_attention_backward = staticmethod(ops.cross_attention_backward)
-
-    # helpers
-    def asarray(self, a, dtype=None):
-        """Move/convert ``a`` to this backend's array type."""
-        return self.xp.asarray(a, dtype=dtype)
-
-    def to_numpy(self, a) -> np.ndarray:
-        """A NumPy copy/view of ``a`` on the host."""
-        return np.asarray(a)
-
-    def synchronize(self) -> None:
-        """Wait for queued device work (a no-op on the CPU)."""
-
-    def __repr__(self) -> str:
-        return f"<minillama backend {self.name}>"
+    embedding_backward = staticmethod(embedding_backward)
+    linear_forward = staticmethod(linear_forward)
+    linear_backward = staticmethod(linear_backward)
+    rmsnorm_forward = staticmethod(rmsnorm_forward)
+    rmsnorm_backward = staticmethod(rmsnorm_backward)
+    rope_forward = staticmethod(rope_forward)
+    rope_backward = staticmethod(rope_backward)
+    attention_forward = staticmethod(attention_forward)
+    attention_backward = staticmethod(attention_backward)
+    swiglu_forward = staticmethod(swiglu_forward)
+    swiglu_backward = staticmethod(swiglu_backward)
+    cross_entropy_forward = staticmethod(cross_entropy_forward)
+    cross_entropy_backward = staticmethod(cross_entropy_backward)

@@ -47,13 +47,14 @@ def add_cli(sub) -> None:
 
 
 def cmd_backends(args) -> int:
+    width = max(len(name) for name in backend_names())
     for name in backend_names():
         try:
             be = get_backend(name)
         except MinillamaError as e:
-            print(f"{name:8s} unavailable: {e}")
+            print(f"{name:{width}s} unavailable: {e}")
         else:
-            print(f"{name:8s} ok ({getattr(be, 'device', 'cpu')})")
+            print(f"{name:{width}s} ok ({getattr(be, 'device', 'cpu')})")
     return 0
 
 

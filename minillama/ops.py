@@ -1,16 +1,19 @@
 r"""Reference math: every op of the LLaMA architecture as a forward and a backward, side by side.
 
-This module is the project's math-to-code map. Each equation is one ``*_forward`` function and its
-gradient is the ``*_backward`` function right below it. The code is written once against the array
-module of its inputs (NumPy or CuPy), so the same lines run on every backend; the Numba and CUDA
-backends replace single pairs with kernels that must agree with these.
+This module is the project's math-to-code map (``docs/MATH.md``). Each equation is one
+``*_forward`` function and its gradient is the ``*_backward`` function right below it; each body
+is the docstring's equation in a few array expressions, written once against the array module of
+its inputs (NumPy or CuPy). Nothing here is tuned for speed: no threads, no BLAS or allocator
+settings, no row splitting, no in-place buffer reuse. That makes it the oracle: exact in float64,
+and every faster implementation (the ``numpy`` backend's threaded CPU path, Numba, CUDA) overrides
+single pairs and is held to these functions by parity tests. ``--backend reference`` runs the
+model on exactly this code.
 
 Conventions
 -----------
 * ``*_forward(...)`` returns ``(out, ctx)``; ``ctx`` holds only what the backward needs and is
   opaque to callers (a backend may store different things for its own backward).
 * ``*_backward(dout, ctx)`` returns the gradients of the forward's differentiable inputs, in order.
-  A backward may consume its ``ctx`` (reuse its buffers); call it once.
 * Size letters: B batch, T query time, S key time, D model dim, H query heads, KVH key/value
   heads, G = H / KVH query heads per KV head, hd head dim, F FFN hidden size, V vocabulary, N rows.
 * Linear weights are stored ``(out, in)`` as in Meta's and llama2.c's checkpoints: y = x W^T.
@@ -19,8 +22,6 @@ Conventions
 from __future__ import annotations
 
 import math
-import os
-import threading
 from typing import Any
 
 import numpy as np
@@ -33,128 +34,6 @@ def array_module(x: Any):
 
         return cupy
     return np
-
-
-# ---------------------------------------------------------------------------------------------
-# Row-parallel elementwise work (NumPy arrays only)
-# ---------------------------------------------------------------------------------------------
-#: below this many elements an op runs in the calling thread (dispatch costs ~20 us)
-PARALLEL_MIN_ELEMENTS = 1 << 16
-_pool = None
-_pool_lock = threading.Lock()
-
-
-def num_threads() -> int:
-    """Threads for the row-parallel elementwise parts of the NumPy ops: ``MINILLAMA_NUM_THREADS``,
-    else ``OMP_NUM_THREADS``, else ``OPENBLAS_NUM_THREADS``, else the CPU count. BLAS calls are
-    threaded by the BLAS library itself."""
-    for var in ("MINILLAMA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        value = os.environ.get(var, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return os.cpu_count() or 1
-
-
-def parallel_rows(fn, n_rows: int, n_elements: int, xp=np) -> None:
-    """Call ``fn(lo, hi)`` on contiguous chunks covering rows [0, n_rows), in threads.
-
-    NumPy releases the GIL inside ufuncs and reductions on large arrays, so chunks of an
-    elementwise op run truly in parallel. Row-wise ops give bit-identical results however they
-    are chunked. CuPy arrays (``xp`` not NumPy) and small ops run ``fn(0, n_rows)`` directly.
-    """
-    nt = min(num_threads(), n_rows)
-    if xp is not np or nt <= 1 or n_elements < PARALLEL_MIN_ELEMENTS:
-        fn(0, n_rows)
-        return
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool._max_workers < nt - 1:
-            from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
-
-            _pool = ThreadPoolExecutor(max_workers=nt - 1, thread_name_prefix="minillama-ops")
-        pool = _pool
-    step = -(-n_rows // nt)
-    bounds = [(lo, min(lo + step, n_rows)) for lo in range(0, n_rows, step)]
-    futures = [pool.submit(fn, lo, hi) for lo, hi in bounds[1:]]
-    try:
-        fn(*bounds[0])
-    finally:
-        for f in futures:
-            f.result()
-
-
-# ---------------------------------------------------------------------------------------------
-# BLAS thread control (OpenBLAS as bundled with NumPy; a no-op anywhere else)
-# ---------------------------------------------------------------------------------------------
-_blas_api: Any = None
-
-
-def _openblas_api():
-    """(get, set) of the OpenBLAS that NumPy loaded, found by its exported symbols; None if the
-    BLAS is not OpenBLAS or cannot be found (then thread control is a no-op)."""
-    global _blas_api
-    if _blas_api is not None:
-        return _blas_api or None
-    _blas_api = False
-    try:
-        import ctypes  # noqa: PLC0415
-
-        with open("/proc/self/maps") as f:
-            paths = sorted({ln.split()[-1] for ln in f if "openblas" in ln.lower() and "/" in ln})
-        for path in paths:
-            lib = ctypes.CDLL(path)
-            for get_name, set_name in (
-                    ("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
-                    ("scipy_openblas_get_num_threads", "scipy_openblas_set_num_threads"),
-                    ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
-                    ("openblas_get_num_threads", "openblas_set_num_threads")):
-                if hasattr(lib, get_name) and hasattr(lib, set_name):
-                    getter, setter = getattr(lib, get_name), getattr(lib, set_name)
-                    getter.restype, setter.argtypes = ctypes.c_int, [ctypes.c_int]
-                    _blas_api = (getter, setter)
-                    return _blas_api
-    except (OSError, ValueError, AttributeError):  # no /proc, odd paths: leave BLAS alone
-        pass
-    return None
-
-
-class _NoOp:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _blas_for_rows(xp, n_rows: int):
-    """single-threaded BLAS while :func:`parallel_rows` spreads ``n_rows`` over threads."""
-    if xp is np and n_rows > 1 and num_threads() > 1:
-        return single_threaded_blas()
-    return _NoOp()
-
-
-class single_threaded_blas:  # noqa: N801 - used like a function: ``with single_threaded_blas():``
-    """Run the block with OpenBLAS on one thread, then restore its thread count.
-
-    Attention is a stack of small GEMMs (one per sequence and KV head); letting OpenBLAS split
-    each of them over its threads costs a synchronisation per GEMM, which dominates when the
-    cores are busy. The NumPy ops instead give whole sequences to the threads of
-    :func:`parallel_rows`, each running single-threaded GEMMs."""
-
-    def __enter__(self):
-        api = _openblas_api()
-        self._restore = None
-        if api is not None:
-            n = api[0]()
-            if n > 1:
-                api[1](1)
-                self._restore = n
-        return self
-
-    def __exit__(self, *exc):
-        if self._restore is not None:
-            _openblas_api()[1](self._restore)
-        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,55 +56,19 @@ def embedding_backward(dout, ctx):
     tokens, shape = ctx
     xp = array_module(dout)
     dw = xp.zeros(shape, dtype=dout.dtype)
-    flat_tok = tokens.reshape(-1)
-    flat_d = dout.reshape(-1, shape[1])
-    if xp is np and flat_tok.size >= shape[0]:
-        # many repeats: sort the rows by token and sum each run with one reduceat
-        order = np.argsort(flat_tok, kind="stable")
-        tok_sorted = flat_tok[order]
-        starts = np.flatnonzero(np.r_[True, tok_sorted[1:] != tok_sorted[:-1]])
-        dw[tok_sorted[starts]] = np.add.reduceat(flat_d[order], starts, axis=0)
-    elif xp is np:
-        np.add.at(dw, flat_tok, flat_d)
-    else:  # CuPy: atomic scatter-add
-        import cupyx  # noqa: PLC0415
-
-        cupyx.scatter_add(dw, flat_tok, flat_d)
+    xp.add.at(dw, tokens.reshape(-1), dout.reshape(-1, shape[1]))  # repeated tokens add up
     return dw
 
 
 # ---------------------------------------------------------------------------------------------
 # Linear (no bias)
 # ---------------------------------------------------------------------------------------------
-#: linear layers split their GEMMs over the threads of :func:`parallel_rows` (single-threaded
-#: BLAS each) instead of leaving the threading to BLAS; see :func:`linear_forward`
-THREADED_LINEAR = True
-
-
-def _split_gemm(xp, a, b, out) -> None:
-    """out = a @ b with the rows of ``a`` (and ``out``) spread over threads (NumPy), or one GEMM."""
-    if THREADED_LINEAR and xp is np and a.shape[0] > 1 and num_threads() > 1:
-        def rows(lo, hi):
-            xp.matmul(a[lo:hi], b, out=out[lo:hi])
-
-        with single_threaded_blas():
-            parallel_rows(rows, a.shape[0], a.shape[0] * b.shape[1] * 8, xp)
-    else:
-        xp.matmul(a, b, out=out)
-
-
 def linear_forward(x, w):
     r"""Linear map without bias: y = x W^T.
 
-    x: (..., in); w: (out, in). Returns y: (..., out). The leading axes are flattened so that one
-    GEMM of (N, in) x (in, out) runs instead of a stack of small ones; on NumPy its rows are
-    split over threads (one synchronisation per GEMM, which matters on a busy machine).
+    x: (..., in); w: (out, in). Returns y: (..., out).
     """
-    xp = array_module(x)
-    x2 = x.reshape(-1, x.shape[-1])
-    y = xp.empty((x2.shape[0], w.shape[0]), dtype=xp.result_type(x, w))
-    _split_gemm(xp, x2, w.T, y)
-    return y.reshape(*x.shape[:-1], w.shape[0]), (x, w)
+    return x @ w.T, (x, w)
 
 
 def linear_backward(dy, ctx):
@@ -234,44 +77,23 @@ def linear_backward(dy, ctx):
     dy: (..., out). Returns (dx: (..., in), dW: (out, in)).
     """
     x, w = ctx
-    xp = array_module(dy)
-    dy2 = dy.reshape(-1, dy.shape[-1])
-    x2 = x.reshape(-1, x.shape[-1])
-    dt = xp.result_type(dy, x, w)
-    dx = xp.empty((dy2.shape[0], w.shape[1]), dtype=dt)
-    _split_gemm(xp, dy2, w, dx)
-    dw = xp.empty(w.shape, dtype=dt)
-    _split_gemm(xp, dy2.T, x2, dw)  # rows of dW = output features
-    return dx.reshape(*dy.shape[:-1], w.shape[1]), dw
+    dx = dy @ w
+    dw = dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1])  # (out, N) (N, in)
+    return dx, dw
 
 
 # ---------------------------------------------------------------------------------------------
 # RMSNorm
 # ---------------------------------------------------------------------------------------------
 def rmsnorm_forward(x, g, eps):
-    r"""RMSNorm: y = x / \sqrt{\mathrm{mean}(x^2) + \epsilon} \odot g (mean over the last axis).
+    r"""RMSNorm: y = x r \odot g, r = 1 / \sqrt{\mathrm{mean}(x^2) + \epsilon} (mean over the
+    last axis).
 
-    x: (..., D); g: (D,). Returns y: (..., D). Saves r = 1/\sqrt{\mathrm{mean}(x^2)+\epsilon}: (..., 1).
+    x: (..., D); g: (D,). Returns y: (..., D). Saves r: (..., 1).
     """
     xp = array_module(x)
-    D = x.shape[-1]
-    x2 = x.reshape(-1, D)
-    N = x2.shape[0]
-    y = xp.empty((N, D), dtype=xp.result_type(x, g))
-    rstd = xp.empty((N, 1), dtype=x.dtype)
-
-    def rows(lo, hi):
-        xs, r = x2[lo:hi], rstd[lo:hi]
-        xp.mean(xs * xs, axis=-1, keepdims=True, out=r)
-        r += eps
-        xp.sqrt(r, out=r)
-        xp.reciprocal(r, out=r)
-        ys = y[lo:hi]
-        xp.multiply(xs, r, out=ys)
-        ys *= g
-
-    parallel_rows(rows, N, x2.size, xp)
-    return y.reshape(x.shape), (x, rstd.reshape(*x.shape[:-1], 1), g)
+    r = 1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)  # (..., 1)
+    return x * r * g, (x, r, g)
 
 
 def rmsnorm_backward(dy, ctx):
@@ -280,32 +102,12 @@ def rmsnorm_backward(dy, ctx):
 
     dy: (..., D). Returns (dx: (..., D), dg: (D,)).
     """
-    x, rstd, g = ctx
+    x, r, g = ctx
     xp = array_module(dy)
-    D = x.shape[-1]
-    x2, dy2, r2 = x.reshape(-1, D), dy.reshape(-1, D), rstd.reshape(-1, 1)
-    N = x2.shape[0]
-    dx = xp.empty((N, D), dtype=xp.result_type(dy, x))
-    partial_dg = {}
-
-    def rows(lo, hi):
-        r = r2[lo:hi]
-        xhat = x2[lo:hi] * r
-        t = dy2[lo:hi] * xhat
-        partial_dg[lo] = t.sum(axis=0)
-        u = dx[lo:hi]
-        xp.multiply(dy2[lo:hi], g, out=u)
-        xp.multiply(u, xhat, out=t)
-        xhat *= xp.mean(t, axis=-1, keepdims=True)
-        u -= xhat
-        u *= r
-
-    parallel_rows(rows, N, x2.size, xp)
-    parts = [partial_dg[k] for k in sorted(partial_dg)]
-    dg = parts[0]
-    for part in parts[1:]:
-        dg += part
-    return dx.reshape(dy.shape), dg
+    xhat, u = x * r, dy * g
+    dx = r * (u - xhat * xp.mean(u * xhat, axis=-1, keepdims=True))
+    dg = (dy * xhat).reshape(-1, x.shape[-1]).sum(axis=0)
+    return dx, dg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,48 +127,15 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float = 10000.0, dtype=n
     return xp.asarray(np.cos(angles), dtype=dtype), xp.asarray(np.sin(angles), dtype=dtype)
 
 
-def _rope_broadcast(c, x):
-    # (T, hd/2) -> (1, T, 1, hd/2); (B, T, hd/2) -> (B, T, 1, hd/2)
-    return c[None, :, None, :] if c.ndim == 2 else c[:, :, None, :]
-
-
-def _rope_rotate(x, cos, sin, sign: float):
-    """y = R(sign * angle) x over the pairs of the last axis, chunked over the batch axis."""
+def _rotate_pairs(x, cos, sin):
+    """(x_{2i}, x_{2i+1}) -> (x_{2i} c - x_{2i+1} s, x_{2i} s + x_{2i+1} c) for every head."""
     xp = array_module(x)
-    c, s = _rope_broadcast(cos, x), _rope_broadcast(sin, x)
-    dt = xp.result_type(x, c)
-    if xp is np and x.dtype == dt and dt in (np.float32, np.float64) and x.shape[-1] % 2 == 0:
-        # the pair (x_{2i}, x_{2i+1}) is the complex number x_{2i} + i x_{2i+1}, and the rotation
-        # is one complex product with e^{i sign angle}: a single SIMD pass
-        cdt = np.complex64 if dt == np.float32 else np.complex128
-        xc = np.ascontiguousarray(x).view(cdt)
-        rot = np.empty(c.shape, dtype=cdt)
-        rot.real, rot.imag = c, s if sign > 0 else -s
-        y = np.empty(x.shape, dtype=dt)
-        yc = y.view(cdt)
-
-        def crows(lo, hi):
-            np.multiply(xc[lo:hi], rot if rot.shape[0] == 1 else rot[lo:hi], out=yc[lo:hi])
-
-        parallel_rows(crows, x.shape[0], x.size, xp)
-        return y
-    y = xp.empty(x.shape, dtype=dt)
-
-    def rows(lo, hi):
-        cc = c if c.shape[0] == 1 else c[lo:hi]
-        ss = s if s.shape[0] == 1 else s[lo:hi]
-        x0, x1 = x[lo:hi, ..., 0::2], x[lo:hi, ..., 1::2]
-        y0, y1 = y[lo:hi, ..., 0::2], y[lo:hi, ..., 1::2]
-        xp.multiply(x0, cc, out=y0)
-        xp.multiply(x1, cc, out=y1)
-        if sign > 0:  # (x0 c - x1 s, x0 s + x1 c)
-            y0 -= x1 * ss
-            y1 += x0 * ss
-        else:  # (x0 c + x1 s, -x0 s + x1 c)
-            y0 += x1 * ss
-            y1 -= x0 * ss
-
-    parallel_rows(rows, x.shape[0], x.size, xp)
+    c = cos[None, :, None, :] if cos.ndim == 2 else cos[:, :, None, :]  # (1 or B, T, 1, hd/2)
+    s = sin[None, :, None, :] if sin.ndim == 2 else sin[:, :, None, :]
+    x0, x1 = x[..., 0::2], x[..., 1::2]  # (B, T, nh, hd/2) each
+    y = xp.empty(x.shape, dtype=xp.result_type(x, c))
+    y[..., 0::2] = x0 * c - x1 * s
+    y[..., 1::2] = x0 * s + x1 * c
     return y
 
 
@@ -379,7 +148,7 @@ def rope_forward(x, cos, sin):
     x: (B, T, nh, hd); cos, sin: (T, hd/2) or (B, T, hd/2), already gathered at the positions.
     Returns y: (B, T, nh, hd).
     """
-    return _rope_rotate(x, cos, sin, 1.0), (cos, sin)
+    return _rotate_pairs(x, cos, sin), (cos, sin)
 
 
 def rope_backward(dy, ctx):
@@ -390,7 +159,7 @@ def rope_backward(dy, ctx):
     dy: (B, T, nh, hd). Returns dx: (B, T, nh, hd).
     """
     cos, sin = ctx
-    return _rope_rotate(dy, cos, sin, -1.0)
+    return _rotate_pairs(dy, cos, -sin)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,103 +181,52 @@ def softmax(x, axis: int = -1):
     r"""Softmax with the row maximum subtracted: p_j = e^{x_j - m} / \sum_k e^{x_k - m},
     m = \max_k x_k. Entries equal to -inf get probability 0. Any shape; reduces ``axis``."""
     xp = array_module(x)
-    m = xp.max(x, axis=axis, keepdims=True)
-    e = xp.exp(x - m)
+    e = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
     return e / xp.sum(e, axis=axis, keepdims=True)
-
-
-def _future_mask(xp, T: int, S: int, start_pos):
-    """True where key j lies in the future of query t (j > p_b + t), (1 or B, 1, 1, T, S); None
-    when no key is in the future (a single query at the newest position, as in decoding)."""
-    if np.ndim(start_pos) == 0 and S - 1 <= int(start_pos):
-        return None
-    return ~causal_mask(xp, T, S, start_pos)
 
 
 def attention_forward(q, k, v, start_pos=0):
     r"""Causal scaled dot-product attention where query head h reads KV head h // G, G = H / KVH:
 
-    S_{tj} = q_t \cdot k_j / \sqrt{hd}  (set to -\infty where j > p + t),
-    P = \mathrm{softmax}_j(S),  o_t = \sum_j P_{tj} v_j.
+    S = Q K^T / \sqrt{hd} + M  (M_{tj} = -\infty where j > p + t, else 0),
+    P = \mathrm{softmax}_j(S),  O = P V.
 
     q: (B, T, H, hd); k, v: (B, S, KVH, hd) with S >= T (S > T when earlier positions come from a
     KV cache); start_pos: int or (B,) ints, the absolute position of query 0. Returns o: (B, T, H, hd).
-    The G query heads of a group are stacked into one (G T, hd) matrix that multiplies their
-    shared K/V (no repeated K/V is built): one GEMM per (b, KV head) for S, one for o. On NumPy,
-    whole sequences are spread over threads, each running single-threaded GEMMs.
+    The G query heads of a group are one axis that broadcasts against their shared K and V.
     """
     xp = array_module(q)
     B, T, H, hd = q.shape
     S, KVH = k.shape[1], k.shape[2]
-    G = H // KVH
+    qg = q.reshape(B, T, KVH, H // KVH, hd).transpose(0, 2, 3, 1, 4)  # (B, KVH, G, T, hd)
+    kg = k.transpose(0, 2, 1, 3)[:, :, None]  # (B, KVH, 1, S, hd), shared by the group
+    vg = v.transpose(0, 2, 1, 3)[:, :, None]  # (B, KVH, 1, S, hd)
     scale = 1.0 / math.sqrt(hd)
-    qs = xp.empty((B, KVH, G, T, hd), dtype=q.dtype)  # the queries, pre-scaled by 1/sqrt(hd)
-    q5 = q.reshape(B, T, KVH, G, hd).transpose(0, 2, 3, 1, 4)
-    qs4 = qs.reshape(B, KVH, G * T, hd)
-    kt = k.transpose(0, 2, 3, 1)  # (B, KVH, hd, S), a view
-    vv = v.transpose(0, 2, 1, 3)  # (B, KVH, S, hd), a view
-    dt = xp.result_type(q, k, v)
-    p = xp.empty((B, KVH, G * T, S), dtype=dt)  # scores, turned into probabilities in place
-    o = xp.empty((B, KVH, G * T, hd), dtype=dt)
-    future = _future_mask(xp, T, S, start_pos)
-
-    def rows(lo, hi):  # sequences lo..hi-1
-        xp.multiply(q5[lo:hi], scale, out=qs[lo:hi])
-        pp = p[lo:hi]
-        xp.matmul(qs4[lo:hi], kt[lo:hi], out=pp)
-        if future is not None:
-            fm = future if future.shape[0] == 1 else future[lo:hi]
-            xp.copyto(pp.reshape(hi - lo, KVH, G, T, S), -xp.inf, where=fm)
-        pp -= xp.max(pp, axis=-1, keepdims=True)
-        xp.exp(pp, out=pp)
-        pp *= 1.0 / xp.sum(pp, axis=-1, keepdims=True)
-        xp.matmul(pp, vv[lo:hi], out=o[lo:hi])
-
-    with _blas_for_rows(xp, B):
-        parallel_rows(rows, B, p.size, xp)
-    out = o.reshape(B, KVH, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
-    return out, (qs4, kt, vv, p, o, scale)
+    s = (qg @ kg.swapaxes(-1, -2)) * scale  # (B, KVH, G, T, S)
+    s = xp.where(causal_mask(xp, T, S, start_pos), s, -xp.inf)
+    p = softmax(s, axis=-1)
+    o = p @ vg  # (B, KVH, G, T, hd)
+    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd), (qg, kg, vg, p, scale)
 
 
 def attention_backward(dout, ctx):
-    r"""Gradients of causal GQA attention. With dO the output gradient and
-    D_t = \sum_j P_{tj} dP_{tj} = dO_t \cdot o_t:
+    r"""Gradients of causal GQA attention. With dO the output gradient:
 
-    dP = dO V^T,  dS = P \odot (dP - D),  dQ = dS K / \sqrt{hd},
+    dP = dO V^T,  dS = P \odot (dP - \mathrm{rowsum}(P \odot dP)),  dQ = dS K / \sqrt{hd},
     dK = \sum_{g \in group} dS^T Q / \sqrt{hd},  dV = \sum_{g \in group} P^T dO.
 
-    The group sums come for free: the G heads of a group are the rows of one (G T, .) matrix.
     dout: (B, T, H, hd). Returns (dq: (B, T, H, hd), dk, dv: (B, S, KVH, hd)).
     """
-    qs, kt, vv, p, o, scale = ctx
-    xp = array_module(dout)
-    B, KVH, GT, hd = qs.shape
-    T, H = dout.shape[1], dout.shape[2]
-    S = p.shape[-1]
-    G = H // KVH
-    dt = xp.result_type(dout, p)
-    do5 = dout.reshape(B, T, KVH, G, hd).transpose(0, 2, 3, 1, 4)
-    do = xp.empty((B, KVH, G, T, hd), dtype=dt)
-    do4 = do.reshape(B, KVH, GT, hd)
-    dv = xp.empty((B, KVH, S, hd), dtype=dt)
-    dk = xp.empty((B, KVH, S, hd), dtype=dt)
-    dq = xp.empty((B, KVH, GT, hd), dtype=dt)
-    ds = xp.empty((B, KVH, GT, S), dtype=dt)
-
-    def rows(lo, hi):  # sequences lo..hi-1
-        d_o, d, pp = do4[lo:hi], ds[lo:hi], p[lo:hi]
-        do[lo:hi] = do5[lo:hi]
-        xp.matmul(xp.swapaxes(pp, -1, -2), d_o, out=dv[lo:hi])
-        xp.matmul(d_o, xp.swapaxes(vv[lo:hi], -1, -2), out=d)  # dP, turned into dS in place
-        d -= xp.sum(d_o * o[lo:hi], axis=-1, keepdims=True)
-        d *= pp
-        xp.matmul(d, xp.swapaxes(kt[lo:hi], -1, -2), out=dq[lo:hi])
-        dq[lo:hi] *= scale
-        xp.matmul(xp.swapaxes(d, -1, -2), qs[lo:hi], out=dk[lo:hi])  # qs carries 1/sqrt(hd)
-
-    with _blas_for_rows(xp, B):
-        parallel_rows(rows, B, ds.size, xp)
-    dq = dq.reshape(B, KVH, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
+    qg, kg, vg, p, scale = ctx
+    B, T, H, hd = dout.shape
+    KVH, G = qg.shape[1], qg.shape[2]
+    do = dout.reshape(B, T, KVH, G, hd).transpose(0, 2, 3, 1, 4)  # (B, KVH, G, T, hd)
+    dp = do @ vg.swapaxes(-1, -2)  # (B, KVH, G, T, S)
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    dq = (ds @ kg) * scale  # (B, KVH, G, T, hd)
+    dk = (ds.swapaxes(-1, -2) @ qg).sum(axis=2) * scale  # (B, KVH, S, hd), group summed
+    dv = (p.swapaxes(-1, -2) @ do).sum(axis=2)  # (B, KVH, S, hd)
+    dq = dq.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
     return dq, dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
 
 
@@ -520,10 +238,7 @@ def sigmoid(a):
     is the correct limit 0 (the overflow warning is silenced); accurate in both tails."""
     xp = array_module(a)
     with np.errstate(over="ignore"):
-        e = xp.negative(a)
-        xp.exp(e, out=e)
-    e += 1.0
-    return xp.reciprocal(e, out=e)
+        return 1.0 / (1.0 + xp.exp(-a))
 
 
 def swiglu_forward(a, b):
@@ -532,51 +247,19 @@ def swiglu_forward(a, b):
     In the FFN, a = x W_1^T and b = x W_3^T, and the block returns h W_2^T.
     a, b: (..., F). Returns h: (..., F). Saves a, b, \sigma(a) and silu(a).
     """
-    xp = array_module(a)
-    F = a.shape[-1]
-    a2, b2 = a.reshape(-1, F), b.reshape(-1, F)
-    N = a2.shape[0]
-    dt = xp.result_type(a, b)
-    s, silu, h = (xp.empty((N, F), dtype=dt) for _ in range(3))
-
-    def rows(lo, hi):
-        aa, ss, sl = a2[lo:hi], s[lo:hi], silu[lo:hi]
-        with np.errstate(over="ignore"):  # e^{-a} = inf for a << 0 gives sigma = 0, the limit
-            xp.negative(aa, out=ss)
-            xp.exp(ss, out=ss)
-        ss += 1.0
-        xp.reciprocal(ss, out=ss)
-        xp.multiply(aa, ss, out=sl)
-        xp.multiply(sl, b2[lo:hi], out=h[lo:hi])
-
-    parallel_rows(rows, N, a2.size, xp)
-    return h.reshape(a.shape), (a2, b2, s, silu)
+    s = sigmoid(a)
+    silu = a * s
+    return silu * b, (a, b, s, silu)
 
 
 def swiglu_backward(dh, ctx):
     r"""Gradients of h = \mathrm{silu}(a) \odot b:
     db = dh \odot \mathrm{silu}(a), da = dh \odot b \odot \sigma(a)(1 + a(1 - \sigma(a))).
 
-    dh: (..., F). Returns (da, db), each (..., F) (db is built in the saved silu buffer).
+    dh: (..., F). Returns (da, db), each (..., F).
     """
-    a2, b2, s, silu = ctx
-    xp = array_module(dh)
-    dh2 = dh.reshape(-1, a2.shape[-1])
-    N = a2.shape[0]
-    da = xp.empty((N, a2.shape[-1]), dtype=xp.result_type(dh, s))
-
-    def rows(lo, hi):
-        d, ss, g = da[lo:hi], s[lo:hi], dh2[lo:hi]
-        xp.subtract(1.0, ss, out=d)  # 1 - sigma
-        d *= a2[lo:hi]
-        d += 1.0
-        d *= ss
-        d *= b2[lo:hi]
-        d *= g
-        silu[lo:hi] *= g  # db
-
-    parallel_rows(rows, N, a2.size, xp)
-    return da.reshape(dh.shape), silu.reshape(dh.shape)
+    a, b, s, silu = ctx
+    return dh * b * s * (1.0 + a * (1.0 - s)), dh * silu
 
 
 # ---------------------------------------------------------------------------------------------
@@ -588,48 +271,31 @@ def cross_entropy_forward(logits, targets, ignore_index: int = -1):
     \ell_n = \log \sum_v e^{z_{nv}} - z_{n, y_n},  L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} \ell_n
 
     (L = 0 when every target is ignored). logits: (N, V); targets: (N,) integers.
-    Returns the scalar loss (a 0-d array) and saves the probabilities for the backward.
+    Returns the scalar loss (a 0-d array) and saves the probabilities p = softmax(z): (N, V).
     """
     xp = array_module(logits)
-    valid = targets != ignore_index
-    safe_t = xp.where(valid, targets, 0)
-    N = logits.shape[0]
-    p = xp.empty(logits.shape, dtype=logits.dtype)
-    lse = xp.empty(N, dtype=logits.dtype)
-
-    def rows(lo, hi):
-        z, pp = logits[lo:hi], p[lo:hi]
-        m = xp.max(z, axis=-1, keepdims=True)
-        xp.subtract(z, m, out=pp)
-        xp.exp(pp, out=pp)
-        sumexp = xp.sum(pp, axis=-1, keepdims=True)
-        pp *= 1.0 / sumexp
-        lse[lo:hi] = (xp.log(sumexp) + m)[:, 0]
-
-    parallel_rows(rows, N, logits.size, xp)
-    picked = xp.take_along_axis(logits, safe_t[:, None], axis=-1)[:, 0]
+    valid = targets != ignore_index  # (N,)
+    t = xp.where(valid, targets, 0)
+    m = xp.max(logits, axis=-1)
+    lse = m + xp.log(xp.sum(xp.exp(logits - m[:, None]), axis=-1))  # (N,) log-sum-exp
+    picked = logits[xp.arange(logits.shape[0]), t]  # z_{n, y_n}
     count = xp.maximum(valid.sum(), 1)
     loss = xp.sum(xp.where(valid, lse - picked, 0.0)) / count
-    return loss.astype(logits.dtype), (p, safe_t, valid, count)
+    return loss.astype(logits.dtype), (xp.exp(logits - lse[:, None]), t, valid, count)
 
 
 def cross_entropy_backward(dloss, ctx):
     r"""Gradient of the mean cross-entropy: \partial L / \partial z_{nv} = (p_{nv} - [v = y_n]) / |\mathcal{V}|
     for kept rows, 0 for ignored rows, times the upstream scalar ``dloss``.
 
-    Returns dlogits: (N, V) (built in the saved probability buffer).
+    Returns dlogits: (N, V).
     """
-    p, safe_t, valid, count = ctx
+    p, t, valid, count = ctx
     xp = array_module(p)
-    N = p.shape[0]
-    p[xp.arange(N), safe_t] -= 1.0
-    coef = ((xp.asarray(dloss, dtype=p.dtype) / count) * valid).astype(p.dtype)[:, None]
-
-    def rows(lo, hi):
-        p[lo:hi] *= coef[lo:hi]
-
-    parallel_rows(rows, N, p.size, xp)
-    return p
+    dz = p.copy()
+    dz[xp.arange(p.shape[0]), t] -= 1.0  # p - onehot(y)
+    coef = (xp.asarray(dloss, dtype=p.dtype) * valid / count).astype(p.dtype)  # (N,)
+    return dz * coef[:, None]
 
 
 # =============================================================================================

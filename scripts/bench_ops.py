@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Numba backend vs the NumPy reference, side by side: per-op times of causal attention (forward,
+"""Numba backend vs the numpy backend, side by side: per-op times of causal attention (forward,
 backward, peak memory) and RoPE, then the end-to-end training step and batch-1 cached decode of
 a stories15M-shaped model on both backends.
 
@@ -97,6 +97,7 @@ def fmt_ms(s: float) -> str:
 
 
 def bench_attention(nb, T_list, B, reps):
+    npb = get_backend("numpy")
     H, KVH, hd = 6, 6, 48
     rows = []
     for T in T_list:
@@ -104,7 +105,7 @@ def bench_attention(nb, T_list, B, reps):
         q, k, v, do = (rng.standard_normal((B, T, n, hd)).astype(np.float32)
                        for n in (H, KVH, KVH, H))
         res = {}
-        for name, fwd, bwd in (("numpy", ops.attention_forward, ops.attention_backward),
+        for name, fwd, bwd in (("numpy", npb.attention_forward, npb.attention_backward),
                                ("numba", nb.attention_forward, nb.attention_backward)):
             o, c = fwd(q, k, v)  # warm-up (kernel load/compile)
             bwd(do, c)
@@ -125,6 +126,7 @@ def bench_attention(nb, T_list, B, reps):
 
 
 def bench_rope(nb, reps):
+    npb = get_backend("numpy")
     rows = []
     for B, T, nh, hd in ((8, 256, 6, 48), (1, 2048, 6, 48), (1, 1, 6, 48)):
         rng = np.random.default_rng(0)
@@ -132,7 +134,7 @@ def bench_rope(nb, reps):
         cos, sin = ops.rope_tables(hd, max(T, 256), 10000.0, np.float32)
         cos, sin = cos[:T], sin[:T]
         res = {}
-        for name, fwd, bwd in (("numpy", ops.rope_forward, ops.rope_backward),
+        for name, fwd, bwd in (("numpy", npb.rope_forward, npb.rope_backward),
                                ("numba", nb.rope_forward, nb.rope_backward)):
             _, c = fwd(x, cos, sin)
             bwd(x, c)
@@ -148,12 +150,13 @@ def bench_rope(nb, reps):
 
 def bench_cross_entropy(nb, reps):
     """Softmax cross-entropy over the s15 training step's logits (B*T = 2048 rows, V = 32000)."""
+    npb = get_backend("numpy")
     rng = np.random.default_rng(0)
     N, V = 2048, 32000
     z = rng.standard_normal((N, V)).astype(np.float32)
     t = rng.integers(0, V, size=N)
     res = {}
-    for name, fwd, bwd in (("numpy", ops.cross_entropy_forward, ops.cross_entropy_backward),
+    for name, fwd, bwd in (("numpy", npb.cross_entropy_forward, npb.cross_entropy_backward),
                            ("numba", nb.cross_entropy_forward, nb.cross_entropy_backward)):
         bwd(1.0, fwd(z, t)[1])
         tf = best(lambda: fwd(z, t), reps)

@@ -316,16 +316,16 @@ def test_attention_tiled_groups_on_row_threads(dtype, rng, monkeypatch):
     """The BLAS-tiled path with its B*KVH groups split over three row threads: every slice
     masks with its own sequences' start positions (the group offset u0 reaches the kernels)."""
     be = _numba_backend()
-    from minillama.backends import numba_backend
+    from minillama.backends import cpu_threads, numba_backend
 
     monkeypatch.setenv("MINILLAMA_NUM_THREADS", "3")
-    monkeypatch.setattr(ops, "PARALLEL_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_threads, "PARALLEL_MIN_ELEMENTS", 0)
     monkeypatch.setattr(numba_backend, "TILE_PARALLEL", False)
     monkeypatch.setattr(numba_backend, "TILE_BQ", 16)
     monkeypatch.setattr(numba_backend, "TILE_BK", 32)
     calls = []
-    real = ops.parallel_rows
-    monkeypatch.setattr(ops, "parallel_rows",
+    real = cpu_threads.parallel_rows
+    monkeypatch.setattr(cpu_threads, "parallel_rows",
                         lambda fn, n, work, xp: calls.append(n) or real(fn, n, work, xp))
     starts = np.array([0, 40, 7, 100])
     q, k, v, dout = _attention_case(rng, dtype, 4, 50, 2, 2, 8, starts, 1)

@@ -1,0 +1,155 @@
+"""CPU threading helpers of the ``numpy`` (and ``numba``) backends: row-parallel work on a thread
+pool, OpenBLAS thread control, row-split GEMMs.
+
+NumPy releases the GIL inside ufuncs, reductions and BLAS calls on large arrays, so chunks of a
+row-wise op run truly in parallel on Python threads. On a small or busy machine that beats letting
+OpenBLAS split every GEMM over its own threads: each split GEMM costs a synchronisation, and a
+training step runs hundreds of them. The ops here therefore give whole row blocks to the threads
+of :func:`parallel_rows`, each running single-threaded BLAS (:class:`single_threaded_blas`).
+
+None of this is math: the equations are in :mod:`minillama.ops`, and the fast ops built on these
+helpers (:mod:`.numpy_backend`) are held to them by parity tests.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+#: below this many elements an op runs in the calling thread (dispatch costs ~20 us)
+PARALLEL_MIN_ELEMENTS = 1 << 16
+#: linear layers split their GEMMs over the threads of :func:`parallel_rows` (single-threaded
+#: BLAS each) instead of leaving the threading to BLAS; see :func:`split_gemm`
+THREADED_LINEAR = True
+
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def num_threads() -> int:
+    """Threads for the row-parallel parts of the NumPy ops: ``MINILLAMA_NUM_THREADS``, else
+    ``OMP_NUM_THREADS``, else ``OPENBLAS_NUM_THREADS``, else the CPU count."""
+    for var in ("MINILLAMA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return os.cpu_count() or 1
+
+
+def parallel_rows(fn, n_rows: int, n_elements: int, xp=np) -> None:
+    """Call ``fn(lo, hi)`` on contiguous chunks covering rows [0, n_rows), in threads.
+
+    Row-wise ops give bit-identical results however they are chunked. Non-NumPy arrays (``xp``
+    not NumPy), one thread and small ops (``n_elements`` below :data:`PARALLEL_MIN_ELEMENTS`)
+    run ``fn(0, n_rows)`` directly.
+    """
+    nt = min(num_threads(), n_rows)
+    if xp is not np or nt <= 1 or n_elements < PARALLEL_MIN_ELEMENTS:
+        fn(0, n_rows)
+        return
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < nt - 1:
+            from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+            _pool = ThreadPoolExecutor(max_workers=nt - 1, thread_name_prefix="minillama-ops")
+        pool = _pool
+    step = -(-n_rows // nt)
+    bounds = [(lo, min(lo + step, n_rows)) for lo in range(0, n_rows, step)]
+    futures = [pool.submit(fn, lo, hi) for lo, hi in bounds[1:]]
+    try:
+        fn(*bounds[0])
+    finally:
+        for f in futures:
+            f.result()
+
+
+# ---------------------------------------------------------------------------------------------
+# BLAS thread control (OpenBLAS as bundled with NumPy; a no-op anywhere else)
+# ---------------------------------------------------------------------------------------------
+_blas_api: Any = None
+
+
+def openblas_api():
+    """(get, set) of the OpenBLAS that NumPy loaded, found by its exported symbols; None if the
+    BLAS is not OpenBLAS or cannot be found (then thread control is a no-op)."""
+    global _blas_api
+    if _blas_api is not None:
+        return _blas_api or None
+    _blas_api = False
+    try:
+        import ctypes  # noqa: PLC0415
+
+        with open("/proc/self/maps") as f:
+            paths = sorted({ln.split()[-1] for ln in f if "openblas" in ln.lower() and "/" in ln})
+        for path in paths:
+            lib = ctypes.CDLL(path)
+            for get_name, set_name in (
+                    ("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
+                    ("scipy_openblas_get_num_threads", "scipy_openblas_set_num_threads"),
+                    ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
+                    ("openblas_get_num_threads", "openblas_set_num_threads")):
+                if hasattr(lib, get_name) and hasattr(lib, set_name):
+                    getter, setter = getattr(lib, get_name), getattr(lib, set_name)
+                    getter.restype, setter.argtypes = ctypes.c_int, [ctypes.c_int]
+                    _blas_api = (getter, setter)
+                    return _blas_api
+    except (OSError, ValueError, AttributeError):  # no /proc, odd paths: leave BLAS alone
+        pass
+    return None
+
+
+class single_threaded_blas:  # noqa: N801 - used like a function: ``with single_threaded_blas():``
+    """Run the block with OpenBLAS on one thread, then restore its thread count.
+
+    Attention is a stack of small GEMMs (one per sequence and KV head); letting OpenBLAS split
+    each of them over its threads costs a synchronisation per GEMM, which dominates when the
+    cores are busy. The NumPy ops instead give whole sequences to the threads of
+    :func:`parallel_rows`, each running single-threaded GEMMs."""
+
+    def __enter__(self):
+        api = openblas_api()
+        self._restore = None
+        if api is not None:
+            n = api[0]()
+            if n > 1:
+                api[1](1)
+                self._restore = n
+        return self
+
+    def __exit__(self, *exc):
+        if self._restore is not None:
+            openblas_api()[1](self._restore)
+        return False
+
+
+class _NoOp:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def blas_for_rows(n_rows: int):
+    """:class:`single_threaded_blas` while :func:`parallel_rows` spreads ``n_rows`` over
+    threads; a no-op context when it will not."""
+    if n_rows > 1 and num_threads() > 1:
+        return single_threaded_blas()
+    return _NoOp()
+
+
+def split_gemm(a, b, out) -> None:
+    """out = a @ b (NumPy, 2-D) with the rows of ``a`` and ``out`` spread over the threads of
+    :func:`parallel_rows`, single-threaded BLAS each; one plain GEMM when that cannot help."""
+    if THREADED_LINEAR and a.shape[0] > 1 and num_threads() > 1:
+        def rows(lo, hi):
+            np.matmul(a[lo:hi], b, out=out[lo:hi])
+
+        with single_threaded_blas():
+            parallel_rows(rows, a.shape[0], a.shape[0] * b.shape[1] * 8)
+    else:
+        np.matmul(a, b, out=out)

@@ -1,0 +1,62 @@
+"""The ``reference`` backend: NumPy arrays and the plain ops of :mod:`minillama.ops`, nothing else.
+
+No threads, no BLAS or allocator tuning: ``minillama generate --backend reference`` runs the math
+exactly as ``minillama/ops.py`` writes it. The other backends derive from this class and override
+only the op pairs they make faster (``numpy`` and ``numba`` on the CPU, ``cupy`` on a GPU).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import ops
+
+
+class ReferenceBackend:
+    """NumPy on the CPU, every op straight from :mod:`minillama.ops`."""
+
+    name = "reference"
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.xp = np
+
+    # the named ops (forward and backward side by side, as in minillama.ops)
+    embedding_forward = staticmethod(ops.embedding_forward)
+    embedding_backward = staticmethod(ops.embedding_backward)
+    linear_forward = staticmethod(ops.linear_forward)
+    linear_backward = staticmethod(ops.linear_backward)
+    rmsnorm_forward = staticmethod(ops.rmsnorm_forward)
+    rmsnorm_backward = staticmethod(ops.rmsnorm_backward)
+    rope_forward = staticmethod(ops.rope_forward)
+    rope_backward = staticmethod(ops.rope_backward)
+    attention_forward = staticmethod(ops.attention_forward)
+    attention_backward = staticmethod(ops.attention_backward)
+    swiglu_forward = staticmethod(ops.swiglu_forward)
+    swiglu_backward = staticmethod(ops.swiglu_backward)
+    cross_entropy_forward = staticmethod(ops.cross_entropy_forward)
+    cross_entropy_backward = staticmethod(ops.cross_entropy_backward)
+    # the notes' other pieces (model variants, cross/latent attention): reference code everywhere
+    layernorm_forward = staticmethod(ops.layernorm_forward)
+    layernorm_backward = staticmethod(ops.layernorm_backward)
+    gelu_forward = staticmethod(ops.gelu_forward)
+    gelu_backward = staticmethod(ops.gelu_backward)
+    relu_forward = staticmethod(ops.relu_forward)
+    relu_backward = staticmethod(ops.relu_backward)
+    cross_attention_forward = staticmethod(ops.cross_attention_forward)
+    cross_attention_backward = staticmethod(ops.cross_attention_backward)
+
+    # helpers
+    def asarray(self, a, dtype=None):
+        """Move/convert ``a`` to this backend's array type."""
+        return self.xp.asarray(a, dtype=dtype)
+
+    def to_numpy(self, a) -> np.ndarray:
+        """A NumPy copy/view of ``a`` on the host."""
+        return np.asarray(a)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (a no-op on the CPU)."""
+
+    def __repr__(self) -> str:
+        return f"<minillama backend {self.name}>"
