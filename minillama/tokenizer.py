@@ -295,13 +295,25 @@ class HFTokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._guard("encode", lambda: self._tok.encode(text, add_special_tokens=False).ids)
         pre = [self.bos_id] if bos and self.bos_id is not None else []
         post = [self.eos_id] if eos and self.eos_id is not None else []
         return pre + list(ids) + post
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+        ids = [int(i) for i in ids]
+        return self._guard("decode", lambda: self._tok.decode(ids, skip_special_tokens=True))
+
+    def _guard(self, what: str, call):
+        """Run a call into the `tokenizers` package; its errors and Rust panics (a
+        BaseException) on a malformed tokenizer.json become one MinillamaError."""
+        try:
+            return call()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001
+            msg = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+            raise MinillamaError(f"tokenizer {self.path} failed to {what}: {msg}") from None
 
     def spec(self) -> dict[str, Any]:
         return {"type": "hf", "path": str(self.path.resolve())}
