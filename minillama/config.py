@@ -106,6 +106,11 @@ class ModelConfig:
             raise MinillamaError(
                 f"RoPE needs an even head dimension dim / n_heads, got {self.head_dim} "
                 f"(dim={self.dim}, n_heads={self.n_heads})")
+        if self.max_seq_len * self.head_dim > MAX_ROPE_TABLE:
+            raise MinillamaError(
+                f"max_seq_len * head_dim = {self.max_seq_len} * {self.head_dim} is more than "
+                f"{MAX_ROPE_TABLE} (the RoPE tables alone would take "
+                f"{self.max_seq_len * self.head_dim * 4 / 2**30:.1f} GiB)")
 
     # --- (de)serialisation -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -141,6 +146,11 @@ class ModelConfig:
 #: the largest size any integer field may take unless its rule says otherwise; a config asking
 #: for more is refused before anything is allocated (a lying header cannot exhaust memory)
 MAX_SIZE = 1 << 24
+
+#: the most entries the RoPE tables (cos and sin, S x hd/2 each) may have in all: a 1M-token
+#: context at hd = 128 fits; a small file whose config claims 2M positions at hd = 4096 (32 GiB of
+#: tables) does not
+MAX_ROPE_TABLE = 1 << 27
 
 #: field -> (kind, low, high); kind "int" (bool refused), "float" (finite; ints accepted),
 #: "bool"; bounds inclusive. Generous for real models (Llama 3 405B: D 16384, L 126, H 128,

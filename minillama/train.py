@@ -162,7 +162,11 @@ class TrainConfig:
             raise MinillamaError(f"train config: batch_size * context * eval_iters = "
                                  f"{self.batch_size * self.context * self.eval_iters} validation "
                                  f"tokens is more than {1 << 26}")
-        self.model_config()  # the model-shape invariants (dim % n_heads, ...)
+        n = self.model_config().n_params()  # the model-shape invariants (dim % n_heads, ...)
+        if n > 1 << 31:
+            raise MinillamaError(f"train config: a model of {n:,} parameters is more than this "
+                                 f"trainer holds ({1 << 31:,}: weights, gradients and AdamW "
+                                 f"moments in host or device memory)")
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,

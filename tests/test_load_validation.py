@@ -52,6 +52,13 @@ def test_model_config_refuses_each_bad_field(field, value, words):
         _cfg(**{field: value})
 
 
+def test_rope_tables_are_bounded():
+    """A small file cannot claim 2M positions at a wide head: 2M x 256 entries of RoPE tables."""
+    with pytest.raises(MinillamaError, match=r"max_seq_len \* head_dim = 2097152 \* 256"):
+        _cfg(dim=256, n_heads=1, n_kv_heads=1, max_seq_len=1 << 21)
+    _cfg(dim=256, n_heads=2, n_kv_heads=1, max_seq_len=1 << 20)  # 1M positions at hd = 128: fine
+
+
 def test_model_config_accepts_numpy_scalars_and_stores_python_values():
     cfg = _cfg(dim=np.int64(16), rope_theta=np.float32(500.0), tie_embeddings=np.bool_(True))
     assert type(cfg.dim) is int and type(cfg.rope_theta) is float
