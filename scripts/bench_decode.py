@@ -18,6 +18,19 @@ For each shape (random weights, tied classifier as in llama2.c's TinyStories mod
 
     python scripts/bench_decode.py --backend numpy --threads 2
 
+With ``--llama2c PATH`` (a ``run`` binary built by the user from karpathy/llama2.c's ``run.c``,
+e.g. ``gcc -Ofast -march=native -fopenmp run.c -lm -o run``; no llama2.c code lives in this
+repository) the script instead writes each shape as a random-weight llama2.c version-0
+checkpoint plus a synthetic ``tokenizer.bin`` (one distinct piece per id, so the greedy tokens of
+both programs can be compared), and runs, interleaved repetition by repetition, ``run`` (greedy,
+``-n STEPS`` from an empty prompt, ``OMP_NUM_THREADS`` = threads) and minillama's ``generate``
+on the same file loaded through :func:`minillama.formats.load_model` (batch 1 from BOS, then the
+batch-B aggregate). It prints both decode rates, best and median, their ratios (> 1: minillama
+is faster), how many greedy tokens agree, and the load average:
+
+    python scripts/bench_decode.py --backend numba --llama2c /tmp/llama2c/run \
+        --shapes s15,s15gqa,s110 --reps 5
+
 Thread counts are fixed through OMP/OPENBLAS/MKL_NUM_THREADS before NumPy is imported, and
 ``torch.set_num_threads`` for the peer.
 """
@@ -37,7 +50,8 @@ import _bench_common
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="numpy", help="minillama backend (default numpy)")
-    ap.add_argument("--shapes", default="s15,s110", help="comma list of: s15, s110")
+    ap.add_argument("--shapes", default="s15,s110",
+                    help="comma list of: s15, s15gqa (s15 with 2 KV heads), s110")
     ap.add_argument("--threads", type=int, default=2, help="BLAS / torch threads (default 2)")
     ap.add_argument("--decode-tokens", type=int, default=48, help="timed decode steps (batch 1)")
     ap.add_argument("--prefill", type=int, default=256, help="prefill prompt length")
@@ -49,6 +63,10 @@ def parse_args(argv=None):
                     help="PNG of per-token time vs position ('' to skip)")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (best is kept)")
+    ap.add_argument("--llama2c", default=None, metavar="PATH",
+                    help="llama2.c 'run' binary: compare against it instead of the roofline/HF")
+    ap.add_argument("--steps", type=int, default=200,
+                    help="with --llama2c: positions run by each program (run.c's -n)")
     return ap.parse_args(argv)
 
 
@@ -62,6 +80,7 @@ from minillama.generate import GenerationStats, generate  # noqa: E402
 from minillama.model import init_params  # noqa: E402
 
 SHAPES = {name: _bench_common.shape(name) for name in ("s15", "s110")}
+SHAPES["s15gqa"] = _bench_common.shape("s15", n_kv_heads=2)
 PROMPT = 16
 
 
@@ -205,7 +224,104 @@ def hf_peer(cfg, params):
     return run
 
 
+def write_piece_tokenizer(path, vocab_size: int) -> None:
+    """A llama2.c ``tokenizer.bin`` whose piece for id i >= 3 is ``~i`` (ids 0-2 as llama2.c:
+    ``<unk>``, BOS, EOS), so the ids can be read back from ``run``'s printed text."""
+    import struct  # noqa: PLC0415
+
+    pieces = [b"<unk>", b"\n<s>\n", b"\n</s>\n"] + [f"~{i}".encode() for i in range(3, vocab_size)]
+    with open(path, "wb") as f:
+        f.write(struct.pack("<i", max(len(p) for p in pieces)))
+        for i, p in enumerate(pieces):
+            f.write(struct.pack("<fi", -float(i), len(p)) + p)
+
+
+def run_llama2c(binary, model_path, tok_path, steps):
+    """One greedy run of llama2.c: (tok/s it reports, generated ids)."""
+    import re  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(ARGS.threads))
+    r = subprocess.run([binary, model_path, "-z", tok_path, "-t", "0", "-n", str(steps)],
+                       capture_output=True, text=True, env=env, check=False)
+    m = re.search(r"achieved tok/s: ([0-9.]+)", r.stderr)
+    if r.returncode != 0 or m is None:
+        sys.exit(f"bench_decode: {binary} failed (status {r.returncode}): {r.stderr.strip()[:300]}")
+    ids = [2 if t == "</s>" else int(t[1:]) for t in re.findall(r"~\d+|</s>", r.stdout)]
+    return float(m.group(1)), ids
+
+
+def llama2c_main():
+    """Decode speed against llama2.c's run.c on the same random checkpoints, interleaved."""
+    from minillama.formats import load_model  # noqa: PLC0415
+    from minillama.formats.llama2c import save_llama2c  # noqa: PLC0415
+
+    binary = os.path.abspath(ARGS.llama2c)
+    if not os.access(binary, os.X_OK):
+        sys.exit(f"bench_decode: {binary} is not an executable llama2.c run binary")
+    cpu = platform.processor() or platform.machine()
+    print(f"# bench_decode vs llama2.c: backend={ARGS.backend}, threads={ARGS.threads}, {cpu}, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, steps {ARGS.steps}, "
+          f"reps {ARGS.reps}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for name in ARGS.shapes.split(","):
+            name = name.strip()
+            cfg = ModelConfig(**SHAPES[name], tie_embeddings=True)
+            params = init_params(cfg, seed=0, dtype=np.float32)
+            mpath = os.path.join(d, f"{name}.bin")
+            tpath = os.path.join(d, "tokenizer.bin")
+            save_llama2c(mpath, cfg, params, version=0)
+            write_piece_tokenizer(tpath, cfg.vocab_size)
+            del params
+            model, _ = load_model(mpath, backend=ARGS.backend)
+            steps = min(ARGS.steps, cfg.max_seq_len)
+            n_new = steps - 1
+            generate(model, [1], max_new_tokens=4)  # warm-up (JIT backends compile here)
+            run_llama2c(binary, mpath, tpath, 8)
+            load0 = os.getloadavg()[0]
+            ours, theirs, batch = [], [], []
+            for _ in range(ARGS.reps):
+                tps, c_ids = run_llama2c(binary, mpath, tpath, steps)
+                theirs.append(tps)
+                st = GenerationStats()
+                m_ids = generate(model, [1], max_new_tokens=n_new, stats=st)
+                ours.append(st.decode_tokens_per_s)
+                st = GenerationStats()
+                generate(model, [[1]] * ARGS.batch, max_new_tokens=n_new, stats=st)
+                batch.append(st.decode_tokens_per_s)
+            agree = 0
+            for a, b in zip(c_ids, m_ids):
+                if a != b:
+                    break
+                agree += 1
+            load1 = os.getloadavg()[0]
+            row = dict(name=name, c=theirs, m=ours, batch=batch, agree=agree,
+                       n=min(len(c_ids), len(m_ids)), load=(load0 + load1) / 2)
+            rows.append(row)
+            print(f"{name}: run.c {max(theirs):.0f} tok/s best, {np.median(theirs):.0f} median; "
+                  f"minillama {max(ours):.0f} best, {np.median(ours):.0f} median; ratio "
+                  f"{max(ours) / max(theirs):.2f}x best, {np.median(ours) / np.median(theirs):.2f}x "
+                  f"median; batch {ARGS.batch} {max(batch):.0f} tok/s = "
+                  f"{max(batch) / max(theirs):.2f}x run.c batch 1; greedy agree "
+                  f"{agree}/{row['n']}; load {row['load']:.2f}", flush=True)
+            del model
+    print()
+    print(f"| shape | run.c tok/s best (median) | minillama {ARGS.backend} tok/s best (median) | "
+          f"ratio best (median) | batch-{ARGS.batch} tok/s best | / run.c batch 1 | greedy agree "
+          f"| load avg |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        c, m, bt = r["c"], r["m"], r["batch"]
+        print(f"| {r['name']} | {max(c):.0f} ({np.median(c):.0f}) | {max(m):.0f} "
+              f"({np.median(m):.0f}) | {max(m) / max(c):.2f}x ({np.median(m) / np.median(c):.2f}x) "
+              f"| {max(bt):.0f} | {max(bt) / max(c):.2f}x | {r['agree']}/{r['n']} | "
+              f"{r['load']:.2f} |")
+
+
 def main():
+    if ARGS.llama2c:
+        return llama2c_main()
     be_name = ARGS.backend
     rows = []
     curves = {}
