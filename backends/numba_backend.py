@@ -19,7 +19,9 @@ where plain NumPy wastes time or memory:
 
 * softmax cross-entropy: one fused pass per row (max, exponentials, sum, normalisation);
 * linear layers with at most a few rows (decoding): a Numba GEMV (:mod:`.numba_gemv`) that
-  streams W near memory bandwidth; every other matrix product is BLAS.
+  streams W near memory bandwidth; every other matrix product is BLAS;
+* a whole KV-cached decode step (one new token per sequence) in one compiled call,
+  :meth:`NumbaBackend.decode_step` (:mod:`.numba_decode`); prefill stays on the ops above.
 
 Importing this module imports neither Numba nor the kernels; constructing :class:`NumbaBackend`
 imports Numba (a clear :class:`~minillama.errors.MinillamaError` when it is missing) and each
@@ -28,7 +30,9 @@ kernel compiles on its first call (cached on disk). Threads: ``NUMBA_NUM_THREADS
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import weakref
 
 import numpy as np
 
@@ -58,6 +62,11 @@ TILE_BK = 256
 TILE_PARALLEL = False
 #: the decode kernel splits the keys into chunks of at least this many when it splits them
 DECODE_MIN_CHUNK = 256
+#: config fields the fused decode step understands; any other field must keep its default
+#: (a model variant with, e.g., biases or another norm falls back to the per-op path)
+FUSED_DECODE_FIELDS = frozenset({"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
+                                 "hidden_dim", "multiple_of", "ffn_dim_multiplier", "norm_eps",
+                                 "rope_theta", "max_seq_len", "tie_embeddings", "head_dim"})
 
 
 class NumbaBackend(NumpyBackend):
@@ -83,6 +92,8 @@ class NumbaBackend(NumpyBackend):
         from . import numba_gemv  # noqa: PLC0415
 
         self._gemv = numba_gemv
+        self._decode_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._cache_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def num_threads(self) -> int:
@@ -105,6 +116,114 @@ class NumbaBackend(NumpyBackend):
             y = self._gemv.gemv(x.reshape(rows, K), w)
             return y.reshape(*x.shape[:-1], w.shape[0]), (x, w)
         return super().linear_forward(x, w)
+
+    # -----------------------------------------------------------------------------------------
+    # the fused decode step
+    # -----------------------------------------------------------------------------------------
+    def _decode_plan(self, model):
+        """The model's weights as the lists :func:`.numba_decode.decode_step` takes, built once
+        per model (the arrays themselves, so in-place updates are seen; rebuilt when a parameter
+        array is replaced). None when the model is not a plain LLaMA this step implements."""
+        plan = self._decode_plans.get(model)
+        p = model.params
+        if plan is not None and all(p.get(k) is a for k, a in plan["refs"]):
+            return plan
+        cfg = model.cfg
+        if model.dtype not in _FLOATS or not dataclasses.is_dataclass(cfg):
+            return None
+        for f in dataclasses.fields(cfg):
+            if f.name not in FUSED_DECODE_FIELDS and (
+                    f.default is dataclasses.MISSING or getattr(cfg, f.name) != f.default):
+                return None
+        from ..model import param_shapes  # noqa: PLC0415
+
+        shapes = param_shapes(cfg)
+        if set(p) != set(shapes) or any(not isinstance(a, np.ndarray) for a in p.values()):
+            return None
+        dt = model.dtype
+
+        def arr(a):  # C-contiguous and writeable: one array type for every list entry
+            return np.require(a, dtype=dt, requirements=("C", "W"))
+
+        typed_list = self._numba.typed.List
+
+        def stack(name):  # a typed list: its type does not depend on L (one compilation)
+            return typed_list([arr(p[f"layers.{i}.{name}"]) for i in range(cfg.n_layers)])
+
+        plan = {
+            "refs": [(k, p[k]) for k in shapes],
+            "emb": arr(p["tok_embeddings.weight"]),
+            "out": arr(model.output_weight),
+            "norm": arr(p["norm.weight"]),
+            "layers": tuple(stack(n) for n in (
+                "attention_norm.weight", "attention.wq.weight", "attention.wk.weight",
+                "attention.wv.weight", "attention.wo.weight", "ffn_norm.weight",
+                "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")),
+            "cos": arr(model.cos), "sin": arr(model.sin),
+            "eps": float(cfg.norm_eps), "heads": int(cfg.n_heads), "zero": dt.type(0),
+        }
+        if self._decode is None:
+            from . import numba_decode  # noqa: PLC0415
+
+            self._decode = numba_decode
+        self._decode_plans[model] = plan
+        return plan
+
+    _decode = None
+
+    def _cache_lists(self, cache, dt):
+        """The cache's per-layer K and V arrays as typed lists (built once per cache), or None
+        when they are not C-contiguous writeable NumPy arrays of the model dtype."""
+        got = self._cache_plans.get(cache)
+        if got is not None and all(a is b for a, b in zip(got[2], cache.k + cache.v)):
+            return got[:2]
+        arrays = list(cache.k) + list(cache.v)
+        for a in arrays:
+            if not (isinstance(a, np.ndarray) and a.dtype == dt and a.flags.c_contiguous
+                    and a.flags.writeable):
+                return None
+        lst = self._numba.typed.List
+        got = (lst(cache.k), lst(cache.v), arrays)
+        self._cache_plans[cache] = got
+        return got[:2]
+
+    def decode_step(self, model, tok, start_pos, cache):
+        r"""One KV-cached decode step of ``model`` in one compiled call, or None to decline.
+
+        tok: (B, 1) token ids (checked by the model); start_pos: int or (B,) ints, the position
+        p_b each token is written at; cache: the model's :class:`~minillama.kvcache.KVCache`.
+        Computes exactly :meth:`minillama.model.Transformer.forward` at T = 1 with
+        ``last_only`` (rmsnorm, linear, rope, attention over positions 0..p_b, swiglu, head;
+        see :mod:`.numba_decode`) and writes k, v at p_b. Returns logits (B, V). Declines
+        (None: the model runs its per-op path) for model variants it does not implement, T > 1
+        and caches it cannot write in place.
+        """
+        B, T = tok.shape
+        if T != 1 or cache.batch_size != B:
+            return None
+        plan = self._decode_plan(model)
+        if plan is None:
+            return None
+        kv = self._cache_lists(cache, model.dtype)
+        if kv is None:
+            return None
+        kc, vc = kv
+        pos = np.ascontiguousarray(
+            np.broadcast_to(np.asarray(start_pos, dtype=np.int64).reshape(-1), (B,)))
+        lo, hi = int(pos.min()), int(pos.max())
+        if lo < 0 or hi >= model.cfg.max_seq_len:
+            raise MinillamaError(f"positions up to {hi} exceed the model context of "
+                                 f"{model.cfg.max_seq_len}")
+        if hi >= cache.max_seq_len:
+            raise MinillamaError(f"sequence of {hi + 1} positions exceeds the KV cache length "
+                                 f"{cache.max_seq_len}")
+        logits = np.empty((B, plan["emb"].shape[0]), dtype=model.dtype)
+        g_att, wq, wk, wv, wo, g_ffn, w1, w2, w3 = plan["layers"]
+        self._decode.decode_step(
+            np.ascontiguousarray(tok[:, 0], dtype=np.int64), pos, plan["emb"], plan["out"],
+            plan["norm"], g_att, wq, wk, wv, wo, g_ffn, w1, w2, w3, kc, vc, plan["cos"],
+            plan["sin"], plan["eps"], plan["heads"], plan["zero"], logits)
+        return logits
 
     # -----------------------------------------------------------------------------------------
     # RoPE

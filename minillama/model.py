@@ -277,8 +277,15 @@ class Transformer:
         ``cache`` the new K/V are written there and attention reads positions 0..start_pos+t.
         ``last_only`` returns only the last position's logits, (B, V), skipping the V x D head
         for the others; ``output_index`` ((B,) ints) picks one position per sequence likewise.
+        A backend with ``decode_step(model, tok, start_pos, cache)`` may compute a one-token
+        cached step in one fused call (same logits; None from it means the per-op path).
         """
         tok = self._tokens(tokens)
+        if cache is not None and tok.shape[1] == 1 and hasattr(self.backend, "decode_step"):
+            # a backend may run a whole one-token cached step in one fused call (numba does)
+            logits = self.backend.decode_step(self, tok, start_pos, cache)
+            if logits is not None:
+                return logits if last_only or output_index is not None else logits[:, None]
         if last_only:
             output_index = tok.shape[1] - 1
         logits, _ = self._run(tok, start_pos, cache, train=False, output_index=output_index)

@@ -1,0 +1,154 @@
+"""The numba backend's fused decode step (backends/numba_decode.py) against the reference per-op
+forward: logits, KV-cache contents, greedy tokens, GQA, per-sequence positions up to the end of
+the context, in-place and replaced weights, and what it declines."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from minillama.backends import get_backend
+from minillama.config import ModelConfig
+from minillama.errors import MinillamaError
+from minillama.formats import load_model
+from minillama.generate import generate
+from minillama.model import Transformer, init_params
+
+try:
+    NUMBA = get_backend("numba")
+except MinillamaError as e:  # pragma: no cover - numba missing
+    pytest.skip(f"numba backend unavailable: {e}", allow_module_level=True)
+
+
+def _pair(dtype=np.float32, seed=0, **kw):
+    """The same random weights on the numpy (reference) and numba backends."""
+    args = dict(dim=48, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=61, hidden_dim=80,
+                max_seq_len=24)
+    args.update(kw)
+    cfg = ModelConfig(**args)
+    params = init_params(cfg, seed=seed, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    for k, v in params.items():  # larger weights and non-unit gains: errors would show
+        v[...] = rng.normal(1.0 if k.endswith("norm.weight") else 0.0, 0.3, v.shape)
+    return (Transformer(cfg, params, backend="numpy", dtype=dtype),
+            Transformer(cfg, params, backend="numba", dtype=dtype))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the fused kernel's calls (so a test knows the fused path ran, not the fallback)."""
+    from minillama.backends import numba_decode
+
+    n = {"calls": 0}
+
+    def counting(*args):
+        n["calls"] += 1
+        return numba_decode.decode_step(*args)
+
+    monkeypatch.setattr(NUMBA, "_decode", types.SimpleNamespace(decode_step=counting))
+    return n
+
+
+def _prefill(model, prompts, S):
+    cache = model.new_cache(len(prompts), S)
+    for b, pr in enumerate(prompts):  # prompts of different lengths, written row by row
+        one = model.new_cache(1, S)
+        model.forward(np.array([pr]), cache=one, last_only=True)
+        for layer in range(model.cfg.n_layers):
+            cache.k[layer][b] = one.k[layer][0]
+            cache.v[layer][b] = one.v[layer][0]
+    return cache
+
+
+@pytest.mark.parametrize("kvh", [2, 4, 1])
+def test_fused_step_matches_reference_per_sequence_positions(calls, kvh):
+    ref, fast = _pair(n_kv_heads=kvh)
+    S = ref.cfg.max_seq_len
+    rng = np.random.default_rng(1)
+    lens = [3, 9, S - 1]  # the last sequence writes the final slot of the context
+    prompts = [rng.integers(0, 61, n).tolist() for n in lens]
+    c_ref, c_fast = _prefill(ref, prompts, S), _prefill(fast, prompts, S)
+    tok = rng.integers(0, 61, (3, 1))
+    pos = np.array(lens)
+    want = ref.forward(tok, start_pos=pos, cache=c_ref, last_only=True)
+    before = calls["calls"]
+    got = fast.forward(tok, start_pos=pos, cache=c_fast, last_only=True)
+    assert calls["calls"] == before + 1
+    assert got.shape == want.shape == (3, 61) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    for layer in range(ref.cfg.n_layers):
+        for got_c, want_c in ((c_fast.k[layer], c_ref.k[layer]), (c_fast.v[layer], c_ref.v[layer])):
+            np.testing.assert_allclose(got_c, want_c, rtol=2e-5, atol=2e-5 * np.abs(want_c).max())
+    # without last_only the (B, 1, V) shape of the per-op forward
+    tok2 = rng.integers(0, 61, (3, 1))
+    pos2 = np.array([4, 10, 2])
+    w2 = ref.forward(tok2, start_pos=pos2, cache=c_ref)
+    g2 = fast.forward(tok2, start_pos=pos2, cache=c_fast)
+    assert g2.shape == w2.shape == (3, 1, 61)
+    np.testing.assert_allclose(g2, w2, rtol=2e-5, atol=2e-5 * np.abs(w2).max())
+
+
+def test_greedy_tokens_equal_reference_batch(calls):
+    ref, fast = _pair()
+    prompts = [[1, 5, 7], [2], [9, 9, 9, 9, 9]]
+    want = generate(ref, prompts, max_new_tokens=30)  # runs into the context end (24)
+    got = generate(fast, prompts, max_new_tokens=30)
+    assert calls["calls"] > 10
+    assert got == want
+    assert generate(fast, [4, 4], max_new_tokens=12) == generate(ref, [4, 4], max_new_tokens=12)
+
+
+def test_weights_updated_in_place_or_replaced_are_seen(calls):
+    ref, fast = _pair()
+    tok = np.array([[3]])
+
+    def step(model):
+        cache = model.new_cache(1, 8)
+        model.forward(np.array([[1, 2, 3]]), cache=cache)
+        return model.forward(tok, start_pos=3, cache=cache, last_only=True)
+
+    np.testing.assert_allclose(step(fast), step(ref), rtol=2e-5, atol=1e-5)
+    for m in (ref, fast):
+        m.params["layers.1.feed_forward.w2.weight"] *= 3.0  # in place
+    np.testing.assert_allclose(step(fast), step(ref), rtol=2e-5, atol=1e-5)
+    new = np.random.default_rng(5).normal(0, 0.3, ref.params["layers.0.attention.wq.weight"].shape)
+    for m in (ref, fast):
+        m.params["layers.0.attention.wq.weight"] = new.astype(np.float32)  # replaced
+    np.testing.assert_allclose(step(fast), step(ref), rtol=2e-5, atol=1e-5)
+    assert calls["calls"] == 3
+
+
+def test_float64_matches_reference_tightly(calls):
+    ref, fast = _pair(dtype=np.float64)
+    c1, c2 = ref.new_cache(2), fast.new_cache(2)
+    block = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+    ref.forward(block, cache=c1)
+    fast.forward(block, cache=c2)
+    tok = np.array([[11], [12]])
+    want = ref.forward(tok, start_pos=4, cache=c1, last_only=True)
+    got = fast.forward(tok, start_pos=4, cache=c2, last_only=True)
+    assert calls["calls"] == 1 and got.dtype == np.float64
+    np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-12)
+
+
+def test_declines_prefill_and_checks_positions(calls):
+    _, fast = _pair()
+    cache = fast.new_cache(1, 6)
+    assert NUMBA.decode_step(fast, np.array([[1, 2]]), 0, cache) is None  # T > 1: per-op path
+    fast.forward(np.array([[1, 2]]), cache=cache)
+    assert calls["calls"] == 0
+    with pytest.raises(MinillamaError, match="KV cache length"):
+        fast.forward(np.array([[3]]), start_pos=6, cache=cache)
+    with pytest.raises(MinillamaError, match="context"):
+        fast.forward(np.array([[3]]), start_pos=fast.cfg.max_seq_len, cache=fast.new_cache(1))
+    with pytest.raises(MinillamaError, match="batch"):
+        fast.forward(np.array([[3], [4]]), start_pos=2, cache=cache)
+
+
+def test_stories260k_golden_ids_through_the_fused_step(shared_data, calls):
+    gold = [int(x) for x in (shared_data / "stories260K.greedy.txt").read_text().split()]
+    model, _ = load_model(shared_data / "stories260K.bin", backend="numba")
+    assert generate(model, [1], max_new_tokens=64, temperature=0.0) == gold
+    assert calls["calls"] == 64  # the one-token prompt and the 63 steps after it
