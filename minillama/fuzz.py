@@ -193,10 +193,48 @@ def make_targets(root, names: list[str] | None = None) -> dict[str, Target]:
         prepare_text_file(src, d, val_fraction=0.3)
         targets["data"] = Target("data", d, ["train.bin", "val.bin", "meta.json"], _load_data,
                                  [2.0, 2.0, 1.0])
+    if want("train_ckpt"):
+        targets["train_ckpt"] = _make_train_ckpt_target(root, mk)
     gguf_target = _make_gguf_target(mk, want)
     if gguf_target is not None:
         targets["gguf"] = gguf_target
     return targets
+
+
+def _train_config(data: Path, out: Path):
+    from .train import TrainConfig  # noqa: PLC0415
+
+    return TrainConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, context=8, batch_size=2,
+                       steps=4, warmup=1, eval_interval=2, eval_iters=1, data=str(data),
+                       out=str(out), backend="numpy", plot=False)
+
+
+def _make_train_ckpt_target(root: Path, mk) -> Target:
+    """A training checkpoint (weights, AdamW moments, train_state) written after 2 steps; the
+    loader resumes a fresh trainer from the mutated copy and takes one more step."""
+    from .data import prepare_text_file  # noqa: PLC0415
+    from .train import CKPT_NAME, Trainer  # noqa: PLC0415
+
+    d = mk("train_ckpt")
+    src = root / "train_ckpt" / "corpus.txt"
+    src.write_text("Now is the winter of our discontent.\n" * 20, encoding="utf-8")
+    data = prepare_text_file(src, root / "train_ckpt" / "data", val_fraction=0.3)
+    Trainer(_train_config(data, d), progress=False).train(stop_at=2)
+    for p in d.iterdir():
+        if p.name != CKPT_NAME:
+            p.unlink()
+
+    def load(folder: Path, data=data):
+        tr = Trainer(_train_config(data, folder), progress=False)
+        tr.resume(folder / CKPT_NAME)
+        x = np.arange(8, dtype=np.int64)[None, :]
+        logits = tr.model.backend.to_numpy(tr.model.forward(x))
+        if not np.isfinite(logits).all():
+            raise NonFiniteLogits(f"{int((~np.isfinite(logits)).sum())} non-finite logits")
+        tr.train_step()  # a diverged step is a clean TrainingDiverged
+        return "ok"
+
+    return Target("train_ckpt", d, [CKPT_NAME], load)
 
 
 def _make_gguf_target(mk, want) -> Target | None:

@@ -410,6 +410,10 @@ class Trainer:
 
     def _load_optimizer(self, st: dict[str, Any], tensors: dict[str, Any], path="") -> None:
         check_finite(tensors, path, limit=None)  # the moments: NaN/inf only (v may be large)
+        for k, v in tensors.items():
+            if k.startswith("optim.v.") and v.size and float(v.min()) < 0:
+                raise MinillamaError(f"corrupt optimizer state in {path}: {k} holds negative "
+                                     f"values (a second moment is a mean of squares)")
         self.opt.load_state_dict({
             "step": st["optim_step"],
             "m": {k[len("optim.m."):]: v for k, v in tensors.items() if k.startswith("optim.m.")},
