@@ -123,7 +123,7 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
         logits = model.forward(block, start_pos=0, cache=cache, last_only=True)
     else:
         logits = model.forward(block, start_pos=0, cache=cache, output_index=lens - 1)
-    z = be.to_numpy(logits)
+    z = _finite(be.to_numpy(logits), "the prompt")
     stats.prompt_tokens = int(lens.sum())
     alive = np.ones(B, dtype=bool)
     pos = lens.copy()  # where each sequence's next token goes
@@ -144,7 +144,7 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
         feed_pos = np.minimum(pos, cache_len - 1)
         sp = int(feed_pos[0]) if B == 1 else feed_pos
         logits = model.forward(last[:, None], start_pos=sp, cache=cache, last_only=True)
-        z = be.to_numpy(logits)
+        z = _finite(be.to_numpy(logits), f"position {int(np.max(feed_pos))}")
         pos = pos + alive
         step_out = _choose(z, rngs, temperature, top_k, top_p, alive, stop, last, emitted,
                            budget)
@@ -153,6 +153,15 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
         stats.decode_s += time.perf_counter() - t0
         if step_out:
             yield step_out
+
+
+def _finite(z: np.ndarray, where: str) -> np.ndarray:
+    """The logits, unless they hold NaN/inf: then one clear error instead of sampled garbage
+    (weights that load but overflow float32 in the forward pass)."""
+    if not np.isfinite(z).all():
+        raise MinillamaError(f"the model's logits for {where} hold NaN/inf values (its weights "
+                             f"overflow the compute dtype; try --dtype float64)")
+    return z
 
 
 def _choose(z, rngs, temperature, top_k, top_p, alive, stop, last, emitted, budget):

@@ -358,3 +358,25 @@ def test_prepare_data_out_is_a_file(tmp_path, capsys):
     rc = cli.main(["prepare-data", "--data", str(txt), "--out", str(f)])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("minillama: error: ") and "is a file" in err, err
+
+
+def test_generation_stops_on_non_finite_logits(monkeypatch):
+    """Weights that load but overflow in the forward pass: one clear error, not sampled garbage."""
+    from minillama.generate import generate
+    from minillama.model import Transformer
+
+    cfg = _cfg()
+    model = Transformer(cfg, init_params(cfg, seed=0), backend="numpy")
+    real = model.forward
+    calls = []
+
+    def overflowing(*a, **k):
+        out = real(*a, **k)
+        calls.append(1)
+        if len(calls) == 2:  # the first decode step
+            out = out * np.float32(np.inf)
+        return out
+
+    monkeypatch.setattr(model, "forward", overflowing)
+    with pytest.raises(MinillamaError, match="logits for position 3 hold NaN/inf"):
+        generate(model, [1, 2, 3], max_new_tokens=5, temperature=0.0)
