@@ -145,24 +145,11 @@ def make_targets(root, names: list[str] | None = None) -> dict[str, Target]:
             cfg = _small_cfg(40, tie=bool(version))  # v0: untied (negative vocab in the header)
             save_llama2c(d / "model.bin", cfg, _params(cfg), version=version)
             targets[n] = Target(n, d, ["model.bin"], lambda p: _load_and_run(p / "model.bin"))
-    if want("hf") or want("hf_sharded"):
-        for n, shard in (("hf", None), ("hf_sharded", 3000)):
-            if not want(n):
-                continue
-            d = mk(n)
-            tj = _write_hf_tokenizer(d)
-            if tj is None:
-                continue
-            from .tokenizer import HFTokenizer  # noqa: PLC0415
-
-            cfg = _small_cfg(HFTokenizer(tj).vocab_size + 4)  # a padded vocabulary, as in Qwen
-            save_hf(d, cfg, _params(cfg), max_shard_bytes=shard)
-            (d / "generation_config.json").write_text(json.dumps(
-                {"bos_token_id": 1, "eos_token_id": 2, "max_length": 24}))
-            files = sorted(p.name for p in d.iterdir() if p.is_file())
-            weights = [4.0 if f.endswith(".safetensors") or f == "config.json" else 1.0
-                       for f in files]
-            targets[n] = Target(n, d, files, lambda p: _load_and_run(p), weights)
+    for n, shard, extra in HF_SEEDS:
+        if want(n):
+            t = _make_hf_target(mk(n), n, shard, extra)
+            if t is not None:
+                targets[n] = t
     if want("tokenizer_bin"):
         d = mk("tokenizer_bin")
         _write_tokenizer_bin(d / "tokenizer.bin")
@@ -199,6 +186,45 @@ def make_targets(root, names: list[str] | None = None) -> dict[str, Target]:
     if gguf_target is not None:
         targets["gguf"] = gguf_target
     return targets
+
+
+#: the Hugging Face seeds: (name, max shard bytes, ModelConfig options). The family seeds
+#: (biases, RoPE scalings, a sliding window) exist where ModelConfig has those options.
+HF_SEEDS = [
+    ("hf", None, {}),
+    ("hf_sharded", 3000, {}),
+    ("hf_qwen2", None, {"qkv_bias": True,
+                        "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8}}),
+    ("hf_mistral", None, {"sliding_window": 8, "head_dim": 4,
+                          "rope_scaling": {"rope_type": "dynamic", "factor": 2.0,
+                                           "original_max_position_embeddings": 12}}),
+]
+
+
+def _make_hf_target(d: Path, name: str, shard: int | None, extra: dict) -> Target | None:
+    """A HF folder: config.json, safetensors weights (sharded with an index when ``shard``),
+    tokenizer.json, tokenizer_config.json, generation_config.json. None without the
+    ``tokenizers`` package or when ModelConfig lacks an option of ``extra``."""
+    import dataclasses  # noqa: PLC0415
+
+    from .config import ModelConfig  # noqa: PLC0415
+    from .formats import save_hf  # noqa: PLC0415
+    from .tokenizer import HFTokenizer  # noqa: PLC0415
+
+    if not set(extra) <= {f.name for f in dataclasses.fields(ModelConfig)}:
+        return None
+    tj = _write_hf_tokenizer(d)
+    if tj is None:
+        return None
+    cfg = _small_cfg(HFTokenizer(tj).vocab_size + 4, **extra)  # a padded vocabulary (Qwen's)
+    save_hf(d, cfg, _params(cfg), max_shard_bytes=shard)
+    (d / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2, "max_length": 24}))
+    files = sorted(p.name for p in d.iterdir() if p.is_file())
+    weights = [4.0 if f.endswith(".safetensors") or f == "config.json" else 1.0 for f in files]
+    return Target(name, d, files, lambda p: _load_and_run(p), weights)
 
 
 def _train_config(data: Path, out: Path):
