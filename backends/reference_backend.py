@@ -26,6 +26,8 @@ class ReferenceBackend:
     embedding_backward = staticmethod(ops.embedding_backward)
     linear_forward = staticmethod(ops.linear_forward)
     linear_backward = staticmethod(ops.linear_backward)
+    bias_forward = staticmethod(ops.bias_forward)
+    bias_backward = staticmethod(ops.bias_backward)
     rmsnorm_forward = staticmethod(ops.rmsnorm_forward)
     rmsnorm_backward = staticmethod(ops.rmsnorm_backward)
     rope_forward = staticmethod(ops.rope_forward)

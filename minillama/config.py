@@ -31,10 +31,17 @@ class ModelConfig:
     """Shape of a LLaMA-family decoder.
 
     Sizes: D = ``dim``, L = ``n_layers``, H = ``n_heads``, KVH = ``n_kv_heads``,
-    hd = D / H, F = ``hidden_dim``, V = ``vocab_size``, ``max_seq_len`` the context.
+    hd = ``head_dim``, F = ``hidden_dim``, V = ``vocab_size``, ``max_seq_len`` the context.
     ``n_kv_heads`` defaults to ``n_heads`` (MHA); KVH = 1 is MQA, anything between is GQA.
     ``hidden_dim`` defaults to :func:`llama_hidden_dim` of ``dim``, ``multiple_of`` and
-    ``ffn_dim_multiplier``.
+    ``ffn_dim_multiplier``; ``head_dim`` defaults to D / H but may be anything even (Mistral
+    Nemo, Qwen3: H hd != D).
+
+    Family options (all off for LLaMA 1/2): ``qkv_bias`` adds biases to W_q, W_k, W_v (Qwen2);
+    ``attn_out_bias`` to W_o and ``mlp_bias`` to W_1, W_2, W_3 (HF ``attention_bias`` sets both
+    attention flags); ``sliding_window`` W lets query t read keys t-W+1..t only (Mistral);
+    ``rope_scaling`` is a transformers-style dict ``{"rope_type": "linear" | "dynamic" |
+    "llama3" | "yarn", "factor": ..., ...}`` (see :func:`minillama.ops.rope_frequencies`).
     """
 
     dim: int = 128
@@ -49,6 +56,12 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 256
     tie_embeddings: bool = True
+    head_dim: int | None = None
+    qkv_bias: bool = False
+    attn_out_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    rope_scaling: dict | None = None
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -56,13 +69,16 @@ class ModelConfig:
         if self.hidden_dim is None:
             self.validate_fields("dim", "multiple_of", "ffn_dim_multiplier")
             self.hidden_dim = llama_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
+        if self.head_dim is None:
+            self.validate_fields("dim", "n_heads")
+            if self.dim % self.n_heads:
+                raise MinillamaError(
+                    f"dim % n_heads must be 0 when head_dim is not given (dim={self.dim}, "
+                    f"n_heads={self.n_heads})")
+            self.head_dim = self.dim // self.n_heads
         self.validate()
 
     # --- derived sizes ---------------------------------------------------------------------
-    @property
-    def head_dim(self) -> int:
-        """hd = D / H."""
-        return self.dim // self.n_heads
 
     @property
     def n_rep(self) -> int:
@@ -95,22 +111,20 @@ class ModelConfig:
         field's type and range (sizes bounded, so a lying config is refused before anything is
         allocated), then the cross-field invariants."""
         self.validate_fields()
-        if self.dim % self.n_heads:
-            raise MinillamaError(
-                f"dim % n_heads must be 0 (dim={self.dim}, n_heads={self.n_heads})")
         if self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads:
             raise MinillamaError(
                 f"n_heads % n_kv_heads must be 0 (n_heads={self.n_heads}, "
                 f"n_kv_heads={self.n_kv_heads})")
         if self.head_dim % 2:
             raise MinillamaError(
-                f"RoPE needs an even head dimension dim / n_heads, got {self.head_dim} "
+                f"RoPE needs an even head dimension, got head_dim={self.head_dim} "
                 f"(dim={self.dim}, n_heads={self.n_heads})")
         if self.max_seq_len * self.head_dim > MAX_ROPE_TABLE:
             raise MinillamaError(
                 f"max_seq_len * head_dim = {self.max_seq_len} * {self.head_dim} is more than "
                 f"{MAX_ROPE_TABLE} (the RoPE tables alone would take "
                 f"{self.max_seq_len * self.head_dim * 4 / 2**30:.1f} GiB)")
+        self.rope_scaling = check_rope_scaling(self.rope_scaling, self.head_dim)
 
     # --- (de)serialisation -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -135,8 +149,10 @@ class ModelConfig:
     def n_params(self) -> int:
         """Number of parameters (the tied head counted once)."""
         D, F, V, L = self.dim, self.hidden_dim, self.vocab_size, self.n_layers
-        kv = self.n_kv_heads * self.head_dim
-        per_layer = D * D * 2 + 2 * D * kv + 3 * D * F + 2 * D
+        qd, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        per_layer = 2 * D * qd + 2 * D * kv + 3 * D * F + 2 * D
+        per_layer += (qd + 2 * kv) * self.qkv_bias + D * self.attn_out_bias
+        per_layer += (2 * F + D) * self.mlp_bias
         return V * D * (1 if self.tie_embeddings else 2) + L * per_layer + D
 
 
@@ -168,7 +184,55 @@ FIELD_RULES: dict[str, tuple[str, float, float]] = {
     "rope_theta": ("float", 1.0, 1e12),
     "max_seq_len": ("int", 1, 1 << 21),
     "tie_embeddings": ("bool", 0, 1),
+    "head_dim": ("int", 2, 1 << 12),
+    "sliding_window": ("int", 1, 1 << 21),
 }
+
+#: the RoPE scalings implemented (transformers' ``rope_type`` names) and the numeric parameters
+#: each one needs; "default" is plain RoPE
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+#: optional numeric parameters (yarn's)
+_ROPE_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def check_rope_scaling(scaling: Any, head_dim: int) -> dict | None:
+    """``scaling`` as a clean dict (``rope_type`` plus its finite positive numbers), None for
+    plain RoPE; an unknown type or a missing/bad parameter is one clear error."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise MinillamaError(f"ModelConfig.rope_scaling must be an object or null, got "
+                             f"{type(scaling).__name__}")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_SCALING_KEYS:
+        raise MinillamaError(f"rope scaling type {_show(kind)} is not supported (supported: "
+                             f"{', '.join(ROPE_SCALING_KEYS)})")
+    if kind == "default":
+        return None
+    out: dict[str, Any] = {"rope_type": kind}
+    for key in ROPE_SCALING_KEYS[kind] + _ROPE_OPTIONAL:
+        value = scaling.get(key)
+        if value is None and key not in ROPE_SCALING_KEYS[kind]:
+            continue
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or value <= 0):
+            raise MinillamaError(f"rope_scaling ({kind}): {key} must be a positive number, "
+                                 f"got {_show(value)}")
+        out[key] = value
+    if kind in ("llama3",) and out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise MinillamaError("rope_scaling (llama3): high_freq_factor must exceed low_freq_factor")
+    if kind == "dynamic" and head_dim <= 2:
+        raise MinillamaError("rope_scaling (dynamic) needs head_dim > 2")
+    if "truncate" in scaling:
+        out["truncate"] = bool(scaling["truncate"])
+    return out
 
 
 def _check_field(name: str, value: Any, annotation: str) -> Any:

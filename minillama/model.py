@@ -22,6 +22,7 @@ from .backends import get_backend
 from .config import ModelConfig
 from .errors import MinillamaError
 from .kvcache import KVCache
+from . import ops
 from .ops import rope_tables
 
 #: the names of one block's parameters (prefix ``layers.{l}.``), Meta / llama2.c naming
@@ -38,12 +39,26 @@ LAYER_PARAMS = (
 )
 
 
+def layer_biases(cfg: ModelConfig) -> tuple[str, ...]:
+    """The bias parameters of one block that ``cfg`` asks for (``qkv_bias``: wq, wk, wv;
+    ``attn_out_bias``: wo; ``mlp_bias``: w1, w2, w3), each ``<linear>.bias``."""
+    names: list[str] = []
+    if cfg.qkv_bias:
+        names += ["attention.wq.bias", "attention.wk.bias", "attention.wv.bias"]
+    if cfg.attn_out_bias:
+        names.append("attention.wo.bias")
+    if cfg.mlp_bias:
+        names += ["feed_forward.w1.bias", "feed_forward.w2.bias", "feed_forward.w3.bias"]
+    return tuple(names)
+
+
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's name and shape, in a fixed order (embedding, layers, norm, head).
 
     Linear weights are (out, in): wq (H*hd, D), wk/wv (KVH*hd, D), wo (D, H*hd), w1/w3 (F, D),
-    w2 (D, F); norm gains (D,); tok_embeddings and output (V, D). ``output.weight`` exists only
-    when the head is not tied to the embedding.
+    w2 (D, F); biases (out,) when the config has them (:func:`layer_biases`); norm gains (D,);
+    tok_embeddings and output (V, D). ``output.weight`` exists only when the head is not tied
+    to the embedding.
     """
     D, F, V = cfg.dim, cfg.hidden_dim, cfg.vocab_size
     qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -58,9 +73,12 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "feed_forward.w2.weight": (D, F),
         "feed_forward.w3.weight": (F, D),
     }
+    biases = layer_biases(cfg)
+    for name in biases:
+        per_layer[name] = per_layer[name.replace(".bias", ".weight")][:1]
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (V, D)}
     for layer in range(cfg.n_layers):
-        for name in LAYER_PARAMS:
+        for name in LAYER_PARAMS + biases:
             shapes[f"layers.{layer}.{name}"] = per_layer[name]
     shapes["norm.weight"] = (D,)
     if not cfg.tie_embeddings:
@@ -73,13 +91,16 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=np.float32) -> dict[str, 
 
     Matrices ~ N(0, 0.02^2); the residual output projections wo and w2 ~ N(0, (0.02/\sqrt{2L})^2)
     so that the residual stream's variance does not grow with depth (GPT-2's scaled init, also used
-    by llama2.c's training code); norm gains are ones.
+    by llama2.c's training code); norm gains are ones; biases zeros.
     """
     rng = np.random.default_rng(seed)
     params = {}
     for name, shape in param_shapes(cfg).items():
         if name.endswith("norm.weight"):
             params[name] = np.ones(shape, dtype=dtype)
+            continue
+        if name.endswith(".bias"):
+            params[name] = np.zeros(shape, dtype=dtype)
             continue
         std = 0.02
         if name.endswith(("wo.weight", "w2.weight")):
@@ -119,7 +140,7 @@ class Transformer:
             raise MinillamaError(f"compute dtype must be float32 or float64, got {self.dtype}")
         self.params = {k: self.backend.asarray(v, dtype=self.dtype) for k, v in params.items()}
         self.cos, self.sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
-                                         self.dtype, xp)
+                                         self.dtype, xp, cfg.rope_scaling)
 
     # ----------------------------------------------------------------------------------------
     # small helpers: the head matrix, caches, input checks, RoPE rows
@@ -161,6 +182,16 @@ class Transformer:
             raise MinillamaError(f"targets shape {tgt.shape} != tokens shape {shape}")
         return tgt
 
+    def _rope_table(self, end: int):
+        """The (cos, sin) tables for a forward whose furthest position is end - 1: the fixed ones,
+        or for a ``dynamic`` RoPE scaling past its original length, ones rebuilt for ``end``
+        positions (as transformers does for the longest position of the batch)."""
+        sc = self.cfg.rope_scaling
+        if not sc or sc["rope_type"] != "dynamic" or end <= sc["original_max_position_embeddings"]:
+            return self.cos, self.sin
+        return rope_tables(self.cfg.head_dim, end, self.cfg.rope_theta, self.dtype,
+                           self.backend.xp, sc, seq_len=end)
+
     def _rope_at(self, start_pos, T: int):
         """cos/sin gathered at positions start_pos .. start_pos + T - 1: (T, hd/2) or (B, T, hd/2)."""
         if np.ndim(start_pos) == 0:
@@ -169,14 +200,16 @@ class Transformer:
             if s < 0 or end > self.cfg.max_seq_len:
                 raise MinillamaError(
                     f"positions {s}..{end - 1} exceed the model context of {self.cfg.max_seq_len}")
-            return self.cos[s:end], self.sin[s:end]
+            cos, sin = self._rope_table(end)
+            return cos[s:end], sin[s:end]
         starts = np.asarray(start_pos, dtype=np.int64).reshape(-1)
         if starts.min() < 0 or starts.max() + T > self.cfg.max_seq_len:
             raise MinillamaError(
                 f"positions up to {starts.max() + T - 1} exceed the model context of "
                 f"{self.cfg.max_seq_len}")
+        cos, sin = self._rope_table(int(starts.max()) + T)
         pos = self.backend.asarray(starts[:, None] + np.arange(T)[None, :])
-        return self.cos[pos], self.sin[pos]
+        return cos[pos], sin[pos]
 
     # ----------------------------------------------------------------------------------------
     # forward, piece by piece
@@ -185,6 +218,32 @@ class Transformer:
         """h_0 = E[x]: (B, T) ids -> (B, T, D). Returns (h_0, ctx)."""
         return self.backend.embedding_forward(self.params["tok_embeddings.weight"],
                                               self.backend.asarray(tok))
+
+    def _proj(self, pre: str, name: str, x):
+        """One linear layer ``pre + name`` of the block: y = x W^T (+ b when the config has that
+        bias). Returns (y, ctx)."""
+        be, p = self.backend, self.params
+        y, c_w = be.linear_forward(x, p[pre + name + ".weight"])
+        if pre + name + ".bias" in p:
+            y, _ = be.bias_forward(y, p[pre + name + ".bias"])
+        return y, c_w
+
+    def _proj_backward(self, pre: str, name: str, dy, ctx, grads):
+        """Gradient of :meth:`_proj`: dy (..., out) -> dx (..., in); fills its weight (and bias)
+        gradients."""
+        if pre + name + ".bias" in self.params:
+            grads[pre + name + ".bias"] = self.backend.bias_backward(dy, None)
+        dx, grads[pre + name + ".weight"] = self.backend.linear_backward(dy, ctx)
+        return dx
+
+    def _attention_ops(self, S: int):
+        """The attention (forward, backward) pair for S keys: the backend's, or with a sliding
+        window that hides some of them, the reference with the window (kernels lack it)."""
+        W = self.cfg.sliding_window
+        if W is None or S <= W:
+            return self.backend.attention_forward, self.backend.attention_backward
+        return (lambda q, k, v, start_pos: ops.attention_forward(q, k, v, start_pos, window=W),
+                ops.attention_backward)
 
     def _attention_sublayer(self, layer: int, x, cos, sin, cache, start_pos):
         r"""\mathrm{Attn}(\mathrm{RMSNorm}(x)) = W_o\, \mathrm{attn}(\mathrm{RoPE}(W_q h),
@@ -198,17 +257,18 @@ class Transformer:
         B, T, _ = x.shape
         H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         h, c_norm = be.rmsnorm_forward(x, p[pre + "attention_norm.weight"], cfg.norm_eps)
-        q, c_q = be.linear_forward(h, p[pre + "attention.wq.weight"])
-        k, c_k = be.linear_forward(h, p[pre + "attention.wk.weight"])
-        v, c_v = be.linear_forward(h, p[pre + "attention.wv.weight"])
+        q, c_q = self._proj(pre, "attention.wq", h)
+        k, c_k = self._proj(pre, "attention.wk", h)
+        v, c_v = self._proj(pre, "attention.wv", h)
         q, c_rq = be.rope_forward(q.reshape(B, T, H, hd), cos, sin)    # (B, T, H, hd)
         k, c_rk = be.rope_forward(k.reshape(B, T, KVH, hd), cos, sin)  # (B, T, KVH, hd)
         v = v.reshape(B, T, KVH, hd)
         if cache is not None:
             k, v = cache.update(layer, k, v, start_pos)  # (B, S, KVH, hd)
-        a, c_att = be.attention_forward(q, k, v, start_pos)
-        o, c_o = be.linear_forward(a.reshape(B, T, H * hd), p[pre + "attention.wo.weight"])
-        return o, (c_norm, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o)
+        att_forward, att_backward = self._attention_ops(k.shape[1])
+        a, c_att = att_forward(q, k, v, start_pos)
+        o, c_o = self._proj(pre, "attention.wo", a.reshape(B, T, H * hd))
+        return o, (c_norm, c_q, c_k, c_v, c_rq, c_rk, (att_backward, c_att), c_o)
 
     def _ffn_sublayer(self, layer: int, x):
         r"""\mathrm{FFN}(\mathrm{RMSNorm}(x)) = W_2(\mathrm{silu}(W_1 n) \odot W_3 n),
@@ -219,10 +279,10 @@ class Transformer:
         be, p, cfg = self.backend, self.params, self.cfg
         pre = f"layers.{layer}."
         n, c_norm = be.rmsnorm_forward(x, p[pre + "ffn_norm.weight"], cfg.norm_eps)
-        a1, c_1 = be.linear_forward(n, p[pre + "feed_forward.w1.weight"])  # (B, T, F)
-        b3, c_3 = be.linear_forward(n, p[pre + "feed_forward.w3.weight"])  # (B, T, F)
+        a1, c_1 = self._proj(pre, "feed_forward.w1", n)  # (B, T, F)
+        b3, c_3 = self._proj(pre, "feed_forward.w3", n)  # (B, T, F)
         g, c_sw = be.swiglu_forward(a1, b3)
-        f, c_2 = be.linear_forward(g, p[pre + "feed_forward.w2.weight"])   # (B, T, D)
+        f, c_2 = self._proj(pre, "feed_forward.w2", g)   # (B, T, D)
         return f, (c_norm, c_1, c_3, c_sw, c_2)
 
     def _block_forward(self, layer: int, x, cos, sin, cache, start_pos):
@@ -308,10 +368,10 @@ class Transformer:
         and ffn_norm gradients of ``layer``."""
         be, pre = self.backend, f"layers.{layer}."
         c_norm, c_1, c_3, c_sw, c_2 = ctx
-        dg, grads[pre + "feed_forward.w2.weight"] = be.linear_backward(df, c_2)
+        dg = self._proj_backward(pre, "feed_forward.w2", df, c_2, grads)
         da1, db3 = be.swiglu_backward(dg, c_sw)
-        dn, grads[pre + "feed_forward.w1.weight"] = be.linear_backward(da1, c_1)
-        dn3, grads[pre + "feed_forward.w3.weight"] = be.linear_backward(db3, c_3)
+        dn = self._proj_backward(pre, "feed_forward.w1", da1, c_1, grads)
+        dn3 = self._proj_backward(pre, "feed_forward.w3", db3, c_3, grads)
         dn += dn3  # fresh arrays: the gradient sums are accumulated in place
         dx, grads[pre + "ffn_norm.weight"] = be.rmsnorm_backward(dn, c_norm)
         return dx
@@ -323,15 +383,14 @@ class Transformer:
         B, T, _ = do.shape
         H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         c_norm, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o = ctx
-        da, grads[pre + "attention.wo.weight"] = be.linear_backward(do, c_o)
-        dq, dk, dv = be.attention_backward(da.reshape(B, T, H, hd), c_att)
+        da = self._proj_backward(pre, "attention.wo", do, c_o, grads)
+        att_backward, c_att = c_att
+        dq, dk, dv = att_backward(da.reshape(B, T, H, hd), c_att)
         dq = be.rope_backward(dq, c_rq)
         dk = be.rope_backward(dk, c_rk)
-        dh, grads[pre + "attention.wq.weight"] = be.linear_backward(dq.reshape(B, T, H * hd), c_q)
-        dhk, grads[pre + "attention.wk.weight"] = be.linear_backward(dk.reshape(B, T, KVH * hd),
-                                                                     c_k)
-        dhv, grads[pre + "attention.wv.weight"] = be.linear_backward(dv.reshape(B, T, KVH * hd),
-                                                                     c_v)
+        dh = self._proj_backward(pre, "attention.wq", dq.reshape(B, T, H * hd), c_q, grads)
+        dhk = self._proj_backward(pre, "attention.wk", dk.reshape(B, T, KVH * hd), c_k, grads)
+        dhv = self._proj_backward(pre, "attention.wv", dv.reshape(B, T, KVH * hd), c_v, grads)
         dh += dhk
         dh += dhv
         dx, grads[pre + "attention_norm.weight"] = be.rmsnorm_backward(dh, c_norm)

@@ -43,6 +43,11 @@ _LAYER_MAP = {
     "mlp.down_proj.weight": "feed_forward.w2.weight",
     "mlp.up_proj.weight": "feed_forward.w3.weight",
 }
+_LAYER_MAP.update({k.replace(".weight", ".bias"): v.replace(".weight", ".bias")
+                   for k, v in _LAYER_MAP.items() if "proj" in k})
+
+#: the model types read here: LLaMA-like decoders that differ only in the options of ModelConfig
+FAMILIES = ("llama", "mistral", "qwen2")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,9 +68,10 @@ def config_from_hf(c: dict, where="config.json") -> ModelConfig:
     ranges (its messages name the HF field too)."""
     if not isinstance(c, dict):
         raise MinillamaError(f"{where}: not a JSON object")
-    if c.get("model_type", "llama") != "llama":
-        raise MinillamaError(f"{where}: model_type {str(c.get('model_type'))[:40]!r} is not "
-                             f"supported (only 'llama')")
+    family = c.get("model_type", "llama")
+    if family not in FAMILIES:
+        raise MinillamaError(f"{where}: model_type {str(family)[:40]!r} is not supported "
+                             f"(supported: {', '.join(FAMILIES)})")
     try:
         H = c["num_attention_heads"]
         cfg_args = dict(dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=H,
@@ -79,22 +85,29 @@ def config_from_hf(c: dict, where="config.json") -> ModelConfig:
     if c.get("hidden_act", "silu") != "silu":
         raise MinillamaError(f"{where}: hidden_act {str(c['hidden_act'])[:40]!r} is not "
                              f"supported (silu)")
-    for flag in ("attention_bias", "mlp_bias"):
-        if c.get(flag):
-            raise MinillamaError(f"{where}: {flag} = true is not supported")
+    cfg_args.update(_family_options(c, family, where))
     rope = c.get("rope_parameters") or {}
     scaling = c.get("rope_scaling") or {}
     for key, d in (("rope_parameters", rope), ("rope_scaling", scaling)):
         if not isinstance(d, dict):
             raise MinillamaError(f"{where}: {key} must be an object or null, got "
                                  f"{type(d).__name__}")
-        kind = d.get("rope_type", d.get("type", "default"))
-        if kind not in ("default", None):
-            raise MinillamaError(f"{where}: rope scaling type {str(kind)[:40]!r} is not "
-                                 f"supported (only plain RoPE)")
+    merged = {**rope, **scaling}  # the older rope_scaling field, when set, names the scaling
+    if merged.get("partial_rotary_factor", 1.0) != 1.0:
+        raise MinillamaError(f"{where}: partial_rotary_factor != 1 is not supported")
+    if merged.get("rope_type", merged.get("type", "default")) not in (None, "default"):
+        if merged.get("rope_type", merged.get("type")) == "dynamic":
+            # dynamic NTK stretches the context past max_position_embeddings by its factor
+            merged["original_max_position_embeddings"] = cfg_args["max_seq_len"]
+            if isinstance(merged.get("factor"), (int, float)) and merged["factor"] > 1:
+                cfg_args["max_seq_len"] = int(cfg_args["max_seq_len"] * merged["factor"])
+        merged.setdefault("original_max_position_embeddings", cfg_args["max_seq_len"])
+        cfg_args["rope_scaling"] = merged
     if c.get("pretraining_tp", 1) not in (1, None):
         raise MinillamaError(f"{where}: pretraining_tp != 1 is not supported")
     cfg_args["rope_theta"] = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+    if c.get("head_dim") is not None:
+        cfg_args["head_dim"] = c["head_dim"]
     try:
         cfg = ModelConfig(**cfg_args)
     except MinillamaError as e:
@@ -102,34 +115,72 @@ def config_from_hf(c: dict, where="config.json") -> ModelConfig:
         for hf_name, ours in _HF_FIELDS.items():
             msg = msg.replace(f"ModelConfig.{ours} ", f"{hf_name} ", 1)
         raise MinillamaError(f"{where}: bad field value: {msg}") from None
-    hd = c.get("head_dim")
-    if hd is not None and hd != cfg.head_dim:
-        raise MinillamaError(f"{where}: head_dim {str(hd)[:20]} != hidden_size / "
-                             f"num_attention_heads = {cfg.head_dim} is not supported")
     return cfg
 
 
+def _family_options(c: dict, family: str, where) -> dict:
+    """The ModelConfig options of a family: biases (llama ``attention_bias``/``mlp_bias``, qwen2's
+    q/k/v biases) and mistral's ``sliding_window``."""
+    if family == "qwen2":
+        if c.get("use_sliding_window"):
+            raise MinillamaError(f"{where}: qwen2 use_sliding_window = true (sliding window on "
+                                 f"some layers only) is not supported")
+        return {"qkv_bias": True}
+    opts = {}
+    if family == "llama":
+        att = c.get("attention_bias", False)
+        opts = {"qkv_bias": att, "attn_out_bias": att, "mlp_bias": c.get("mlp_bias", False)}
+    if family == "mistral" and c.get("sliding_window") is not None:
+        opts["sliding_window"] = c["sliding_window"]
+    return opts
+
+
 def config_to_hf(cfg: ModelConfig) -> dict:
-    """The HF ``config.json`` dict of ``cfg`` (LlamaForCausalLM, float32)."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    """The HF ``config.json`` dict of ``cfg`` (float32): LlamaForCausalLM, or MistralForCausalLM
+    with a sliding window, Qwen2ForCausalLM with q/k/v biases only. A config no HF class holds
+    (a sliding window with biases, q/k/v biases without the output one on llama) is an error."""
+    family, arch = "llama", "LlamaForCausalLM"
+    if cfg.sliding_window is not None:
+        family, arch = "mistral", "MistralForCausalLM"
+    elif cfg.qkv_bias and not cfg.attn_out_bias and not cfg.mlp_bias:
+        family, arch = "qwen2", "Qwen2ForCausalLM"
+    if family == "mistral" and (cfg.qkv_bias or cfg.attn_out_bias or cfg.mlp_bias):
+        raise MinillamaError("this model (sliding window with biases) has no Hugging Face class")
+    if family == "llama" and cfg.qkv_bias != cfg.attn_out_bias:
+        raise MinillamaError("this model (q/k/v biases without an output bias, plus an MLP bias) "
+                             "has no Hugging Face class")
+    rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    max_pos = cfg.max_seq_len
+    if cfg.rope_scaling:
+        rope.update(cfg.rope_scaling)
+        if cfg.rope_scaling["rope_type"] == "dynamic":
+            max_pos = int(cfg.rope_scaling["original_max_position_embeddings"])
+            del rope["original_max_position_embeddings"]
+    out = {
+        "architectures": [arch], "model_type": family,
         "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "vocab_size": cfg.vocab_size, "max_position_embeddings": max_pos,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_parameters": rope,
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2,
-        "dtype": "float32", "torch_dtype": "float32",
+        "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32", "torch_dtype": "float32",
     }
+    if family == "llama":
+        out.update(attention_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_bias)
+    if family == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
 # the q/k permutation
 # ---------------------------------------------------------------------------------------------
 def hf_to_interleaved(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Rows of a HF q/k projection (half-split RoPE) -> interleaved-pair order. w: (nh*hd, D)."""
+    """Rows of a HF q/k projection (half-split RoPE) -> interleaved-pair order. w: (nh*hd, D),
+    or a bias (nh*hd,)."""
+    if w.ndim == 1:
+        return hf_to_interleaved(w[:, None], n_heads)[:, 0]
     out, D = w.shape
     hd = out // n_heads
     return np.ascontiguousarray(w.reshape(n_heads, 2, hd // 2, D).transpose(0, 2, 1, 3)
@@ -138,6 +189,8 @@ def hf_to_interleaved(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def interleaved_to_hf(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Inverse of :func:`hf_to_interleaved`."""
+    if w.ndim == 1:
+        return interleaved_to_hf(w[:, None], n_heads)[:, 0]
     out, D = w.shape
     hd = out // n_heads
     return np.ascontiguousarray(w.reshape(n_heads, hd // 2, 2, D).transpose(0, 2, 1, 3)
@@ -224,9 +277,11 @@ def load_hf(path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     check_params(cfg, params)
     check_finite(params, d)
     for layer in range(cfg.n_layers):
-        q, k = f"layers.{layer}.attention.wq.weight", f"layers.{layer}.attention.wk.weight"
-        params[q] = hf_to_interleaved(params[q], cfg.n_heads)
-        params[k] = hf_to_interleaved(params[k], cfg.n_kv_heads)
+        for kind in ("weight", "bias"):
+            q, k = f"layers.{layer}.attention.wq.{kind}", f"layers.{layer}.attention.wk.{kind}"
+            if q in params:
+                params[q] = hf_to_interleaved(params[q], cfg.n_heads)
+                params[k] = hf_to_interleaved(params[k], cfg.n_kv_heads)
     return cfg, params
 
 
@@ -256,9 +311,9 @@ def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None) 
             out["lm_head.weight"] = v
         else:
             _, layer, sub = k.split(".", 2)
-            if sub == "attention.wq.weight":
+            if sub in ("attention.wq.weight", "attention.wq.bias"):
                 v = interleaved_to_hf(v, cfg.n_heads)
-            elif sub == "attention.wk.weight":
+            elif sub in ("attention.wk.weight", "attention.wk.bias"):
                 v = interleaved_to_hf(v, cfg.n_kv_heads)
             out[f"model.layers.{layer}.{inv[sub]}"] = v
     atomic_write(d / "config.json",

@@ -1,0 +1,123 @@
+"""Parity with `transformers` for every supported checkpoint family: a tiny random model is built
+and saved by transformers here, loaded by minillama, and must give the same float32 logits (within
+1e-4 of the largest logit) and the same greedy tokens, on every backend that runs here.
+
+Families: llama (plain RoPE, Llama 3.1 rope scaling, linear / dynamic-NTK / yarn scaling, a
+head_dim that differs from hidden / heads, attention and MLP biases), mistral (sliding window
+shorter than the sequence) and qwen2 (q/k/v biases).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minillama.errors import MinillamaError
+from minillama.formats import load_model
+from minillama.formats.hf import config_from_hf
+from minillama.generate import generate
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+
+#: name -> (HF config class name, model class name, extra config fields)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama-tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "llama3-scaling": ("LlamaConfig", "LlamaForCausalLM",
+                       {"rope_parameters": LLAMA3, "hidden_size": 64}),
+    "llama-head-dim": ("LlamaConfig", "LlamaForCausalLM", {"head_dim": 12}),
+    "llama-linear": ("LlamaConfig", "LlamaForCausalLM",
+                     {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                          "rope_theta": 10000.0}}),
+    "llama-dynamic": ("LlamaConfig", "LlamaForCausalLM",
+                      {"max_position_embeddings": 12,
+                       "rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
+                                           "rope_theta": 10000.0}}),
+    "llama-yarn": ("LlamaConfig", "LlamaForCausalLM",
+                   {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                        "original_max_position_embeddings": 16}}),
+    "llama-biases": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True,
+                                                          "mlp_bias": True}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 5, "head_dim": 8}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+}
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]  # 13 tokens: past the window of 5
+
+
+def build_hf(family: str, folder):
+    """A random transformers model of ``family`` saved (safetensors) into ``folder``, biases
+    randomised too (transformers starts them at zero)."""
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    cfg = getattr(transformers, cfg_cls)(**{**BASE, **extra})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def hf_family(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    model = build_hf(request.param, folder)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        logits = model(ids).logits[0].numpy()
+        greedy = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(PROMPT):].tolist()
+    return request.param, folder, logits, greedy
+
+
+def test_logits_and_greedy_tokens_match_transformers(hf_family, backend):
+    family, folder, ref_logits, ref_greedy = hf_family
+    model, _ = load_model(folder, backend=backend.name)
+    logits = backend.to_numpy(model.forward(np.array([PROMPT])))[0]
+    err = np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()
+    assert err <= 1e-4, f"{family} on {backend.name}: relative logit error {err:.2e}"
+    got = generate(model, PROMPT, max_new_tokens=8, temperature=0.0)
+    assert got == ref_greedy, family
+
+
+def test_family_options_reach_the_config(tmp_path):
+    """What each family turns on in ModelConfig (so the parity above exercises it)."""
+    def cfg_of(family):
+        cfg_cls, _, extra = FAMILIES[family]
+        return config_from_hf(getattr(transformers, cfg_cls)(**{**BASE, **extra}).to_dict())
+
+    assert cfg_of("qwen2").qkv_bias and not cfg_of("qwen2").attn_out_bias
+    assert cfg_of("mistral").sliding_window == 5 and cfg_of("mistral").head_dim == 8
+    assert cfg_of("llama-head-dim").head_dim == 12 and cfg_of("llama-head-dim").dim == 32
+    b = cfg_of("llama-biases")
+    assert b.qkv_bias and b.attn_out_bias and b.mlp_bias
+    assert cfg_of("llama3-scaling").rope_scaling["rope_type"] == "llama3"
+    dyn = cfg_of("llama-dynamic")
+    assert dyn.max_seq_len == 24 and dyn.rope_scaling["original_max_position_embeddings"] == 12
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+     "rope scaling type 'longrope' is not supported"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+])
+def test_unsupported_settings_are_one_clear_line(change, needle):
+    c = transformers.LlamaConfig(**BASE).to_dict()
+    c.update(change)
+    with pytest.raises(MinillamaError) as e:
+        config_from_hf(c)
+    assert needle in str(e.value) and "\n" not in str(e.value)
