@@ -121,3 +121,82 @@ def test_unsupported_settings_are_one_clear_line(change, needle):
     with pytest.raises(MinillamaError) as e:
         config_from_hf(c)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def _hf_grads_as_ours(model, cfg):
+    """The gradients of a transformers model under minillama's names and RoPE row order."""
+    from minillama.formats.hf import _LAYER_MAP, hf_to_interleaved
+
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().numpy()
+        if name == "model.embed_tokens.weight":
+            out["tok_embeddings.weight"] = g
+        elif name == "model.norm.weight":
+            out["norm.weight"] = g
+        elif name == "lm_head.weight":
+            out["output.weight"] = g
+        else:
+            layer, sub = name[len("model.layers."):].split(".", 1)
+            ours = f"layers.{layer}.{_LAYER_MAP[sub]}"
+            if ".wq." in ours or ".wk." in ours:
+                g = hf_to_interleaved(g, cfg.n_heads if ".wq." in ours else cfg.n_kv_heads)
+            out[ours] = g
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama-biases", "llama-head-dim",
+                                    "llama3-scaling"])
+def test_gradients_match_torch_autograd(family, tmp_path):
+    """loss_and_grads (hand-written backward, biases and sliding window included) equals
+    torch.autograd on the transformers model cast to float64. transformers keeps RoPE's cos/sin,
+    RMSNorm and the softmax in float32 even then, so the agreement is float32's (1e-5 of each
+    gradient's largest entry); exact float64 checks are the central differences below."""
+    from minillama.model import Transformer
+
+    hf = build_hf(family, tmp_path).double()
+    model64, _ = load_model(tmp_path, backend="numpy", dtype=np.float64)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, BASE["vocab_size"], size=(2, 13))
+    y = rng.integers(0, BASE["vocab_size"], size=(2, 13))
+    loss, grads = model64.loss_and_grads(x, y)
+    logits = hf(torch.tensor(x)).logits
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                            torch.tensor(y).reshape(-1))
+    ref.backward()
+    assert abs(loss - ref.item()) < 1e-6
+    ref_grads = _hf_grads_as_ours(hf, model64.cfg)
+    assert set(ref_grads) == set(grads)
+    for k, g in grads.items():
+        err = np.abs(g - ref_grads[k]).max() / np.abs(ref_grads[k]).max()
+        assert err < 1e-5, (k, err)
+    assert isinstance(model64, Transformer)
+
+
+def test_bias_and_window_gradients_by_central_differences():
+    """float64 central differences on a few entries of every bias, with a sliding window and a
+    decoupled head_dim, for the model's own loss_and_grads."""
+    from minillama.config import ModelConfig
+    from minillama.model import Transformer, init_params
+
+    cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=10, vocab_size=11,
+                      hidden_dim=24, max_seq_len=16, qkv_bias=True, attn_out_bias=True,
+                      mlp_bias=True, sliding_window=3, tie_embeddings=False,
+                      rope_scaling={"rope_type": "linear", "factor": 2.0})
+    params = init_params(cfg, seed=1, dtype=np.float64)
+    rng = np.random.default_rng(2)
+    for k in params:
+        if k.endswith(".bias"):
+            params[k] = rng.normal(0, 0.5, params[k].shape)
+    x, y = rng.integers(0, 11, (2, 7)), rng.integers(0, 11, (2, 7))
+    _, grads = Transformer(cfg, params, backend="numpy").loss_and_grads(x, y)
+    eps = 1e-6
+    for k in [k for k in params if k.endswith(".bias")] + ["layers.0.attention.wk.weight"]:
+        for idx in [tuple(rng.integers(0, n) for n in params[k].shape) for _ in range(3)]:
+            plus, minus = dict(params), dict(params)
+            plus[k], minus[k] = params[k].copy(), params[k].copy()
+            plus[k][idx] += eps
+            minus[k][idx] -= eps
+            num = (Transformer(cfg, plus, backend="numpy").loss(x, y)
+                   - Transformer(cfg, minus, backend="numpy").loss(x, y)) / (2 * eps)
+            assert abs(num - grads[k][idx]) < 1e-7, (k, idx)
