@@ -261,9 +261,11 @@ def test_hf_wrong_shape_dtype_missing_and_unsupported(tmp_path):
         load_model(d)
     save_file(good, str(d / "model.safetensors"))
     conf = json.loads((d / "config.json").read_text())
-    for patch, msg in [({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-                       ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "llama3"),
-                       ({"attention_bias": True}, "attention_bias"),
+    for patch, msg in [({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+                        "rope scaling type 'longrope' is not supported"),
+                       ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}},
+                        r"llama3\): factor"),
+                       ({"attention_bias": True}, "missing parameter.*attention.wq.bias"),
                        ({"model_type": "gpt2"}, "model_type"),
                        ({"hidden_size": None}, "bad field")]:
         (d / "config.json").write_text(json.dumps({**conf, **patch}))

@@ -83,7 +83,7 @@ def hf_dir(tmp_path):
     ({"rope_parameters": [1, 2]}, "rope_parameters must be an object"),
     ({"rope_scaling": 4.0}, "rope_scaling must be an object"),
     ({"num_attention_heads": 0}, "num_attention_heads must be in"),
-    ({"head_dim": "many"}, "head_dim many"),
+    ({"head_dim": "many"}, "head_dim must be an integer, got 'many'"),
     ({"max_position_embeddings": 10**12}, "max_position_embeddings must be in"),
     ({"num_hidden_layers": 10**12}, "num_hidden_layers must be in"),
     ({"hidden_size": 1e300}, "hidden_size must be an integer"),

@@ -58,7 +58,8 @@ _HF_FIELDS = {"hidden_size": "dim", "num_hidden_layers": "n_layers",
               "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
               "vocab_size": "vocab_size", "intermediate_size": "hidden_dim",
               "rms_norm_eps": "norm_eps", "max_position_embeddings": "max_seq_len",
-              "tie_word_embeddings": "tie_embeddings", "rope_theta": "rope_theta"}
+              "tie_word_embeddings": "tie_embeddings", "rope_theta": "rope_theta",
+              "head_dim": "head_dim", "sliding_window": "sliding_window"}
 
 
 def config_from_hf(c: dict, where="config.json") -> ModelConfig:
