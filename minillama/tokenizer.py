@@ -85,54 +85,69 @@ class Llama2cTokenizer:
     bos_id = 1
     eos_id = 2
 
-    def __init__(self, path):
-        import struct  # noqa: PLC0415
+    def __init__(self, path=None, pieces: list[bytes] | None = None,
+                 scores: list[float] | None = None):
+        """Read ``path`` (a tokenizer.bin), or take ``pieces`` and ``scores`` as they are (the
+        same vocabulary from elsewhere, e.g. a GGUF file's metadata)."""
         from pathlib import Path  # noqa: PLC0415
 
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise MinillamaError(f"tokenizer not found: {self.path}")
-        data = self.path.read_bytes()
+        self.path = Path(path) if path is not None else None
+        if pieces is None:
+            pieces, scores = self._read_file(self.path)
+        if scores is None or len(scores) != len(pieces) or len(pieces) < 3:
+            raise MinillamaError(f"a SentencePiece vocabulary needs >= 3 pieces with one score "
+                                 f"each, got {len(pieces)} pieces")
+        self.pieces = list(pieces)
+        self.scores = list(scores)
+        self._index_pieces()
+
+    # --- reading ---------------------------------------------------------------------------------
+    def _read_file(self, path) -> tuple[list[bytes], list[float]]:
+        """(pieces, scores) of a llama2.c tokenizer.bin; sets ``max_token_length``."""
+        import struct  # noqa: PLC0415
+
+        if not path.is_file():
+            raise MinillamaError(f"tokenizer not found: {path}")
+        data = path.read_bytes()
         if len(data) < 4:
-            raise MinillamaError(f"truncated tokenizer file {self.path}")
+            raise MinillamaError(f"truncated tokenizer file {path}")
         (self.max_token_length,) = struct.unpack_from("<i", data, 0)
         if not 0 < self.max_token_length < 1 << 16:
-            raise MinillamaError(f"{self.path} is not a llama2.c tokenizer.bin (bad "
+            raise MinillamaError(f"{path} is not a llama2.c tokenizer.bin (bad "
                                  f"max_token_length {self.max_token_length})")
         pieces: list[bytes] = []
         scores: list[float] = []
         pos = 0 + 4
         while pos < len(data):
             if pos + 8 > len(data):
-                raise MinillamaError(f"truncated tokenizer file {self.path} at token {len(pieces)}")
+                raise MinillamaError(f"truncated tokenizer file {path} at token {len(pieces)}")
             score, n = struct.unpack_from("<fi", data, pos)
             pos += 8
             if score != score or abs(score) == float("inf"):
-                raise MinillamaError(f"corrupt tokenizer file {self.path}: token {len(pieces)} "
+                raise MinillamaError(f"corrupt tokenizer file {path}: token {len(pieces)} "
                                      f"has score {score}")
             if n < 0 or n > self.max_token_length or pos + n > len(data):
-                raise MinillamaError(f"corrupt tokenizer file {self.path}: token {len(pieces)} "
+                raise MinillamaError(f"corrupt tokenizer file {path}: token {len(pieces)} "
                                      f"has length {n}")
             pieces.append(data[pos:pos + n])
             scores.append(score)
             pos += n
         if len(pieces) < 3:
-            raise MinillamaError(f"tokenizer file {self.path} holds only {len(pieces)} tokens")
-        self.pieces = pieces
-        self.scores = scores
+            raise MinillamaError(f"tokenizer file {path} holds only {len(pieces)} tokens")
+        return pieces, scores
+
+    def _index_pieces(self) -> None:
+        """Build the lookups: ``byte_ids`` (byte -> its ``<0xXX>`` token), ``lookup`` (piece text
+        -> id, for merging), ``piece_bytes`` (id -> the bytes it decodes to)."""
         self.byte_ids: dict[int, int] = {}
         self.lookup: dict[str, int] = {}
         self.piece_bytes: list[bytes] = []
-        for i, p in enumerate(pieces):
-            if len(p) == 6 and p.startswith(b"<0x") and p.endswith(b">"):
-                try:
-                    b = int(p[3:5], 16)
-                except ValueError:
-                    b = None
-                if b is not None:
-                    self.byte_ids.setdefault(b, i)
-                    self.piece_bytes.append(bytes([b]))
-                    continue
+        for i, p in enumerate(self.pieces):
+            b = self._byte_piece(p)
+            if b is not None:
+                self.byte_ids.setdefault(b, i)
+                self.piece_bytes.append(bytes([b]))
+                continue
             if i in (self.unk_id, self.bos_id, self.eos_id) or p in _SPECIAL_PIECES:
                 self.piece_bytes.append(b"")
                 continue
@@ -144,11 +159,23 @@ class Llama2cTokenizer:
         self._byte_fallback = len(self.byte_ids) == 256
         self._byte_id_set = frozenset(self.byte_ids.values())
 
+    @staticmethod
+    def _byte_piece(p: bytes) -> int | None:
+        """The byte a ``<0xXX>`` byte-fallback piece stands for, else None."""
+        if len(p) == 6 and p.startswith(b"<0x") and p.endswith(b">"):
+            try:
+                return int(p[3:5], 16)
+            except ValueError:
+                return None
+        return None
+
     @property
     def vocab_size(self) -> int:
         return len(self.pieces)
 
+    # --- encoding --------------------------------------------------------------------------------
     def _char_ids(self, ch: str) -> list[int]:
+        """The token(s) of one character: its piece, else its UTF-8 bytes' tokens, else unk."""
         i = self.lookup.get(ch)
         if i is not None:
             return [i]
@@ -156,8 +183,10 @@ class Llama2cTokenizer:
             return [self.byte_ids[b] for b in ch.encode("utf-8")]
         return [self.unk_id]
 
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        syms: list[str | None] = []  # the text of each symbol; None for byte/unk tokens
+    def _initial_symbols(self, text: str) -> tuple[list[str | None], list[int]]:
+        """Steps 1-2: the dummy-prefixed text as one symbol per character (None for byte/unk
+        tokens, which never merge) and their ids."""
+        syms: list[str | None] = []
         ids: list[int] = []
         # SentencePiece escapes spaces as U+2581, so a literal U+2581 in the text is a space too
         text = text.replace("\u2581", " ")
@@ -168,8 +197,12 @@ class Llama2cTokenizer:
             else:
                 syms.extend([None] * len(tid))
             ids.extend(tid)
-        # merge with a heap of candidate pairs keyed (-score, left index): the best score first,
-        # the leftmost on ties; entries made stale by an earlier merge are skipped when popped
+        return syms, ids
+
+    def _merge(self, syms: list[str | None], ids: list[int]) -> list[int]:
+        """Step 3: merge adjacent symbols, best score first (leftmost on ties), until none
+        merges. A heap holds candidate pairs keyed (-score, left index); entries made stale by an
+        earlier merge are skipped when popped. Returns the final ids."""
         lookup, scores = self.lookup, self.scores
         n = len(syms)
         nxt = list(range(1, n + 1))
@@ -201,7 +234,10 @@ class Llama2cTokenizer:
             if prv[i] >= 0:
                 push(prv[i])
             push(i)
-        ids = [t for t in ids if t >= 0]
+        return [t for t in ids if t >= 0]
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self._merge(*self._initial_symbols(text))
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
@@ -227,6 +263,9 @@ class Llama2cTokenizer:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def spec(self) -> dict[str, Any]:
+        if self.path is None:
+            raise MinillamaError("this tokenizer came from a model file, not a tokenizer.bin; "
+                                 "it cannot be named in a checkpoint")
         return {"type": "llama2c", "path": str(self.path.resolve())}
 
 
