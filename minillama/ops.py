@@ -83,7 +83,8 @@ def linear_backward(dy, ctx):
 
 
 def bias_forward(y, b):
-    r"""Bias of a linear layer (Qwen2's q/k/v, HF ``attention_bias``, ``mlp_bias``): y' = y + b.
+    r"""Bias of a linear layer (Qwen2's q/k/v, HF ``attention_bias``, ``mlp_bias``):
+    y'_n = y_n + b for every row n.
 
     y: (..., out); b: (out,). Returns (y' (..., out), ctx).
     """
