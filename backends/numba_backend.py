@@ -20,6 +20,7 @@ where plain NumPy wastes time or memory:
 * softmax cross-entropy: one fused pass per row (max, exponentials, sum, normalisation);
 * linear layers with at most a few rows (decoding): a Numba GEMV (:mod:`.numba_gemv`) that
   streams W near memory bandwidth; every other matrix product is BLAS;
+* AdamW: one fused pass per parameter buffer (:mod:`.numba_optim`);
 * a whole KV-cached decode step (one new token per sequence) in one compiled call,
   :meth:`NumbaBackend.decode_step` (:mod:`.numba_decode`); prefill stays on the ops above.
 
@@ -116,6 +117,49 @@ class NumbaBackend(NumpyBackend):
             y = self._gemv.gemv(x.reshape(rows, K), w)
             return y.reshape(*x.shape[:-1], w.shape[0]), (x, w)
         return super().linear_forward(x, w)
+
+    # -----------------------------------------------------------------------------------------
+    # AdamW
+    # -----------------------------------------------------------------------------------------
+    _optim = None
+
+    def adamw_update(self, param, grad, m, v, lr, beta1, beta2, eps, wd, step):
+        r"""One AdamW step of one parameter in place, in one pass (see :mod:`.numba_optim`):
+
+        m \leftarrow \beta_1 m + (1-\beta_1) g,\quad v \leftarrow \beta_2 v + (1-\beta_2) g^2,
+        \theta \leftarrow \theta (1 - \eta\lambda) - \frac{\eta}{1-\beta_1^t}
+            \frac{m}{\sqrt{v/(1-\beta_2^t)} + \epsilon}
+
+        param, grad, m, v: NumPy arrays of one shape and float dtype, param/m/v C-contiguous
+        (updated in place); ``wd`` = 0 for parameters without decay; step t >= 1.
+        """
+        dt = param.dtype
+        if not (param.shape == grad.shape == m.shape == v.shape):
+            raise MinillamaError(f"adamw_update: shapes differ: param {param.shape}, grad "
+                                 f"{grad.shape}, m {m.shape}, v {v.shape}")
+        for label, a in (("param", param), ("m", m), ("v", v)):
+            if not (isinstance(a, np.ndarray) and a.dtype == dt and a.flags.c_contiguous
+                    and a.flags.writeable):
+                raise MinillamaError(f"adamw_update: {label} must be a writeable C-contiguous "
+                                     f"NumPy array of the parameter dtype")
+        if dt not in _FLOATS:
+            raise MinillamaError(f"adamw_update: float32/float64 parameters only, got {dt}")
+        step = int(step)
+        if step < 1:
+            raise MinillamaError(f"adamw_update: step must be >= 1, got {step}")
+        if self._optim is None:
+            from . import numba_optim  # noqa: PLC0415
+
+            type(self)._optim = numba_optim
+        k = self._optim
+        g = np.ascontiguousarray(grad, dtype=dt).reshape(-1)
+        f = dt.type
+        b1, b2 = float(beta1), float(beta2)
+        kern = (k.adamw_parallel if param.size >= k.PARALLEL_MIN_SIZE and self.num_threads > 1
+                else k.adamw_serial)
+        kern(param.reshape(-1), g, m.reshape(-1), v.reshape(-1), f(1.0 - lr * wd), f(b1),
+             f(1.0 - b1), f(b2), f(1.0 - b2), f(1.0 / math.sqrt(1.0 - b2 ** step)), f(eps),
+             f(lr / (1.0 - b1 ** step)))
 
     # -----------------------------------------------------------------------------------------
     # the fused decode step

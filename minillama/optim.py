@@ -46,8 +46,9 @@ class AdamW:
     The state (``m``, ``v`` per parameter and the step count t) round-trips through
     :meth:`state_dict` / :meth:`load_state_dict` for checkpoints.
     ``backend`` (optional): when it provides a fused ``adamw_update(p, g, m, v, lr, beta1, beta2,
-    eps, wd, t)`` (the CuPy backend does), each parameter is updated by that one kernel instead
-    of the array expressions below; the math is the same.
+    eps, wd, t)`` (the CuPy and Numba backends do), each parameter is updated by that one kernel
+    instead of the array expressions below; the math is the same. Without it, NumPy parameters
+    are updated through one reusable scratch buffer (no temporaries).
     """
 
     def __init__(self, params: dict[str, Any], lr: float = 1e-3,
@@ -76,6 +77,7 @@ class AdamW:
         self.no_decay = no_decay
         self.decays = {k: not no_decay(k) for k in params}
         self._fused = getattr(backend, "adamw_update", None) if backend is not None else None
+        self._scratch = None
         self.t = 0
         self.m = {k: array_module(p).zeros_like(p) for k, p in params.items()}
         self.v = {k: array_module(p).zeros_like(p) for k, p in params.items()}
@@ -100,23 +102,48 @@ class AdamW:
                                      f"parameter has {p.shape}")
             xp = array_module(p)
             m, v = self.m[k], self.v[k]
-            if self._fused is not None and xp is not np:
-                wd = self.weight_decay if self.decays[k] else 0.0
+            wd = self.weight_decay if self.decays[k] else 0.0
+            if self._fused is not None:
                 self._fused(p, g, m, v, eta, b1, b2, self.eps, wd, self.t)
-                continue
-            if self.decays[k] and self.weight_decay:
-                p *= 1.0 - eta * self.weight_decay
-            # m = b1 m + (1 - b1) g ; v = b2 v + (1 - b2) g^2   (in place, no big temporaries)
-            m *= b1
-            m += (1.0 - b1) * g
-            v *= b2
-            v += (1.0 - b2) * (g * g)
-            denom = xp.sqrt(v)
-            denom /= bc2_sqrt
-            denom += self.eps
-            upd = m / denom
-            upd *= step_size
-            p -= upd
+            elif xp is np:
+                self._numpy_update(p, g, m, v, eta * wd, b1, b2, bc2_sqrt, step_size)
+            else:
+                if wd:
+                    p *= 1.0 - eta * wd
+                m *= b1
+                m += (1.0 - b1) * g
+                v *= b2
+                v += (1.0 - b2) * (g * g)
+                denom = xp.sqrt(v)
+                denom /= bc2_sqrt
+                denom += self.eps
+                upd = m / denom
+                upd *= step_size
+                p -= upd
+
+    def _numpy_update(self, p, g, m, v, decay, b1, b2, bc2_sqrt, step_size) -> None:
+        """The update above for NumPy arrays with no temporaries: every intermediate goes
+        through one reusable scratch buffer (as large as the largest parameter)."""
+        n = p.size
+        if self._scratch is None or self._scratch.size < n or self._scratch.dtype != p.dtype:
+            self._scratch = np.empty(max(n, max(a.size for a in self.params.values())),
+                                     dtype=p.dtype)
+        tmp = self._scratch[:n].reshape(p.shape)
+        if decay:
+            p *= 1.0 - decay
+        m *= b1
+        np.multiply(g, 1.0 - b1, out=tmp)
+        m += tmp
+        v *= b2
+        np.multiply(g, g, out=tmp)
+        tmp *= 1.0 - b2
+        v += tmp
+        np.sqrt(v, out=tmp)
+        tmp *= 1.0 / bc2_sqrt
+        tmp += self.eps
+        np.divide(m, tmp, out=tmp)
+        tmp *= step_size
+        p -= tmp
 
     # --- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

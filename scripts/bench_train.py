@@ -225,7 +225,7 @@ def main() -> int:
         rows.append(row)
         print(row, flush=True)
         if AdamW is not None:
-            opt = AdamW(model.params, lr=1e-4, weight_decay=0.1)
+            opt = AdamW(model.params, lr=1e-4, weight_decay=0.1, backend=model.backend)
 
             def full_step():
                 _, grads = model.loss_and_grads(tokens, targets)
