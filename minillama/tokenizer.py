@@ -44,6 +44,10 @@ def tokenizer_from_spec(spec: dict[str, Any] | None):
     kind = spec.get("type")
     if kind == "byte":
         return ByteTokenizer()
+    if kind == "gguf":
+        from .formats.gguf import load_gguf_tokenizer  # noqa: PLC0415
+
+        return load_gguf_tokenizer(spec.get("path"))
     if kind in ("llama2c", "hf"):
         path = spec.get("path")
         if not isinstance(path, str) or not path:
@@ -86,12 +90,13 @@ class Llama2cTokenizer:
     eos_id = 2
 
     def __init__(self, path=None, pieces: list[bytes] | None = None,
-                 scores: list[float] | None = None):
+                 scores: list[float] | None = None, spec: dict[str, Any] | None = None):
         """Read ``path`` (a tokenizer.bin), or take ``pieces`` and ``scores`` as they are (the
-        same vocabulary from elsewhere, e.g. a GGUF file's metadata)."""
+        same vocabulary from elsewhere, e.g. a GGUF file's metadata, whose ``spec`` names it)."""
         from pathlib import Path  # noqa: PLC0415
 
         self.path = Path(path) if path is not None else None
+        self._spec = spec
         if pieces is None:
             pieces, scores = self._read_file(self.path)
         if scores is None or len(scores) != len(pieces) or len(pieces) < 3:
@@ -264,8 +269,10 @@ class Llama2cTokenizer:
 
     def spec(self) -> dict[str, Any]:
         if self.path is None:
-            raise MinillamaError("this tokenizer came from a model file, not a tokenizer.bin; "
-                                 "it cannot be named in a checkpoint")
+            if self._spec is None:
+                raise MinillamaError("this tokenizer came from a model file, not a "
+                                     "tokenizer.bin; it cannot be named in a checkpoint")
+            return dict(self._spec)
         return {"type": "llama2c", "path": str(self.path.resolve())}
 
 

@@ -16,6 +16,7 @@ import struct
 from pathlib import Path
 
 from ..errors import MinillamaError
+from .gguf import is_gguf, load_gguf
 from .hf import is_hf_dir, load_hf, save_hf
 from .llama2c import is_llama2c, load_llama2c, save_llama2c
 
@@ -36,7 +37,8 @@ def _is_safetensors(path: Path) -> bool:
 
 
 def detect_format(path) -> str:
-    """``"hf"``, ``"minillama"`` or ``"llama2c"`` for ``path``; anything else raises."""
+    """``"hf"``, ``"minillama"``, ``"gguf"`` or ``"llama2c"`` for ``path``; anything else
+    raises."""
     p = Path(path)
     if p.is_dir():
         if is_hf_dir(p):
@@ -46,10 +48,12 @@ def detect_format(path) -> str:
         raise MinillamaError(f"checkpoint not found: {p}")
     if _is_safetensors(p):
         return "minillama"
+    if is_gguf(p):
+        return "gguf"
     if is_llama2c(p):
         return "llama2c"
     raise MinillamaError(f"{p} is not a recognised checkpoint (llama2.c .bin, minillama "
-                         f".safetensors or Hugging Face folder)")
+                         f".safetensors, GGUF or Hugging Face folder)")
 
 
 def load_params(path):
@@ -64,6 +68,8 @@ def load_params(path):
         tj = Path(path) / "tokenizer.json"
         if tj.is_file():
             tok = HFTokenizer(tj)
+    elif fmt == "gguf":
+        cfg, params, tok = load_gguf(path)
     elif fmt == "minillama":
         cfg, params, meta = load_checkpoint(path)
         tok = tokenizer_from_spec(meta.get("tokenizer"))

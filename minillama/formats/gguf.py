@@ -1,0 +1,248 @@
+r"""GGUF files (llama.cpp) of the LLaMA family: ``general.architecture`` ``llama`` (Llama 1-3,
+Mistral, TinyLlama, SmolLM) or ``qwen2``.
+
+The container is parsed by the ``gguf`` package that llama.cpp's authors publish (optional extra
+``minillama[gguf]``); the tensors are dequantised here, to float32, on load:
+
+* F32, F16, BF16: reinterpreted (BF16 is the top half of a float32);
+* Q8_0: blocks of 32 values, a float16 scale d then 32 int8 q: x_j = d q_j;
+* Q4_0: blocks of 32 values, a float16 scale d then 16 bytes whose low nibbles are q_0..q_15
+  and high nibbles q_16..q_31: x_j = d (q_j - 8).
+
+Any other tensor type is refused with one line naming it. Names map to Meta's:
+``token_embd`` -> ``tok_embeddings``, ``blk.N.attn_{norm,q,k,v,output}`` ->
+``layers.N.{attention_norm, attention.wq, wk, wv, wo}``, ``blk.N.ffn_{norm,gate,down,up}`` ->
+``layers.N.{ffn_norm, feed_forward.w1, w2, w3}``, ``output_norm`` -> ``norm``, ``output``
+(absent: tied). llama.cpp's converter already put the ``llama`` q/k rows in the interleaved RoPE
+order minillama uses; ``qwen2`` files keep the half-split order and are permuted on load.
+
+The tokenizer comes from the metadata: ``tokenizer.ggml.model`` ``llama`` (SentencePiece pieces
+and scores, byte fallback) as a :class:`~minillama.tokenizer.Llama2cTokenizer`, with BOS/EOS from
+``tokenizer.ggml.{bos,eos}_token_id``. Every size is checked against the file before anything is
+allocated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import MinillamaError
+
+ARCHITECTURES = ("llama", "qwen2")
+#: GGML type name -> (values per block, bytes per block)
+BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18)}
+
+_LAYER = {"attn_norm": "attention_norm", "attn_q": "attention.wq", "attn_k": "attention.wk",
+          "attn_v": "attention.wv", "attn_output": "attention.wo", "ffn_norm": "ffn_norm",
+          "ffn_gate": "feed_forward.w1", "ffn_down": "feed_forward.w2",
+          "ffn_up": "feed_forward.w3"}
+_TOP = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
+        "output.weight": "output.weight"}
+
+
+def is_gguf(path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# dequantisation
+# ---------------------------------------------------------------------------------------------
+def dequantize(raw: np.ndarray, kind: str, n: int) -> np.ndarray:
+    r"""``n`` float32 values from the raw bytes (uint8) of a tensor of GGML type ``kind``.
+
+    Q8_0: x = d q (d float16, q int8, 32 per block). Q4_0: x = d (q - 8), q the 4-bit nibbles
+    (low nibbles first). The caller checked ``raw.size`` against :data:`BLOCKS`.
+    """
+    if kind == "F32":
+        return raw.view("<f4").astype(np.float32)
+    if kind == "F16":
+        return raw.view("<f2").astype(np.float32)
+    if kind == "BF16":
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    blocks = raw.reshape(-1, BLOCKS[kind][1])
+    d = blocks[:, :2].copy().view("<f2").astype(np.float32)  # (nblocks, 1)
+    if kind == "Q8_0":
+        q = blocks[:, 2:].view(np.int8).astype(np.float32)
+    else:  # Q4_0
+        packed = blocks[:, 2:]
+        q = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.float32) - 8.0
+    return (d * q).reshape(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+# ---------------------------------------------------------------------------------------------
+def _open(path: Path):
+    try:
+        import gguf  # noqa: PLC0415
+    except ImportError:
+        raise MinillamaError("reading GGUF files needs the optional `gguf` package: "
+                             "pip install 'minillama[gguf]'") from None
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # noqa: BLE001 - the reader raises many kinds on a corrupt file
+        msg = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise MinillamaError(f"corrupt GGUF file {path}: {msg}") from None
+
+
+def _meta(reader, key: str, default=None):
+    """The value of metadata ``key`` (a number, a string or a list), else ``default``."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except (IndexError, ValueError, UnicodeDecodeError, TypeError) as e:
+        raise MinillamaError(f"corrupt GGUF metadata {key}: {e}") from None
+
+
+def config_from_gguf(reader, shapes: dict[str, tuple[int, ...]], where) -> ModelConfig:
+    """A :class:`ModelConfig` from the ``{arch}.*`` metadata and the tensor shapes (vocabulary
+    size, tied head, which biases exist)."""
+    arch = _meta(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise MinillamaError(f"{where}: GGUF architecture {str(arch)[:40]!r} is not supported "
+                             f"(supported: {', '.join(ARCHITECTURES)})")
+    if "rope_freqs.weight" in shapes:
+        raise MinillamaError(f"{where}: the rope_freqs tensor (per-frequency RoPE factors) is "
+                             f"not supported")
+
+    def need(key):
+        v = _meta(reader, f"{arch}.{key}")
+        if v is None:
+            raise MinillamaError(f"{where}: GGUF metadata {arch}.{key} is missing")
+        return v
+
+    if "token_embd.weight" not in shapes:
+        raise MinillamaError(f"{where}: GGUF file has no token_embd.weight tensor")
+    H = need("attention.head_count")
+    args = dict(dim=need("embedding_length"), n_layers=need("block_count"), n_heads=H,
+                n_kv_heads=_meta(reader, f"{arch}.attention.head_count_kv", H),
+                hidden_dim=need("feed_forward_length"), max_seq_len=need("context_length"),
+                vocab_size=shapes["token_embd.weight"][0],
+                norm_eps=need("attention.layer_norm_rms_epsilon"),
+                rope_theta=_meta(reader, f"{arch}.rope.freq_base", 10000.0),
+                head_dim=_meta(reader, f"{arch}.attention.key_length"),
+                sliding_window=_meta(reader, f"{arch}.attention.sliding_window"),
+                tie_embeddings="output.weight" not in shapes,
+                qkv_bias="blk.0.attn_q.bias" in shapes,
+                attn_out_bias="blk.0.attn_output.bias" in shapes,
+                mlp_bias="blk.0.ffn_gate.bias" in shapes)
+    kind = _meta(reader, f"{arch}.rope.scaling.type")
+    if kind not in (None, "none"):
+        args["rope_scaling"] = {
+            "rope_type": kind, "factor": _meta(reader, f"{arch}.rope.scaling.factor"),
+            "original_max_position_embeddings":
+                _meta(reader, f"{arch}.rope.scaling.original_context_length",
+                      args["max_seq_len"])}
+    return ModelConfig(**args)
+
+
+def _tensor_bytes(t, file_size: int, where) -> tuple[str, tuple[int, ...], np.ndarray]:
+    """(type name, NumPy shape, raw bytes) of one tensor, its sizes checked against the file."""
+    kind = getattr(t.tensor_type, "name", str(t.tensor_type))
+    if kind not in BLOCKS:
+        raise MinillamaError(f"{where}: tensor {t.name} has GGML type {kind}, which is not "
+                             f"supported (supported: {', '.join(BLOCKS)})")
+    shape = tuple(int(n) for n in reversed(list(t.shape)))  # GGUF lists the fastest axis first
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    per, size = BLOCKS[kind]
+    if n <= 0 or n % per or shape[-1] % per:
+        raise MinillamaError(f"{where}: tensor {t.name} of shape {list(shape)} does not fill "
+                             f"whole {kind} blocks of {per}")
+    nbytes = n // per * size
+    if t.data_offset < 0 or t.data_offset + nbytes > file_size or t.data.nbytes != nbytes:
+        raise MinillamaError(f"{where}: tensor {t.name} ({kind}, {list(shape)}) needs {nbytes} "
+                             f"bytes at offset {t.data_offset}, beyond the file or its record")
+    return kind, shape, np.asarray(t.data).reshape(-1).view(np.uint8)
+
+
+def _our_name(name: str, where) -> str:
+    if name in _TOP:
+        return _TOP[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER \
+            and parts[3] in ("weight", "bias"):
+        return f"layers.{int(parts[1])}.{_LAYER[parts[2]]}.{parts[3]}"
+    raise MinillamaError(f"{where}: unexpected GGUF tensor {name[:80]}")
+
+
+def load_gguf(path):
+    """Read a LLaMA-family GGUF file: ``(cfg, params, tokenizer or None)`` with Meta names,
+    float32 weights and interleaved RoPE rows."""
+    from ..checkpoint import check_finite  # noqa: PLC0415
+    from ..model import check_params, param_shapes  # noqa: PLC0415
+    from .hf import hf_to_interleaved  # noqa: PLC0415
+
+    path = Path(path)
+    reader = _open(path)
+    size = path.stat().st_size
+    infos = {}
+    for t in reader.tensors:
+        if t.name in infos:
+            raise MinillamaError(f"{path}: tensor {t.name} appears twice")
+        infos[t.name] = _tensor_bytes(t, size, path)
+    cfg = config_from_gguf(reader, {k: v[1] for k, v in infos.items()}, path)
+    expected = param_shapes(cfg)
+    params = {}
+    for name, (kind, shape, raw) in infos.items():
+        ours = _our_name(name, path)
+        if expected.get(ours) != shape:
+            raise MinillamaError(f"{path}: tensor {name} has shape {list(shape)}, expected "
+                                 f"{list(expected.get(ours, ()))} for this config")
+        params[ours] = dequantize(raw, kind, int(np.prod(shape))).reshape(shape)
+    check_params(cfg, params)
+    check_finite(params, path)
+    if _meta(reader, "general.architecture") == "qwen2":  # half-split RoPE rows, as in HF
+        for key in [k for k in params if ".attention.wq." in k or ".attention.wk." in k]:
+            params[key] = hf_to_interleaved(params[key], cfg.n_heads if ".wq." in key
+                                            else cfg.n_kv_heads)
+    return cfg, params, tokenizer_from_gguf(reader, cfg.vocab_size, path)
+
+
+def tokenizer_from_gguf(reader, vocab_size: int, where):
+    """The tokenizer of the metadata (``tokenizer.ggml.model`` ``llama``), or None when the file
+    has none; another tokenizer model is refused with one line."""
+    from ..tokenizer import Llama2cTokenizer  # noqa: PLC0415
+
+    model = _meta(reader, "tokenizer.ggml.model")
+    if model is None:
+        return None
+    if model != "llama":
+        raise MinillamaError(f"{where}: GGUF tokenizer model {str(model)[:40]!r} is not supported "
+                             f"(supported: llama); pass --tokenizer")
+    tokens, scores = _meta(reader, "tokenizer.ggml.tokens"), _meta(reader, "tokenizer.ggml.scores")
+    if not isinstance(tokens, list) or not isinstance(scores, list) \
+            or len(tokens) != len(scores) or len(tokens) > vocab_size:
+        raise MinillamaError(f"{where}: GGUF tokenizer needs tokens and scores of equal length "
+                             f"<= the vocabulary of {vocab_size}")
+    pieces = [str(t).replace("\u2581", " ").encode("utf-8") for t in tokens]
+    tok = Llama2cTokenizer(pieces=pieces, scores=[float(s) for s in scores],
+                           spec={"type": "gguf", "path": str(Path(where).resolve())})
+    for attr, key in (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id"),
+                      ("unk_id", "unknown_token_id")):
+        v = _meta(reader, f"tokenizer.ggml.{key}")
+        if v is not None:
+            if not 0 <= int(v) < len(pieces):
+                raise MinillamaError(f"{where}: GGUF tokenizer.ggml.{key} {v} is outside its "
+                                     f"{len(pieces)} tokens")
+            setattr(tok, attr, int(v))
+    return tok
+
+
+def load_gguf_tokenizer(path):
+    """The tokenizer stored in the metadata of the GGUF file at ``path`` (None if it has none)."""
+    if not isinstance(path, str) or not Path(path).is_file():
+        raise MinillamaError(f"GGUF tokenizer file not found: {str(path)[:200]}")
+    reader = _open(Path(path))
+    vocab = _meta(reader, "tokenizer.ggml.tokens")
+    return tokenizer_from_gguf(reader, len(vocab) if isinstance(vocab, list) else 0, path)
