@@ -14,7 +14,8 @@ import sys
 from .errors import MinillamaError
 
 #: modules that provide ``add_cli(subparsers)``
-COMMAND_MODULES = ("minillama.generate", "minillama.train", "minillama.bench")
+COMMAND_MODULES = ("minillama.generate", "minillama.train", "minillama.bench",
+                   "minillama.export")
 
 
 def positive_int(text: str) -> int:

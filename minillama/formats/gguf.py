@@ -246,3 +246,86 @@ def load_gguf_tokenizer(path):
     reader = _open(Path(path))
     vocab = _meta(reader, "tokenizer.ggml.tokens")
     return tokenizer_from_gguf(reader, len(vocab) if isinstance(vocab, list) else 0, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+# ---------------------------------------------------------------------------------------------
+def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str = "F32") -> Path:
+    """Write a GGUF file (architecture ``llama``, or ``qwen2`` for q/k/v biases without the
+    others) that llama.cpp and :func:`load_gguf` read: matrices as ``matrix_type`` (F32 or F16),
+    norms and biases F32, and a SentencePiece tokenizer's pieces/scores/BOS/EOS in the metadata.
+    Configs GGUF cannot state (a RoPE scaling other than linear/yarn, MLP or output biases on
+    qwen2) are refused."""
+    import gguf  # noqa: PLC0415
+
+    from ..checkpoint import atomic_write, check_output_file  # noqa: PLC0415
+    from .hf import interleaved_to_hf  # noqa: PLC0415
+
+    if matrix_type not in ("F32", "F16"):
+        raise MinillamaError(f"GGUF export writes F32 or F16 matrices, not {matrix_type}")
+    arch = "qwen2" if cfg.qkv_bias and not (cfg.attn_out_bias or cfg.mlp_bias) else "llama"
+    sc = cfg.rope_scaling
+    if sc and sc["rope_type"] not in ("linear", "yarn"):
+        raise MinillamaError(f"GGUF has no field for rope scaling {sc['rope_type']!r}")
+    path = check_output_file(path, "GGUF file")
+    host = {k: np.asarray(v.get() if hasattr(v, "get") and not isinstance(v, np.ndarray)
+                          else v, dtype=np.float32) for k, v in params.items()}
+    inv_top = {v: k for k, v in _TOP.items()}
+    inv_layer = {v: k for k, v in _LAYER.items()}
+
+    def write(tmp) -> None:
+        w = gguf.GGUFWriter(str(tmp), arch)
+        for key, value in (("context_length", cfg.max_seq_len), ("embedding_length", cfg.dim),
+                           ("block_count", cfg.n_layers), ("feed_forward_length", cfg.hidden_dim),
+                           ("attention.head_count", cfg.n_heads),
+                           ("attention.head_count_kv", cfg.n_kv_heads),
+                           ("attention.key_length", cfg.head_dim),
+                           ("attention.value_length", cfg.head_dim)):
+            w.add_uint32(f"{arch}.{key}", int(value))
+        w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.norm_eps)
+        w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
+        if cfg.sliding_window is not None:
+            w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+        if sc:
+            w.add_string(f"{arch}.rope.scaling.type", sc["rope_type"])
+            w.add_float32(f"{arch}.rope.scaling.factor", float(sc["factor"]))
+            if "original_max_position_embeddings" in sc:
+                w.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                             int(sc["original_max_position_embeddings"]))
+        _write_tokenizer(w, tokenizer)
+        for name, a in host.items():
+            if name in inv_top:
+                gname = inv_top[name]
+            else:
+                _, layer, rest = name.split(".", 2)
+                base, kind = rest.rsplit(".", 1)
+                gname = f"blk.{layer}.{inv_layer[base]}.{kind}"
+                if arch == "qwen2" and base in ("attention.wq", "attention.wk"):
+                    a = interleaved_to_hf(a, cfg.n_heads if base == "attention.wq"
+                                          else cfg.n_kv_heads)
+            if a.ndim == 2 and matrix_type == "F16":
+                a = a.astype(np.float16)
+            w.add_tensor(gname, np.ascontiguousarray(a))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    return atomic_write(path, write, "GGUF file")
+
+
+def _write_tokenizer(w, tok) -> None:
+    """A SentencePiece tokenizer's metadata (``tokenizer.ggml.*``); other tokenizers are left
+    out (the file then has none)."""
+    from ..tokenizer import Llama2cTokenizer  # noqa: PLC0415
+
+    if not isinstance(tok, Llama2cTokenizer):
+        return
+    w.add_tokenizer_model("llama")
+    w.add_token_list([p.decode("utf-8", errors="replace").replace(" ", "\u2581")
+                      for p in tok.pieces])
+    w.add_token_scores([float(s) for s in tok.scores])
+    w.add_bos_token_id(tok.bos_id)
+    w.add_eos_token_id(tok.eos_id)
+    w.add_unk_token_id(tok.unk_id)

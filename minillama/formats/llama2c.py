@@ -180,6 +180,14 @@ def save_llama2c(path, cfg: ModelConfig, params, version: int = 1) -> Path:
     if cfg.norm_eps != 1e-5 or cfg.rope_theta != 10000.0:
         raise MinillamaError("llama2.c files fix norm_eps = 1e-5 and rope_theta = 10000; this "
                              "config differs")
+    extras = [name for name, on in (
+        ("head_dim != dim / n_heads", cfg.head_dim * cfg.n_heads != cfg.dim),
+        ("biases", cfg.qkv_bias or cfg.attn_out_bias or cfg.mlp_bias),
+        ("a sliding window", cfg.sliding_window is not None),
+        ("rope scaling", bool(cfg.rope_scaling))) if on]
+    if extras:
+        raise MinillamaError(f"llama2.c files cannot hold {', '.join(extras)}; export this model "
+                             f"as hf or gguf")
     host = {k: np.asarray(v.get() if hasattr(v, "get") and not isinstance(v, np.ndarray) else v,
                           dtype=np.float32) for k, v in params.items()}
     path = Path(path)
