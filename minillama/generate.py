@@ -274,6 +274,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--prompt", "-p", default="",
                    help="prompt text (default: empty: start at BOS; byte-level models start at "
                         "BOS and a newline)")
+    p.add_argument("--chat", action="store_true",
+                   help="send --prompt as a user message through the folder's chat template "
+                        "(tokenizer_config.json chat_template, rendered with jinja2)")
     p.add_argument("-n", "--max-new-tokens", type=int, default=256,
                    help="most tokens to generate (default 256)")
     p.add_argument("--temperature", type=float, default=1.0,
@@ -348,8 +351,15 @@ def run_cli(args) -> int:
             # Byte models are trained on windows at random offsets, so they almost never see a
             # token right after BOS and sample noise there; start at the beginning of a line.
             text = "\n"
-        prompt_ids = tok.encode(text, bos=True)
-        stop = {tok.eos_id}
+        if getattr(args, "chat", False):
+            if not hasattr(tok, "render_chat"):
+                raise MinillamaError("--chat needs a Hugging Face tokenizer folder with a "
+                                     "chat_template")
+            # the template writes BOS itself (as bos_token) when the model wants it
+            prompt_ids = tok.encode(tok.render_chat([{"role": "user", "content": args.prompt}]))
+        else:
+            prompt_ids = tok.encode(text, bos=True)
+        stop = {tok.eos_id} | set(getattr(tok, "stop_ids", ()))
         if tok.bos_id is not None:
             stop.add(tok.bos_id)  # a new document starts: the text is over (llama2.c does this)
         stop.discard(None)

@@ -287,10 +287,12 @@ class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` package.
 
     BOS/EOS come from ``tokenizer_config.json`` beside the file when it names them, else from the
-    usual spellings (``<s>``/``</s>``, ``<|begin_of_text|>``/``<|end_of_text|>``...)."""
+    usual spellings (``<s>``/``</s>``, ``<|begin_of_text|>``/``<|end_of_text|>``...);
+    ``generation_config.json`` may add end-of-turn ids (``eos_token_id`` as a list, e.g. Llama 3's
+    ``<|eot_id|>``), kept in ``stop_ids``. ``chat_template`` (from ``tokenizer_config.json``) is
+    rendered by :meth:`render_chat`."""
 
     def __init__(self, path):
-        import json  # noqa: PLC0415
         from pathlib import Path  # noqa: PLC0415
 
         try:
@@ -312,14 +314,10 @@ class HFTokenizer:
             raise MinillamaError(f"cannot read tokenizer {self.path}: {msg}") from None
         names = {}
         cfg_path = self.path.parent / "tokenizer_config.json"
+        self.chat_template = None
         if cfg_path.is_file():
-            try:
-                conf = json.loads(cfg_path.read_text(encoding="utf-8"))
-            except (ValueError, UnicodeDecodeError, RecursionError) as e:
-                raise MinillamaError(f"corrupt {cfg_path}: {str(e).splitlines()[0][:100]}") \
-                    from None
-            if not isinstance(conf, dict):
-                raise MinillamaError(f"corrupt {cfg_path}: not a JSON object")
+            conf = _read_json_object(cfg_path)
+            self.chat_template = _pick_chat_template(conf.get("chat_template"), cfg_path)
             for key in ("bos_token", "eos_token"):
                 v = conf.get(key)
                 if isinstance(v, dict):
@@ -328,6 +326,41 @@ class HFTokenizer:
                     names[key] = v
         self.bos_id = self._find(names.get("bos_token"), _BOS_NAMES)
         self.eos_id = self._find(names.get("eos_token"), _EOS_NAMES)
+        self.stop_ids = {i for i in (self.eos_id,) if i is not None}
+        gen_path = self.path.parent / "generation_config.json"
+        if gen_path.is_file():
+            eos = _read_json_object(gen_path).get("eos_token_id")
+            for i in eos if isinstance(eos, list) else [eos]:
+                if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size:
+                    self.stop_ids.add(i)
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The folder's chat template rendered for ``messages`` (``[{"role", "content"}]``) by
+        jinja2 in a sandbox, with ``bos_token``/``eos_token`` and ``add_generation_prompt`` as
+        transformers passes them. A folder without a template is a clear error."""
+        if not self.chat_template:
+            raise MinillamaError(f"{self.path.parent} has no chat_template in "
+                                 f"tokenizer_config.json; drop --chat")
+        try:
+            import jinja2  # noqa: PLC0415
+            from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+        except ImportError:
+            raise MinillamaError("--chat needs the optional `jinja2` package: "
+                                 "pip install 'minillama[hf]'") from None
+
+        def raise_exception(message):
+            raise MinillamaError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        tok = self._tok
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=tok.id_to_token(self.bos_id) if self.bos_id is not None else "",
+                eos_token=tok.id_to_token(self.eos_id) if self.eos_id is not None else "")
+        except jinja2.TemplateError as e:
+            raise MinillamaError(f"chat template of {self.path.parent}: {e}") from None
 
     def _find(self, name, fallbacks):
         for n in ([name] if name else []) + list(fallbacks):
@@ -363,6 +396,31 @@ class HFTokenizer:
 
     def spec(self) -> dict[str, Any]:
         return {"type": "hf", "path": str(self.path.resolve())}
+
+
+def _read_json_object(path) -> dict:
+    """A JSON object file beside a tokenizer.json; anything else is one clear error."""
+    import json  # noqa: PLC0415
+
+    try:
+        conf = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise MinillamaError(f"corrupt {path}: {str(e).splitlines()[0][:100]}") from None
+    if not isinstance(conf, dict):
+        raise MinillamaError(f"corrupt {path}: not a JSON object")
+    return conf
+
+
+def _pick_chat_template(value, where) -> str | None:
+    """``chat_template``: a string, or a list of ``{"name", "template"}`` (the ``default`` one)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {d.get("name"): d.get("template") for d in value if isinstance(d, dict)}
+        t = named.get("default")
+        if isinstance(t, str):
+            return t
+    raise MinillamaError(f"{where}: chat_template must be a string or a list with a 'default'")
 
 
 def load_tokenizer(spec: str):
