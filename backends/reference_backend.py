@@ -47,6 +47,8 @@ class ReferenceBackend:
     relu_backward = staticmethod(ops.relu_backward)
     cross_attention_forward = staticmethod(ops.cross_attention_forward)
     cross_attention_backward = staticmethod(ops.cross_attention_backward)
+    logit_scale_forward = staticmethod(ops.logit_scale_forward)
+    logit_scale_backward = staticmethod(ops.logit_scale_backward)
 
     # helpers
     def asarray(self, a, dtype=None):

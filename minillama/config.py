@@ -26,6 +26,11 @@ def llama_hidden_dim(dim: int, multiple_of: int = 256, ffn_dim_multiplier: float
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
+#: the architecture variants a config may name (the first of each is LLaMA's choice)
+VARIANTS = {"norm": ("rmsnorm", "layernorm"), "norm_position": ("pre", "post"),
+            "pos_encoding": ("rope", "sinusoidal", "none"), "ffn": ("swiglu", "gelu", "relu")}
+
+
 @dataclass
 class ModelConfig:
     """Shape of a LLaMA-family decoder.
@@ -42,6 +47,11 @@ class ModelConfig:
     attention flags); ``sliding_window`` W lets query t read keys t-W+1..t only (Mistral);
     ``rope_scaling`` is a transformers-style dict ``{"rope_type": "linear" | "dynamic" |
     "llama3" | "yarn", "factor": ..., ...}`` (see :func:`minillama.ops.rope_frequencies`).
+    For a two-matrix FFN (``gelu``/``relu``) the default F is 3/2 of LLaMA's, so the FFN has as
+    many parameters as SwiGLU's three matrices.
+
+    Variants (defaults = LLaMA, see :data:`VARIANTS` and docs/MATH.md part II): ``norm``,
+    ``norm_position``, ``pos_encoding``, ``ffn``, and ``logit_scale`` s (logits = s z).
     """
 
     dim: int = 128
@@ -62,6 +72,11 @@ class ModelConfig:
     mlp_bias: bool = False
     sliding_window: int | None = None
     rope_scaling: dict | None = None
+    norm: str = "rmsnorm"
+    norm_position: str = "pre"
+    pos_encoding: str = "rope"
+    ffn: str = "swiglu"
+    logit_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -69,6 +84,8 @@ class ModelConfig:
         if self.hidden_dim is None:
             self.validate_fields("dim", "multiple_of", "ffn_dim_multiplier")
             self.hidden_dim = llama_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
+            if self.ffn in ("gelu", "relu"):
+                self.hidden_dim = self.hidden_dim * 3 // 2
         if self.head_dim is None:
             self.validate_fields("dim", "n_heads")
             if self.dim % self.n_heads:
@@ -77,6 +94,21 @@ class ModelConfig:
                     f"n_heads={self.n_heads})")
             self.head_dim = self.dim // self.n_heads
         self.validate()
+
+    @property
+    def is_llama(self) -> bool:
+        """True when every variant is LLaMA's (what llama2.c and HF llama files can express)."""
+        return (all(getattr(self, k) == v[0] for k, v in VARIANTS.items())
+                and self.logit_scale == 1.0)
+
+    def require_llama(self, fmt: str) -> None:
+        """Raise :class:`MinillamaError` naming the variants that the format ``fmt`` cannot hold."""
+        if not self.is_llama:
+            odd = [f"{k}={getattr(self, k)}" for k, v in VARIANTS.items()
+                   if getattr(self, k) != v[0]]
+            odd += [f"logit_scale={self.logit_scale}"] if self.logit_scale != 1.0 else []
+            raise MinillamaError(f"the {fmt} format holds only LLaMA's architecture; this model "
+                                 f"has {', '.join(odd)} (keep the minillama .safetensors format)")
 
     # --- derived sizes ---------------------------------------------------------------------
 
@@ -125,6 +157,12 @@ class ModelConfig:
                 f"{MAX_ROPE_TABLE} (the RoPE tables alone would take "
                 f"{self.max_seq_len * self.head_dim * 4 / 2**30:.1f} GiB)")
         self.rope_scaling = check_rope_scaling(self.rope_scaling, self.head_dim)
+        for name, known in VARIANTS.items():
+            if getattr(self, name) not in known:
+                raise MinillamaError(f"unknown {name} {getattr(self, name)!r}; this version knows "
+                                     f"{', '.join(known)}")
+        if self.pos_encoding == "sinusoidal" and self.dim % 2:
+            raise MinillamaError(f"sinusoidal positions need an even dim, got {self.dim}")
 
     # --- (de)serialisation -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -150,10 +188,11 @@ class ModelConfig:
         """Number of parameters (the tied head counted once)."""
         D, F, V, L = self.dim, self.hidden_dim, self.vocab_size, self.n_layers
         qd, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        per_layer = 2 * D * qd + 2 * D * kv + 3 * D * F + 2 * D
+        n_mats, n_vecs = (3 if self.ffn == "swiglu" else 2), (2 if self.norm == "layernorm" else 1)
+        per_layer = 2 * D * qd + 2 * D * kv + n_mats * D * F + 2 * D * n_vecs
         per_layer += (qd + 2 * kv) * self.qkv_bias + D * self.attn_out_bias
-        per_layer += (2 * F + D) * self.mlp_bias
-        return V * D * (1 if self.tie_embeddings else 2) + L * per_layer + D
+        per_layer += ((n_mats - 1) * F + D) * self.mlp_bias
+        return V * D * (1 if self.tie_embeddings else 2) + L * per_layer + D * n_vecs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,6 +225,7 @@ FIELD_RULES: dict[str, tuple[str, float, float]] = {
     "tie_embeddings": ("bool", 0, 1),
     "head_dim": ("int", 2, 1 << 12),
     "sliding_window": ("int", 1, 1 << 21),
+    "logit_scale": ("float", 1e-6, 1e6),
 }
 
 #: the RoPE scalings implemented (transformers' ``rope_type`` names) and the numeric parameters

@@ -10,10 +10,16 @@ The model is a stack of pre-norm residual blocks (Touvron et al., 2023):
 Every op is called through the backend (``self.backend.<op>_forward``), so one wiring serves NumPy,
 Numba and CuPy. :meth:`Transformer.loss_and_grads` runs the forward keeping each op's ``ctx``, then
 walks the layers in reverse calling the matching ``<op>_backward``.
+
+The config's variants (docs/MATH.md part II) swap single pieces, defaults being LLaMA's:
+``norm`` (RMSNorm | LayerNorm), ``norm_position`` (pre | post: a = Norm(x + Attn(x))),
+``pos_encoding`` (RoPE | sinusoidal P added to \sqrt{D} E[x] | none), ``ffn`` (SwiGLU | GELU |
+ReLU two-matrix) and ``logit_scale`` s (z = s Norm(h_L) W_out^T).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -23,7 +29,7 @@ from .config import ModelConfig
 from .errors import MinillamaError
 from .kvcache import KVCache
 from . import ops
-from .ops import rope_tables
+from .ops import rope_tables, sinusoidal_positions
 
 #: the names of one block's parameters (prefix ``layers.{l}.``), Meta / llama2.c naming
 LAYER_PARAMS = (
@@ -48,7 +54,8 @@ def layer_biases(cfg: ModelConfig) -> tuple[str, ...]:
     if cfg.attn_out_bias:
         names.append("attention.wo.bias")
     if cfg.mlp_bias:
-        names += ["feed_forward.w1.bias", "feed_forward.w2.bias", "feed_forward.w3.bias"]
+        names += ["feed_forward.w1.bias", "feed_forward.w2.bias"]
+        names += ["feed_forward.w3.bias"] if cfg.ffn == "swiglu" else []
     return tuple(names)
 
 
@@ -58,7 +65,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     Linear weights are (out, in): wq (H*hd, D), wk/wv (KVH*hd, D), wo (D, H*hd), w1/w3 (F, D),
     w2 (D, F); biases (out,) when the config has them (:func:`layer_biases`); norm gains (D,);
     tok_embeddings and output (V, D). ``output.weight`` exists only when the head is not tied
-    to the embedding.
+    to the embedding. Variants: a two-matrix FFN (``ffn`` gelu/relu) has no w3; LayerNorm adds a
+    bias (D,) next to each norm gain (``*_norm.bias``, ``norm.bias``).
     """
     D, F, V = cfg.dim, cfg.hidden_dim, cfg.vocab_size
     qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -76,11 +84,17 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     biases = layer_biases(cfg)
     for name in biases:
         per_layer[name] = per_layer[name.replace(".bias", ".weight")][:1]
+    names = [n for n in LAYER_PARAMS if cfg.ffn == "swiglu" or n != "feed_forward.w3.weight"]
+    if cfg.norm == "layernorm":
+        per_layer["attention_norm.bias"] = per_layer["ffn_norm.bias"] = (D,)
+        names += ["attention_norm.bias", "ffn_norm.bias"]
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (V, D)}
     for layer in range(cfg.n_layers):
-        for name in LAYER_PARAMS + biases:
+        for name in names + list(biases):
             shapes[f"layers.{layer}.{name}"] = per_layer[name]
     shapes["norm.weight"] = (D,)
+    if cfg.norm == "layernorm":
+        shapes["norm.bias"] = (D,)
     if not cfg.tie_embeddings:
         shapes["output.weight"] = (V, D)
     return shapes
@@ -117,11 +131,12 @@ class Transformer:
     ``dtype`` (default: that of the given params, else float32) is the compute precision.
 
     Reading order: :meth:`forward` / :meth:`loss_and_grads` call :meth:`_run`, which is
-    :meth:`_embed`, one :meth:`_block_forward` per layer (:meth:`_attention_sublayer` then
-    :meth:`_ffn_sublayer`) and :meth:`_head`. The backward visits the same pieces in reverse:
+    :meth:`_embed`, one :meth:`_block_forward` per layer (:meth:`_norm`,
+    :meth:`_attention_sublayer`, :meth:`_norm`, :meth:`_ffn_sublayer`, in the order of
+    ``norm_position``) and :meth:`_head`. The backward visits the same pieces in reverse:
     :meth:`_head_backward`, :meth:`_block_backward` per layer from the last
-    (:meth:`_ffn_sublayer_backward` then :meth:`_attention_sublayer_backward`) and
-    :meth:`_embed_backward`.
+    (:meth:`_ffn_sublayer_backward` then :meth:`_attention_sublayer_backward`, each with its
+    :meth:`_norm_backward`) and :meth:`_embed_backward`.
     """
 
     def __init__(self, cfg: ModelConfig, params: dict[str, Any] | None = None, backend=None,
@@ -139,8 +154,11 @@ class Transformer:
         if self.dtype not in (np.float32, np.float64):
             raise MinillamaError(f"compute dtype must be float32 or float64, got {self.dtype}")
         self.params = {k: self.backend.asarray(v, dtype=self.dtype) for k, v in params.items()}
-        self.cos, self.sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
-                                         self.dtype, xp, cfg.rope_scaling)
+        if cfg.pos_encoding == "rope":
+            self.cos, self.sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
+                                             self.dtype, xp, cfg.rope_scaling)
+        if cfg.pos_encoding == "sinusoidal":
+            self.pos_table = sinusoidal_positions(cfg.max_seq_len, cfg.dim, dtype=self.dtype, xp=xp)
 
     # ----------------------------------------------------------------------------------------
     # small helpers: the head matrix, caches, input checks, RoPE rows
@@ -192,8 +210,28 @@ class Transformer:
         return rope_tables(self.cfg.head_dim, end, self.cfg.rope_theta, self.dtype,
                            self.backend.xp, sc, seq_len=end)
 
+    def _positions(self, start_pos, T: int):
+        """Positions start_pos .. start_pos + T - 1, checked against the context: a slice (one
+        start for the batch) or a (B, T) index array (one start per sequence)."""
+        if np.ndim(start_pos) == 0:
+            s = int(start_pos)
+            if s < 0 or s + T > self.cfg.max_seq_len:
+                raise MinillamaError(f"positions {s}..{s + T - 1} exceed the model context of "
+                                     f"{self.cfg.max_seq_len}")
+            return slice(s, s + T)
+        starts = np.asarray(start_pos, dtype=np.int64).reshape(-1)
+        if starts.min() < 0 or starts.max() + T > self.cfg.max_seq_len:
+            raise MinillamaError(
+                f"positions up to {starts.max() + T - 1} exceed the model context of "
+                f"{self.cfg.max_seq_len}")
+        return self.backend.asarray(starts[:, None] + np.arange(T)[None, :])
+
     def _rope_at(self, start_pos, T: int):
-        """cos/sin gathered at positions start_pos .. start_pos + T - 1: (T, hd/2) or (B, T, hd/2)."""
+        """cos/sin gathered at positions start_pos .. start_pos + T - 1: (T, hd/2) or (B, T, hd/2);
+        (None, None) when the model has no RoPE (the positions are checked all the same)."""
+        if self.cfg.pos_encoding != "rope":
+            self._positions(start_pos, T)
+            return None, None
         if np.ndim(start_pos) == 0:
             s = int(start_pos)
             end = s + T
@@ -214,10 +252,24 @@ class Transformer:
     # ----------------------------------------------------------------------------------------
     # forward, piece by piece
     # ----------------------------------------------------------------------------------------
-    def _embed(self, tok):
-        """h_0 = E[x]: (B, T) ids -> (B, T, D). Returns (h_0, ctx)."""
-        return self.backend.embedding_forward(self.params["tok_embeddings.weight"],
-                                              self.backend.asarray(tok))
+    def _embed(self, tok, start_pos=0):
+        r"""h_0 = E[x]: (B, T) ids -> (B, T, D). With sinusoidal positions, as in the vanilla
+        transformer, h_0 = \sqrt{D}\, E[x] + P[positions] (P is fixed; without the \sqrt{D} the
+        unit-amplitude P drowns embeddings of std 0.02). Returns (h_0, ctx)."""
+        h, ctx = self.backend.embedding_forward(self.params["tok_embeddings.weight"],
+                                                self.backend.asarray(tok))
+        if self.cfg.pos_encoding == "sinusoidal":
+            h = h * math.sqrt(self.cfg.dim) + self.pos_table[self._positions(start_pos,
+                                                                               tok.shape[1])]
+        return h, ctx
+
+    def _norm(self, x, name: str):
+        r"""RMSNorm(x; g) or LayerNorm(x; g, b) (``cfg.norm``) with the parameters ``name``.weight
+        (and ``name``.bias). x: (..., D). Returns (y, ctx)."""
+        be, p, eps = self.backend, self.params, self.cfg.norm_eps
+        if self.cfg.norm == "layernorm":
+            return be.layernorm_forward(x, p[name + ".weight"], p[name + ".bias"], eps)
+        return be.rmsnorm_forward(x, p[name + ".weight"], eps)
 
     def _proj(self, pre: str, name: str, x):
         """One linear layer ``pre + name`` of the block: y = x W^T (+ b when the config has that
@@ -245,54 +297,69 @@ class Transformer:
         return (lambda q, k, v, start_pos: ops.attention_forward(q, k, v, start_pos, window=W),
                 ops.attention_backward)
 
-    def _attention_sublayer(self, layer: int, x, cos, sin, cache, start_pos):
-        r"""\mathrm{Attn}(\mathrm{RMSNorm}(x)) = W_o\, \mathrm{attn}(\mathrm{RoPE}(W_q h),
-        \mathrm{RoPE}(W_k h), W_v h), h = \mathrm{RMSNorm}(x; g^{att}).
+    def _attention_sublayer(self, layer: int, h, cos, sin, cache, start_pos):
+        r"""\mathrm{Attn}(h) = W_o\, \mathrm{attn}(\mathrm{RoPE}(W_q h), \mathrm{RoPE}(W_k h), W_v h)
+        (no RoPE when ``cos`` is None), h the block's (pre-norm: normalised) input.
 
-        x: (B, T, D). With a ``cache`` the new K/V are written at ``start_pos`` and attention reads
+        h: (B, T, D). With a ``cache`` the new K/V are written at ``start_pos`` and attention reads
         every cached position. Returns the branch output (B, T, D) (not yet added to x) and ctx.
         """
-        be, p, cfg = self.backend, self.params, self.cfg
+        be, cfg = self.backend, self.cfg
         pre = f"layers.{layer}."
-        B, T, _ = x.shape
+        B, T, _ = h.shape
         H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        h, c_norm = be.rmsnorm_forward(x, p[pre + "attention_norm.weight"], cfg.norm_eps)
         q, c_q = self._proj(pre, "attention.wq", h)
         k, c_k = self._proj(pre, "attention.wk", h)
         v, c_v = self._proj(pre, "attention.wv", h)
-        q, c_rq = be.rope_forward(q.reshape(B, T, H, hd), cos, sin)    # (B, T, H, hd)
-        k, c_rk = be.rope_forward(k.reshape(B, T, KVH, hd), cos, sin)  # (B, T, KVH, hd)
+        q, k = q.reshape(B, T, H, hd), k.reshape(B, T, KVH, hd)
+        c_rq = c_rk = None
+        if cos is not None:
+            q, c_rq = be.rope_forward(q, cos, sin)  # (B, T, H, hd)
+            k, c_rk = be.rope_forward(k, cos, sin)  # (B, T, KVH, hd)
         v = v.reshape(B, T, KVH, hd)
         if cache is not None:
             k, v = cache.update(layer, k, v, start_pos)  # (B, S, KVH, hd)
         att_forward, att_backward = self._attention_ops(k.shape[1])
         a, c_att = att_forward(q, k, v, start_pos)
         o, c_o = self._proj(pre, "attention.wo", a.reshape(B, T, H * hd))
-        return o, (c_norm, c_q, c_k, c_v, c_rq, c_rk, (att_backward, c_att), c_o)
+        return o, (c_q, c_k, c_v, c_rq, c_rk, (att_backward, c_att), c_o)
 
-    def _ffn_sublayer(self, layer: int, x):
-        r"""\mathrm{FFN}(\mathrm{RMSNorm}(x)) = W_2(\mathrm{silu}(W_1 n) \odot W_3 n),
-        n = \mathrm{RMSNorm}(x; g^{ffn}).
+    def _ffn_sublayer(self, layer: int, n):
+        r"""\mathrm{FFN}(n) = W_2(\mathrm{silu}(W_1 n) \odot W_3 n) (SwiGLU), or the two-matrix
+        W_2\, \phi(W_1 n) with \phi = GELU or ReLU (``cfg.ffn``).
 
-        x: (B, T, D). Returns the branch output (B, T, D) (not yet added to x) and ctx.
+        n: (B, T, D). Returns the branch output (B, T, D) (not yet added to x) and ctx.
         """
-        be, p, cfg = self.backend, self.params, self.cfg
+        be, ffn = self.backend, self.cfg.ffn
         pre = f"layers.{layer}."
-        n, c_norm = be.rmsnorm_forward(x, p[pre + "ffn_norm.weight"], cfg.norm_eps)
         a1, c_1 = self._proj(pre, "feed_forward.w1", n)  # (B, T, F)
-        b3, c_3 = self._proj(pre, "feed_forward.w3", n)  # (B, T, F)
-        g, c_sw = be.swiglu_forward(a1, b3)
+        if ffn == "swiglu":
+            b3, c_3 = self._proj(pre, "feed_forward.w3", n)  # (B, T, F)
+            g, c_act = be.swiglu_forward(a1, b3)
+        else:
+            c_3 = None
+            g, c_act = getattr(be, ffn + "_forward")(a1)
         f, c_2 = self._proj(pre, "feed_forward.w2", g)   # (B, T, D)
-        return f, (c_norm, c_1, c_3, c_sw, c_2)
+        return f, (c_1, c_3, c_act, c_2)
 
     def _block_forward(self, layer: int, x, cos, sin, cache, start_pos):
-        """One pre-norm residual block: a = x + Attn(RMSNorm(x)), x' = a + FFN(RMSNorm(a)).
+        """One residual block. Pre-norm (LLaMA): a = x + Attn(Norm(x)), x' = a + FFN(Norm(a)).
+        Post-norm (the original transformer): a = Norm(x + Attn(x)), x' = Norm(a + FFN(a)).
 
-        x: (B, T, D). Returns (x', ctx) with ctx = (attention ctx, FFN ctx)."""
+        x: (B, T, D). Returns (x', ctx) with ctx = (norm 1, attention, norm 2, FFN ctx)."""
+        pre = f"layers.{layer}."
+        if self.cfg.norm_position == "pre":
+            h, c_n1 = self._norm(x, pre + "attention_norm")
+            o, c_attn = self._attention_sublayer(layer, h, cos, sin, cache, start_pos)
+            x = x + o
+            h, c_n2 = self._norm(x, pre + "ffn_norm")
+            f, c_ffn = self._ffn_sublayer(layer, h)
+            return x + f, (c_n1, c_attn, c_n2, c_ffn)
         o, c_attn = self._attention_sublayer(layer, x, cos, sin, cache, start_pos)
-        x = x + o
+        x, c_n1 = self._norm(x + o, pre + "attention_norm")
         f, c_ffn = self._ffn_sublayer(layer, x)
-        return x + f, (c_attn, c_ffn)
+        x, c_n2 = self._norm(x + f, pre + "ffn_norm")
+        return x, (c_n1, c_attn, c_n2, c_ffn)
 
     def _pick_positions(self, x, output_index):
         """x[:, i] for one index i, or x[b, i_b] for (B,) indices: (B, T, D) -> (B, D)."""
@@ -303,11 +370,15 @@ class Transformer:
         return x[be.asarray(np.arange(x.shape[0])), be.asarray(idx)]
 
     def _head(self, x):
-        r"""z = \mathrm{RMSNorm}(x; g) W_{out}^T: (..., D) -> (..., V). Returns (z, ctx)."""
+        r"""z = s\, \mathrm{Norm}(x; g) W_{out}^T (s = ``cfg.logit_scale``, skipped when 1):
+        (..., D) -> (..., V). Returns (z, ctx)."""
         be = self.backend
-        hn, c_n = be.rmsnorm_forward(x, self.params["norm.weight"], self.cfg.norm_eps)
+        hn, c_n = self._norm(x, "norm")
         logits, c_out = be.linear_forward(hn, self.output_weight)
-        return logits, (c_n, c_out)
+        c_s = None
+        if self.cfg.logit_scale != 1.0:
+            logits, c_s = be.logit_scale_forward(logits, self.cfg.logit_scale)
+        return logits, (c_n, c_out, c_s)
 
     def _run(self, tok, start_pos, cache: KVCache | None, train: bool, output_index=None):
         """The forward pass. Returns (logits, tape) where tape holds each piece's ctx when training:
@@ -316,7 +387,7 @@ class Transformer:
         if cache is not None and cache.batch_size != B:
             raise MinillamaError(f"KV cache batch {cache.batch_size} != token batch {B}")
         cos, sin = self._rope_at(start_pos, T)
-        x, c_emb = self._embed(tok)
+        x, c_emb = self._embed(tok, start_pos)
         tape: list[Any] = [c_emb]
         for layer in range(self.cfg.n_layers):
             x, c_block = self._block_forward(layer, x, cos, sin, cache, start_pos)
@@ -356,56 +427,81 @@ class Transformer:
     # ----------------------------------------------------------------------------------------
     # backward, the same pieces in reverse
     # ----------------------------------------------------------------------------------------
+    def _norm_backward(self, dy, ctx, name: str, grads):
+        """Gradient of :meth:`_norm`: returns dx and fills the ``name`` gain (and bias) gradient."""
+        be = self.backend
+        if self.cfg.norm == "layernorm":
+            dx, grads[name + ".weight"], grads[name + ".bias"] = be.layernorm_backward(dy, ctx)
+        else:
+            dx, grads[name + ".weight"] = be.rmsnorm_backward(dy, ctx)
+        return dx
+
     def _head_backward(self, dlogits, ctx, grads):
-        """dz (B, T, V) -> dx (B, T, D); sets grads["norm.weight"], returns (dx, dW_out)."""
-        c_n, c_out = ctx
+        """dz (B, T, V) -> dx (B, T, D); sets the final norm's gradients, returns (dx, dW_out)."""
+        c_n, c_out, c_s = ctx
+        if c_s is not None:
+            dlogits = self.backend.logit_scale_backward(dlogits, c_s)
         dhn, dw_out = self.backend.linear_backward(dlogits, c_out)
-        dx, grads["norm.weight"] = self.backend.rmsnorm_backward(dhn, c_n)
-        return dx, dw_out
+        return self._norm_backward(dhn, c_n, "norm", grads), dw_out
 
     def _ffn_sublayer_backward(self, layer: int, df, ctx, grads):
-        """Gradient of the FFN branch: df (B, T, D) -> d(its input) (B, T, D); fills the w1, w2, w3
-        and ffn_norm gradients of ``layer``."""
+        """Gradient of the FFN branch: df (B, T, D) -> d(its input n) (B, T, D); fills the w1, w2
+        (and w3) gradients of ``layer``."""
         be, pre = self.backend, f"layers.{layer}."
-        c_norm, c_1, c_3, c_sw, c_2 = ctx
+        c_1, c_3, c_act, c_2 = ctx
         dg = self._proj_backward(pre, "feed_forward.w2", df, c_2, grads)
-        da1, db3 = be.swiglu_backward(dg, c_sw)
+        if c_3 is None:
+            da1 = getattr(be, self.cfg.ffn + "_backward")(dg, c_act)
+            return self._proj_backward(pre, "feed_forward.w1", da1, c_1, grads)
+        da1, db3 = be.swiglu_backward(dg, c_act)
         dn = self._proj_backward(pre, "feed_forward.w1", da1, c_1, grads)
         dn3 = self._proj_backward(pre, "feed_forward.w3", db3, c_3, grads)
         dn += dn3  # fresh arrays: the gradient sums are accumulated in place
-        dx, grads[pre + "ffn_norm.weight"] = be.rmsnorm_backward(dn, c_norm)
-        return dx
+        return dn
 
     def _attention_sublayer_backward(self, layer: int, do, ctx, grads):
-        """Gradient of the attention branch: do (B, T, D) -> d(its input) (B, T, D); fills the wq,
-        wk, wv, wo and attention_norm gradients of ``layer``."""
+        """Gradient of the attention branch: do (B, T, D) -> d(its input h) (B, T, D); fills the
+        wq, wk, wv and wo gradients of ``layer``."""
         be, cfg, pre = self.backend, self.cfg, f"layers.{layer}."
         B, T, _ = do.shape
         H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        c_norm, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o = ctx
+        c_q, c_k, c_v, c_rq, c_rk, c_att, c_o = ctx
         da = self._proj_backward(pre, "attention.wo", do, c_o, grads)
         att_backward, c_att = c_att
         dq, dk, dv = att_backward(da.reshape(B, T, H, hd), c_att)
-        dq = be.rope_backward(dq, c_rq)
-        dk = be.rope_backward(dk, c_rk)
+        if c_rq is not None:
+            dq = be.rope_backward(dq, c_rq)
+            dk = be.rope_backward(dk, c_rk)
         dh = self._proj_backward(pre, "attention.wq", dq.reshape(B, T, H * hd), c_q, grads)
         dhk = self._proj_backward(pre, "attention.wk", dk.reshape(B, T, KVH * hd), c_k, grads)
         dhv = self._proj_backward(pre, "attention.wv", dv.reshape(B, T, KVH * hd), c_v, grads)
         dh += dhk
         dh += dhv
-        dx, grads[pre + "attention_norm.weight"] = be.rmsnorm_backward(dh, c_norm)
-        return dx
+        return dh
 
     def _block_backward(self, layer: int, dx, ctx, grads):
         """Gradient through one residual block, last sublayer first: dx (B, T, D) -> dx (B, T, D).
-        Each residual adds its branch's input gradient to the gradient that skips it."""
-        c_attn, c_ffn = ctx
-        dx += self._ffn_sublayer_backward(layer, dx, c_ffn, grads)
-        dx += self._attention_sublayer_backward(layer, dx, c_attn, grads)
-        return dx
+        Pre-norm: each residual adds its branch's gradient (through the norm) to the gradient that
+        skips it. Post-norm: the gradient first passes the norm, then splits over the sum."""
+        pre = f"layers.{layer}."
+        c_n1, c_attn, c_n2, c_ffn = ctx
+        if self.cfg.norm_position == "pre":
+            dn = self._ffn_sublayer_backward(layer, dx, c_ffn, grads)
+            dx += self._norm_backward(dn, c_n2, pre + "ffn_norm", grads)
+            dh = self._attention_sublayer_backward(layer, dx, c_attn, grads)
+            dx += self._norm_backward(dh, c_n1, pre + "attention_norm", grads)
+            return dx
+        ds = self._norm_backward(dx, c_n2, pre + "ffn_norm", grads)  # d(a + FFN(a))
+        ds += self._ffn_sublayer_backward(layer, ds, c_ffn, grads)
+        ds = self._norm_backward(ds, c_n1, pre + "attention_norm", grads)  # d(x + Attn(x))
+        ds += self._attention_sublayer_backward(layer, ds, c_attn, grads)
+        return ds
 
     def _embed_backward(self, dx, ctx, dw_out, grads) -> None:
-        """Scatter dx (B, T, D) into dE (V, D); a tied head adds its dW_out to the same matrix."""
+        r"""Scatter dx (B, T, D) into dE (V, D) (times \sqrt{D} with sinusoidal positions); a tied
+        head adds its dW_out to the same matrix."""
+        if self.cfg.pos_encoding == "sinusoidal":
+            dx = dx * math.sqrt(self.cfg.dim)
         d_emb = self.backend.embedding_backward(dx, ctx)
         if self.cfg.tie_embeddings:
             d_emb += dw_out  # the tied matrix collects both gradients

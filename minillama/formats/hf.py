@@ -293,6 +293,7 @@ def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None) 
 
     from ..checkpoint import atomic_write, check_output_dir  # noqa: PLC0415
 
+    cfg.require_llama("HF llama")
     d = check_output_dir(path, "Hugging Face output folder")
     try:
         d.mkdir(parents=True, exist_ok=True)

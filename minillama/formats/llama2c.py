@@ -177,6 +177,7 @@ def save_llama2c(path, cfg: ModelConfig, params, version: int = 1) -> Path:
     header). Version 0 stores the RoPE tables (cos, sin) as llama2.c's export does."""
     if version not in (0, 1):
         raise MinillamaError(f"can only write llama2.c versions 0 and 1, not {version}")
+    cfg.require_llama("llama2c")
     if cfg.norm_eps != 1e-5 or cfg.rope_theta != 10000.0:
         raise MinillamaError("llama2.c files fix norm_eps = 1e-5 and rope_theta = 10000; this "
                              "config differs")

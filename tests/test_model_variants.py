@@ -1,0 +1,233 @@
+"""Model variants from the config (LayerNorm, post-norm, sinusoidal / no positions, GELU / ReLU
+FFN, logit scale): whole-model float64 gradient checks, a PyTorch re-implementation, parameter
+names, checkpoint round trip, export refusal and bad names."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from minillama import ModelConfig, Transformer
+from minillama.errors import MinillamaError
+from minillama.model import param_shapes
+
+H_STEP = 1e-5
+TOL = 1e-6
+
+VARIANTS = [
+    dict(norm="layernorm", norm_position="post", pos_encoding="sinusoidal", ffn="gelu",
+         logit_scale=0.5),
+    dict(norm="rmsnorm", norm_position="post", pos_encoding="none", ffn="relu"),
+    dict(norm="layernorm", norm_position="pre", pos_encoding="rope", ffn="relu",
+         logit_scale=0.25),
+    dict(norm="rmsnorm", norm_position="pre", pos_encoding="sinusoidal", ffn="swiglu"),
+]
+
+
+def ids(v):
+    return "-".join(str(x) for x in v.values())
+
+
+def cfg_of(tie=False, **kw) -> ModelConfig:
+    base = dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=11, hidden_dim=24,
+                max_seq_len=16, tie_embeddings=tie)
+    return ModelConfig(**{**base, **kw})
+
+
+def lively_params(cfg, seed):
+    """Weights well away from the linear regime; gains near 1, biases near 0."""
+    rng = np.random.default_rng(seed)
+    p = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            p[name] = 1.0 + 0.2 * rng.standard_normal(shape)
+        elif name.endswith("norm.bias"):
+            p[name] = 0.2 * rng.standard_normal(shape)
+        else:
+            p[name] = 0.3 * rng.standard_normal(shape)
+    return p
+
+
+def rel_err(a, b):
+    den = max(np.linalg.norm(a), np.linalg.norm(b))
+    assert den > 0
+    return float(np.linalg.norm(np.ravel(a) - np.ravel(b)) / den)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=ids)
+def test_variant_grad_central_differences(variant):
+    cfg = cfg_of(**variant)
+    params = lively_params(cfg, 3)
+    rng = np.random.default_rng(7)
+    tok, tgt = rng.integers(0, 11, (2, 6)), rng.integers(0, 11, (2, 6))
+    model = Transformer(cfg, params, dtype=np.float64)
+    loss, grads = model.loss_and_grads(tok, tgt)
+    assert set(grads) == set(params)
+
+    def L(p):
+        return Transformer(cfg, p, dtype=np.float64).loss(tok, tgt)
+
+    worst = {}
+    for name, w in params.items():
+        flat = w.reshape(-1)
+        idx = np.arange(flat.size) if flat.size <= 16 else rng.choice(flat.size, 12, False)
+        num = np.empty(idx.size)
+        for j, i in enumerate(idx):
+            old = flat[i]
+            flat[i] = old + H_STEP
+            lp = L(params)
+            flat[i] = old - H_STEP
+            lm = L(params)
+            flat[i] = old
+            num[j] = (lp - lm) / (2 * H_STEP)
+        worst[name] = rel_err(grads[name].reshape(-1)[idx], num)
+    bad = {k: v for k, v in worst.items() if v > TOL}
+    assert not bad, bad
+    # all parameters at once along U; ReLU's kink is crossed far less often with a shorter step
+    h = 1e-7 if cfg.ffn == "relu" else H_STEP
+    U = {k: rng.standard_normal(v.shape) for k, v in params.items()}
+    num = (L({k: params[k] + h * U[k] for k in params})
+           - L({k: params[k] - h * U[k] for k in params})) / (2 * h)
+    ana = sum(float(np.sum(grads[k] * U[k])) for k in params)
+    assert abs(ana - num) <= TOL * abs(num)
+
+
+def test_variant_parameters():
+    names = set(param_shapes(cfg_of(norm="layernorm", ffn="gelu")))
+    assert "layers.0.attention_norm.bias" in names and "norm.bias" in names
+    assert "layers.1.feed_forward.w3.weight" not in names
+    assert not any(n.endswith(".bias") for n in param_shapes(cfg_of()))
+    # a two-matrix FFN gets 3/2 the SwiGLU width by default: the same FFN parameter count
+    a, b = ModelConfig(dim=96), ModelConfig(dim=96, ffn="gelu")
+    assert b.hidden_dim * 2 == a.hidden_dim * 3
+    for c in (a, b, cfg_of(norm="layernorm")):
+        assert c.n_params() == sum(math.prod(s) for s in param_shapes(c).values())
+
+
+def test_kv_cache_decoding_matches_full_forward_for_variants():
+    for variant in VARIANTS:
+        cfg = cfg_of(**variant)
+        model = Transformer(cfg, lively_params(cfg, 1), dtype=np.float64)
+        tok = np.random.default_rng(0).integers(0, 11, (2, 7))
+        full = model.forward(tok)
+        cache = model.new_cache(2)
+        step = [model.forward(tok[:, :4], 0, cache)]
+        for t in range(4, 7):
+            step.append(model.forward(tok[:, t:t + 1], t, cache))
+        np.testing.assert_allclose(np.concatenate(step, 1), full, rtol=1e-9, atol=1e-10)
+
+
+def test_positions_matter_only_when_encoded():
+    """Without positions a causal model's last logits depend on the prefix as a multiset plus the
+    causal structure; swapping two earlier tokens changes the output with RoPE and sinusoidal
+    positions, and not with none (the last position attends to all of them alike)."""
+    tok = np.array([[1, 2, 3, 4, 5]])
+    swapped = np.array([[2, 1, 3, 4, 5]])
+    for pe, changes in (("rope", True), ("sinusoidal", True), ("none", False)):
+        cfg = cfg_of(pos_encoding=pe, n_layers=1)
+        m = Transformer(cfg, lively_params(cfg, 2), dtype=np.float64)
+        d = np.abs(m.forward(tok, last_only=True) - m.forward(swapped, last_only=True)).max()
+        assert (d > 1e-6) == changes, (pe, d)
+
+
+def test_unknown_variant_names():
+    for field, bad in (("norm", "batchnorm"), ("norm_position", "middle"),
+                       ("pos_encoding", "alibi"), ("ffn", "geglu")):
+        with pytest.raises(MinillamaError, match=f"unknown {field} '{bad}'"):
+            cfg_of(**{field: bad})
+    for s in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(MinillamaError, match="logit_scale"):
+            cfg_of(logit_scale=s)
+    d = cfg_of().to_dict()
+    d["ffn"] = "moe"
+    with pytest.raises(MinillamaError, match="unknown ffn 'moe'"):
+        ModelConfig.from_dict(d)
+
+
+def test_checkpoint_round_trip_and_export_refusal(tmp_path):
+    from minillama.checkpoint import load_checkpoint, save_checkpoint
+    from minillama.formats.hf import save_hf
+    from minillama.formats.llama2c import save_llama2c
+
+    cfg = cfg_of(**VARIANTS[0])
+    params = lively_params(cfg, 0)
+    path = save_checkpoint(tmp_path / "m.safetensors", cfg, params)
+    loaded = load_checkpoint(path)
+    cfg2 = loaded[0] if isinstance(loaded, tuple) else loaded.cfg
+    assert dataclasses.asdict(cfg2) == dataclasses.asdict(cfg)
+    for save, fmt in ((save_llama2c, "llama2c"), (save_hf, "HF llama")):
+        with pytest.raises(MinillamaError, match=f"the {fmt} format .*norm=layernorm"):
+            save(tmp_path / "x", cfg, params)
+
+
+def test_variants_against_torch():
+    """An independent PyTorch forward of the variants (F.layer_norm, F.gelu, sinusoidal table
+    built in torch); logits and every gradient agree in float64."""
+    t = pytest.importorskip("torch")
+    F = t.nn.functional
+    for variant in VARIANTS[:3]:
+        cfg = cfg_of(**variant)
+        params = lively_params(cfg, 5)
+        tok = np.random.default_rng(1).integers(0, 11, (2, 6))
+        tgt = np.random.default_rng(2).integers(0, 11, (2, 6))
+        loss, grads = Transformer(cfg, params, dtype=np.float64).loss_and_grads(tok, tgt)
+        P = {k: t.tensor(v, requires_grad=True) for k, v in params.items()}
+        D, H, KVH, hd, T = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 6
+
+        def norm(x, name):
+            if cfg.norm == "layernorm":
+                return F.layer_norm(x, (D,), P[name + ".weight"], P[name + ".bias"], cfg.norm_eps)
+            return x * t.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * P[name + ".weight"]
+
+        def rope(x):
+            freqs = 1.0 / cfg.rope_theta ** (t.arange(0, hd, 2, dtype=t.float64) / hd)
+            ang = t.outer(t.arange(T, dtype=t.float64), freqs)
+            xc = t.view_as_complex(x.reshape(*x.shape[:-1], hd // 2, 2).contiguous())
+            rot = t.polar(t.ones_like(ang), ang)[None, :, None, :]
+            return t.view_as_real(xc * rot).reshape(x.shape)
+
+        x = P["tok_embeddings.weight"][t.tensor(tok)]
+        if cfg.pos_encoding == "sinusoidal":
+            pos = t.arange(T, dtype=t.float64)[:, None]
+            div = 10000.0 ** (t.arange(0, D, 2, dtype=t.float64) / D)
+            pe = t.stack([t.sin(pos / div), t.cos(pos / div)], -1).reshape(T, D)
+            x = x + pe
+        mask = t.ones(T, T, dtype=t.bool).tril()
+        for layer in range(cfg.n_layers):
+            pre = f"layers.{layer}."
+
+            def w(n):
+                return P[pre + n + ".weight"]
+
+            def attn(h):
+                q = F.linear(h, w("attention.wq")).view(2, T, H, hd)
+                k = F.linear(h, w("attention.wk")).view(2, T, KVH, hd)
+                v = F.linear(h, w("attention.wv")).view(2, T, KVH, hd)
+                if cfg.pos_encoding == "rope":
+                    q, k = rope(q), rope(k)
+                k, v = (a.repeat_interleave(H // KVH, 2) for a in (k, v))
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                   v.transpose(1, 2), attn_mask=mask)
+                return F.linear(o.transpose(1, 2).reshape(2, T, D), w("attention.wo"))
+
+            def ffn(h):
+                a = F.linear(h, w("feed_forward.w1"))
+                act = {"gelu": lambda a: F.gelu(a, approximate="tanh"), "relu": F.relu,
+                       "swiglu": lambda a: F.silu(a) * F.linear(h, w("feed_forward.w3"))}
+                return F.linear(act[cfg.ffn](a), w("feed_forward.w2"))
+
+            if cfg.norm_position == "pre":
+                x = x + attn(norm(x, pre + "attention_norm"))
+                x = x + ffn(norm(x, pre + "ffn_norm"))
+            else:
+                x = norm(x + attn(x), pre + "attention_norm")
+                x = norm(x + ffn(x), pre + "ffn_norm")
+        logits = F.linear(norm(x, "norm"), P["output.weight"]) * cfg.logit_scale
+        tl = F.cross_entropy(logits.reshape(-1, 11), t.tensor(tgt.reshape(-1)))
+        tl.backward()
+        assert abs(tl.item() - loss) < 1e-10 * abs(loss)
+        for k in params:
+            assert rel_err(grads[k], P[k].grad.numpy()) < 1e-10, (variant, k)
