@@ -18,8 +18,9 @@ from .ops import array_module
 
 
 def is_norm_gain(name: str) -> bool:
-    """True for the RMSNorm gains (``*norm.weight``), which are never weight-decayed."""
-    return name.endswith("norm.weight")
+    """True for the norm gains (``*norm.weight``) and LayerNorm biases (``*norm.bias``), which
+    are never weight-decayed."""
+    return name.endswith(("norm.weight", "norm.bias"))
 
 
 def is_embedding(name: str) -> bool:

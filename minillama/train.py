@@ -55,7 +55,8 @@ PLOT_NAME = "loss.png"
 
 #: fields of the model shape (checked against the checkpoint on --resume)
 MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "multiple_of",
-                "tie_embeddings", "rope_theta", "norm_eps")
+                "tie_embeddings", "rope_theta", "norm_eps", "norm", "norm_position",
+                "pos_encoding", "ffn", "logit_scale")
 
 
 @dataclass
@@ -72,6 +73,12 @@ class TrainConfig:
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    norm: str = "rmsnorm"  # the variants of docs/MATH.md part II (defaults: LLaMA's)
+    norm_position: str = "pre"
+    pos_encoding: str = "rope"
+    ffn: str = "swiglu"
+    logit_scale: float = 1.0
+    init_from: str | None = None  # start from these weights when out/ has no checkpoint
     # data
     data: str = "shakespeare"
     context: int = 128
@@ -144,6 +151,9 @@ class TrainConfig:
                                  f"got {self.dtype!r}")
         if not isinstance(self.data, str) or not self.data:
             raise MinillamaError("train config: data must be a path or 'shakespeare'")
+        if self.init_from is not None and (not isinstance(self.init_from, str)
+                                           or not self.init_from):
+            raise MinillamaError("train config: init_from must be a checkpoint path")
         if not isinstance(self.out, str) or not self.out:
             raise MinillamaError("train config: out must be a folder path")
         if self.backend is not None and not isinstance(self.backend, str):
@@ -173,7 +183,10 @@ class TrainConfig:
                            n_kv_heads=self.n_kv_heads, vocab_size=ByteTokenizer.vocab_size,
                            hidden_dim=self.hidden_dim, multiple_of=self.multiple_of,
                            norm_eps=self.norm_eps, rope_theta=self.rope_theta,
-                           max_seq_len=self.context, tie_embeddings=self.tie_embeddings)
+                           max_seq_len=self.context, tie_embeddings=self.tie_embeddings,
+                           norm=self.norm, norm_position=self.norm_position,
+                           pos_encoding=self.pos_encoding, ffn=self.ffn,
+                           logit_scale=self.logit_scale)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -293,9 +306,21 @@ class Trainer:
                 f"fewer ranks or use a smaller batch")
 
     def _build_model(self) -> Transformer:
-        """A freshly initialised model (weights from ``tc.seed``)."""
-        return Transformer(self.cfg, backend=self.tc.backend, dtype=np.dtype(self.tc.dtype),
-                           seed=self.tc.seed)
+        """A freshly initialised model (weights from ``tc.seed``), or, with ``tc.init_from`` and
+        no checkpoint in ``out/`` yet, one that starts from that checkpoint's weights (its model
+        must be the one this run asks for)."""
+        params = None
+        if self.tc.init_from and not (self.out / CKPT_NAME).is_file():
+            from .formats import load_params  # noqa: PLC0415
+
+            _, cfg, params, _ = load_params(self.tc.init_from)
+            mine, theirs = self.cfg.to_dict(), cfg.to_dict()
+            diff = [k for k in MODEL_FIELDS + ("vocab_size",) if mine[k] != theirs[k]]
+            if diff:
+                raise MinillamaError(f"--init-from: {self.tc.init_from} has {diff[0]}="
+                                     f"{theirs[diff[0]]!r}, this run asks for {mine[diff[0]]!r}")
+        return Transformer(self.cfg, params, backend=self.tc.backend,
+                           dtype=np.dtype(self.tc.dtype), seed=self.tc.seed)
 
     def _build_optimizer(self) -> AdamW:
         tc = self.tc
@@ -725,6 +750,14 @@ _FLAGS = [
     ("--data", str, "'shakespeare' (default), a text file, or a prepared data folder"),
     ("--time-limit", float, "minutes; save a checkpoint and stop when reached"),
     ("--plot", _bool, "redraw OUT/loss.png at every checkpoint (true/false; default true)"),
+    ("--norm", str, "rmsnorm (LLaMA) or layernorm"),
+    ("--norm-position", str, "pre (LLaMA: x + F(Norm(x))) or post (Norm(x + F(x)))"),
+    ("--pos-encoding", str, "rope (LLaMA), sinusoidal (added to the embeddings) or none"),
+    ("--ffn", str, "swiglu (LLaMA), or the two-matrix gelu / relu (default width 3/2 F)"),
+    ("--logit-scale", float, "multiply the logits by this (1/sqrt(dim) keeps their spread flat "
+                             "in the width); 1 = off"),
+    ("--init-from", str, "start from this checkpoint's weights when OUT has no checkpoint; its "
+                         "model shape and variants become the defaults"),
 ]
 
 
@@ -787,6 +820,8 @@ def build_config(args, world_size: int = 1) -> TrainConfig:
             raise MinillamaError(f"{ckpt} has no training state; cannot resume")
         base = TrainConfig.from_dict(saved)
         saved_world = st.get("world_size", 1)
+    elif flags.get("init_from", file_cfg.get("init_from")):
+        base = _model_defaults_from(flags.get("init_from", file_cfg.get("init_from")), base)
     settings = {**file_cfg, **flags}
     tc = TrainConfig.from_dict(settings, base=base)
     if saved_world is not None and "grad_accum" not in settings:
@@ -809,6 +844,18 @@ def grad_accum_for(saved_world: int, saved_accum: int, batch_size: int, world_si
             f"cannot share evenly: launch a rank count that divides {micro}, or pass --grad-accum "
             f"to choose a new global batch")
     return micro // world_size
+
+
+def _model_defaults_from(path, base: TrainConfig) -> TrainConfig:
+    """``base`` with the model fields (shape and variants) of the checkpoint at ``path``."""
+    from .formats import load_params  # noqa: PLC0415
+
+    _, cfg, _, _ = load_params(path)
+    if cfg.vocab_size != ByteTokenizer.vocab_size:
+        raise MinillamaError(f"--init-from: {path} has a vocabulary of {cfg.vocab_size}; training "
+                             f"uses byte tokens ({ByteTokenizer.vocab_size})")
+    theirs = cfg.to_dict()
+    return TrainConfig.from_dict({k: theirs[k] for k in MODEL_FIELDS}, base=base)
 
 
 def run_train(args) -> int:
@@ -837,6 +884,8 @@ def _train_command(args, world: Communicator) -> int:
     say(f"model: dim {tc.dim}, {tc.n_layers} layers, {tc.n_heads} heads / {tc.n_kv_heads} kv "
         f"heads, F {trainer.cfg.hidden_dim}, context {tc.context}: {n:,} parameters; "
         f"backend {trainer.model.backend.name}")
+    if not trainer.cfg.is_llama:
+        say("variants: " + ", ".join(f"{k}={getattr(tc, k)}" for k in MODEL_FIELDS[9:]))
     say(f"data: {trainer.data.folder} ({trainer.data.train.size:,} train / "
         f"{trainer.data.val.size:,} val tokens)")
     if comm.size > 1:

