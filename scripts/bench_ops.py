@@ -12,6 +12,10 @@ which sees every NumPy array, outputs and gradients included) plus, for Numba, t
 in-kernel scratch (not traced). The test suite checks the same with the peak RSS at T = 2048.
 ``--scripts`` also runs scripts/bench_train.py and scripts/bench_decode.py with
 ``--backend numpy`` and ``--backend numba`` and prints their reports.
+
+``--latent`` prints instead the cost of the latent (Perceiver-style) block of
+minillama/latent.py beside a full self-attention block over the same L inputs, as L grows:
+forward + backward time and the size of the attention matrices (B H M L against B H L^2).
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ def parse_args(argv=None):
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall: perf_counter (default); cpu: process CPU time, steadier on a "
                          "shared machine with --threads 1")
+    ap.add_argument("--latent", action="store_true",
+                    help="only the latent block against full self-attention, as L grows")
+    ap.add_argument("--latent-L", default="256,1024,4096", help="input lengths for --latent")
+    ap.add_argument("--latents", type=int, default=32, help="M, latents for --latent")
     ap.add_argument("--scripts", action="store_true",
                     help="also run bench_train.py / bench_decode.py on both backends")
     return ap.parse_args(argv)
@@ -240,7 +248,59 @@ def run_scripts():
         subprocess.run(cmd, check=False)
 
 
+def bench_latent(reps):
+    """Rows: a full self-attention block over L tokens (LN, non-causal attention, LN, GELU FFN)
+    against the latent block (M latents read the L tokens by cross-attention, then attend among
+    themselves, then the FFN), forward + backward, float32, B = 1, D = 128, H = 4."""
+    from minillama import latent  # noqa: PLC0415
+
+    B, D, H, M = 1, 128, 4, ARGS.latents
+    cfg = latent.LatentConfig(dim=D, n_latents=M, n_heads=H, n_kv_heads=H, hidden_dim=4 * D)
+    p = latent.init_block(cfg, np.random.default_rng(0), dtype=np.float32)
+
+    def full_fwd_bwd(x):
+        n1, c1 = latent._ln(x, p, "self_norm", 1e-5)
+        o, ca = latent._attend(n1, n1, p, "self.", H, H)
+        h = x + o
+        n2, c2 = latent._ln(h, p, "ffn_norm", 1e-5)
+        f, cf = ops.mlp_forward(n2, p["ffn.w1.weight"], p["ffn.w2.weight"], "gelu")
+        dy = np.ones_like(h)
+        g = {}
+        dn2 = ops.mlp_backward(dy, cf)[0]
+        dh = dy + latent._ln_backward(dn2, c2, "ffn_norm", g)
+        dq, dkv = latent._attend_backward(dh, ca, "self.", g)
+        return dh + latent._ln_backward(dq + dkv, c1, "self_norm", g)
+
+    def latent_fwd_bwd(x):
+        z, _ = ops.latent_expand_forward(np.zeros((M, D), np.float32) + 0.1, B)
+        out, ctx = latent.latent_block_forward(z, x, p, H, H)
+        return latent.latent_block_backward(np.ones_like(out), ctx)[1]
+
+    rows = []
+    for L in [int(t) for t in ARGS.latent_L.split(",") if t]:
+        x = np.random.default_rng(L).standard_normal((B, L, D)).astype(np.float32)
+        full_fwd_bwd(x), latent_fwd_bwd(x)  # warm-up
+        tf = best(lambda: full_fwd_bwd(x), ARGS.reps)
+        tl = best(lambda: latent_fwd_bwd(x), ARGS.reps)
+        rows.append(f"| {L} | {M} | {fmt_ms(tf)} | {fmt_ms(tl)} | {tf / tl:.1f}x "
+                    f"| {B * H * L * L * 4 / 2**20:.1f} | {B * H * (M * L + M * M) * 4 / 2**20:.2f} |")
+    return rows
+
+
 def main() -> int:
+    if ARGS.latent:
+        print(f"# bench_ops --latent: latent block vs full self-attention — "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+        print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+              f"numpy {np.__version__}; threads={ARGS.threads}; clock={ARGS.clock}; load average "
+              f"{os.getloadavg()[0]:.1f}")
+        print(f"command: python {' '.join(sys.argv)}\n")
+        print("| L | M | full self-attention block fwd+bwd ms | latent block fwd+bwd ms | "
+              "latent speed-up | full attention matrix MiB (H L^2) | latent MiB (H (M L + M^2)) |")
+        print("|---|---|---|---|---|---|---|")
+        for row in bench_latent(ARGS.reps):
+            print(row, flush=True)
+        return 0
     nb = get_backend("numba")
     print(f"# bench_ops: numba vs numpy — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     cpu = platform.processor() or platform.machine()
