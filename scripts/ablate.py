@@ -112,6 +112,31 @@ def run_one(name, overrides, seed, args, data_dir, out) -> dict:
     return res
 
 
+def norm_timing(reps: int = 30) -> str:
+    """RMSNorm against LayerNorm as ops (the reference code of both, forward + backward, float32),
+    interleaved and timed in process CPU seconds, best of ``reps``: a markdown table."""
+    from minillama import ops  # noqa: PLC0415
+
+    lines = ["| rows x D | rmsnorm fwd+bwd us | layernorm fwd+bwd us | layernorm / rmsnorm |",
+             "|---|---|---|---|"]
+    for N, D in ((512, 64), (2048, 192), (4096, 768)):
+        rng = np.random.default_rng(0)
+        x, dy = rng.standard_normal((2, N, D)).astype(np.float32)
+        g, b = np.ones(D, np.float32), np.zeros(D, np.float32)
+        best = {"rms": math.inf, "ln": math.inf}
+        for _ in range(reps):
+            for k in best:
+                t0 = time.process_time()
+                if k == "rms":
+                    ops.rmsnorm_backward(dy, ops.rmsnorm_forward(x, g, 1e-5)[1])
+                else:
+                    ops.layernorm_backward(dy, ops.layernorm_forward(x, g, b, 1e-5)[1])
+                best[k] = min(best[k], time.process_time() - t0)
+        lines.append(f"| {N} x {D} | {best['rms'] * 1e6:.0f} | {best['ln'] * 1e6:.0f} | "
+                     f"{best['ln'] / best['rms']:.2f} |")
+    return "\n".join(lines)
+
+
 def steps_to(curve, target: float, smooth: int = 20) -> float:
     """First step where the running mean (over ``smooth`` steps) of the training loss <= target."""
     losses = np.array([v for _, v in curve])
@@ -181,9 +206,16 @@ def main(argv=None) -> int:
                                                  "OUT/ablations.json with --smoke)")
     ap.add_argument("--plot", default=None, help="figure (default docs/ablations.png; "
                                                  "OUT/ablations.png with --smoke)")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the results already in --json (other seeds/variants) and add these")
+    ap.add_argument("--norm-timing", action="store_true",
+                    help="only time the RMSNorm and LayerNorm ops (CPU seconds, interleaved)")
     ap.add_argument("--smoke", action="store_true",
                     help="two variants, one seed, 3 steps of a tiny model (for the tests)")
     args = ap.parse_args(argv)
+    if args.norm_timing:
+        print(norm_timing())
+        return 0
     out = Path(args.out)
     variants = VARIANTS
     if args.smoke:
@@ -202,6 +234,10 @@ def main(argv=None) -> int:
     else:
         data_dir = prepare_data("shakespeare", out / "data")
     results = []
+    if args.append and json_path.is_file():  # add seeds (or variants) to an earlier run's results
+        old = json.loads(json_path.read_text())["results"]
+        todo = {(n, s) for n, _, _ in variants for s in args.seeds}
+        results = [r for r in old if (r["name"], r["seed"]) not in todo]
     # seeds outermost: the variants of one seed run back to back, so slow phases of the shared
     # machine spread over all variants instead of hitting one
     for seed in args.seeds:
@@ -213,7 +249,8 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
             json_path.parent.mkdir(parents=True, exist_ok=True)
             json_path.write_text(json.dumps({"base": BASE, "steps": args.steps,
-                                             "seeds": args.seeds, "results": results}))
+                                             "seeds": sorted({r["seed"] for r in results}),
+                                             "results": results}))
     print(summarise(results))
     plot(results, plot_path)
     print(f"wrote {json_path} and {plot_path}", file=sys.stderr)

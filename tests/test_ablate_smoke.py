@@ -30,5 +30,5 @@ def test_ablate_smoke(tmp_path, capsys):
     assert (tmp_path / "ablations.png").read_bytes()[:4] == b"\x89PNG"
     # the convergence-speed measure: first step whose running mean reaches the target
     curve = [[i + 1, 5.0 - 0.01 * i] for i in range(100)]
-    assert ablate.steps_to(curve, 4.5, smooth=10) == 60.0
+    assert ablate.steps_to(curve, 4.5, smooth=10) == 56.0  # window 47..56 has mean 4.495
     assert np.isnan(ablate.steps_to(curve, 1.0, smooth=10))
