@@ -46,6 +46,11 @@ def convert_gqa(cfg: ModelConfig, params: dict[str, Any], n_groups: int):
             a = np.asarray(params[name])
             pooled = a.reshape(G, KVH // G, hd, a.shape[-1]).astype(np.float64).mean(axis=1)
             out[name] = pooled.reshape(G * hd, a.shape[-1]).astype(a.dtype)
+            bias = name.replace(".weight", ".bias")
+            if bias in params:  # qkv_bias models: the biases of a group are pooled alike
+                b = np.asarray(params[bias])
+                out[bias] = b.reshape(G, KVH // G, hd).astype(np.float64).mean(axis=1) \
+                    .reshape(G * hd).astype(b.dtype)
     return dataclasses.replace(cfg, n_kv_heads=G), out
 
 

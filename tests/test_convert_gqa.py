@@ -89,3 +89,22 @@ def test_convert_gqa_cannot_add_kv_heads():
     cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=11, max_seq_len=8)
     with pytest.raises(MinillamaError, match="into a divisor of 2, not 4"):
         convert_gqa(cfg, init_params(cfg), 4)
+
+
+def test_convert_gqa_pools_kv_biases_too():
+    from minillama.convert import convert_gqa
+    from minillama.model import Transformer
+
+    cfg = ModelConfig(dim=16, n_layers=1, n_heads=4, vocab_size=11, max_seq_len=8, qkv_bias=True)
+    p = init_params(cfg, dtype=np.float64)
+    rng = np.random.default_rng(0)
+    for w in ("wk", "wv"):  # equal heads within each pair: the conversion must be exact
+        p[f"layers.0.attention.{w}.weight"] = np.repeat(rng.standard_normal((2, 1, 4, 16)), 2,
+                                                        axis=1).reshape(16, 16)
+        p[f"layers.0.attention.{w}.bias"] = np.repeat(rng.standard_normal((2, 1, 4)), 2,
+                                                      axis=1).reshape(16)
+    tok = rng.integers(0, 11, (1, 6))
+    cfg2, p2 = convert_gqa(cfg, p, 2)
+    assert p2["layers.0.attention.wk.bias"].shape == (8,)
+    np.testing.assert_allclose(Transformer(cfg2, p2).forward(tok), Transformer(cfg, p).forward(tok),
+                               rtol=1e-10, atol=1e-12)
