@@ -182,7 +182,8 @@ def plot(results: list[dict], path: Path) -> None:
         ax.set_title(group)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     axes.ravel()[0].set_ylabel("validation loss (nats/byte)")
     axes.ravel()[len(groups) // 2 if len(groups) % 2 == 0 else 0].set_ylabel(
         "validation loss (nats/byte)")

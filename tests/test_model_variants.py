@@ -161,6 +161,15 @@ def test_checkpoint_round_trip_and_export_refusal(tmp_path):
     for save, fmt in ((save_llama2c, "llama2c"), (save_hf, "HF llama")):
         with pytest.raises(MinillamaError, match=f"the {fmt} format .*norm=layernorm"):
             save(tmp_path / "x", cfg, params)
+    from minillama.formats.gguf import save_gguf
+
+    with pytest.raises(MinillamaError, match="the GGUF llama format .*norm=layernorm"):
+        save_gguf(tmp_path / "x.gguf", cfg, params)
+    # and through the export command: one line, exit 2
+    from minillama import cli
+
+    rc = cli.main(["export", str(path), "--format", "llama2c", "--out", str(tmp_path / "y.bin")])
+    assert rc == 2
 
 
 def test_variants_against_torch():

@@ -264,6 +264,7 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
 
     if matrix_type not in ("F32", "F16"):
         raise MinillamaError(f"GGUF export writes F32 or F16 matrices, not {matrix_type}")
+    cfg.require_llama("GGUF llama")
     arch = "qwen2" if cfg.qkv_bias and not (cfg.attn_out_bias or cfg.mlp_bias) else "llama"
     sc = cfg.rope_scaling
     if sc and sc["rope_type"] not in ("linear", "yarn"):
