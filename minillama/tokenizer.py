@@ -295,16 +295,17 @@ class HFTokenizer:
     def __init__(self, path):
         from pathlib import Path  # noqa: PLC0415
 
-        try:
-            from tokenizers import Tokenizer  # noqa: PLC0415
-        except ImportError:
-            raise MinillamaError("reading tokenizer.json needs the optional `tokenizers` package: "
-                                 "pip install 'minillama[hf]'") from None
         self.path = Path(path)
         if self.path.is_dir():
             self.path = self.path / "tokenizer.json"
         if not self.path.is_file():
             raise MinillamaError(f"tokenizer not found: {self.path}")
+        try:
+            from tokenizers import Tokenizer  # noqa: PLC0415
+        except ImportError:  # minillama's own BPE (byte-level or SentencePiece-style)
+            from .bpe import LibraryShim  # noqa: PLC0415
+
+            Tokenizer = LibraryShim  # noqa: N806
         try:
             self._tok = Tokenizer.from_file(str(self.path))
         except (KeyboardInterrupt, SystemExit):

@@ -161,10 +161,19 @@ def test_hf_tokenizer_round_trip(hf_tokenizer_json):
     assert s.start() + "".join(s.put(i) for i in ids) + s.flush() == "the cat 🦙 sat"
 
 
-def test_hf_tokenizer_missing_package_is_a_clear_error(hf_tokenizer_json, monkeypatch):
+def test_hf_tokenizer_without_the_package(hf_tokenizer_json, tmp_path, monkeypatch):
+    """Without `tokenizers`, minillama's own BPE reads the file (same ids); a model it does not
+    implement is one clear line."""
+    import tokenizers
+
+    want = HFTokenizer(hf_tokenizer_json).encode("the cat sat", bos=True)
+    wp = tokenizers.Tokenizer(tokenizers.models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    (tmp_path / "wp").mkdir()
+    wp.save(str(tmp_path / "wp" / "tokenizer.json"))
     monkeypatch.setitem(sys.modules, "tokenizers", None)
-    with pytest.raises(MinillamaError, match="optional `tokenizers` package"):
-        HFTokenizer(hf_tokenizer_json)
+    assert HFTokenizer(hf_tokenizer_json).encode("the cat sat", bos=True) == want
+    with pytest.raises(MinillamaError, match="tokenizer model 'WordPiece' is not BPE"):
+        HFTokenizer(tmp_path / "wp" / "tokenizer.json")
 
 
 def test_byte_tokenizer_and_specs(llama_tok):
