@@ -8,7 +8,7 @@ instantiated for ``float`` and ``double`` through NVRTC name expressions.
   markers, so NVRTC messages name the real file and line (and CuPy's on-disk cache key covers the
   included text too).
 * :func:`nvrtc_check` compiles one file with NVRTC for a given ``sm_XX`` without a GPU or a driver
-  (the ``nvidia-cuda-nvrtc-cu12`` wheel is enough); a failure raises :class:`KernelCompileError`
+  (the ``nvidia-cuda-nvrtc-cu12`` wheel, or ``nvidia-cuda-nvrtc`` 13.x, is enough); a failure raises :class:`KernelCompileError`
   whose message starts with ``path:line:``.
 * :func:`get_kernel` compiles a file once per device with ``cupy.RawModule`` (cached here and by
   CuPy on disk) and returns the kernel function for a dtype.
@@ -19,10 +19,14 @@ instantiated for ``float`` and ``double`` through NVRTC name expressions.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import math
+import os
 import re
+import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -35,6 +39,10 @@ KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 #: NVRTC options shared by the CI check and the runtime build (NVRTC 12 defaults to C++17; no
 #: -std flag, so it cannot clash with options CuPy adds itself)
 COMPILE_OPTIONS: tuple[str, ...] = ()
+
+#: CUDA major versions the kernels are built and checked with (the ``gpu`` extra is CUDA 12's
+#: cupy-cuda12x, ``gpu-cuda13`` is cupy-cuda13x)
+SUPPORTED_CUDA_MAJORS = (12, 13)
 
 #: architectures the CI compile check covers (A100 and H100)
 CHECK_ARCHS = (80, 90)
@@ -118,8 +126,15 @@ def kernel_names(path: str | Path) -> list[str]:
 
 
 def name_expressions(path: str | Path, dtypes=(np.float32, np.float64)) -> list[str]:
-    """``name<ctype>`` for every kernel of ``path`` and every dtype."""
-    return [f"{n}<{CTYPES[np.dtype(dt)]}>" for n in kernel_names(path) for dt in dtypes]
+    """``name<ctype>`` for every kernel of ``path`` and every dtype; a name written with its
+    template arguments on the ``// KERNELS:`` line (``flash_fwd<64,true>``) is taken as is."""
+    out: list[str] = []
+    for n in kernel_names(path):
+        if "<" in n:
+            out.append(n)
+        else:
+            out.extend(f"{n}<{CTYPES[np.dtype(dt)]}>" for dt in dtypes)
+    return out
 
 
 def _compile_error(log: str, fallback: str) -> KernelCompileError:
@@ -139,24 +154,43 @@ _nvrtc_state: dict[str, object] = {}
 
 
 def _preload_nvrtc_wheel() -> str | None:
-    """Load ``libnvrtc.so.12`` from the ``nvidia-cuda-nvrtc-cu12`` wheel into the process (global
-    symbols), so CuPy's own NVRTC binding finds it without CUDA_PATH or a system toolkit."""
-    try:
-        spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for base in spec.submodule_search_locations:
-        libdir = Path(base) / "lib"
-        for cand in sorted(libdir.glob("libnvrtc.so*")):
-            if ".alt." in cand.name:
-                continue
-            try:
-                ctypes.CDLL(str(cand), mode=ctypes.RTLD_GLOBAL)
-            except OSError:
-                continue
-            return str(cand)
+    """Load ``libnvrtc.so.<major>`` from an NVRTC wheel into the process (global symbols), so
+    CuPy's own NVRTC binding finds it without CUDA_PATH or a system toolkit. CUDA 12's wheel
+    (``nvidia-cuda-nvrtc-cu12``) installs ``nvidia/cuda_nvrtc/lib``, CUDA 13's
+    (``nvidia-cuda-nvrtc`` 13.x) ``nvidia/cu13/lib``; the major that CuPy was built for wins."""
+    major = _cupy_cuda_major()
+    found = []
+    for mod in ("nvidia.cuda_nvrtc", "nvidia.cu13", "nvidia.cu12"):
+        try:
+            spec = importlib.util.find_spec(mod)
+        except (ImportError, ValueError):
+            continue
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        for base in spec.submodule_search_locations:
+            found.extend(c for c in sorted((Path(base) / "lib").glob("libnvrtc.so*"))
+                         if ".alt." not in c.name and "builtins" not in c.name)
+    if major is not None:  # a library of another major would not be the one CuPy asks for
+        found.sort(key=lambda c: not c.name.startswith(f"libnvrtc.so.{major}"))
+    for cand in found:
+        try:
+            ctypes.CDLL(str(cand), mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        return str(cand)
+    return None
+
+
+def _cupy_cuda_major() -> int | None:
+    """12 for cupy-cuda12x, 13 for cupy-cuda13x (whichever wheel is installed), else None."""
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    for major in SUPPORTED_CUDA_MAJORS[::-1]:
+        try:
+            version(f"cupy-cuda{major}x")
+        except PackageNotFoundError:
+            continue
+        return major
     return None
 
 
@@ -176,7 +210,7 @@ def load_nvrtc():
     try:
         nvrtc.getVersion()
     except Exception as e:  # noqa: BLE001 - CuPy raises several types when the .so is missing
-        where = f" (preloaded {preloaded})" if preloaded else " (nvidia-cuda-nvrtc-cu12 not found)"
+        where = f" (preloaded {preloaded})" if preloaded else " (no NVRTC wheel found: nvidia-cuda-nvrtc-cu12 for CUDA 12, nvidia-cuda-nvrtc for 13)"
         raise MinillamaError(f"NVRTC could not be loaded{where}: "
                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     _nvrtc_state["module"] = nvrtc
@@ -202,13 +236,16 @@ def nvrtc_check(path: str | Path, arch: int = 80, dtypes=(np.float32, np.float64
         for expr in name_expressions(path, dtypes):
             nvrtc.addNameExpression(prog, expr)
         opts = list(COMPILE_OPTIONS) + [f"--gpu-architecture=sm_{int(arch)}", *extra_options]
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except nvrtc.NVRTCError as e:
-            log = nvrtc.getProgramLog(prog)
-            raise _compile_error(log, f"{path.name} failed to compile for sm_{arch} ({e})") \
-                from None
-        log = nvrtc.getProgramLog(prog)
+        with _captured_output() as printed:
+            try:
+                nvrtc.compileProgram(prog, opts)
+            except nvrtc.NVRTCError as e:
+                log = nvrtc.getProgramLog(prog)
+                raise _compile_error(log, f"{path.name} failed to compile for sm_{arch} ({e})") \
+                    from None
+        # NVRTC 12 puts ptxas's --verbose report in the program log; NVRTC 13 prints it on the
+        # process's own output instead, so both are kept
+        log = nvrtc.getProgramLog(prog) + "\n" + printed[0]
         for expr in name_expressions(path, dtypes):  # every instantiation really exists
             nvrtc.getLoweredName(prog, expr)
         return log.strip("\x00").strip()
@@ -216,15 +253,60 @@ def nvrtc_check(path: str | Path, arch: int = 80, dtypes=(np.float32, np.float64
         nvrtc.destroyProgram(prog)
 
 
+@contextlib.contextmanager
+def _captured_output():
+    """Collect what native code writes on file descriptors 1 and 2 inside the block (a
+    one-element list, filled on exit); Python's own sys.stdout/stderr are flushed first."""
+    out = [""]
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110 - a closed or odd stream: nothing to flush
+            pass
+    saved = []
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        try:
+            for fd in (1, 2):
+                saved.append((fd, os.dup(fd)))
+                os.dup2(tmp.fileno(), fd)
+        except OSError:  # no such descriptors (embedded interpreters): capture nothing
+            for fd, old in saved:
+                os.dup2(old, fd)
+                os.close(old)
+            yield out
+            return
+        try:
+            yield out
+        finally:
+            try:  # C stdio keeps what NVRTC printed in its buffer until flushed
+                ctypes.CDLL(None).fflush(None)
+            except (OSError, AttributeError):
+                pass
+            for fd, old in saved:
+                os.dup2(old, fd)
+                os.close(old)
+            tmp.seek(0)
+            out[0] = tmp.read().decode("utf-8", "replace")
+
+
 _PTXAS_ENTRY_RE = re.compile(r"Compiling entry function '(?P<name>[^']+)'")
 _PTXAS_SPILL_RE = re.compile(r"(?P<st>\d+) bytes spill stores, (?P<ld>\d+) bytes spill loads")
-_PTXAS_USED_RE = re.compile(r"Used (?P<regs>\d+) registers(?:.*?, (?P<smem>\d+) bytes smem)?")
+_PTXAS_USED_RE = re.compile(r"Used (?P<regs>\d+) registers")
+_PTXAS_SMEM_RE = re.compile(r"\b(?P<smem>\d+) bytes smem\b")
 
 
 def ptxas_resources(path: str | Path, arch: int = 80) -> dict[str, dict[str, int]]:
     """Per kernel entry (mangled name): registers, static shared memory (bytes) and spill bytes,
     as reported by ptxas through NVRTC for ``sm_<arch>`` (no GPU needed)."""
-    log = nvrtc_check(path, arch, extra_options=("--ptxas-options=--verbose",))
+    out = _parse_ptxas(nvrtc_check(path, arch, extra_options=("--ptxas-options=--verbose",)))
+    if not out and kernel_names(path):
+        # NVRTC 13 prints the report on the process's output rather than in the log, and the
+        # first compile of a process was seen (H100, CUDA 13.0) to print nothing: ask again
+        out = _parse_ptxas(nvrtc_check(path, arch, extra_options=("--ptxas-options=--verbose",)))
+    return out
+
+
+def _parse_ptxas(log: str) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     current = None
     for line in log.replace("\x00", "").splitlines():
@@ -240,7 +322,8 @@ def ptxas_resources(path: str | Path, arch: int = 80) -> dict[str, dict[str, int
         m = _PTXAS_USED_RE.search(line)
         if m:
             current["registers"] = int(m.group("regs"))
-            current["smem"] = int(m.group("smem") or 0)
+            s = _PTXAS_SMEM_RE.search(line)
+            current["smem"] = int(s.group("smem")) if s else 0
     return out
 
 
@@ -290,6 +373,29 @@ def get_kernel(name: str | Path, kernel: str, dtype):
         fn = get_module(name).get_function(key[2])
         _functions[key] = fn
     return fn
+
+
+def get_kernel_expr(name: str | Path, expr: str, shared_mem: int = 0):
+    """The kernel of file ``name`` whose name expression is ``expr`` (as written on its
+    ``// KERNELS:`` line, e.g. ``flash_fwd<64,true>``), allowed ``shared_mem`` bytes of dynamic
+    shared memory (above the default 48 KiB when asked)."""
+    import cupy  # noqa: PLC0415
+
+    dev = cupy.cuda.Device().id
+    key = (dev, str(name), expr)
+    fn = _functions.get(key)
+    if fn is None:
+        fn = get_module(name).get_function(expr)
+        _functions[key] = fn
+    if shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_mem:
+        fn.max_dynamic_shared_size_bytes = int(shared_mem)
+    return fn
+
+
+def launch_expr(name: str | Path, expr: str, grid, block, args, shared_mem: int = 0) -> None:
+    """Launch :func:`get_kernel_expr` ``(name, expr)`` with ``shared_mem`` bytes of dynamic
+    shared memory."""
+    get_kernel_expr(name, expr, shared_mem)(grid, block, args, shared_mem=int(shared_mem))
 
 
 def clear_cache() -> None:
@@ -362,6 +468,56 @@ def attn_dkdv_launch(B: int, S: int, KVH: int, dtype):
 def attn_dsum_launch(n_rows: int):
     """attn_bwd_dsum: one warp per (b, t, h) row."""
     return (math.ceil(n_rows / ATTN_WARPS),), (32 * ATTN_WARPS,)
+
+
+#: flash_attention.cu (FA_* there): warps per block (16 rows each), keys per K/V tile, query rows
+#: per tile of the dk/dv kernel, padding floats per shared-memory row, and the head dimensions
+#: it is instantiated for
+FLASH_WARPS = 4
+FLASH_BK = 32
+FLASH_BQ_DKDV = 16
+FLASH_PAD = 4
+FLASH_HEAD_DIMS = (64, 128)
+#: dynamic shared memory per block that every CUDA GPU of compute capability 8.0+ grants (bytes)
+FLASH_SMEM_LIMIT = 163 * 1024
+
+
+def flash_smem(kernel: str, hd: int) -> int:
+    """Dynamic shared memory (bytes) of a flash_attention.cu kernel ("fwd", "dq" or "dkdv")."""
+    W, BK, BQd, P = FLASH_WARPS, FLASH_BK, FLASH_BQ_DKDV, FLASH_PAD
+    if kernel == "fwd":
+        floats = (16 * W + BK) * (hd + P) + BK * (hd + 2 * P) + W * 16 * (BK + P)
+    elif kernel == "dq":
+        floats = 2 * (16 * W + BK) * (hd + P) + W * 16 * (BK + P)
+    elif kernel == "dkdv":
+        floats = 2 * (16 * W + BQd) * (hd + P) + 2 * W * 16 * (BQd + P) + 2 * BQd
+    else:
+        raise ValueError(kernel)
+    return 4 * floats
+
+
+def flash_launch(kernel: str, B: int, T: int, S: int, KVH: int, G: int):
+    """(grid, block) of flash_fwd / flash_bwd_dq (16 FLASH_WARPS of the R = T G rows of each
+    (b, kv head) per block) or flash_bwd_dkdv (16 FLASH_WARPS keys per block)."""
+    per = 16 * FLASH_WARPS
+    n = S if kernel == "dkdv" else T * G
+    return (math.ceil(n / per), B * KVH), (32 * FLASH_WARPS,)
+
+
+#: blocks the dk/dv kernel should have at least (about two per multiprocessor of an H100)
+FLASH_DKDV_MIN_BLOCKS = 264
+
+
+def flash_dkdv_split(blocks: int, R: int):
+    """(shares, rows per share) for flash_bwd_dkdv: when the (key block, b, kv head) grid has
+    fewer than FLASH_DKDV_MIN_BLOCKS blocks (GQA/MQA, short or few sequences), the R query rows
+    are split into shares summed afterwards, each a multiple of FLASH_BQ_DKDV and at least 8
+    tiles long."""
+    step = FLASH_BQ_DKDV
+    tiles = max(1, math.ceil(R / step))
+    shares = max(1, min(math.ceil(FLASH_DKDV_MIN_BLOCKS / max(blocks, 1)), tiles // 8))
+    per = math.ceil(tiles / shares) * step
+    return math.ceil(R / per), per
 
 
 def attn_decode_launch(B: int, KVH: int, G: int, dtype):

@@ -19,7 +19,8 @@ Kernels per op (forward / backward):
 * ``swiglu``: elementwise, the backward recomputes the sigmoid;
 * ``cross_entropy``: one block per row for the log-sum-exp; the backward writes
   softmax - one-hot, masked and scaled, in one pass (the scale stays on the device);
-* ``embedding``: gather / atomic scatter-add;
+* ``embedding``: gather / a scatter-add in a fixed order (tokens sorted, one block per run of
+  equal tokens; no atomics anywhere in the training path, so a seed gives the same weights);
 * :func:`adamw_update`: one fused AdamW step over a parameter buffer.
 
 ``linear`` is one cuBLAS GEMM per product (inputs flattened to 2-D).
@@ -100,6 +101,15 @@ def _i32(v) -> np.int32:
     return np.int32(v)
 
 
+def _aligned16(*arrays) -> bool:
+    """True when every array's data starts on a 16-byte boundary (float4 loads)."""
+    for a in arrays:
+        ptr = a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data
+        if ptr % 16:
+            return False
+    return True
+
+
 def _launch(file: str, kernel: str, dtype, grid, block, args) -> None:
     cb.get_kernel(file, kernel, dtype)(grid, block, args)
 
@@ -114,6 +124,14 @@ class CupyBackend(ReferenceBackend):
     name = "cupy"
     #: the kernels are instantiated for float64 too, so the float64 gradient checks run on them
     supports_float64 = True
+    #: use the tensor-core attention kernels of flash_attention.cu for float32, head dimension 64
+    #: or 128 and T > 1 (set in __init__: compute capability 8.0 or newer, and
+    #: MINILLAMA_CUDA_FLASH is not "0")
+    flash = False
+    #: "fp32": the flash kernels split each operand into two TF32 parts (3xTF32, about float32
+    #: accuracy); "tf32": one TF32 product (faster, about 1e-3 relative). From
+    #: MINILLAMA_CUDA_ATTENTION when set.
+    attention_precision = "fp32"
 
     def __init__(self) -> None:  # noqa: D107 - documented on the class
         super().__init__()
@@ -125,6 +143,17 @@ class CupyBackend(ReferenceBackend):
         except Exception:  # noqa: BLE001 - the name is cosmetic
             label = "GPU"
         self.device = f"cuda:{dev.id} ({label})"
+        import os  # noqa: PLC0415
+
+        try:
+            cc = int(dev.compute_capability)
+        except Exception:  # noqa: BLE001 - unknown: stay on the SIMT kernels
+            cc = 0
+        self.flash = cc >= 80 and os.environ.get("MINILLAMA_CUDA_FLASH", "1") != "0"
+        prec = os.environ.get("MINILLAMA_CUDA_ATTENTION", "fp32").lower()
+        if prec not in ("fp32", "tf32"):
+            raise MinillamaError(f"MINILLAMA_CUDA_ATTENTION must be fp32 or tf32, got {prec!r}")
+        self.attention_precision = prec
         self._dummy_start = {}
         self._start_cache = None
 
@@ -143,6 +172,9 @@ class CupyBackend(ReferenceBackend):
 
     def _start_args(self, start_pos, B: int):
         """(device int64 array, scalar, use_array) for the attention kernels' start position."""
+        if isinstance(start_pos, cp.ndarray) and start_pos.size == B:
+            # positions already on the device stay there (no host read: CUDA-graph capture)
+            return _c(start_pos.reshape(-1).astype(cp.int64, copy=False)), np.int64(0), np.int32(1)
         if isinstance(start_pos, cp.ndarray) or np.ndim(start_pos) > 0:
             arr = start_pos if isinstance(start_pos, cp.ndarray) else np.asarray(start_pos)
             arr = arr.reshape(-1)
@@ -181,16 +213,23 @@ class CupyBackend(ReferenceBackend):
         return out, _KCtx((tok, weight.shape))
 
     def embedding_backward(self, dout, ctx):
-        r"""dE_v = \sum_{(b,t): x_{b,t} = v} dh_{b,t} (atomicAdd scatter). dout: (B, T, D) -> (V, D)."""
+        r"""dE_v = \sum_{(b,t): x_{b,t} = v} dh_{b,t}, summed in a fixed order (tokens sorted on the
+        device, one block per run of equal tokens; no atomics, so repeatable bit for bit).
+        dout: (B, T, D) -> (V, D)."""
         if not (isinstance(ctx, _KCtx) and _supported(dout)):
             return ops.embedding_backward(dout, ctx)
         tok, shape = ctx
         D = shape[1]
-        N = tok.size
+        flat = tok.reshape(-1)
+        N = flat.size
         dw = cp.zeros(shape, dtype=dout.dtype)
+        if N == 0:
+            return dw
+        order = _c(cp.argsort(flat).astype(cp.int64, copy=False))
+        sorted_tok = _c(flat[order])
         grid, block = cb.row_launch(N, D)
         _launch("embedding", "embedding_bwd", dout.dtype, grid, block,
-                (_c(dout), tok, dw, _i32(N), _i32(D)))
+                (_c(dout), sorted_tok, order, dw, _i32(N), _i32(D)))
         return dw
 
     # --- linear (cuBLAS) ------------------------------------------------------------------------
@@ -317,6 +356,14 @@ class CupyBackend(ReferenceBackend):
         k, v = _c(k), _c(v)
         return k, v, S * KVH * hd
 
+    def _flash_expr(self, dtype, hd: int, T: int):
+        """``"<hd,split>"`` of the flash_attention.cu kernels for this call, or None (SIMT
+        kernels of attention.cu: float64, other head dimensions, T = 1, GPUs before sm_80)."""
+        if not self.flash or np.dtype(dtype) != np.float32 or hd not in cb.FLASH_HEAD_DIMS \
+                or T < 2:
+            return None
+        return f"<{hd},{'false' if self.attention_precision == 'tf32' else 'true'}>"
+
     def attention_forward(self, q, k, v, start_pos=0):
         r"""Causal GQA attention, S_{tj} = q_t \cdot k_j / \sqrt{hd} (-\infty for j > p + t),
         P = \mathrm{softmax}_j(S), o_t = \sum_j P_{tj} v_j; query head h reads KV head h // G.
@@ -339,7 +386,18 @@ class CupyBackend(ReferenceBackend):
         out = cp.empty((B, T, H, hd), dtype=dt)
         lse = cp.empty((B, H, T), dtype=dt)
         common = (start_arr, start_s, use_arr)
-        if T == 1:
+        flash = self._flash_expr(dt, hd, T)
+        if flash is not None and not (_aligned16(qc, kk, vv) and kv_bs % 4 == 0):
+            qc = qc.copy() if not _aligned16(qc) else qc
+            if not (_aligned16(kk, vv) and kv_bs % 4 == 0):
+                kk, vv = kk.copy(order="C"), vv.copy(order="C")
+                kv_bs = S * KVH * hd
+        if flash is not None:
+            grid, block = cb.flash_launch("fwd", B, T, S, KVH, G)
+            cb.launch_expr("flash_attention", f"flash_fwd{flash}", grid, block,
+                           (qc, kk, vv, out, lse, *common, _i32(T), _i32(S), _i32(H), _i32(KVH),
+                            np.int64(kv_bs), _scalar(dt, scale)), cb.flash_smem("fwd", hd))
+        elif T == 1:
             grid, block = cb.attn_decode_launch(B, KVH, G, dt)
             _launch("attention", "attn_decode", dt, grid, block,
                     (qc, kk, vv, out, lse, *common, _i32(S), _i32(H), _i32(KVH), _i32(hd),
@@ -370,6 +428,26 @@ class CupyBackend(ReferenceBackend):
         dq = cp.empty_like(qc)
         dk = cp.empty((B, S, KVH, hd), dtype=dt)
         dv = cp.empty((B, S, KVH, hd), dtype=dt)
+        flash = self._flash_expr(dt, hd, T)
+        if flash is not None:
+            if not _aligned16(doc):
+                doc = doc.copy()
+            sizes = (_i32(T), _i32(S), _i32(H), _i32(KVH), np.int64(kv_bs), _scalar(dt, scale))
+            grid, block = cb.flash_launch("dq", B, T, S, KVH, G)
+            cb.launch_expr("flash_attention", f"flash_bwd_dq{flash}", grid, block,
+                           (qc, kk, vv, doc, lse, dsum, dq, *common, *sizes),
+                           cb.flash_smem("dq", hd))
+            grid, block = cb.flash_launch("dkdv", B, T, S, KVH, G)
+            nsplit, r_chunk = cb.flash_dkdv_split(grid[0] * grid[1], T * G)
+            if nsplit > 1:
+                dk = cp.empty((nsplit, B, S, KVH, hd), dtype=dt)
+                dv = cp.empty((nsplit, B, S, KVH, hd), dtype=dt)
+            cb.launch_expr("flash_attention", f"flash_bwd_dkdv{flash}", grid + (nsplit,), block,
+                           (qc, kk, vv, doc, lse, dsum, dk, dv, *common, *sizes, _i32(r_chunk)),
+                           cb.flash_smem("dkdv", hd))
+            if nsplit > 1:  # the row shares' partial sums, added in a fixed order
+                dk, dv = dk.sum(axis=0), dv.sum(axis=0)
+            return dq, dk, dv
         sizes = (_i32(T), _i32(S), _i32(H), _i32(KVH), _i32(hd), np.int64(kv_bs),
                  _scalar(dt, scale))
         grid, block = cb.attn_dq_launch(B, T, KVH, G, dt)

@@ -4,7 +4,11 @@
 Prints two markdown tables with the peer side by side (ratio > 1: minillama is faster):
 
 * training step tokens/s (forward + backward + AdamW update) for the s15 and s110 shapes;
-* KV-cached greedy decode tokens/s at batch 1 and batch 8 (prefill not counted).
+* KV-cached greedy decode tokens/s at batch 1 and batch 8 (prefill not counted): minillama eager
+  and with the whole step captured as one CUDA graph (``minillama.backends.cupy_graph``), against
+  PyTorch eager and PyTorch with a static KV cache and one CUDA graph per step;
+* next to the float32 training step, PyTorch's ``torch.autocast`` bf16 step (the mixed-precision
+  peer).
 
 Both sides run float32 without TF32 (CuPy's cuBLAS default; ``torch.backends.cuda.matmul
 .allow_tf32 = False``). The PyTorch peer is a plain eager LLaMA (``F.scaled_dot_product_attention``
@@ -170,10 +174,11 @@ class TorchLlama:
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=ADAM["lr"], betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"])
 
-    def train_step(self, opt, tok, tgt):
+    def train_step(self, opt, tok, tgt, autocast: bool = False):
         F = self.torch.nn.functional
         opt.zero_grad(set_to_none=True)
-        logits = self.forward(tok)
+        with self.torch.autocast("cuda", dtype=self.torch.bfloat16, enabled=autocast):
+            logits = self.forward(tok)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
                                ignore_index=-1)
         loss.backward()
@@ -195,6 +200,84 @@ class TorchLlama:
                 out.append(nxt.cpu().numpy())  # the ids cross to the host, as for minillama
             self.sync()
             return np.stack(out, axis=1), time.perf_counter() - t0
+
+
+    def graph_decode(self, prompt: np.ndarray, n_new: int):
+        """Greedy decode with a static KV cache and the whole step captured as one CUDA graph
+        (token, position and output buffers on the device; attention over the full cache with
+        a position mask): PyTorch's fastest plain decode. Returns (ids (B, n_new), seconds)."""
+        t, cfg, p = self.torch, self.cfg, self.p
+        F = t.nn.functional
+        H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        with t.inference_mode():
+            B, P = prompt.shape
+            S = P + n_new
+            ck, cv = self.new_cache(B, S)
+            nxt = self.forward(t.tensor(prompt, device=self.device), 0, (ck, cv),
+                               last_only=True).argmax(-1)
+            tok = nxt[:, None].clone()
+            pos = t.full((B,), P, dtype=t.long, device=self.device)
+            out = t.zeros((n_new, B), dtype=t.long, device=self.device)
+            out[0] = nxt
+            stepi = t.ones(1, dtype=t.long, device=self.device)
+            ar_b = t.arange(B, device=self.device)
+            ar_s = t.arange(S, device=self.device)
+            head = p["tok_embeddings.weight"] if cfg.tie_embeddings else p["output.weight"]
+
+            def rope(x, c, s_):
+                x0, x1 = x[..., 0::2], x[..., 1::2]
+                return t.stack((x0 * c - x1 * s_, x0 * s_ + x1 * c), dim=-1).flatten(-2)
+
+            def step():
+                x = F.embedding(tok, p["tok_embeddings.weight"])
+                c = self.cos[pos][:, None, None, :]
+                s_ = self.sin[pos][:, None, None, :]
+                mask = (ar_s[None, :] <= pos[:, None])[:, None, None, :]
+                for layer in range(cfg.n_layers):
+                    pre = f"layers.{layer}."
+                    h = self._rms(x, p[pre + "attention_norm.weight"])
+                    q = rope((h @ p[pre + "attention.wq.weight"].T).view(B, 1, H, hd), c, s_)
+                    k = rope((h @ p[pre + "attention.wk.weight"].T).view(B, 1, KVH, hd), c, s_)
+                    v = (h @ p[pre + "attention.wv.weight"].T).view(B, 1, KVH, hd)
+                    ck[layer][ar_b, pos] = k[:, 0]
+                    cv[layer][ar_b, pos] = v[:, 0]
+                    a = F.scaled_dot_product_attention(
+                        q.transpose(1, 2), ck[layer].transpose(1, 2), cv[layer].transpose(1, 2),
+                        attn_mask=mask, enable_gqa=(KVH != H))
+                    x = x + a.transpose(1, 2).reshape(B, 1, H * hd) @ p[pre + "attention.wo.weight"].T
+                    h2 = self._rms(x, p[pre + "ffn_norm.weight"])
+                    g = F.silu(h2 @ p[pre + "feed_forward.w1.weight"].T) * \
+                        (h2 @ p[pre + "feed_forward.w3.weight"].T)
+                    x = x + g @ p[pre + "feed_forward.w2.weight"].T
+                nx = (self._rms(x[:, 0], p["norm.weight"]) @ head.T).argmax(-1)
+                out.index_copy_(0, stepi, nx[None])
+                tok.copy_(nx[:, None])
+                pos.add_(1)
+                stepi.add_(1)
+
+            saved = (tok.clone(), pos.clone(), stepi.clone())
+            side = t.cuda.Stream()
+            side.wait_stream(t.cuda.current_stream())
+            with t.cuda.stream(side):
+                for _ in range(2):
+                    step()
+                    tok.copy_(saved[0])
+                    pos.copy_(saved[1])
+                    stepi.copy_(saved[2])
+            t.cuda.current_stream().wait_stream(side)
+            graph = t.cuda.CUDAGraph()
+            with t.cuda.graph(graph):
+                step()
+            tok.copy_(saved[0])
+            pos.copy_(saved[1])
+            stepi.copy_(saved[2])
+            self.sync()
+            t0 = time.perf_counter()
+            for _ in range(n_new - 1):
+                graph.replay()
+            self.sync()
+            dt = time.perf_counter() - t0
+            return out.cpu().numpy().T.copy(), dt
 
 
 # ------------------------------------------------------------------------------------------------
@@ -229,7 +312,7 @@ def bench_train(name, args, torch_ok):
     del model, state
     cp.get_default_memory_pool().free_all_blocks()
 
-    torch_s, check = None, "n/a"
+    torch_s, bf16_s, check = None, None, "n/a"
     if torch_ok:
         import torch  # noqa: PLC0415
 
@@ -252,9 +335,24 @@ def bench_train(name, args, torch_ok):
         torch_s = median(times)
         del peer, opt
         torch.cuda.empty_cache()
+        peer = TorchLlama(cfg, params, "cuda")  # autocast bf16: bf16 matmuls, fp32 weights
+        opt = peer.make_optimizer()
+        for _ in range(max(args.warmup, 1)):
+            peer.train_step(opt, tt, tg, autocast=True)
+        times = []
+        for _ in range(args.steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            peer.train_step(opt, tt, tg, autocast=True).item()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        bf16_s = median(times)
+        del peer, opt
+        torch.cuda.empty_cache()
     return dict(shape=name, B=B, T=T, ml=B * T / ml_s, ml_ms=1e3 * ml_s,
                 torch=None if torch_s is None else B * T / torch_s,
-                torch_ms=None if torch_s is None else 1e3 * torch_s, check=check)
+                torch_ms=None if torch_s is None else 1e3 * torch_s,
+                bf16_ms=None if bf16_s is None else 1e3 * bf16_s, check=check)
 
 
 def bench_decode(name, batch, args, torch_ok):
@@ -266,18 +364,41 @@ def bench_decode(name, batch, args, torch_ok):
     model = Transformer(cfg, params, backend="cupy", dtype=np.float32)
     ml_decode(model, prompt, min(8, n))  # warm-up: compiles the decode kernels
     ml_ids, ml_s = ml_decode(model, prompt, n)
-    del model
-    torch_s, check = None, "n/a"
+    from minillama.backends.cupy_graph import GraphDecoder  # noqa: PLC0415
+
+    GraphDecoder(model, batch, args.prompt + n).generate(prompt, min(8, n))  # warm-up
+    dec = GraphDecoder(model, batch, args.prompt + n)
+    dec.prefill(prompt)
+    model.backend.synchronize()
+    t0 = time.perf_counter()
+    g_ids = dec.decode(n)
+    g_s = time.perf_counter() - t0
+    dec2 = GraphDecoder(model, batch, args.prompt + n)  # captured already: replays only
+    dec2.prefill(prompt)
+    dec2._capture()
+    dec2.prefill(prompt)
+    model.backend.synchronize()
+    t0 = time.perf_counter()
+    g_ids2 = dec2.decode(n)
+    g_s = min(g_s, time.perf_counter() - t0)
+    del model, dec, dec2
+    check = f"graph ids = eager: {100 * float(np.mean(g_ids == ml_ids)):.0f}%"
+    if not np.array_equal(g_ids, g_ids2):
+        check += " (graph runs DIFFER)"
+    torch_s, tg_s = None, None
     if torch_ok:
         peer = TorchLlama(cfg, params, "cuda")
         peer.decode(prompt, min(8, n))
         t_ids, torch_s = peer.decode(prompt, n)
-        same = float(np.mean(t_ids == ml_ids))
-        check = f"greedy ids equal: {100 * same:.0f}%"
+        peer.graph_decode(prompt, min(8, n))
+        tg_ids, tg_s = peer.graph_decode(prompt, n)
+        check += (f"; torch eager ids = ours: {100 * float(np.mean(t_ids == ml_ids)):.0f}%, "
+                  f"torch graph = ours: {100 * float(np.mean(tg_ids == ml_ids)):.0f}%")
         del peer
     toks = batch * (n - 1)
-    return dict(shape=name, B=batch, n=n, ml=toks / ml_s,
-                torch=None if torch_s is None else toks / torch_s, check=check)
+    return dict(shape=name, B=batch, n=n, ml=toks / ml_s, ml_graph=toks / g_s,
+                torch=None if torch_s is None else toks / torch_s,
+                torch_graph=None if tg_s is None else toks / tg_s, check=check)
 
 
 def fmt(x, spec=".0f"):
@@ -323,27 +444,31 @@ def main(argv=None) -> int:
     if not args.no_train:
         print("\n## Training step (forward + backward + AdamW), float32, tokens/s\n")
         print("| shape | B x T | minillama cupy | ms/step | PyTorch eager | ms/step | "
-              "ratio (torch time / minillama time) | check |")
-        print("|---|---|---|---|---|---|---|---|")
+              "ratio (torch time / minillama time) | PyTorch autocast bf16 ms/step | "
+              "ratio vs bf16 | check |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for s in shapes:
             r = bench_train(s, args, torch_ok)
             ratio = None if r["torch"] is None else r["ml"] / r["torch"]
+            r16 = None if r["bf16_ms"] is None else r["bf16_ms"] / r["ml_ms"]
             print(f"| {s} | {r['B']} x {r['T']} | {fmt(r['ml'])} | {fmt(r['ml_ms'], '.1f')} | "
                   f"{fmt(r['torch'])} | {fmt(r['torch_ms'], '.1f')} | {fmt(ratio, '.2f')} | "
-                  f"{r['check']} |", flush=True)
+                  f"{fmt(r['bf16_ms'], '.1f')} | {fmt(r16, '.2f')} | {r['check']} |", flush=True)
 
     if not args.no_decode:
         batches = [int(b) for b in args.batches.split(",") if b.strip()]
         print(f"\n## Greedy decode with KV cache (prompt {args.prompt}, "
               f"{args.decode_tokens} new tokens), tokens/s\n")
-        print("| shape | batch | minillama cupy | PyTorch eager | ratio | check |")
-        print("|---|---|---|---|---|---|")
+        print("| shape | batch | minillama eager | minillama CUDA graph | PyTorch eager | "
+              "PyTorch static cache + CUDA graph | ratio graph/graph | check |")
+        print("|---|---|---|---|---|---|---|---|")
         for s in shapes:
             for b in batches:
                 r = bench_decode(s, b, args, torch_ok)
-                ratio = None if r["torch"] is None else r["ml"] / r["torch"]
-                print(f"| {s} | {b} | {fmt(r['ml'])} | {fmt(r['torch'])} | {fmt(ratio, '.2f')} "
-                      f"| {r['check']} |", flush=True)
+                ratio = None if r["torch_graph"] is None else r["ml_graph"] / r["torch_graph"]
+                print(f"| {s} | {b} | {fmt(r['ml'])} | {fmt(r['ml_graph'])} | {fmt(r['torch'])} "
+                      f"| {fmt(r['torch_graph'])} | {fmt(ratio, '.2f')} | {r['check']} |",
+                      flush=True)
     return 0
 
 

@@ -38,6 +38,7 @@ EMU_HEADER = r"""// Minimal CPU emulation of the CUDA features the minillama ker
 #include <thread>
 #include <vector>
 #include <mutex>
+#define ML_EMULATED 1
 using std::min; using std::max;
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 inline thread_local dim3 threadIdx, blockIdx;
@@ -46,7 +47,7 @@ inline dim3 blockDim, gridDim;
 #define __device__
 #define __forceinline__ inline
 #define __restrict__
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 #define __shared__ static
 inline std::unique_ptr<std::barrier<>> g_block_bar;
 struct WarpX { std::unique_ptr<std::barrier<>> bar; alignas(8) unsigned char buf[32][8]; };
@@ -63,6 +64,38 @@ template <typename T> T emu_exchange(T v, int src) {
 }
 template <typename T> T __shfl_sync(unsigned, T v, int src) { return emu_exchange(v, src); }
 template <typename T> T __shfl_xor_sync(unsigned, T v, int m) { return emu_exchange(v, (emu_tid() % 32) ^ m); }
+inline void __syncwarp() { g_warps[emu_tid() / 32].bar->arrive_and_wait(); }
+struct alignas(16) float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+// dynamic shared memory: one buffer, sized by the launcher (blocks run one after another)
+inline std::vector<float> g_dyn_smem;
+#define ML_DYN_SMEM(name) float* name = g_dyn_smem.data()
+// cvt.rna.tf32.f32: keep 10 mantissa bits, rounding to nearest with ties away from zero
+inline unsigned ml_tf32(float x) {
+    unsigned u; std::memcpy(&u, &x, 4);
+    if ((u & 0x7f800000u) != 0x7f800000u) u += 0x1000u;
+    return u & 0xffffe000u;
+}
+// mma.sync m16n8k8 tf32 for one warp, from each lane's fragments (layout of the PTX ISA)
+struct MmaX { float a[32][4]; float b[32][2]; };
+inline std::vector<MmaX> g_mma;
+inline void ml_mma_tf32(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    int t = emu_tid(); WarpX& w = g_warps[t / 32]; MmaX& m = g_mma[t / 32]; int l = t % 32;
+    w.bar->arrive_and_wait();
+    for (int i = 0; i < 4; ++i) m.a[l][i] = __uint_as_float(a[i]);
+    for (int i = 0; i < 2; ++i) m.b[l][i] = __uint_as_float(b[i]);
+    w.bar->arrive_and_wait();
+    auto A = [&](int r, int k) { return m.a[(r % 8) * 4 + k % 4][(r >= 8) + 2 * (k >= 4)]; };
+    auto B = [&](int k, int n) { return m.b[n * 4 + k % 4][k >= 4]; };
+    int g = l / 4, tg = l % 4;
+    for (int e = 0; e < 4; ++e) {
+        int r = g + 8 * (e / 2), n = 2 * tg + (e % 2);
+        float acc = 0.f;
+        for (int k = 0; k < 8; ++k) acc += A(r, k) * B(k, n);
+        c[e] += acc;
+    }
+}
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
@@ -78,18 +111,20 @@ void emu_launch(void (*k)(P...), dim3 g, dim3 b, A... args) {
     int nt = b.x * b.y * b.z;
     g_block_bar = std::make_unique<std::barrier<>>(nt);
     g_warps = std::vector<WarpX>((nt + 31) / 32);
+    g_mma = std::vector<MmaX>((nt + 31) / 32);
     for (auto& w : g_warps) w.bar = std::make_unique<std::barrier<>>(32);
     std::unique_ptr<std::barrier<>> end_bar = std::make_unique<std::barrier<>>(nt);
     std::vector<std::thread> th;
     for (int t = 0; t < nt; ++t)
         th.emplace_back([&, t] {
             threadIdx = dim3{unsigned(t % b.x), unsigned(t / b.x), 1};
-            for (unsigned by = 0; by < g.y; ++by)
-                for (unsigned bx = 0; bx < g.x; ++bx) {
-                    blockIdx = dim3{bx, by, 1};
-                    k(args...);
-                    end_bar->arrive_and_wait();
-                }
+            for (unsigned bz = 0; bz < g.z; ++bz)
+                for (unsigned by = 0; by < g.y; ++by)
+                    for (unsigned bx = 0; bx < g.x; ++bx) {
+                        blockIdx = dim3{bx, by, bz};
+                        k(args...);
+                        end_bar->arrive_and_wait();
+                    }
         });
     for (auto& x : th) x.join();
 }
@@ -97,6 +132,10 @@ void emu_launch(void (*k)(P...), dim3 g, dim3 b, A... args) {
 
 _SIG = re.compile(r"template <typename T>\s*__global__ void\s*(?:__launch_bounds__\([^)]*\)\s*)?"
                   r"(\w+)\s*\(([^)]*)\)\s*\{", re.S)
+
+
+_SIG_NT = re.compile(r"template <int HD, bool SPLIT>\s*__global__ void\s*"
+                     r"(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)\s*\{", re.S)
 
 
 def _translation_unit() -> str:
@@ -115,6 +154,20 @@ def _translation_unit() -> str:
                     f'extern "C" void L_{name}_{ct}(unsigned gx, unsigned gy, unsigned bx, '
                     f"unsigned by, {ps}) {{ emu_launch(ns_{f.stem}::{name}<{ct}>, "
                     f"dim3{{gx, gy, 1}}, dim3{{bx, by, 1}}, {args}); }}")
+        # kernels with their template arguments on the KERNELS line (flash_attention.cu)
+        for m in _SIG_NT.finditer(src):
+            name, params = m.group(1), [p.strip() for p in m.group(2).split(",")]
+            args = ", ".join(re.findall(r"\w+", p)[-1] for p in params)
+            ps = ", ".join(params)
+            for expr in cb.kernel_names(f):
+                if not expr.startswith(name + "<"):
+                    continue
+                tag = re.sub(r"\W", "_", expr)
+                wrappers.append(
+                    f'extern "C" void L_{tag}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
+                    f"unsigned by, unsigned smem, {ps}) {{ g_dyn_smem.assign(smem / 4, -1e30f); "
+                    f"emu_launch(ns_{f.stem}::{expr}, dim3{{gx, gy, gz}}, dim3{{bx, by, 1}}, "
+                    f"{args}); }}")
     return "\n".join(parts + wrappers) + "\n"
 
 
@@ -170,11 +223,20 @@ def be(emu_lib, monkeypatch):
             fn(*(ctypes.c_uint(x) for x in g + b), *(_arg(a) for a in args))
         return launch
 
+    def launch_expr(file, expr, grid, block, args, shared_mem=0):
+        fn = getattr(emu_lib, "L_" + re.sub(r"\W", "_", expr))
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        b = tuple(block) + (1,) * (2 - len(block))
+        fn(*(ctypes.c_uint(x) for x in g + b), ctypes.c_uint(shared_mem),
+           *(_arg(a) for a in args))
+
     monkeypatch.setattr(cbk, "cp", fake)
     monkeypatch.setattr(cb, "get_kernel", get_kernel)
+    monkeypatch.setattr(cb, "launch_expr", launch_expr)
     backend = object.__new__(cbk.CupyBackend)
     backend.xp, backend.device, backend._dummy_start = np, "cpu-emulation", {}
     backend._start_cache = None
+    backend.flash = False  # the SIMT kernels of attention.cu; test_flash_attention sets True
     return backend
 
 
@@ -326,3 +388,36 @@ def test_device_sampling_matches_host_sampling(be):
     u = np.array([np.random.default_rng(100 + b).random() for b in range(5)])
     got = be.sample_tokens(Z, 0.8, 10, 0.9, uniforms=u)
     assert got.tolist() == [sample(Z[b], gens[b], 0.8, 10, 0.9) for b in range(5)]
+
+
+# (B, T, H, KVH, hd, extra cached positions, per-sequence starts): the tensor-core kernels of
+# flash_attention.cu with an emulated mma.sync (fragment layouts, tiling, masking, online softmax)
+FLASH_CASES = [
+    (1, 70, 2, 1, 64, 0, None),      # GQA G = 2: 140 rows over 3 query tiles, keys over 3 tiles
+    (2, 9, 3, 3, 64, 4, [4, 0]),     # MHA after a cache, per-sequence positions
+    (1, 20, 4, 1, 128, 0, None),     # MQA, head dim 128, a query tile spanning 4 heads
+    (1, 40, 8, 1, 64, 0, None),      # MQA, 320 rows: dk/dv split into 2 row shares, then summed
+]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("case", FLASH_CASES, ids=str)
+def test_flash_attention(be, case, precision):
+    B, T, H, KVH, hd, extra, starts = case
+    be.flash, be.attention_precision = True, precision
+    assert be._flash_expr(np.float32, hd, T) is not None
+    rng = np.random.default_rng(5)
+    S = T + extra
+    q = rng.standard_normal((B, T, H, hd)).astype(np.float32)
+    k = rng.standard_normal((B, S, KVH, hd)).astype(np.float32)
+    v = rng.standard_normal((B, S, KVH, hd)).astype(np.float32)
+    do = rng.standard_normal((B, T, H, hd)).astype(np.float32)
+    sp = np.array(starts) if starts is not None else extra
+    q64, k64, v64, do64 = (a.astype(np.float64) for a in (q, k, v, do))
+    (o, c), (o_ref, c_ref) = be.attention_forward(q, k, v, sp), \
+        ops.attention_forward(q64, k64, v64, sp)
+    # 3xTF32 keeps float32 accuracy; one TF32 product is about 1e-3 relative
+    tol = 2e-5 if precision == "fp32" else 5e-3
+    close(o, o_ref, tol)
+    for a, r in zip(be.attention_backward(do, c), ops.attention_backward(do64, c_ref)):
+        close(a, r, tol * 5)
