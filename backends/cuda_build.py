@@ -19,15 +19,12 @@ instantiated for ``float`` and ``double`` through NVRTC name expressions.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import importlib.util
 import math
-import os
 import re
-import sys
-import tempfile
 import threading
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -223,7 +220,7 @@ def nvrtc_version() -> tuple[int, int]:
 
 
 def nvrtc_check(path: str | Path, arch: int = 80, dtypes=(np.float32, np.float64),
-                extra_options=()) -> str:
+                extra_options=(), unique: bool = False) -> str:
     """Compile ``path`` with NVRTC for ``sm_<arch>`` (no GPU needed) and return the compile log
     (warnings; usually empty). Every kernel on its ``// KERNELS:`` line is instantiated for each
     dtype. A failure raises :class:`KernelCompileError` (``path:line: error: ...``).
@@ -231,62 +228,25 @@ def nvrtc_check(path: str | Path, arch: int = 80, dtypes=(np.float32, np.float64
     nvrtc = load_nvrtc()
     path = _resolve(path)
     src = load_source(path)
+    if unique:  # PTX no other compile has: NVRTC 13 reuses cached machine code otherwise
+        src += f"__device__ int ml_unique_{uuid.uuid4().hex}[1];\n"
     prog = nvrtc.createProgram(src, str(path), [], [])
     try:
         for expr in name_expressions(path, dtypes):
             nvrtc.addNameExpression(prog, expr)
         opts = list(COMPILE_OPTIONS) + [f"--gpu-architecture=sm_{int(arch)}", *extra_options]
-        with _captured_output() as printed:
-            try:
-                nvrtc.compileProgram(prog, opts)
-            except nvrtc.NVRTCError as e:
-                log = nvrtc.getProgramLog(prog)
-                raise _compile_error(log, f"{path.name} failed to compile for sm_{arch} ({e})") \
-                    from None
-        # NVRTC 12 puts ptxas's --verbose report in the program log; NVRTC 13 prints it on the
-        # process's own output instead, so both are kept
-        log = nvrtc.getProgramLog(prog) + "\n" + printed[0]
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            log = nvrtc.getProgramLog(prog)
+            raise _compile_error(log, f"{path.name} failed to compile for sm_{arch} ({e})") \
+                from None
+        log = nvrtc.getProgramLog(prog)
         for expr in name_expressions(path, dtypes):  # every instantiation really exists
             nvrtc.getLoweredName(prog, expr)
         return log.strip("\x00").strip()
     finally:
         nvrtc.destroyProgram(prog)
-
-
-@contextlib.contextmanager
-def _captured_output():
-    """Collect what native code writes on file descriptors 1 and 2 inside the block (a
-    one-element list, filled on exit); Python's own sys.stdout/stderr are flushed first."""
-    out = [""]
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001, S110 - a closed or odd stream: nothing to flush
-            pass
-    saved = []
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
-        try:
-            for fd in (1, 2):
-                saved.append((fd, os.dup(fd)))
-                os.dup2(tmp.fileno(), fd)
-        except OSError:  # no such descriptors (embedded interpreters): capture nothing
-            for fd, old in saved:
-                os.dup2(old, fd)
-                os.close(old)
-            yield out
-            return
-        try:
-            yield out
-        finally:
-            try:  # C stdio keeps what NVRTC printed in its buffer until flushed
-                ctypes.CDLL(None).fflush(None)
-            except (OSError, AttributeError):
-                pass
-            for fd, old in saved:
-                os.dup2(old, fd)
-                os.close(old)
-            tmp.seek(0)
-            out[0] = tmp.read().decode("utf-8", "replace")
 
 
 _PTXAS_ENTRY_RE = re.compile(r"Compiling entry function '(?P<name>[^']+)'")
@@ -298,12 +258,11 @@ _PTXAS_SMEM_RE = re.compile(r"\b(?P<smem>\d+) bytes smem\b")
 def ptxas_resources(path: str | Path, arch: int = 80) -> dict[str, dict[str, int]]:
     """Per kernel entry (mangled name): registers, static shared memory (bytes) and spill bytes,
     as reported by ptxas through NVRTC for ``sm_<arch>`` (no GPU needed)."""
-    out = _parse_ptxas(nvrtc_check(path, arch, extra_options=("--ptxas-options=--verbose",)))
-    if not out and kernel_names(path):
-        # NVRTC 13 prints the report on the process's output rather than in the log, and the
-        # first compile of a process was seen (H100, CUDA 13.0) to print nothing: ask again
-        out = _parse_ptxas(nvrtc_check(path, arch, extra_options=("--ptxas-options=--verbose",)))
-    return out
+    # unique PTX: NVRTC 13 takes machine code for PTX it has seen from the CUDA compute cache
+    # (~/.nv/ComputeCache, across processes too; seen on an H100 with CUDA 13.0) and then runs
+    # no ptxas, so the log has no report (CUDA_CACHE_DISABLE=1 has the same effect)
+    return _parse_ptxas(nvrtc_check(path, arch, extra_options=("--ptxas-options=--verbose",),
+                                    unique=True))
 
 
 def _parse_ptxas(log: str) -> dict[str, dict[str, int]]:
