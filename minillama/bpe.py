@@ -23,6 +23,9 @@ from .errors import MinillamaError
 
 #: GPT-2's pre-tokenizer regex (``ByteLevel`` with ``use_regex``)
 GPT2_PATTERN = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+#: Llama 3's split pattern (Qwen2's is the same with single digits)
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+                  r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPACE = "\u2581"
 
 
@@ -43,10 +46,13 @@ def byte_alphabet() -> dict[int, str]:
 class BPETokenizer:
     """A ``tokenizer.json`` with a ``BPE`` model, byte-level or SentencePiece-style."""
 
-    def __init__(self, path):
+    def __init__(self, path, data: dict | None = None):
+        """Read the ``tokenizer.json`` at ``path``, or take its parsed ``data`` (``path`` then only
+        names it in messages)."""
         self.path = Path(path)
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
+            if data is None:
+                data = json.loads(self.path.read_text(encoding="utf-8"))
             model = data["model"]
             kind = model.get("type")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -225,3 +231,44 @@ class LibraryShim:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.bpe.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
+
+
+def byte_level_json(tokens: list[str], merges: list[str], special: Iterable[int],
+                    pattern: str = GPT2_PATTERN, ignore_merges: bool = False) -> dict:
+    """A byte-level BPE ``tokenizer.json`` dict from a vocabulary in id order, its merges, the
+    ids of its special tokens and the split pattern (how GGUF files store such tokenizers)."""
+    special = set(special)
+    return {"model": {"type": "BPE", "vocab": {t: i for i, t in enumerate(tokens)},
+                      "merges": list(merges), "ignore_merges": ignore_merges},
+            "added_tokens": [{"id": i, "content": tokens[i], "special": True}
+                             for i in sorted(special)],
+            "normalizer": None,
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pattern}},
+                {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]}}
+
+
+class TextBPE:
+    """A :class:`BPETokenizer` with the project's tokenizer interface (``encode(text, bos, eos)``,
+    ``decode``, ``decode_bytes``, ``vocab_size``, ``bos_id``, ``eos_id``, ``spec``)."""
+
+    def __init__(self, bpe: BPETokenizer, bos_id, eos_id, spec: dict):
+        self.bpe, self.bos_id, self.eos_id, self._spec = bpe, bos_id, eos_id, spec
+
+    @property
+    def vocab_size(self) -> int:
+        return max(self.bpe.pieces) + 1
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        pre = [self.bos_id] if bos and self.bos_id is not None else []
+        post = [self.eos_id] if eos and self.eos_id is not None else []
+        return pre + self.bpe.encode(text) + post
+
+    def decode_bytes(self, ids) -> bytes:
+        return self.bpe.decode_bytes(ids)
+
+    def decode(self, ids) -> str:
+        return self.bpe.decode(ids)
+
+    def spec(self) -> dict:
+        return dict(self._spec)

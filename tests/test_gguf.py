@@ -174,3 +174,54 @@ def test_unsupported_and_corrupt_gguf_are_one_line(tmp_path):
     w.close()
     with pytest.raises(MinillamaError, match="GGUF architecture 'gpt2' is not supported"):
         load_model(arch)
+
+
+def test_gguf_gpt2_tokenizer_matches_the_tokenizers_library(tmp_path):
+    """A byte-level BPE tokenizer (Llama 3 / GPT-2 kind) stored the GGUF way (tokens, merges,
+    token types, pre-tokenizer name) gives the ids of the tokenizers library."""
+    import json
+
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    lib = tokenizers.Tokenizer(models.BPE())
+    lib.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    lib.decoder = decoders.ByteLevel()
+    lib.train_from_iterator(["the cat sat on the mat, didn't it? 42 caf\u00e9s"] * 40,
+                            trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                show_progress=False))
+    lib.save(str(tmp_path / "tokenizer.json"))
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=len(tokens), hidden_dim=48,
+                      max_seq_len=16)
+    path = tmp_path / "bpe.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("context_length", 16), ("embedding_length", 32), ("block_count", 1),
+                       ("feed_forward_length", 48), ("attention.head_count", 4)):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([3 if t in ("<s>", "</s>") else 1 for t in tokens])
+    w.add_bos_token_id(vocab["<s>"])
+    w.add_eos_token_id(vocab["</s>"])
+    for name, a in init_params(cfg, seed=0).items():
+        w.add_tensor(gguf_name(name), a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _, tok = load_model(path)
+    assert (tok.bos_id, tok.eos_id) == (vocab["<s>"], vocab["</s>"])
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        text = "".join(chr(int(c)) for c in rng.integers(0x20, 0x2000, rng.integers(1, 20)))
+        text += " the cat sat, didn't it? 1234 <s>"
+        assert tok.encode(text) == lib.encode(text, add_special_tokens=False).ids, text
+        assert tok.decode(tok.encode(text)) == text.replace("<s>", "")
