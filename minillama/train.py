@@ -43,8 +43,8 @@ from .checkpoint import (check_finite, check_output_dir, check_output_file, load
                          save_checkpoint)
 from .config import ModelConfig
 from .data import TokenData, prepare_data, prepare_shakespeare, prepare_text_file
-from .distributed import (Communicator, NCCLComm, RanksFailed, SingleProcess, open_world,
-                          share_cores)
+from .distributed import (Communicator, NCCLComm, RanksFailed, SingleProcess, blas_share,
+                          open_world, share_cores)
 from .errors import MinillamaError
 from .model import Transformer
 from .optim import AdamW, clip_grad_norm, lr_at
@@ -867,8 +867,12 @@ def run_train(args) -> int:
 
 def _train_command(args, world: Communicator) -> int:
     say = _say if world.rank == 0 else _silent
-    if world.size > 1:
-        share_cores(world.local_size)
+    threads = share_cores(world.local_size) if world.size > 1 else None
+    with blas_share(threads):
+        return _train_ranks(args, world, say)
+
+
+def _train_ranks(args, world: Communicator, say) -> int:
     tc = world.agree(lambda: build_config(args, world_size=world.size))
     backend = world.agree(lambda: resolve_name(tc.backend))
     world.agree_on("the training settings",

@@ -23,8 +23,8 @@ import pytest
 from minillama import cli
 from minillama.checkpoint import load_checkpoint
 from minillama.data import prepare_text_file
-from minillama.distributed import (Communicator, RanksFailed, detect_launcher, find_mpiexec,
-                                   share_cores)
+from minillama.distributed import (Communicator, RanksFailed, blas_share, detect_launcher,
+                                   find_mpiexec, share_cores)
 from minillama.errors import MinillamaError
 from minillama.train import CKPT_NAME, grad_accum_for
 
@@ -385,3 +385,29 @@ def test_guard_exits_quietly_on_other_ranks_and_aborts_on_local_failures(capsys)
     assert comm.aborted == 2
     assert capsys.readouterr().err.strip() == ("minillama: error: rank 1: No space left on "
                                               "device: ckpt.safetensors")
+
+
+def test_blas_share_holds_openblas_at_one_thread():
+    api = None
+    for name in ("minillama.backends.cpu_threads", "minillama.ops"):
+        try:
+            api = importlib.import_module(name)._openblas_api()
+        except (ImportError, AttributeError):
+            continue
+        break
+    if api is None:
+        pytest.skip("NumPy's BLAS is not an OpenBLAS whose thread count can be set")
+    get, set_ = api
+    before = get()
+    set_(2)
+    if get() != 2:
+        set_(before)
+        pytest.skip("OpenBLAS cannot run 2 threads here")
+    try:
+        with blas_share(1):
+            assert get() == 1
+        assert get() == 2
+        with blas_share(2), blas_share(None):
+            assert get() == 2
+    finally:
+        set_(before)
