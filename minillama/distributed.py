@@ -142,24 +142,24 @@ def share_cores(local_size: int, environ=None) -> int | None:
 
 @contextmanager
 def blas_share(threads: int | None):
-    """Hold OpenBLAS at one thread while the block runs when each rank's share of the cores is one
-    thread (OpenBLAS sized its pool for the whole machine when NumPy loaded, and idle BLAS threads
-    spinning beside the other ranks slow every step); any other share leaves BLAS alone."""
-    ctx = None
-    if threads == 1:
-        import importlib  # noqa: PLC0415
+    """Hold OpenBLAS at ``threads`` threads while the block runs (then restore it): OpenBLAS sized
+    its pool for the whole machine when NumPy loaded, and idle BLAS threads spinning beside the
+    other ranks slow every step. None, or a BLAS that is not OpenBLAS, leaves it alone."""
+    api = None
+    if threads:
+        from .backends.cpu_threads import openblas_api  # noqa: PLC0415
 
-        for module in ("minillama.backends.cpu_threads", "minillama.ops"):
-            try:
-                ctx = importlib.import_module(module).single_threaded_blas()
-                break
-            except (ImportError, AttributeError):
-                continue
-    if ctx is None:
+        api = openblas_api()
+    if api is None:
         yield
         return
-    with ctx:
+    get, set_ = api
+    before = get()
+    set_(int(threads))
+    try:
         yield
+    finally:
+        set_(before)
 
 
 # ---------------------------------------------------------------------------------------------
