@@ -49,6 +49,8 @@ def files(tmp_path_factory):
     f["file"] = d / "a_file"
     f["file"].write_text("x")
     f["missing"] = d / "missing"
+    f["fifo"] = d / "fifo"
+    os.mkfifo(f["fifo"])  # opening it to read would block forever
     (d / "broken.toml").write_text("steps = = 3\n")
     (d / "unknown.json").write_text(json.dumps({"dimm": 64}))
     (d / "wrongtype.json").write_text(json.dumps({"steps": "ten"}))
@@ -74,6 +76,7 @@ def _table(f):
         (["-c", str(f["folder"])], "without config.json"),
         (["-c", str(f["text"])], "not a recognised checkpoint"),
         (["-c", str(f["binary"])], "not a recognised checkpoint"),
+        (["-c", str(f["fifo"])], "not a regular file"),
         ([*ck, "-n", "x"], "invalid int value"),
         ([*ck, "-n", "-1"], "max-new-tokens"),
         ([*ck, "--temperature", "-1"], "temperature"),

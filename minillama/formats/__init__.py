@@ -46,6 +46,8 @@ def detect_format(path) -> str:
         raise MinillamaError(f"{p} is a folder without config.json (not a Hugging Face model)")
     if not p.exists():
         raise MinillamaError(f"checkpoint not found: {p}")
+    if not p.is_file():  # a device or a FIFO: reading it could block forever
+        raise MinillamaError(f"{p} is not a regular file")
     if _is_safetensors(p):
         return "minillama"
     if is_gguf(p):
