@@ -251,7 +251,7 @@ def check_rope_scaling(scaling: Any, head_dim: int) -> dict | None:
         raise MinillamaError(f"ModelConfig.rope_scaling must be an object or null, got "
                              f"{type(scaling).__name__}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ROPE_SCALING_KEYS:
+    if not isinstance(kind, str) or kind not in ROPE_SCALING_KEYS:
         raise MinillamaError(f"rope scaling type {_show(kind)} is not supported (supported: "
                              f"{', '.join(ROPE_SCALING_KEYS)})")
     if kind == "default":
@@ -300,7 +300,8 @@ def _check_field(name: str, value: Any, annotation: str) -> Any:
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise MinillamaError(f"ModelConfig.{name} must be an integer, got {_show(value)}")
         if not lo <= value <= hi:
-            raise MinillamaError(f"ModelConfig.{name} must be in [{lo}, {hi}], got {value}")
+            raise MinillamaError(f"ModelConfig.{name} must be in [{lo}, {hi}], got "
+                                 f"{_show(value)}")
         return int(value)
     if kind == "float":
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):

@@ -182,9 +182,7 @@ def make_targets(root, names: list[str] | None = None) -> dict[str, Target]:
                                  [2.0, 2.0, 1.0])
     if want("train_ckpt"):
         targets["train_ckpt"] = _make_train_ckpt_target(root, mk)
-    gguf_target = _make_gguf_target(mk, want)
-    if gguf_target is not None:
-        targets["gguf"] = gguf_target
+    targets.update(_make_gguf_targets(mk, want))
     return targets
 
 
@@ -263,24 +261,28 @@ def _make_train_ckpt_target(root: Path, mk) -> Target:
     return Target("train_ckpt", d, [CKPT_NAME], load)
 
 
-def _make_gguf_target(mk, want) -> Target | None:
-    """The GGUF seed, once the project can write and read GGUF (``minillama.formats.gguf``)."""
-    if not want("gguf"):
-        return None
+def _make_gguf_targets(mk, want) -> dict[str, Target]:
+    """GGUF seeds written by :func:`minillama.formats.gguf.save_gguf` (needs the ``gguf``
+    package): ``gguf`` (llama, F32, with a SentencePiece tokenizer in the metadata) and
+    ``gguf_qwen2`` (q/k/v biases, F16 matrices)."""
     try:
-        from .formats import gguf as gg  # noqa: PLC0415
+        import gguf  # noqa: F401, PLC0415
+
+        from .formats.gguf import save_gguf  # noqa: PLC0415
     except ImportError:
-        return None
-    save = getattr(gg, "save_gguf", None)
-    if save is None:
-        return None
-    d = mk("gguf")
-    cfg = _small_cfg(40)
-    try:
-        save(d / "model.gguf", cfg, _params(cfg))
-    except Exception:  # noqa: BLE001 - a writer that needs more (a tokenizer): no seed
-        return None
-    return Target("gguf", d, ["model.gguf"], lambda p: _load_and_run(p / "model.gguf"))
+        return {}
+    from .tokenizer import Llama2cTokenizer  # noqa: PLC0415
+
+    out = {}
+    for name, extra, mtype in (("gguf", {}, "F32"), ("gguf_qwen2", {"qkv_bias": True}, "F16")):
+        if not want(name):
+            continue
+        d = mk(name)
+        tok = Llama2cTokenizer(_write_tokenizer_bin(d.parent / "tokenizer.bin"))
+        cfg = _small_cfg(tok.vocab_size, **extra)
+        save_gguf(d / "model.gguf", cfg, _params(cfg), tokenizer=tok, matrix_type=mtype)
+        out[name] = Target(name, d, ["model.gguf"], lambda p: _load_and_run(p / "model.gguf"))
+    return out
 
 
 def _to_toml(d: dict) -> str:

@@ -173,9 +173,23 @@ def _table(f):
         (["--decode-tokens", "0"], "expected a positive integer"),
         (["--shape", "huge"], "invalid choice"),
     ]
+    ck_only = [str(f["ckpt"])]
+    export = [
+        ([str(f["missing"]), "--format", "hf", "--out", str(d / "e")], "not found"),
+        ([str(f["binary"]), "--format", "hf", "--out", str(d / "e")], "not a recognised"),
+        ([*ck_only, "--format", "onnx", "--out", str(d / "e")], "invalid choice"),
+        ([*ck_only, "--out", str(d / "e")], "the following arguments are required: --format"),
+        ([*ck_only, "--format", "gguf", "--gguf-type", "Q4_0", "--out", str(d / "e.gguf")],
+         "invalid choice"),
+        ([*ck_only, "--format", "hf", "--out", str(f["file"])], "is a file, not a folder"),
+        ([*ck_only, "--format", "llama2c", "--out", str(f["folder"])], "is a folder, not a file"),
+        ([*ck_only, "--format", "gguf", "--out", str(f["folder"])], "is a folder, not a file"),
+        ([*ck_only, "--format", "gguf", "--out", str(f["file"] / "m.gguf")], "is a file"),
+    ]
     rows = [(["generate", *a], w) for a, w in gen] + [(["train", "--no-progress", *a], w)
                                                        for a, w in train]
     rows += [(["prepare-data", *a], w) for a, w in prep] + [(["bench", *a], w) for a, w in bench]
+    rows += [(["export", *a], w) for a, w in export]
     rows += [(["nope"], "invalid choice: 'nope'"), ([], "a command is required")]
     return rows
 

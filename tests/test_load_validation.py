@@ -380,3 +380,23 @@ def test_generation_stops_on_non_finite_logits(monkeypatch):
     monkeypatch.setattr(model, "forward", overflowing)
     with pytest.raises(MinillamaError, match="logits for position 3 hold NaN/inf"):
         generate(model, [1, 2, 3], max_new_tokens=5, temperature=0.0)
+
+
+@pytest.mark.parametrize("patch, words", [
+    ({"max_position_embeddings": "many"}, "max_position_embeddings must be an integer"),
+    ({"max_position_embeddings": float("inf")}, "max_position_embeddings must be an integer"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": float("inf")}}, "factor must be"),
+    ({"rope_scaling": {"rope_type": {"a": 1}}}, "rope scaling type"),
+    ({"rope_scaling": {"type": ["dynamic"]}}, "rope scaling type"),
+])
+def test_mistral_dynamic_scaling_fields(patch, words):
+    """Found by the fuzzer: the dynamic-NTK context stretch multiplied unchecked values."""
+    from minillama.formats.hf import config_from_hf
+
+    base = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "vocab_size": 40, "intermediate_size": 24, "max_position_embeddings": 12,
+            "model_type": "mistral", "sliding_window": 8,
+            "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    assert config_from_hf(base).max_seq_len == 24
+    with pytest.raises(MinillamaError, match=words):
+        config_from_hf({**base, **patch})

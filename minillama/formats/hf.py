@@ -20,6 +20,7 @@ F64, F16 and BF16) so every corruption is a one-line error and nothing is unpick
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -100,8 +101,11 @@ def config_from_hf(c: dict, where="config.json") -> ModelConfig:
         if merged.get("rope_type", merged.get("type")) == "dynamic":
             # dynamic NTK stretches the context past max_position_embeddings by its factor
             merged["original_max_position_embeddings"] = cfg_args["max_seq_len"]
-            if isinstance(merged.get("factor"), (int, float)) and merged["factor"] > 1:
-                cfg_args["max_seq_len"] = int(cfg_args["max_seq_len"] * merged["factor"])
+            factor, max_pos = merged.get("factor"), cfg_args["max_seq_len"]
+            if (_is_number(factor) and math.isfinite(factor) and factor > 1
+                    and _is_number(max_pos) and math.isfinite(max_pos)
+                    and max_pos == int(max_pos)):
+                cfg_args["max_seq_len"] = int(max_pos * factor)  # else ModelConfig refuses
         merged.setdefault("original_max_position_embeddings", cfg_args["max_seq_len"])
         cfg_args["rope_scaling"] = merged
     if c.get("pretraining_tp", 1) not in (1, None):
@@ -117,6 +121,10 @@ def config_from_hf(c: dict, where="config.json") -> ModelConfig:
             msg = msg.replace(f"ModelConfig.{ours} ", f"{hf_name} ", 1)
         raise MinillamaError(f"{where}: bad field value: {msg}") from None
     return cfg
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _family_options(c: dict, family: str, where) -> dict:
