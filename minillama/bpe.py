@@ -43,6 +43,14 @@ def byte_alphabet() -> dict[int, str]:
     return table
 
 
+#: the largest token id a tokenizer.json may use (bounds every id-indexed table)
+MAX_ID = 1 << 24
+
+
+def _is_id(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_ID
+
+
 class BPETokenizer:
     """A ``tokenizer.json`` with a ``BPE`` model, byte-level or SentencePiece-style."""
 
@@ -65,16 +73,36 @@ class BPETokenizer:
             merges = model["merges"]
         except (KeyError, TypeError, ValueError) as e:
             raise MinillamaError(f"BPE model without vocab/merges ({e})") from None
+        added_tokens = data.get("added_tokens") or []
+        if not (all(_is_id(i) for i in self.vocab.values()) and isinstance(merges, list)
+                and all(isinstance(m, str) or (isinstance(m, list) and len(m) == 2
+                                               and all(isinstance(x, str) for x in m))
+                        for m in merges)
+                and isinstance(added_tokens, list)
+                and all(isinstance(t, dict) and isinstance(t.get("content"), str)
+                        and _is_id(t.get("id")) for t in added_tokens)):
+            raise MinillamaError(f"{self.path}: corrupt BPE model (vocab ids must be integers "
+                                 f"in [0, {MAX_ID}), merges strings or pairs of strings, added "
+                                 f"tokens objects with a content and an id)")
         self.ranks = {tuple(m.split(" ", 1) if isinstance(m, str) else m): i
                       for i, m in enumerate(merges)}
         self.byte_fallback = bool(model.get("byte_fallback"))
         self.ignore_merges = bool(model.get("ignore_merges"))
-        self.unk_id = self.vocab.get(model.get("unk_token") or "")
-        self.added = {t["content"]: t["id"] for t in data.get("added_tokens") or []}
-        self.special_ids = {t["id"] for t in data.get("added_tokens") or [] if t.get("special")}
+        unk = model.get("unk_token")
+        self.unk_id = self.vocab.get(unk) if isinstance(unk, str) else None
+        self.added = {t["content"]: t["id"] for t in added_tokens}
+        self.special_ids = {t["id"] for t in added_tokens if t.get("special")}
         self._added_ids = set(self.added.values())
         self.pieces = {i: p for p, i in self.vocab.items()} | {i: p for p, i in self.added.items()}
-        self._configure(data.get("normalizer"), data.get("pre_tokenizer"))
+        if not self.pieces:
+            raise MinillamaError(f"{self.path}: the BPE vocabulary is empty")
+        try:
+            self._configure(data.get("normalizer"), data.get("pre_tokenizer"))
+        except MinillamaError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a malformed normalizer/pre-tokenizer/pattern
+            raise MinillamaError(f"{self.path}: corrupt normalizer or pre-tokenizer "
+                                 f"({type(e).__name__}: {str(e)[:80]})") from None
         self._cache: dict[str, list[int]] = {}
 
     # --- configuration -------------------------------------------------------------------------

@@ -150,6 +150,11 @@ def make_targets(root, names: list[str] | None = None) -> dict[str, Target]:
             t = _make_hf_target(mk(n), n, shard, extra)
             if t is not None:
                 targets[n] = t
+    if want("hf_bpe"):  # tokenizer.json read by minillama's own BPE (no `tokenizers` package)
+        d = mk("hf_bpe")
+        if _write_hf_tokenizer(d) is not None:
+            targets["hf_bpe"] = Target("hf_bpe", d, ["tokenizer.json", "tokenizer_config.json"],
+                                       _load_own_bpe, [4.0, 1.0])
     if want("tokenizer_bin"):
         d = mk("tokenizer_bin")
         _write_tokenizer_bin(d / "tokenizer.bin")
@@ -319,6 +324,29 @@ def _load_and_run(path, tokenizer=None):
     new = generate(model, ids, max_new_tokens=min(4, max(S - len(ids), 0)), temperature=0.0)
     if tok is not None:
         tok.decode(ids + new)
+    return "ok"
+
+
+def _load_own_bpe(folder: Path):
+    """HFTokenizer as it works without the `tokenizers` package (minillama.bpe): load, encode,
+    decode."""
+    import sys  # noqa: PLC0415
+
+    from .tokenizer import HFTokenizer  # noqa: PLC0415
+
+    saved = sys.modules.get("tokenizers")
+    sys.modules["tokenizers"] = None  # `from tokenizers import ...` now raises ImportError
+    try:
+        tok = HFTokenizer(folder / "tokenizer.json")
+        ids = tok.encode("the cat sat on the mat, 42 caf\u00e9s!", bos=True, eos=True)
+        if not all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids if i is not None):
+            raise AssertionError(f"ids outside the vocabulary of {tok.vocab_size}: {ids}")
+        tok.decode(ids)
+    finally:
+        if saved is None:
+            sys.modules.pop("tokenizers", None)
+        else:
+            sys.modules["tokenizers"] = saved
     return "ok"
 
 
