@@ -288,6 +288,16 @@ class Transformer:
         dx, grads[pre + name + ".weight"] = self.backend.linear_backward(dy, ctx)
         return dx
 
+    def _window_keys(self, k, v, start_pos):
+        """With a sliding window W and one start position p, only cached keys p - W + 1 onwards
+        can be read: drop the older ones (positions shift by the same amount for queries and
+        keys, so the mask is unchanged). A decode step then reads W keys, not p + 1."""
+        W = self.cfg.sliding_window
+        if W is None or np.ndim(start_pos) != 0 or int(start_pos) - W + 1 <= 0:
+            return k, v, start_pos
+        lo = int(start_pos) - W + 1
+        return k[:, lo:], v[:, lo:], int(start_pos) - lo
+
     def _attention_ops(self, S: int):
         """The attention (forward, backward) pair for S keys: the backend's, or with a sliding
         window that hides some of them, the reference with the window (kernels lack it)."""
@@ -319,6 +329,7 @@ class Transformer:
         v = v.reshape(B, T, KVH, hd)
         if cache is not None:
             k, v = cache.update(layer, k, v, start_pos)  # (B, S, KVH, hd)
+            k, v, start_pos = self._window_keys(k, v, start_pos)
         att_forward, att_backward = self._attention_ops(k.shape[1])
         a, c_att = att_forward(q, k, v, start_pos)
         o, c_o = self._proj(pre, "attention.wo", a.reshape(B, T, H * hd))
