@@ -237,6 +237,7 @@ ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "freq_factors": (),  # llama.cpp's rope_freqs tensor: theta_i / f_i, "factors" (hd/2,)
 }
 #: optional numeric parameters (yarn's)
 _ROPE_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
@@ -272,6 +273,14 @@ def check_rope_scaling(scaling: Any, head_dim: int) -> dict | None:
         raise MinillamaError("rope_scaling (dynamic) needs head_dim > 2")
     if "truncate" in scaling:
         out["truncate"] = bool(scaling["truncate"])
+    if kind == "freq_factors":
+        f = scaling.get("factors")
+        if (not isinstance(f, list) or len(f) != head_dim // 2
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                           and math.isfinite(x) and x > 0 for x in f)):
+            raise MinillamaError(f"rope_scaling (freq_factors): factors must be head_dim / 2 = "
+                                 f"{head_dim // 2} positive numbers")
+        out["factors"] = [float(x) for x in f]
     return out
 
 

@@ -150,6 +150,7 @@ def rope_frequencies(head_dim: int, theta: float = 10000.0, scaling: dict | None
       pair turns \beta_{fast} = 32 and \beta_{slow} = 1 times over L_0
       (d(n) = hd \ln(L_0 / (2\pi n)) / (2 \ln \mathrm{base}), l = \lfloor d(\beta_{fast}) \rfloor,
       h = \lceil d(\beta_{slow}) \rceil); a = 0.1 \ln s + 1 (or ``attention_factor``).
+    * ``freq_factors`` (llama.cpp's ``rope_freqs`` tensor f: (hd/2,)): \theta_i / f_i.
 
     Returns (theta: (hd/2,) float64, a: float). cos/sin tables are built from them by
     :func:`rope_tables` (multiplied by a, so q \cdot k gains a^2).
@@ -171,6 +172,8 @@ def rope_frequencies(head_dim: int, theta: float = 10000.0, scaling: dict | None
         return (theta * (s * L / L0 - (s - 1.0)) ** (head_dim / (head_dim - 2))) ** -expo, 1.0
     if kind == "llama3":
         return _rope_llama3(inv_freq, scaling), 1.0
+    if kind == "freq_factors":
+        return inv_freq / np.asarray(scaling["factors"], dtype=np.float64), 1.0
     if kind == "yarn":
         return _rope_yarn(inv_freq, head_dim, theta, scaling)
     from .errors import MinillamaError  # noqa: PLC0415

@@ -45,7 +45,7 @@ def spm_vocab():
     return tokens + pieces, [0.0] * 259 + [-float(i) for i in range(len(pieces))]
 
 
-def write_gguf(path, cfg, params, qtype=Q.F32, arch="llama", tokenizer=True):
+def write_gguf(path, cfg, params, qtype=Q.F32, arch="llama", tokenizer=True, extra=None):
     """A GGUF file of ``params`` (Meta names, interleaved RoPE rows): matrices stored as
     ``qtype``, norms and biases float32. Returns the arrays as the file holds them, dequantised
     by the gguf package (what minillama must reproduce)."""
@@ -65,6 +65,8 @@ def write_gguf(path, cfg, params, qtype=Q.F32, arch="llama", tokenizer=True):
         w.add_token_scores(scores)
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
+    for name, a in (extra or {}).items():
+        w.add_tensor(name, a)
     held = {}
     for name, a in params.items():
         a = np.asarray(a, dtype=np.float32)
@@ -225,3 +227,30 @@ def test_gguf_gpt2_tokenizer_matches_the_tokenizers_library(tmp_path):
         text += " the cat sat, didn't it? 1234 <s>"
         assert tok.encode(text) == lib.encode(text, add_special_tokens=False).ids, text
         assert tok.decode(tok.encode(text)) == text.replace("<s>", "")
+
+
+def test_rope_freqs_tensor_is_llama3_scaling(tmp_path):
+    """llama.cpp stores Llama 3.1's RoPE bands as a rope_freqs tensor f (theta_i / f_i): loading
+    it gives the logits of the same weights under the llama3 rope_scaling."""
+    from minillama.ops import rope_frequencies
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    cfg = ModelConfig(**{**CFG.to_dict(), "rope_scaling": llama3})
+    params = init_params(cfg, seed=5)
+    plain = rope_frequencies(cfg.head_dim, cfg.rope_theta)[0]
+    factors = (plain / rope_frequencies(cfg.head_dim, cfg.rope_theta, llama3)[0])
+    assert factors.min() == 1.0 and factors.max() == 8.0  # every band is present
+    assert ((factors > 1) & (factors < 8)).any()
+    write_gguf(tmp_path / "l3.gguf", CFG, params,
+               extra={"rope_freqs.weight": factors.astype(np.float32)})
+    model, _ = load_model(tmp_path / "l3.gguf", backend="numpy")
+    assert model.cfg.rope_scaling["rope_type"] == "freq_factors"
+    ref = Transformer(cfg, params, backend="numpy").forward(np.array([TOKENS]))
+    got = model.forward(np.array([TOKENS]))
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+    # and back out through the exporter
+    from minillama.formats.gguf import save_gguf
+    save_gguf(tmp_path / "again.gguf", model.cfg, {k: np.asarray(v) for k, v in model.params.items()})
+    again, _ = load_model(tmp_path / "again.gguf", backend="numpy")
+    np.testing.assert_array_equal(again.forward(np.array([TOKENS])), got)

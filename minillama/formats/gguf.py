@@ -106,16 +106,15 @@ def _meta(reader, key: str, default=None):
         raise MinillamaError(f"corrupt GGUF metadata {key}: {e}") from None
 
 
-def config_from_gguf(reader, shapes: dict[str, tuple[int, ...]], where) -> ModelConfig:
+def config_from_gguf(reader, shapes: dict[str, tuple[int, ...]], where,
+                     freq_factors: list[float] | None = None) -> ModelConfig:
     """A :class:`ModelConfig` from the ``{arch}.*`` metadata and the tensor shapes (vocabulary
-    size, tied head, which biases exist)."""
+    size, tied head, which biases exist); ``freq_factors`` are the values of a ``rope_freqs``
+    tensor."""
     arch = _meta(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise MinillamaError(f"{where}: GGUF architecture {str(arch)[:40]!r} is not supported "
                              f"(supported: {', '.join(ARCHITECTURES)})")
-    if "rope_freqs.weight" in shapes:
-        raise MinillamaError(f"{where}: the rope_freqs tensor (per-frequency RoPE factors) is "
-                             f"not supported")
 
     def need(key):
         v = _meta(reader, f"{arch}.{key}")
@@ -139,7 +138,9 @@ def config_from_gguf(reader, shapes: dict[str, tuple[int, ...]], where) -> Model
                 attn_out_bias="blk.0.attn_output.bias" in shapes,
                 mlp_bias="blk.0.ffn_gate.bias" in shapes)
     kind = _meta(reader, f"{arch}.rope.scaling.type")
-    if kind not in (None, "none"):
+    if freq_factors is not None:  # llama.cpp's form of Llama 3.1's bands: theta_i / f_i
+        args["rope_scaling"] = {"rope_type": "freq_factors", "factors": freq_factors}
+    elif kind not in (None, "none"):
         args["rope_scaling"] = {
             "rope_type": kind, "factor": _meta(reader, f"{arch}.rope.scaling.factor"),
             "original_max_position_embeddings":
@@ -192,7 +193,13 @@ def load_gguf(path):
         if t.name in infos:
             raise MinillamaError(f"{path}: tensor {t.name} appears twice")
         infos[t.name] = _tensor_bytes(t, size, path)
-    cfg = config_from_gguf(reader, {k: v[1] for k, v in infos.items()}, path)
+    factors = None
+    if "rope_freqs.weight" in infos:
+        kind, shape, raw = infos.pop("rope_freqs.weight")
+        if len(shape) != 1 or shape[0] > 1 << 12:
+            raise MinillamaError(f"{path}: rope_freqs.weight has shape {list(shape)}")
+        factors = dequantize(raw, kind, shape[0]).astype(float).tolist()
+    cfg = config_from_gguf(reader, {k: v[1] for k, v in infos.items()}, path, factors)
     expected = param_shapes(cfg)
     params = {}
     for name, (kind, shape, raw) in infos.items():
@@ -309,7 +316,7 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
     cfg.require_llama("GGUF llama")
     arch = "qwen2" if cfg.qkv_bias and not (cfg.attn_out_bias or cfg.mlp_bias) else "llama"
     sc = cfg.rope_scaling
-    if sc and sc["rope_type"] not in ("linear", "yarn"):
+    if sc and sc["rope_type"] not in ("linear", "yarn", "freq_factors"):
         raise MinillamaError(f"GGUF has no field for rope scaling {sc['rope_type']!r}")
     path = check_output_file(path, "GGUF file")
     host = {k: np.asarray(v.get() if hasattr(v, "get") and not isinstance(v, np.ndarray)
@@ -330,7 +337,9 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
         w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
         if cfg.sliding_window is not None:
             w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
-        if sc:
+        if sc and sc["rope_type"] == "freq_factors":
+            w.add_tensor("rope_freqs.weight", np.asarray(sc["factors"], dtype=np.float32))
+        elif sc:
             w.add_string(f"{arch}.rope.scaling.type", sc["rope_type"])
             w.add_float32(f"{arch}.rope.scaling.factor", float(sc["factor"]))
             if "original_max_position_embeddings" in sc:

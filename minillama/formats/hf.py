@@ -158,6 +158,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     if family == "llama" and cfg.qkv_bias != cfg.attn_out_bias:
         raise MinillamaError("this model (q/k/v biases without an output bias, plus an MLP bias) "
                              "has no Hugging Face class")
+    if cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "freq_factors":
+        raise MinillamaError("a Hugging Face config cannot hold per-frequency RoPE factors "
+                             "(GGUF rope_freqs); export this model as gguf")
     rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     max_pos = cfg.max_seq_len
     if cfg.rope_scaling:
