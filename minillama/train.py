@@ -901,7 +901,7 @@ def _train_ranks(args, world: Communicator, say) -> int:
     summary = trainer.train(stop_at=args.stop_at)
     if world.rank == 0:
         print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v)
-                          for k, v in summary.items()}))
+                          for k, v in summary.items()}), flush=True)  # before MPI_Finalize
     if args.export:
         path = world.agree(lambda: export_model(trainer.ckpt_path, args.export,
                                                 args.export_dtype), root_only=True)
