@@ -14,6 +14,8 @@ from minillama import ModelConfig, Transformer
 from minillama.errors import MinillamaError
 from minillama.model import param_shapes
 
+from gradcheck import central_differences, rel_err
+
 H_STEP = 1e-5
 TOL = 1e-6
 
@@ -51,12 +53,6 @@ def lively_params(cfg, seed):
     return p
 
 
-def rel_err(a, b):
-    den = max(np.linalg.norm(a), np.linalg.norm(b))
-    assert den > 0
-    return float(np.linalg.norm(np.ravel(a) - np.ravel(b)) / den)
-
-
 @pytest.mark.parametrize("variant", VARIANTS, ids=ids)
 def test_variant_grad_central_differences(variant):
     cfg = cfg_of(**variant)
@@ -74,15 +70,7 @@ def test_variant_grad_central_differences(variant):
     for name, w in params.items():
         flat = w.reshape(-1)
         idx = np.arange(flat.size) if flat.size <= 16 else rng.choice(flat.size, 12, False)
-        num = np.empty(idx.size)
-        for j, i in enumerate(idx):
-            old = flat[i]
-            flat[i] = old + H_STEP
-            lp = L(params)
-            flat[i] = old - H_STEP
-            lm = L(params)
-            flat[i] = old
-            num[j] = (lp - lm) / (2 * H_STEP)
+        num = central_differences(lambda: L(params), flat, idx, H_STEP)
         worst[name] = rel_err(grads[name].reshape(-1)[idx], num)
     bad = {k: v for k, v in worst.items() if v > TOL}
     assert not bad, bad
