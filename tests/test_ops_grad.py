@@ -20,31 +20,15 @@ import pytest
 
 from minillama import ops
 
+from gradcheck import central_differences, rel_err
+
 H_STEP = 1e-6
 TOL = 1e-6
 
 
-def rel_err(a, b) -> float:
-    a = np.asarray(a, dtype=np.float64).ravel()
-    b = np.asarray(b, dtype=np.float64).ravel()
-    den = max(np.linalg.norm(a), np.linalg.norm(b))
-    assert den > 0, "both gradients are exactly zero: the check would be vacuous"
-    return float(np.linalg.norm(a - b) / den)
-
-
 def numeric_grad(f, x, h=H_STEP):
     """Central differences of the scalar f() with respect to every entry of x (perturbed in place)."""
-    g = np.zeros_like(x)
-    flat, gflat = x.reshape(-1), g.reshape(-1)
-    for i in range(flat.size):
-        old = flat[i]
-        flat[i] = old + h
-        fp = f()
-        flat[i] = old - h
-        fm = f()
-        flat[i] = old
-        gflat[i] = (fp - fm) / (2 * h)
-    return g
+    return central_differences(f, x.reshape(-1), range(x.size), h).reshape(x.shape)
 
 
 def check(forward, backward, inputs, rng, n_out=1):
