@@ -9,6 +9,7 @@ rank, with a time limit so a hang fails instead of blocking.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -29,11 +30,48 @@ from minillama.errors import MinillamaError
 from minillama.train import CKPT_NAME, grad_accum_for
 
 MPIEXEC = find_mpiexec()
-HAVE_MPI = MPIEXEC is not None and importlib.util.find_spec("mpi4py") is not None
-needs_mpi = pytest.mark.skipif(
-    not HAVE_MPI, reason="needs mpiexec and mpi4py (pip install 'minillama[mpi]'): "
-                         f"mpiexec {'found' if MPIEXEC else 'not found'}, mpi4py "
-                         f"{'found' if importlib.util.find_spec('mpi4py') else 'not found'}")
+HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
+PROBE_TIMEOUT = 60  # seconds for the one probe launch
+
+
+@functools.lru_cache(maxsize=None)
+def mpi_probe() -> str | None:
+    """None when ``mpiexec -n 2`` really launches two ranks that see each other through mpi4py
+    (one probe per test session, with a time limit); else why not, in one line.
+
+    A machine can have the ``mpich`` wheel's ``mpiexec`` and mpi4py installed and still be unable
+    to launch (e.g. a VM without the network interfaces or shared memory that Hydra needs): the
+    tests would then fail for the machine, not for the code, so they skip with the probe's
+    reason."""
+    if MPIEXEC is None or not HAVE_MPI4PY:
+        return ("needs mpiexec and mpi4py (pip install 'minillama[mpi]'): mpiexec "
+                f"{'found' if MPIEXEC else 'not found'}, mpi4py "
+                f"{'found' if HAVE_MPI4PY else 'not found'}")
+    code = ("import sys\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\nn = c.allreduce(1)\n"
+            "sys.stdout.write(f'[rank {c.rank} of {c.size} sum {n}]')\n")
+    try:
+        proc = _run([MPIEXEC, "-n", 2, sys.executable, "-c", code], timeout=PROBE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return f"`{MPIEXEC} -n 2` did not finish a 2-rank mpi4py hello in {PROBE_TIMEOUT} s"
+    except OSError as e:
+        return f"`{MPIEXEC} -n 2` cannot be started: {e}"
+    want = ("[rank 0 of 2 sum 2]", "[rank 1 of 2 sum 2]")  # the ranks' writes may interleave
+    if proc.returncode != 0 or not all(w in proc.stdout for w in want):
+        err = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [""])
+        return (f"`{MPIEXEC} -n 2` does not run a 2-rank mpi4py job here (exit "
+                f"{proc.returncode}: {err[-1][:160]})")
+    return None
+
+
+@pytest.fixture(scope="session")
+def mpi_works() -> None:
+    """Skips the test unless a 2-rank MPI job runs on this machine (:func:`mpi_probe`)."""
+    reason = mpi_probe()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+needs_mpi = pytest.mark.usefixtures("mpi_works")
 
 DRIVER = Path(__file__).with_name("dp_driver.py")
 TIMEOUT = 120  # seconds for one launch: a hang fails the test
@@ -54,8 +92,8 @@ def _env(**extra) -> dict[str, str]:
     return env
 
 
-def _run(cmd, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=TIMEOUT,
+def _run(cmd, timeout: float = TIMEOUT, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
                           env=_env(**env))
 
 
@@ -108,8 +146,9 @@ def single(data, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 @pytest.fixture(scope="module")
 def two_ranks(data, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """``mpiexec -n 2 minillama train`` with the same settings and --grad-accum 1."""
-    if not HAVE_MPI:
-        pytest.skip("needs mpiexec and mpi4py")
+    reason = mpi_probe()
+    if reason is not None:
+        pytest.skip(reason)
     out = tmp_path_factory.mktemp("two") / "run"
     proc = _mpiexec(2, *TINY_FLAGS, f"--data={data}", f"--out={out}", "--plot=true")
     assert proc.returncode == 0, proc.stderr
@@ -119,8 +158,9 @@ def two_ranks(data, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess
 @pytest.fixture(scope="module")
 def stopped_at_2(data, tmp_path_factory) -> Path:
     """A 2-rank run stopped with a checkpoint after step 2 (of 4)."""
-    if not HAVE_MPI:
-        pytest.skip("needs mpiexec and mpi4py")
+    reason = mpi_probe()
+    if reason is not None:
+        pytest.skip(reason)
     out = tmp_path_factory.mktemp("stopped") / "run"
     proc = _mpiexec(2, *TINY_FLAGS, f"--data={data}", f"--out={out}", "--stop-at=2")
     assert proc.returncode == 0, proc.stderr
@@ -315,6 +355,30 @@ def test_more_windows_per_step_than_the_data_has(tmp_path):
 
 
 # --- the pieces, in one process ----------------------------------------------------------------
+def test_mpi_probe_skips_a_launcher_that_cannot_launch(tmp_path, monkeypatch):
+    """The skip condition runs ``mpiexec -n 2``: an mpiexec that fails, hangs or starts ranks
+    that do not see each other gives a reason (the tests skip), never a pass."""
+    def fake(name: str, body: str) -> str:
+        f = tmp_path / name
+        f.write_text("#!/bin/sh\n" + body + "\n")
+        f.chmod(0o755)
+        return str(f)
+
+    probe = mpi_probe.__wrapped__  # uncached
+    monkeypatch.setattr(sys.modules[__name__], "HAVE_MPI4PY", True)
+    monkeypatch.setattr(sys.modules[__name__], "PROBE_TIMEOUT", 2)
+    monkeypatch.setattr(sys.modules[__name__], "MPIEXEC",
+                        fake("broken", "echo 'HYDU_sock_connect: unable to connect' >&2; exit 7"))
+    assert "exit 7: HYDU_sock_connect" in probe()
+    monkeypatch.setattr(sys.modules[__name__], "MPIEXEC", fake("hangs", "exec sleep 30"))
+    assert "did not finish" in probe()
+    monkeypatch.setattr(sys.modules[__name__], "MPIEXEC",
+                        fake("singletons", "echo '[rank 0 of 1 sum 1][rank 0 of 1 sum 1]'"))
+    assert "does not run a 2-rank" in probe()
+    monkeypatch.setattr(sys.modules[__name__], "MPIEXEC", None)
+    assert "mpiexec not found" in probe()
+
+
 def test_detect_launcher():
     assert detect_launcher({}) is None
     assert detect_launcher({"PMI_RANK": "1", "PMI_SIZE": "4"}).size == 4
