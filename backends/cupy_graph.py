@@ -97,6 +97,34 @@ extern "C" __global__ void advance(const long long* __restrict__ nxt, long long*
 """
 
 
+#: most sequences one graph decodes at once (the gemv8 kernel's accumulators)
+MAX_BATCH = 8
+
+
+def unsupported_reason(model, batch_size: int = 1) -> str | None:
+    """None when :class:`GraphDecoder` can decode ``model`` for ``batch_size`` sequences, else
+    why not (a phrase that follows "the CUDA-graph decoder ..."). Needs no GPU: it reads only the
+    model's backend name, dtype, config and parameter shapes."""
+    if getattr(model.backend, "name", "") != "cupy":
+        return f"needs the cupy backend (this model is on {getattr(model.backend, 'name', '?')})"
+    if np.dtype(model.dtype) != np.float32:
+        return f"decodes float32 models (this one computes in {np.dtype(model.dtype)})"
+    if not 1 <= int(batch_size) <= MAX_BATCH:
+        return f"decodes 1 to {MAX_BATCH} sequences at once, not {batch_size}"
+    cfg = model.cfg
+    if not cfg.is_llama:
+        return ("decodes LLaMA blocks (pre-norm RMSNorm, RoPE, SwiGLU, logit scale 1); this "
+                "model has architecture variants")
+    sc = getattr(cfg, "rope_scaling", None) or {}
+    if any(k.endswith(".bias") for k in model.params) or getattr(cfg, "sliding_window", None) \
+            or sc.get("rope_type") == "dynamic":
+        return "decodes plain LLaMA blocks (no biases, no sliding window, no dynamic RoPE scaling)"
+    bad = [k for k, v in model.params.items() if v.ndim == 2 and v.shape[1] % 4]
+    if bad:
+        return f"needs weight input widths divisible by 4 ({bad[0]} is {model.params[bad[0]].shape})"
+    return None
+
+
 class GraphDecoder:
     """Greedy decoding of ``model`` (a float32 CuPy-backend Transformer) for ``batch_size``
     sequences of up to ``max_seq_len`` positions, one CUDA graph replay per token.
@@ -106,11 +134,9 @@ class GraphDecoder:
     """
 
     def __init__(self, model, batch_size: int, max_seq_len: int | None = None):
-        be = model.backend
-        if getattr(be, "name", "") != "cupy":
-            raise MinillamaError("GraphDecoder needs a model on the cupy backend")
-        if model.dtype != np.float32:
-            raise MinillamaError("GraphDecoder decodes float32 models")
+        why = unsupported_reason(model, batch_size)
+        if why is not None:
+            raise MinillamaError(f"the CUDA-graph decoder {why}")
         import cupy as cp  # noqa: PLC0415
 
         self.cp = cp
@@ -126,20 +152,11 @@ class GraphDecoder:
         self._cache_write = mod.get_function("cache_write")
         self._advance = mod.get_function("advance")
         self._gemv = {1: mod.get_function("gemv1"), 8: mod.get_function("gemv8")}
-        if self.B > 8:
-            raise MinillamaError("GraphDecoder decodes batches of at most 8 sequences")
-        cfg = model.cfg
-        sc = getattr(cfg, "rope_scaling", None)
-        if any(k.endswith(".bias") for k in model.params) or getattr(cfg, "sliding_window", None) \
-                or (sc and sc.get("rope_type") == "dynamic"):
-            raise MinillamaError("GraphDecoder decodes plain LLaMA blocks (no biases, no sliding "
-                                 "window, no dynamic RoPE scaling); use the eager decode")
-        bad = [k for k, v in model.params.items() if v.ndim == 2 and v.shape[1] % 4]
-        if bad:
-            raise MinillamaError(f"GraphDecoder needs input widths divisible by 4 ({bad[0]})")
         self.pool = cp.cuda.MemoryPool()
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.graph = None
+        self._P = None  # prompt length of the current sequence batch (host copy)
+        self._done = 0  # ids decoded so far for it, the prefill's included (host copy)
 
     # ------------------------------------------------------------------------------------------
     def _linear(self, x, w):
@@ -212,32 +229,60 @@ class GraphDecoder:
         self.stream.synchronize()
 
     # ------------------------------------------------------------------------------------------
-    def prefill(self, prompt) -> None:
+    def prefill(self, prompt) -> np.ndarray:
         """Run the (B, P) prompt through the model eagerly, filling the cache; the first new id
-        (argmax of the last position) goes to the device token buffer."""
+        (argmax of the last position) goes to the device token buffer and is returned, (B,)."""
         cp, m = self.cp, self.model
         prompt = np.asarray(prompt, dtype=np.int64)
         if prompt.ndim != 2 or prompt.shape[0] != self.B:
             raise MinillamaError(f"prompt must be ({self.B}, P) token ids, got {prompt.shape}")
         P = prompt.shape[1]
+        if not 1 <= P <= self.S:
+            raise MinillamaError(f"a prompt of {P} tokens does not fit the cache of {self.S}")
         logits = m.forward(prompt, 0, self.cache, last_only=True)
         first = cp.argmax(logits, axis=-1).astype(cp.int64)
         self.tok[:, 0] = first
         self.pos[...] = P
         self.step[...] = 1
         self.out[0] = first
+        self._P, self._done = P, 1
+        return cp.asnumpy(first)
+
+    def room(self) -> int:
+        """How many more ids :meth:`more` can decode before the cache is full."""
+        if self._P is None:
+            return 0
+        return self.S - self._P - self._done + 1
+
+    def more(self, k: int) -> np.ndarray:
+        """Replay the step ``k`` times; the k new ids of every sequence, (B, k) on the host (one
+        synchronisation per call)."""
+        k = int(k)
+        if self._P is None:
+            raise MinillamaError("GraphDecoder.more: call prefill first")
+        if k < 0 or k > self.room():
+            raise MinillamaError(f"{k} more tokens after {self._done} decoded from position "
+                                 f"{self._P} exceed the cache length {self.S}")
+        if k == 0:
+            return np.zeros((self.B, 0), dtype=np.int64)
+        if self.graph is None:
+            self._capture()
+        for _ in range(k):
+            self.graph.launch(self.stream)
+        self.stream.synchronize()
+        ids = self.cp.asnumpy(self.out[self._done:self._done + k]).T.copy()
+        self._done += k
+        return ids
 
     def decode(self, n_new: int) -> np.ndarray:
         """Replay the step until ``n_new`` ids (counting the prefill's) are decoded; (B, n_new)."""
         n_new = int(n_new)
-        P = int(self.cp.asnumpy(self.pos).max())
-        if n_new < 1 or P + n_new - 1 > self.S:
-            raise MinillamaError(f"{n_new} new tokens after position {P} exceed the cache "
+        if self._P is None:
+            raise MinillamaError("GraphDecoder.decode: call prefill first")
+        if n_new < self._done or n_new - self._done > self.room():
+            raise MinillamaError(f"{n_new} new tokens after position {self._P} exceed the cache "
                                  f"length {self.S}")
-        if self.graph is None:
-            self._capture()
-        for _ in range(n_new - 1):
-            self.graph.launch(self.stream)
+        self.more(n_new - self._done)
         self.stream.synchronize()
         return self.cp.asnumpy(self.out[:n_new]).T.copy()
 
@@ -245,3 +290,57 @@ class GraphDecoder:
         """:meth:`prefill` then :meth:`decode`: the greedy continuation (B, n_new) on the host."""
         self.prefill(prompt)
         return self.decode(n_new)
+
+
+def stream_greedy(decoder, prompt_ids, max_new_tokens: int, max_seq_len: int,
+                  stop_ids=(), stats=None, chunk: int = 16):
+    """Greedy generation of one prompt through ``decoder`` (a :class:`GraphDecoder` with batch
+    1, or anything with its ``prefill`` / ``more`` / ``room`` methods), yielding lists of
+    ``(0, token)`` pairs like :func:`minillama.generate.generate_steps`: the same tokens, the same
+    stop rule (a stop id ends the text and is not yielded) and the same budget
+    (``max_new_tokens``, capped where the context of ``max_seq_len`` positions ends).
+
+    The graph is replayed ``chunk`` steps at a time, so the host synchronises once per chunk
+    (the text still streams); ids decoded past a stop token are discarded. ``stats`` (a
+    :class:`~minillama.generate.GenerationStats`) is filled in as in the eager loop."""
+    import time  # noqa: PLC0415
+
+    prompt = [int(t) for t in prompt_ids]
+    P = len(prompt)
+    budget = int(min(max_new_tokens, max_seq_len - P + 1))
+    stop = {int(t) for t in stop_ids}
+    if stats is not None:
+        stats.batch_size = 1
+    if budget <= 0:
+        return
+    t0 = time.perf_counter()
+    first = int(decoder.prefill(np.asarray([prompt], dtype=np.int64))[0])
+    if stats is not None:
+        stats.prompt_tokens = P
+        stats.prefill_s = time.perf_counter() - t0
+    if first in stop:
+        return
+    if stats is not None:
+        stats.new_tokens += 1
+    yield [(0, first)]
+    emitted = 1
+    while emitted < budget:
+        t0 = time.perf_counter()
+        k = min(int(chunk), budget - emitted, decoder.room())
+        if k <= 0:
+            break
+        ids = [int(t) for t in decoder.more(k)[0]]
+        out = []
+        for t in ids:
+            if t in stop:
+                break
+            out.append((0, t))
+        emitted += len(ids)
+        if stats is not None:
+            stats.decode_steps += len(out) + (len(out) < len(ids))
+            stats.new_tokens += len(out)
+            stats.decode_s += time.perf_counter() - t0
+        if out:
+            yield out
+        if len(out) < len(ids):
+            return

@@ -289,7 +289,46 @@ def add_cli(subparsers) -> None:
                    help="numpy, numba or cupy (default: $MINILLAMA_BACKEND or numpy)")
     p.add_argument("--dtype", default=None, choices=("float32", "float64"),
                    help="compute precision (default float32)")
+    p.add_argument("--cuda-graph", default="auto", choices=CUDA_GRAPH_CHOICES,
+                   help="greedy decoding on the cupy backend with each decode step captured as "
+                        "one CUDA graph: auto (default: when --temperature 0, float32 and a plain "
+                        "LLaMA model), on (an error where it cannot), off (the eager loop)")
     p.set_defaults(func=run_cli)
+
+
+CUDA_GRAPH_CHOICES = ("auto", "on", "off")
+
+
+def check_cuda_graph_flag(mode: str, backend_name: str, temperature: float) -> None:
+    """``--cuda-graph on`` needs what it cannot do without (checked before the model loads): the
+    cupy backend and greedy decoding (sampling with a temperature stays on the eager loop)."""
+    if mode not in CUDA_GRAPH_CHOICES:
+        raise MinillamaError(f"--cuda-graph must be one of {', '.join(CUDA_GRAPH_CHOICES)}, "
+                             f"got {mode!r}")
+    if mode != "on":
+        return
+    if backend_name != "cupy":
+        raise MinillamaError(f"--cuda-graph on needs --backend cupy (the backend is "
+                             f"{backend_name})")
+    if temperature != 0.0:
+        raise MinillamaError(f"--cuda-graph on decodes greedily; use --temperature 0 (got "
+                             f"{temperature}) or --cuda-graph off/auto to sample")
+
+
+def graph_decoder_for(model, mode: str, temperature: float, cache_len: int):
+    """The :class:`~minillama.backends.cupy_graph.GraphDecoder` that ``--cuda-graph mode`` asks
+    for, or None for the eager loop (``off``; ``auto`` where the graph does not apply); ``on``
+    where it does not apply is a one-line error saying why."""
+    if mode == "off" or temperature != 0.0 or getattr(model.backend, "name", "") != "cupy":
+        return None  # `on` with these was refused by check_cuda_graph_flag
+    from .backends.cupy_graph import GraphDecoder, unsupported_reason  # noqa: PLC0415
+
+    why = unsupported_reason(model, 1)
+    if why is not None:
+        if mode == "on":
+            raise MinillamaError(f"--cuda-graph on: the CUDA-graph decoder {why}")
+        return None
+    return GraphDecoder(model, 1, cache_len)
 
 
 def resolve_tokenizer(spec: str | None, model_tokenizer, cfg, checkpoint: Path, fmt: str):
@@ -326,6 +365,10 @@ def run_cli(args) -> int:
         raise MinillamaError("--prompt is not valid UTF-8 text") from None
     if args.max_new_tokens < 0:
         raise MinillamaError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    from .backends import resolve_name  # noqa: PLC0415
+
+    graph_mode = getattr(args, "cuda_graph", "off")
+    check_cuda_graph_flag(graph_mode, resolve_name(args.backend), args.temperature)
     if args.checkpoint is None:
         if not DEFAULT_CHECKPOINT.is_file():
             raise MinillamaError(
@@ -373,8 +416,20 @@ def run_cli(args) -> int:
         streamer = TextStreamer(tok, prompt_ids)
         out.write(streamer.start())
         out.flush()
-    for step in generate_steps(model, [prompt_ids], args.max_new_tokens, args.temperature,
-                               args.top_k, top_p, args.seed, stop, stats):
+    cache_len = int(min(cfg.max_seq_len, len(prompt_ids) + args.max_new_tokens))
+    decoder = graph_decoder_for(model, graph_mode, args.temperature, cache_len) \
+        if args.max_new_tokens > 0 else None
+    if decoder is not None:
+        from .backends.cupy_graph import stream_greedy  # noqa: PLC0415
+
+        stats.cache_bytes = decoder.cache.nbytes
+        stats.cache_shape = (2, cfg.n_layers, 1, decoder.S, cfg.n_kv_heads, cfg.head_dim)
+        steps = stream_greedy(decoder, prompt_ids, args.max_new_tokens, cfg.max_seq_len, stop,
+                              stats)
+    else:
+        steps = generate_steps(model, [prompt_ids], args.max_new_tokens, args.temperature,
+                               args.top_k, top_p, args.seed, stop, stats)
+    for step in steps:
         for _, t in step:
             out.write(streamer.put(t) if tok is not None else f"{t} ")
         out.flush()
@@ -386,7 +441,8 @@ def run_cli(args) -> int:
           f"({stats.prefill_tokens_per_s:.1f} tok/s); decode: {max(stats.new_tokens - 1, 0)} "
           f"tokens in {stats.decode_s * 1e3:.1f} ms ({stats.decode_tokens_per_s:.1f} tok/s); "
           f"KV cache: {kib:.1f} KiB (2 x L={L} x B={B} x S={S} x KVH={KVH} x hd={hd} x "
-          f"{model.dtype.itemsize} B); backend {model.backend.name}", file=sys.stderr)
+          f"{model.dtype.itemsize} B); backend {model.backend.name}"
+          f"{', one CUDA graph per decode step' if decoder is not None else ''}", file=sys.stderr)
     return 0
 
 

@@ -101,6 +101,21 @@ __global__ void broken(T* x, int n) {
 """
 
 
+@pytest.mark.parametrize("arch", cb.CHECK_ARCHS, ids=lambda a: f"sm_{a}")
+def test_graph_decoder_step_kernels_compile(nvrtc, arch, tmp_path):
+    """The CUDA-graph decoder's own kernels (inline in cupy_graph.py: cache write, matrix-vector
+    products, the token/position advance) compile for the A100 and the H100 without spills."""
+    from minillama.backends.cupy_graph import _STEP_SRC  # noqa: PLC0415
+
+    src = tmp_path / "graph_step.cu"
+    src.write_text(_STEP_SRC)
+    res = cb._parse_ptxas(cb.nvrtc_check(src, arch, extra_options=("--ptxas-options=--verbose",),
+                                         unique=True))
+    assert {"cache_write", "gemv1", "gemv8", "advance"} <= set(res), sorted(res)
+    for name, r in res.items():
+        assert r["registers"] > 0 and r["spill"] == 0, (name, r)
+
+
 def test_broken_kernel_fails_with_file_and_line(nvrtc, tmp_path):
     bad = tmp_path / "broken.cu"
     bad.write_text(BROKEN)

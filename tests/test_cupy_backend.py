@@ -397,3 +397,55 @@ def test_graph_decoder_matches_eager_greedy_decode():
         dec = GraphDecoder(model, B, 40)
         np.testing.assert_array_equal(dec.generate(prompt, 20), ref)
         np.testing.assert_array_equal(dec.generate(prompt, 20), ref)  # replays the same graph
+
+
+def test_graph_decoder_streams_in_chunks_like_the_eager_loop():
+    """stream_greedy over the real GraphDecoder (replays in chunks, one read-back per chunk)
+    gives generate_steps' greedy tokens, with a stop token in the middle of a chunk and with
+    the context's end capping the budget."""
+    from minillama.backends.cupy_graph import GraphDecoder, stream_greedy
+    from minillama.config import ModelConfig
+    from minillama.generate import generate_steps
+    from minillama.model import Transformer
+
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=96,
+                      max_seq_len=48)
+    model = Transformer(cfg, backend=BE, seed=11)
+    for P, n_new, stop_at in ((5, 30, None), (5, 30, 7), (40, 30, None)):
+        prompt = [int(t) for t in np.random.default_rng(P).integers(0, 97, P)]
+        free = [t for s in generate_steps(model, [prompt], n_new, 0.0) for _, t in s]
+        stop = {free[stop_at]} if stop_at is not None else set()
+        ref = [t for s in generate_steps(model, [prompt], n_new, 0.0, stop_ids=stop)
+               for _, t in s]
+        dec = GraphDecoder(model, 1, min(cfg.max_seq_len, P + n_new))
+        got = [t for s in stream_greedy(dec, prompt, n_new, cfg.max_seq_len, stop, chunk=4)
+               for _, t in s]
+        assert got == ref, (P, n_new, stop_at)
+
+
+def test_cli_generate_cuda_graph_gives_the_eager_text(tmp_path, capsys):
+    """``minillama generate --backend cupy --temperature 0``: --cuda-graph on (and auto, the
+    default) print the text of --cuda-graph off, and say that they ran the graph."""
+    from minillama.checkpoint import save_checkpoint
+    from minillama.cli import main
+    from minillama.config import ModelConfig
+    from minillama.model import init_params
+    from minillama.tokenizer import ByteTokenizer
+
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258,
+                      hidden_dim=96, max_seq_len=96)
+    ckpt = save_checkpoint(tmp_path / "m.safetensors", cfg, init_params(cfg, seed=2),
+                           tokenizer=ByteTokenizer())
+    outs = {}
+    for mode in ("off", "on", "auto"):
+        rc = main(["generate", "-c", str(ckpt), "--backend", "cupy", "--prompt", "To be",
+                   "-n", "40", "--temperature", "0", "--cuda-graph", mode])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        assert ("one CUDA graph per decode step" in err) == (mode != "off"), err
+        outs[mode] = out
+    assert outs["on"] == outs["off"] == outs["auto"]
+    rc = main(["generate", "-c", str(ckpt), "--backend", "cupy", "--dtype", "float64",
+               "--temperature", "0", "-n", "3", "--cuda-graph", "on"])
+    assert rc == 2
+    assert "decodes float32 models" in capsys.readouterr().err
