@@ -101,6 +101,7 @@ class TrainConfig:
     ckpt_interval: int | None = None
     backend: str | None = None
     dtype: str = "float32"
+    precision: str = "fp32"  # or tf32 / bf16 GPU matrix products (backends/mixed_precision.py)
     seed: int = 0
     out: str = "runs/default"
     time_limit: float | None = None  # minutes; save and stop cleanly when reached
@@ -158,7 +159,13 @@ class TrainConfig:
             raise MinillamaError("train config: out must be a folder path")
         if self.backend is not None and not isinstance(self.backend, str):
             raise MinillamaError(f"train config: backend must be a name, got {self.backend!r}")
-        resolve_name(self.backend)  # an unknown name (or $MINILLAMA_BACKEND) fails now
+        backend = resolve_name(self.backend)  # an unknown name (or $MINILLAMA_BACKEND) fails now
+        from .backends.mixed_precision import check_precision  # noqa: PLC0415
+
+        try:
+            check_precision(self.precision, backend, self.dtype)
+        except MinillamaError as e:
+            raise MinillamaError(f"train config: {e}") from None
         for name, limit in (("batch_size", 1 << 16), ("grad_accum", 1 << 16),
                             ("eval_iters", 1 << 16), ("steps", 1 << 40)):
             if getattr(self, name) > limit:
@@ -319,8 +326,12 @@ class Trainer:
             if diff:
                 raise MinillamaError(f"--init-from: {self.tc.init_from} has {diff[0]}="
                                      f"{theirs[diff[0]]!r}, this run asks for {mine[diff[0]]!r}")
-        return Transformer(self.cfg, params, backend=self.tc.backend,
-                           dtype=np.dtype(self.tc.dtype), seed=self.tc.seed)
+        from .backends import get_backend  # noqa: PLC0415
+        from .backends.mixed_precision import with_precision  # noqa: PLC0415
+
+        backend = with_precision(get_backend(self.tc.backend), self.tc.precision)
+        return Transformer(self.cfg, params, backend=backend, dtype=np.dtype(self.tc.dtype),
+                           seed=self.tc.seed)
 
     def _build_optimizer(self) -> AdamW:
         tc = self.tc
@@ -745,6 +756,9 @@ _FLAGS = [
     ("--ckpt-interval", int, "steps between checkpoints (default: eval interval)"),
     ("--backend", str, "numpy, numba or cupy (default: $MINILLAMA_BACKEND or numpy)"),
     ("--dtype", str, "compute dtype, float32 or float64"),
+    ("--precision", str, "matrix products: fp32 (default), or on --backend cupy tf32 (TF32 tensor "
+                         "cores) or bf16 (bfloat16 operands); float32 accumulation and master "
+                         "weights"),
     ("--seed", int, "seed of the initial weights and of the batch sampler"),
     ("--out", str, "output folder (checkpoint, loss plot, prepared data)"),
     ("--data", str, "'shakespeare' (default), a text file, or a prepared data folder"),
@@ -887,7 +901,8 @@ def _train_ranks(args, world: Communicator, say) -> int:
     n = trainer.cfg.n_params()
     say(f"model: dim {tc.dim}, {tc.n_layers} layers, {tc.n_heads} heads / {tc.n_kv_heads} kv "
         f"heads, F {trainer.cfg.hidden_dim}, context {tc.context}: {n:,} parameters; "
-        f"backend {trainer.model.backend.name}")
+        f"backend {trainer.model.backend.name}"
+        f"{'' if tc.precision == 'fp32' else f', {tc.precision} matrix products'}")
     if not trainer.cfg.is_llama:
         say("variants: " + ", ".join(f"{k}={getattr(tc, k)}" for k in MODEL_FIELDS[9:]))
     say(f"data: {trainer.data.folder} ({trainer.data.train.size:,} train / "

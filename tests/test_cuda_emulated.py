@@ -68,6 +68,7 @@ inline void __syncwarp() { g_warps[emu_tid() / 32].bar->arrive_and_wait(); }
 struct alignas(16) float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
 // dynamic shared memory: one buffer, sized by the launcher (blocks run one after another)
 inline std::vector<float> g_dyn_smem;
 #define ML_DYN_SMEM(name) float* name = g_dyn_smem.data()
@@ -421,3 +422,61 @@ def test_flash_attention(be, case, precision):
     close(o, o_ref, tol)
     for a, r in zip(be.attention_backward(do, c), ops.attention_backward(do64, c_ref)):
         close(a, r, tol * 5)
+
+
+def _colmajor_gemm(plan, A, B, C, dtype_code, compute):
+    """cublasGemmEx in NumPy: A, B, C are flat buffers read as column-major matrices with the
+    plan's leading dimensions; C = op(A) op(B) (bf16 operands as their bit patterns)."""
+    from minillama.backends import mixed_precision as mp  # noqa: PLC0415
+
+    def mat(buf, rows, cols, ld):
+        v = buf.reshape(-1)
+        if v.dtype == np.uint16:
+            v = mp.bf16_to_f32(v)
+        return v[:ld * cols].reshape(cols, ld)[:, :rows].T.astype(np.float64)
+
+    m, n, k = plan["m"], plan["n"], plan["k"]
+    ta, tb = plan["transa"] == mp.CUBLAS_OP_T, plan["transb"] == mp.CUBLAS_OP_T
+    a = mat(A, *((k, m) if ta else (m, k)), plan["lda"])
+    b = mat(B, *((n, k) if tb else (k, n)), plan["ldb"])
+    c = (a.T if ta else a) @ (b.T if tb else b)  # (m, n) column-major = C^T row-major
+    assert compute == (mp.CUBLAS_COMPUTE_32F if dtype_code == mp.CUDA_R_16BF
+                       else mp.CUBLAS_COMPUTE_32F_FAST_TF32)
+    if dtype_code == mp.CUDA_R_32F:  # TF32: the operands as cvt.rna.tf32 rounds them
+        c = (mp.round_tf32(a.astype(np.float32)).astype(np.float64).T if ta
+             else mp.round_tf32(a.astype(np.float32)).astype(np.float64)) @ \
+            (mp.round_tf32(b.astype(np.float32)).astype(np.float64).T if tb
+             else mp.round_tf32(b.astype(np.float32)).astype(np.float64))
+    C.reshape(-1)[:] = c.T.reshape(-1).astype(np.float32)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_mixed_precision_cupy_path(be, monkeypatch, precision):
+    """MixedPrecisionBackend's CuPy path (the to_bf16 kernel under emulation, the cuBLAS call
+    plans of gemm_plan run by a column-major NumPy GEMM) gives the NumPy emulation's products:
+    the kernel's bf16 bits equal mixed_precision.bf16_bits bit for bit (ties, NaN, infinities,
+    overflow, denormals), and y, dx, dW agree to float32 rounding."""
+    from minillama.backends import mixed_precision as mp  # noqa: PLC0415
+
+    monkeypatch.setattr(mp, "_cublas_gemm", _colmajor_gemm)
+    be.name = "cupy"
+    fast = mp.MixedPrecisionBackend(be, precision)
+    emu = mp.MixedPrecisionBackend(be, precision, emulate=True)
+    assert not fast.emulate and fast.attention_precision == "tf32"
+    rng = np.random.default_rng(3)
+    special = np.array([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x00000001, 0x7F800000, 0xFF800000,
+                        0x7FC00001, 0x80000000], np.uint32).view(np.float32)
+    if precision == "bf16":
+        x = np.concatenate([special, rng.standard_normal(1000).astype(np.float32)])
+        bits = fast._operand(x.reshape(1, -1)).reshape(-1)
+        np.testing.assert_array_equal(bits, mp.bf16_bits(x))
+    for M, N, K in ((7, 5, 12), (1, 9, 4), (33, 17, 40)):
+        x = rng.standard_normal((M, K)).astype(np.float32).reshape(1, M, K)
+        w = rng.standard_normal((N, K)).astype(np.float32)
+        dy = rng.standard_normal((1, M, N)).astype(np.float32)
+        y, c = fast.linear_forward(x, w)
+        ye, ce = emu.linear_forward(x, w)
+        close(y, ye, 1e-6)
+        for got, ref in zip(fast.linear_backward(dy, c), emu.linear_backward(dy, ce)):
+            assert got.shape == ref.shape and got.dtype == np.float32
+            close(got, ref, 1e-6)

@@ -449,3 +449,56 @@ def test_cli_generate_cuda_graph_gives_the_eager_text(tmp_path, capsys):
                "--temperature", "0", "-n", "3", "--cuda-graph", "on"])
     assert rc == 2
     assert "decodes float32 models" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precision, tol", [("bf16", 1e-4), ("tf32", 2e-3)])
+def test_mixed_precision_products_match_the_emulation(precision, tol):
+    """The cuBLAS bf16 / TF32 products of MixedPrecisionBackend against the NumPy emulation of
+    the same equations (bf16: the products of rounded operands are exact, only the summation
+    order differs; TF32: cuBLAS may round the operands otherwise than cvt.rna, hence 2e-3)."""
+    from minillama.backends import mixed_precision as mp
+
+    fast = mp.MixedPrecisionBackend(BE, precision)
+    emu = mp.MixedPrecisionBackend(get_backend("numpy"), precision, emulate=True)
+    rng = np.random.default_rng(4)
+    for M, N, K in ((7, 5, 12), (64, 96, 128), (513, 257, 384)):
+        x = rng.standard_normal((1, M, K)).astype(np.float32)
+        w = rng.standard_normal((N, K)).astype(np.float32)
+        dy = rng.standard_normal((1, M, N)).astype(np.float32)
+        y, c = fast.linear_forward(dev(x), dev(w))
+        ye, ce = emu.linear_forward(x, w)
+        assert y.dtype == cp.float32
+        assert rel_err(y, ye) <= tol
+        for got, ref in zip(fast.linear_backward(dev(dy), c), emu.linear_backward(dy, ce)):
+            assert rel_err(got, ref) <= tol
+    if precision == "bf16":
+        x = rng.standard_normal(4097).astype(np.float32)
+        np.testing.assert_array_equal(cp.asnumpy(fast._operand(dev(x)[None])[0]),
+                                      mp.bf16_bits(x))
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_train_with_mixed_precision_tracks_fp32(tmp_path, precision):
+    """`minillama train --backend cupy --precision P` runs, and its first losses stay within
+    3% of the float32 run's on the same batches."""
+    import json as _json
+
+    from minillama.cli import main
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("To be, or not to be, that is the question.\n" * 400)
+    losses = {}
+    for prec in ("fp32", precision):
+        out = tmp_path / prec
+        rc = main(["train", "--backend", "cupy", "--precision", prec, "--data", str(corpus),
+                   "--out", str(out), "--steps", "8", "--dim", "64", "--n-layers", "2",
+                   "--n-heads", "4", "--n-kv-heads", "2", "--context", "64", "--batch-size",
+                   "8", "--eval-interval", "8", "--eval-iters", "1", "--plot", "false",
+                   "--no-progress"])
+        assert rc == 0
+        from minillama.checkpoint import load_checkpoint
+        _, _, meta = load_checkpoint(out / "ckpt.safetensors")
+        losses[prec] = np.array([v for _, v in meta["train_state"]["history"]["train"]])
+        assert meta["train_state"]["config"]["precision"] == prec
+    rel = np.abs(losses[precision] - losses["fp32"]) / losses["fp32"]
+    assert rel.max() <= 0.03, (precision, rel, _json.dumps(losses, default=list))
