@@ -35,7 +35,8 @@ import numpy as np
 from .. import ops
 from ..errors import MinillamaError
 from . import cuda_build as cb
-from .reference_backend import ReferenceBackend
+from .reference_backend import (ReferenceBackend, composed_linear_cross_entropy_backward,
+                                composed_linear_cross_entropy_forward)
 
 INSTALL_HINT = 'install the GPU extra: pip install -e ".[gpu]"'
 
@@ -509,6 +510,10 @@ class CupyBackend(ReferenceBackend):
         count = cp.maximum((t != ignore_index).sum(), 1)
         loss = (rows.sum() / count).astype(z.dtype)
         return loss, _KCtx((z, t, lse, count, int(ignore_index)))
+
+    # the loss head: this backend's linear and cross-entropy kernels one after the other
+    linear_cross_entropy_forward = composed_linear_cross_entropy_forward
+    linear_cross_entropy_backward = composed_linear_cross_entropy_backward
 
     def cross_entropy_backward(self, dloss, ctx):
         r"""\partial L/\partial z_{nv} = dL\,(p_{nv} - [v = y_n]) / |\mathcal{V}| for kept rows, 0 for

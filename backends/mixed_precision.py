@@ -36,6 +36,8 @@ import copy
 import numpy as np
 
 from ..errors import MinillamaError
+from .reference_backend import (composed_linear_cross_entropy_backward,
+                                composed_linear_cross_entropy_forward)
 
 #: the training precisions, the default first
 PRECISIONS = ("fp32", "tf32", "bf16")
@@ -211,6 +213,10 @@ class MixedPrecisionBackend:
         if ctx[0] == "emulated":
             return self._inner.linear_backward(ROUNDING[self.precision](dy), ctx[1])
         return self._cublas_backward(dy, ctx)
+
+    # the loss head: the head's product in this precision too, then the base cross-entropy
+    linear_cross_entropy_forward = composed_linear_cross_entropy_forward
+    linear_cross_entropy_backward = composed_linear_cross_entropy_backward
 
     # --- the CuPy path -------------------------------------------------------------------------
     def _operand(self, a):

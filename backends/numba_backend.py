@@ -524,6 +524,12 @@ class NumbaBackend(NumpyBackend):
     # -----------------------------------------------------------------------------------------
     # softmax cross-entropy
     # -----------------------------------------------------------------------------------------
+    def _xent_grad_rows(self, z, targets, valid, scale, row_loss):
+        """The loss head's per-block softmax pass (see
+        :meth:`.NumpyBackend.linear_cross_entropy_forward`): the Numba kernel
+        :func:`.numba_kernels.xent_grad_rows`, one thread per block."""
+        self._k.xent_grad_rows(z, targets, valid, scale, row_loss)
+
     def cross_entropy_forward(self, logits, targets, ignore_index: int = -1):
         r"""Mean softmax cross-entropy over the rows whose target is not ``ignore_index``
         (see :func:`minillama.ops.cross_entropy_forward`):

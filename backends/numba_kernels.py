@@ -697,3 +697,35 @@ def xent_bwd(logits, lse, targets, valid, scale, dz):
         else:
             for j in range(V):
                 d[j] = zero
+
+
+@njit(**_opts)
+def xent_grad_rows(z, targets, valid, scale, row_loss):
+    r"""The loss head's block kernel, in place: per row n, \ell_n = \mathrm{lse}(z_n) - z_{n y_n}
+    into ``row_loss`` and z_n \leftarrow (e^{z_n - \mathrm{lse}(z_n)} - e_{y_n}) \cdot scale;
+    ignored rows: \ell_n = 0 and a zero row. Three passes over each row (max, exponentials and
+    their sum, scaling), the row in L1/L2 meanwhile.
+
+    z: (R, V); targets: (R,) int64 (0 where ignored); valid: (R,) bool; row_loss: (R,).
+    One thread (the backend runs blocks of rows on its threads)."""
+    R, V = z.shape
+    zero = scale - scale
+    for n in range(R):
+        zr = z[n]
+        if not valid[n]:
+            for j in range(V):
+                zr[j] = zero
+            row_loss[n] = zero
+            continue
+        picked = zr[targets[n]]
+        mx = _rowmax(zr, V)
+        tot = zero
+        for j in range(V):
+            e = fexp(zr[j] - mx)
+            zr[j] = e
+            tot += e
+        row_loss[n] = mx + math.log(tot) - picked
+        c = scale / tot
+        for j in range(V):
+            zr[j] *= c
+        zr[targets[n]] -= scale

@@ -38,6 +38,8 @@ class ReferenceBackend:
     swiglu_backward = staticmethod(ops.swiglu_backward)
     cross_entropy_forward = staticmethod(ops.cross_entropy_forward)
     cross_entropy_backward = staticmethod(ops.cross_entropy_backward)
+    linear_cross_entropy_forward = staticmethod(ops.linear_cross_entropy_forward)
+    linear_cross_entropy_backward = staticmethod(ops.linear_cross_entropy_backward)
     # the notes' other pieces (model variants, cross/latent attention): reference code everywhere
     layernorm_forward = staticmethod(ops.layernorm_forward)
     layernorm_backward = staticmethod(ops.layernorm_backward)
@@ -64,3 +66,21 @@ class ReferenceBackend:
 
     def __repr__(self) -> str:
         return f"<minillama backend {self.name}>"
+
+
+# the loss head composed of a backend's own linear and cross-entropy ops (bound as methods by the
+# backends that have fast versions of those two but no fused head: cupy, mixed precision)
+def composed_linear_cross_entropy_forward(self, x, w, targets, ignore_index: int = -1):
+    r"""z = x W^T, L = CE(z, y) (:func:`minillama.ops.linear_cross_entropy_forward`) through
+    ``self.linear_forward`` and ``self.cross_entropy_forward``. x: (N, D); w: (V, D);
+    targets: (N,). Returns (0-d loss, ctx)."""
+    z, c_lin = self.linear_forward(x, w)
+    loss, c_ce = self.cross_entropy_forward(z, targets, ignore_index)
+    return loss, (c_lin, c_ce)
+
+
+def composed_linear_cross_entropy_backward(self, dloss, ctx):
+    r"""dx = \bar{z} W, dW = \bar{z}^T x with \bar{z} from ``self.cross_entropy_backward``.
+    Returns (dx (N, D), dW (V, D))."""
+    c_lin, c_ce = ctx
+    return self.linear_backward(self.cross_entropy_backward(dloss, c_ce), c_lin)

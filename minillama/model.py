@@ -391,9 +391,11 @@ class Transformer:
             logits, c_s = be.logit_scale_forward(logits, self.cfg.logit_scale)
         return logits, (c_n, c_out, c_s)
 
-    def _run(self, tok, start_pos, cache: KVCache | None, train: bool, output_index=None):
+    def _run(self, tok, start_pos, cache: KVCache | None, train: bool, output_index=None,
+             head: bool = True):
         """The forward pass. Returns (logits, tape) where tape holds each piece's ctx when training:
-        [embedding ctx, block 0 ctx, ..., block L-1 ctx, head ctx]."""
+        [embedding ctx, block 0 ctx, ..., block L-1 ctx, head ctx]. ``head=False`` stops after the
+        final norm: returns the normalised (B, T, D) and that norm's ctx as the last entry."""
         B, T = tok.shape
         if cache is not None and cache.batch_size != B:
             raise MinillamaError(f"KV cache batch {cache.batch_size} != token batch {B}")
@@ -406,6 +408,11 @@ class Transformer:
                 tape.append(c_block)
         if output_index is not None:
             x = self._pick_positions(x, output_index)
+        if not head:
+            hn, c_n = self._norm(x, "norm")
+            if train:
+                tape.append(c_n)
+            return hn, tape
         logits, c_head = self._head(x)
         if train:
             tape.append(c_head)
@@ -525,18 +532,29 @@ class Transformer:
 
         tokens, targets: (B, T) integers (targets equal to ``ignore_index`` do not count).
         Returns (loss as a Python float, grads: dict name -> array shaped like the parameter).
-        The backward visits the ops in exactly the reverse order of the forward.
+        The backward visits the ops in exactly the reverse order of the forward. Without a logit
+        scale the head projection and the loss run as one backend op,
+        ``linear_cross_entropy_forward`` (CPU backends never hold the logits and their gradient
+        as two (B T, V) arrays).
         """
         tok = self._tokens(tokens)
         tgt = self._targets(targets, tok.shape)
         be = self.backend
         B, T = tok.shape
-        logits, tape = self._run(tok, 0, None, train=True)
-        loss, c_ce = be.cross_entropy_forward(logits.reshape(B * T, -1),
-                                              be.asarray(tgt.reshape(-1)), ignore_index)
         grads: dict[str, Any] = {}
-        dlogits = be.cross_entropy_backward(1.0, c_ce).reshape(B, T, -1)
-        dx, dw_out = self._head_backward(dlogits, tape.pop(), grads)
+        if self.cfg.logit_scale == 1.0:
+            hn, tape = self._run(tok, 0, None, train=True, head=False)
+            loss, c_lce = be.linear_cross_entropy_forward(
+                hn.reshape(B * T, -1), self.output_weight, be.asarray(tgt.reshape(-1)),
+                ignore_index)
+            dhn, dw_out = be.linear_cross_entropy_backward(1.0, c_lce)
+            dx = self._norm_backward(dhn.reshape(B, T, -1), tape.pop(), "norm", grads)
+        else:
+            logits, tape = self._run(tok, 0, None, train=True)
+            loss, c_ce = be.cross_entropy_forward(logits.reshape(B * T, -1),
+                                                  be.asarray(tgt.reshape(-1)), ignore_index)
+            dlogits = be.cross_entropy_backward(1.0, c_ce).reshape(B, T, -1)
+            dx, dw_out = self._head_backward(dlogits, tape.pop(), grads)
         for layer in reversed(range(self.cfg.n_layers)):
             dx = self._block_backward(layer, dx, tape.pop(), grads)
         (c_emb,) = tape

@@ -407,6 +407,29 @@ def cross_entropy_backward(dloss, ctx):
     return dz * coef[:, None]
 
 
+def linear_cross_entropy_forward(x, w, targets, ignore_index: int = -1):
+    r"""The output projection and the mean cross-entropy as one op (the training loss head):
+    z = x W^T, then L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} (\mathrm{lse}(z_n) - z_{n, y_n})
+    as in :func:`linear_forward` and :func:`cross_entropy_forward`.
+
+    x: (N, D); w: (V, D); targets: (N,). Returns the 0-d loss and ctx. Written here as the two ops
+    one after the other; a backend may compute it without ever holding all of z: (N, V).
+    """
+    z, c_lin = linear_forward(x, w)
+    loss, c_ce = cross_entropy_forward(z, targets, ignore_index)
+    return loss, (c_lin, c_ce)
+
+
+def linear_cross_entropy_backward(dloss, ctx):
+    r"""Gradients of :func:`linear_cross_entropy_forward`: \bar{z} from
+    :func:`cross_entropy_backward`, then dx = \bar{z} W and dW = \bar{z}^T x.
+
+    Returns (dx: (N, D), dW: (V, D)).
+    """
+    c_lin, c_ce = ctx
+    return linear_backward(cross_entropy_backward(dloss, c_ce), c_lin)
+
+
 # =============================================================================================
 # The notes' other pieces (what LLaMA chose against): LayerNorm, BatchNorm, absolute sinusoidal
 # positions, GELU/ReLU two-matrix FFNs, the post-norm residual, the logit scale, cross-attention

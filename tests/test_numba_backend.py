@@ -359,6 +359,40 @@ def test_cross_entropy_matches_reference(dtype, N, V, spread, ignore_frac, dloss
         assert float(loss) == 0.0 and not dz.any()
 
 
+@settings(max_examples=20, deadline=None)
+@given(dtype=st.sampled_from([np.float32, np.float64]), N=st.integers(1, 40),
+       D=st.integers(1, 9), V=st.integers(1, 300), block=st.sampled_from([1, 4, 10 ** 6]),
+       ignore_frac=st.sampled_from([0.0, 0.3, 1.0]), dloss=st.floats(0.1, 3.0),
+       seed=st.integers(0, 2**16))
+def test_loss_head_matches_reference(dtype, N, D, V, block, ignore_frac, dloss, seed):
+    """The fused output projection + cross-entropy (Numba softmax pass per block of rows)
+    against the two reference ops, in blocks of 1 and 4 rows and in one block."""
+    from minillama.backends import numpy_backend
+
+    be = _numba_backend()
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((N, D)) * 2).astype(dtype)
+    w = rng.standard_normal((V, D)).astype(dtype)
+    t = rng.integers(0, V, size=N)
+    t[rng.random(N) < ignore_frac] = -1
+    old = numpy_backend.LCE_BLOCK_ELEMENTS
+    numpy_backend.LCE_BLOCK_ELEMENTS = block * V
+    try:
+        loss, ctx = be.linear_cross_entropy_forward(x, w, t)
+        dx, dw = be.linear_cross_entropy_backward(dloss, ctx)
+    finally:
+        numpy_backend.LCE_BLOCK_ELEMENTS = old
+    loss_ref, ctx_ref = ops.linear_cross_entropy_forward(x, w, t)
+    dx_ref, dw_ref = ops.linear_cross_entropy_backward(dloss, ctx_ref)
+    tol = 4 * TOL[dtype]
+    assert loss.dtype == dtype and loss.shape == ()
+    assert abs(float(loss) - float(loss_ref)) <= tol * max(abs(float(loss_ref)), 1.0)
+    assert dx.dtype == dtype and rel_err(dx, dx_ref) <= tol
+    assert dw.dtype == dtype and rel_err(dw, dw_ref) <= tol
+    if ignore_frac == 1.0:
+        assert float(loss) == 0.0 and not dx.any() and not dw.any()
+
+
 def test_cross_entropy_bad_targets_are_clear_errors():
     be = _numba_backend()
     with pytest.raises(MinillamaError, match="targets must lie"):

@@ -46,6 +46,11 @@ def _xent_args(rng, dtype, N, V, ignore):
     return (_std(rng, (N, V), dtype) * 3, t)
 
 
+def _lce_args(rng, dtype, N, D, V, ignore):
+    z, t = _xent_args(rng, dtype, N, V, ignore)
+    return (_std(rng, (N, D), dtype), _std(rng, (V, D), dtype), t)
+
+
 #: op -> list of (id, make(rng, dtype) -> forward args)
 CASES = {
     "embedding": [
@@ -78,7 +83,13 @@ CASES = {
         ("all-kept", lambda r, dt: _xent_args(r, dt, 9, 23, False)),
         ("ignored", lambda r, dt: _xent_args(r, dt, 10, 5, True)),
     ],
+    "linear_cross_entropy": [
+        ("all-kept", lambda r, dt: _lce_args(r, dt, 9, 6, 23, False)),
+        ("ignored", lambda r, dt: _lce_args(r, dt, 31, 4, 5, True)),
+    ],
 }
+#: ops whose output is the scalar loss (their backward takes the upstream scalar dloss)
+LOSS_OPS = ("cross_entropy", "linear_cross_entropy")
 
 
 def _overridden_ops() -> set[str]:
@@ -129,9 +140,9 @@ def test_numpy_op_matches_reference(op, case, dtype, threads):
     out, ctx = getattr(be, f"{op}_forward")(*args)
     ref_out, ref_ctx = getattr(ops, f"{op}_forward")(*ref_args)
     _close(out, ref_out, dtype, f"{op} forward")
-    dout = 0.7 if op == "cross_entropy" else _std(rng, np.shape(ref_out), dtype)
+    dout = 0.7 if op in LOSS_OPS else _std(rng, np.shape(ref_out), dtype)
     grads = getattr(be, f"{op}_backward")(dout, ctx)
-    ref_dout = dout if op == "cross_entropy" else dout.astype(np.float64)
+    ref_dout = dout if op in LOSS_OPS else dout.astype(np.float64)
     ref_grads = getattr(ops, f"{op}_backward")(ref_dout, ref_ctx)
     grads = grads if isinstance(grads, tuple) else (grads,)
     ref_grads = ref_grads if isinstance(ref_grads, tuple) else (ref_grads,)
@@ -215,3 +226,31 @@ def test_reference_backend_is_the_plain_ops():
         assert getattr(be, attr) is getattr(ops, attr), attr
     for op in CASES:
         assert f"{op}_forward" in ops_names and f"{op}_backward" in ops_names
+
+
+@pytest.mark.parametrize("block", [1, 3, 10 ** 6])
+def test_loss_head_blocks_and_buffer_reuse(rng, monkeypatch, block):
+    """The fused loss head in blocks of 1 and 3 rows and in one block, on 3 threads, equals the
+    reference; a second step reuses the (N, V) buffer and still gives the same answer; a second
+    backward of one forward is a clear error."""
+    from minillama.backends import numpy_backend
+    from minillama.errors import MinillamaError
+
+    monkeypatch.setattr(numpy_backend, "LCE_BLOCK_ELEMENTS", block * 13)
+    monkeypatch.setattr(cpu_threads, "PARALLEL_MIN_ELEMENTS", 1)
+    monkeypatch.setenv("MINILLAMA_NUM_THREADS", "3")
+    be = NumpyBackend()
+    x, w, t = _lce_args(rng, np.float32, 11, 5, 13, True)
+    loss_ref, c = ops.linear_cross_entropy_forward(x.astype(np.float64), w.astype(np.float64), t)
+    dx_ref, dw_ref = ops.linear_cross_entropy_backward(1.3, c)
+    for _ in range(2):
+        loss, ctx = be.linear_cross_entropy_forward(x, w, t)
+        _close(loss, loss_ref, np.float32, "loss")
+        dx, dw = be.linear_cross_entropy_backward(1.3, ctx)
+        _close(dx, dx_ref, np.float32, "dx")
+        _close(dw, dw_ref, np.float32, "dW")
+        assert be._lce_spare is not None  # handed back for the next step
+    with pytest.raises(MinillamaError, match="called twice"):
+        be.linear_cross_entropy_backward(1.0, ctx)
+    with pytest.raises(MinillamaError, match="targets must lie"):
+        be.linear_cross_entropy_forward(x, w, np.full(11, 13))

@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+"""Where the time of one training step goes: every backend op of forward and backward timed by a
+wrapper (the CPU backends run synchronously, so each wrapper times the op's whole work), the
+linear layers split by weight, the rest of the step (residual adds, Python, the loss) as one line,
+and the AdamW update. Random weights of a benchmark shape and batch (those of
+``scripts/bench_train.py``); the median over ``--steps`` steps after one warm-up.
+
+    python scripts/profile_train.py --backend numba --configs tiny,s15 --threads 2
+
+Prints one markdown table per config and backend: ms per step for each op, its share of the step,
+and for the linear layers the GFLOP/s reached against the measured 2048^3 matmul peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import _bench_common
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="numba", help="comma list of minillama backends")
+    ap.add_argument("--configs", default="tiny,s15", help="comma list of: tiny, s15")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (median per op)")
+    ap.add_argument("--threads", type=int, default=2)
+    return ap.parse_args(argv)
+
+
+ARGS = parse_args()
+_bench_common.pin_threads(ARGS.threads)
+
+import numpy as np  # noqa: E402
+
+from minillama import ModelConfig, Transformer  # noqa: E402
+from minillama.backends import get_backend  # noqa: E402
+from minillama.model import init_params  # noqa: E402
+from minillama.optim import AdamW  # noqa: E402
+
+CONFIGS = {
+    "tiny": (_bench_common.shape("tiny"), 16, 128),
+    "s15": (_bench_common.shape("s15"), 8, 256),
+}
+#: backend attributes timed (those a plain LLaMA training step calls)
+OPS = ("embedding", "linear", "rmsnorm", "rope", "attention", "swiglu", "cross_entropy",
+       "linear_cross_entropy")
+
+
+def _weight_label(model, w) -> str:
+    for k, p in model.params.items():
+        if p is w:
+            return k.split(".", 2)[-1] if k.startswith("layers.") else k
+    return "?"
+
+
+def instrument(model, timers):
+    """Wrap every op of the model's backend (instance attributes, removed by the caller)."""
+    be = model.backend
+    names = []
+
+    def wrap(attr, fn, label_of):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            label = label_of(a, out)
+            timers.setdefault(label, 0.0)
+            timers[label] += time.perf_counter() - t0
+            return out
+        return timed
+
+    for op in OPS:
+        for side in ("forward", "backward"):
+            attr = f"{op}_{side}"
+            fn = getattr(be, attr, None)
+            if fn is None:
+                continue
+            if op == "linear" and side == "forward":
+                lab = lambda a, out: f"linear fwd {_weight_label(model, a[1])}"  # noqa: E731
+            elif op == "linear":
+                lab = lambda a, out: f"linear bwd {_weight_label(model, a[1][1])}"  # noqa: E731
+            else:
+                lab = (lambda s: lambda a, out: s)(f"{op} {side[:3]}")
+            setattr(be, attr, wrap(attr, fn, lab))
+            names.append(attr)
+    return names
+
+
+def linear_flops(cfg, B, T) -> dict[str, float]:
+    """FLOPs of each linear (forward: 2 N in out; backward twice that), by weight label."""
+    D, F, V = cfg.dim, cfg.hidden_dim, cfg.vocab_size
+    qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    N, L = B * T, cfg.n_layers
+    per = {"attention.wq.weight": D * qd, "attention.wk.weight": D * kvd,
+           "attention.wv.weight": D * kvd, "attention.wo.weight": qd * D,
+           "feed_forward.w1.weight": D * F, "feed_forward.w3.weight": D * F,
+           "feed_forward.w2.weight": F * D}
+    out = {}
+    for k, n in per.items():
+        out[f"linear fwd {k}"] = 2.0 * N * n * L
+        out[f"linear bwd {k}"] = 4.0 * N * n * L
+    head = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
+    out[f"linear fwd {head}"] = 2.0 * N * V * D
+    out[f"linear bwd {head}"] = 4.0 * N * V * D
+    return out
+
+
+def matmul_peak(n: int = 2048, reps: int = 4) -> float:
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    c = np.empty((n, n), np.float32)
+    np.matmul(a, b, out=c)
+    best = np.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.matmul(a, b, out=c)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best
+
+
+def profile(name, backend, peak):
+    kw, B, T = CONFIGS[name]
+    cfg = ModelConfig(**kw)
+    model = Transformer(cfg, init_params(cfg, seed=0), backend=backend, dtype=np.float32)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (B, T))
+    targets = np.roll(tokens, -1, axis=1)
+    opt = AdamW(model.params, lr=1e-4, weight_decay=0.1, backend=model.backend)
+    be = model.backend
+    runs = []
+    timers: dict[str, float] = {}
+    names = instrument(model, timers)
+    try:
+        for i in range(ARGS.steps + 1):
+            timers.clear()
+            t0 = time.perf_counter()
+            _, grads = model.loss_and_grads(tokens, targets)
+            t1 = time.perf_counter()
+            opt.step(grads)
+            t2 = time.perf_counter()
+            del grads
+            rec = dict(timers)
+            rec["(rest of forward+backward)"] = (t1 - t0) - sum(timers.values())
+            rec["AdamW step"] = t2 - t1
+            rec["step total"] = t2 - t0
+            if i:
+                runs.append(rec)
+    finally:
+        for attr in names:
+            delattr(be, attr)
+    keys = list(runs[0])
+    med = {k: float(np.median([r.get(k, 0.0) for r in runs])) for k in keys}
+    total = med["step total"]
+    flops = linear_flops(cfg, B, T)
+    print(f"\n### {name} (B {B} x T {T}, {cfg.n_params() / 1e6:.2f}M params), backend "
+          f"{be.name}: {total * 1e3:.1f} ms per step with AdamW\n")
+    print("| op | ms/step | share | GFLOP/s (% of peak) |")
+    print("|---|---|---|---|")
+    lin = sum(v for k, v in med.items() if k.startswith("linear"))
+    for k in sorted((k for k in keys if k != "step total"), key=lambda k: -med[k]):
+        rate = ""
+        if k in flops and med[k] > 0:
+            g = flops[k] / med[k]
+            rate = f"{g / 1e9:.0f} ({100 * g / peak:.0f}%)"
+        print(f"| {k} | {med[k] * 1e3:.1f} | {100 * med[k] / total:.1f}% | {rate} |")
+    lf = sum(flops.values())
+    print(f"| all linear layers | {lin * 1e3:.1f} | {100 * lin / total:.1f}% | "
+          f"{lf / lin / 1e9:.0f} ({100 * lf / lin / peak:.0f}%) |")
+    print(f"| **step total** | {total * 1e3:.1f} | 100% | |")
+
+
+def main() -> int:
+    peak = matmul_peak()
+    print(f"# training-step profile — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"threads={ARGS.threads}, numpy {np.__version__}; float32 2048^3 matmul peak "
+          f"{peak / 1e9:.1f} GFLOP/s")
+    for name in ARGS.configs.split(","):
+        for backend in ARGS.backend.split(","):
+            profile(name.strip(), get_backend(backend.strip()), peak)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
