@@ -29,6 +29,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+#: output rows of W per tile of :func:`_tile` (even: a tile holds whole RoPE pairs)
+TILE = 4
+
 
 @njit(fastmath=True, cache=True, nogil=True)
 def _rmsnorm_rows(x, g, eps, out):  # pragma: no cover - compiled
@@ -41,6 +44,106 @@ def _rmsnorm_rows(x, g, eps, out):  # pragma: no cover - compiled
         r = 1.0 / np.sqrt(ss / D + eps)
         for k in range(D):
             out[b, k] = x[b, k] * r * g[k]
+
+
+@njit(fastmath=True, cache=True, nogil=True, inline='always')
+def _tile(x, W, i0, nr, y, c0, zero):  # pragma: no cover - compiled
+    """y[b, c0 + r] = x_b . W_{i0 + r} for r < nr <= TILE rows of W and every row b of x (B, K).
+
+    With several sequences the rows are taken four of W by two of x at a time: eight running
+    sums, each loaded W and x vector feeding two and four of them, so the loop is bound by the
+    multiply-adds rather than by the loads. One sequence (or what is left) takes one dot product
+    at a time, W row after W row in memory order (the product is then memory-bound)."""
+    B, K = x.shape
+    b = 0
+    if nr == TILE:
+        w0 = W[i0]
+        w1 = W[i0 + 1]
+        w2 = W[i0 + 2]
+        w3 = W[i0 + 3]
+        while b + 1 < B:
+            x0 = x[b]
+            x1 = x[b + 1]
+            s00 = zero
+            s01 = zero
+            s02 = zero
+            s03 = zero
+            s10 = zero
+            s11 = zero
+            s12 = zero
+            s13 = zero
+            for k in range(K):
+                u = x0[k]
+                v = x1[k]
+                s00 += u * w0[k]
+                s01 += u * w1[k]
+                s02 += u * w2[k]
+                s03 += u * w3[k]
+                s10 += v * w0[k]
+                s11 += v * w1[k]
+                s12 += v * w2[k]
+                s13 += v * w3[k]
+            y[b, c0] = s00
+            y[b, c0 + 1] = s01
+            y[b, c0 + 2] = s02
+            y[b, c0 + 3] = s03
+            y[b + 1, c0] = s10
+            y[b + 1, c0 + 1] = s11
+            y[b + 1, c0 + 2] = s12
+            y[b + 1, c0 + 3] = s13
+            b += 2
+    for bb in range(b, B):
+        xb = x[bb]
+        for r in range(nr):
+            w = W[i0 + r]
+            s = zero
+            for k in range(K):
+                s += xb[k] * w[k]
+            y[bb, c0 + r] = s
+
+
+
+@njit(fastmath=True, cache=True, nogil=True, inline='always')
+def _attend(qkv, Kc, Vc, b, k0, k1, G, n, scale, sc, att):  # pragma: no cover - compiled
+    """att_h = softmax(q_h K_{0..n-1}^T * scale) V_{0..n-1} for the query heads h of KV heads
+    k0..k1-1 of sequence b (h = kh * G + g; q_h is qkv[b, h*hd : (h+1)*hd]). The cache is read
+    row by row in memory order (row j holds the KV heads side by side), each K and V row once
+    for all G heads of its group. sc: (B*H, >= n) scores scratch, rows b*H + h used."""
+    hd = Kc.shape[3]
+    H = att.shape[1] // hd
+    h0 = k0 * G
+    h1 = k1 * G
+    for j in range(n):
+        for kh in range(k0, k1):
+            kr = Kc[b, j, kh]
+            for h in range(kh * G, (kh + 1) * G):
+                qv = qkv[b, h * hd:(h + 1) * hd]
+                s = att.dtype.type(0)
+                for d in range(hd):
+                    s += qv[d] * kr[d]
+                sc[b * H + h, j] = s * scale
+    for h in range(h0, h1):
+        row = sc[b * H + h]
+        m = -np.inf
+        for j in range(n):
+            m = max(m, row[j])
+        tot = 0.0
+        for j in range(n):
+            e = np.exp(row[j] - m)
+            row[j] = e
+            tot += e
+        inv = 1.0 / tot
+        for j in range(n):
+            row[j] *= inv
+        att[b, h * hd:(h + 1) * hd] = 0
+    for j in range(n):
+        for kh in range(k0, k1):
+            vr = Vc[b, j, kh]
+            for h in range(kh * G, (kh + 1) * G):
+                w = sc[b * H + h, j]
+                o = att[b, h * hd:(h + 1) * hd]
+                for d in range(hd):
+                    o[d] += w * vr[d]
 
 
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
@@ -69,18 +172,21 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
     dt = emb.dtype
     x = np.empty((B, D), dtype=dt)
     xn = np.empty((B, D), dtype=dt)
-    q = np.empty((B, qd), dtype=dt)
+    qkv = np.empty((B, qd + 2 * kvd), dtype=dt)
     att = np.empty((B, qd), dtype=dt)
-    hb = np.empty((B, F), dtype=dt)
+    yd = np.empty((B, D), dtype=dt)
+    h1 = np.empty((B, F), dtype=dt)
+    h3 = np.empty((B, F), dtype=dt)
     scores = np.empty((B * H, S), dtype=dt)
-    scale = 1.0 / np.sqrt(hd)
+    scale = dt.type(1.0 / np.sqrt(hd))
+    nq = (qd + TILE - 1) // TILE  # tiles of W_q, then of W_k and of W_v
+    nkv = (kvd + TILE - 1) // TILE
+    nd = (D + TILE - 1) // TILE
+    nf = (F + TILE - 1) // TILE
+    C = min(KVH, max(1, 4 // B))  # KV-head chunks per sequence in attention
     for b in range(B):
         x[b, :] = emb[tok[b]]
-    npair = (qd + 2 * kvd) // 2
     for layer in range(L):
-        Wq = wq[layer]
-        Wk = wk[layer]
-        Wv = wv[layer]
         Wo = wo[layer]
         W1 = w1[layer]
         W2 = w2[layer]
@@ -88,100 +194,81 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
         Kc = kc[layer]
         Vc = vc[layer]
         _rmsnorm_rows(x, g_att[layer], eps, xn)
-        # q, k, v by row pairs; RoPE on q and k; k and v written into the cache
-        for pp in prange(npair):
-            r = 2 * pp
-            if r < qd:
-                W = Wq
-                rr = r
-            elif r < qd + kvd:
-                W = Wk
-                rr = r - qd
+        # q, k, v by tiles of rows (whole RoPE pairs); RoPE on q and k; k, v into the cache
+        for t in prange(nq + 2 * nkv):
+            if t < nq:
+                W = wq[layer]
+                i0 = t * TILE
+                rows = qd
+                c0 = i0
+            elif t < nq + nkv:
+                W = wk[layer]
+                i0 = (t - nq) * TILE
+                rows = kvd
+                c0 = qd + i0
             else:
-                W = Wv
-                rr = r - qd - kvd
-            i = (rr % hd) // 2
-            head = rr // hd
-            d0 = rr % hd
+                W = wv[layer]
+                i0 = (t - nq - nkv) * TILE
+                rows = kvd
+                c0 = qd + kvd + i0
+            nr = min(TILE, rows - i0)
+            _tile(xn, W, i0, nr, qkv, c0, zero)
             for b in range(B):
-                s0 = zero
-                s1 = zero
-                for k in range(D):
-                    xv = xn[b, k]
-                    s0 += xv * W[rr, k]
-                    s1 += xv * W[rr + 1, k]
                 p = pos[b]
-                if r < qd + kvd:
-                    c = cos[p, i]
-                    s = sin[p, i]
-                    y0 = s0 * c - s1 * s
-                    y1 = s0 * s + s1 * c
-                    if r < qd:
-                        q[b, rr] = y0
-                        q[b, rr + 1] = y1
+                for r in range(0, nr, 2):
+                    rr = i0 + r
+                    head = rr // hd
+                    d0 = rr - head * hd
+                    y0 = qkv[b, c0 + r]
+                    y1 = qkv[b, c0 + r + 1]
+                    if t < nq + nkv:  # rotate the pair by the angle of position p
+                        c = cos[p, d0 // 2]
+                        s = sin[p, d0 // 2]
+                        y0, y1 = y0 * c - y1 * s, y0 * s + y1 * c
+                        if t < nq:  # q stays in qkv, rotated in place
+                            qkv[b, c0 + r] = y0
+                            qkv[b, c0 + r + 1] = y1
+                        else:
+                            Kc[b, p, head, d0] = y0
+                            Kc[b, p, head, d0 + 1] = y1
                     else:
-                        Kc[b, p, head, d0] = y0
-                        Kc[b, p, head, d0 + 1] = y1
-                else:
-                    Vc[b, p, head, d0] = s0
-                    Vc[b, p, head, d0 + 1] = s1
-        # attention of each (sequence, query head) over the cache rows 0..p_b
-        for u in prange(B * H):
-            b = u // H
-            h = u - b * H
-            kh = h // G
-            n = pos[b] + 1
-            q0 = h * hd
-            m = -np.inf
-            for j in range(n):
-                s = 0.0
-                for d in range(hd):
-                    s += q[b, q0 + d] * Kc[b, j, kh, d]
-                s *= scale
-                scores[u, j] = s
-                if s > m:
-                    m = s
-            tot = 0.0
-            for j in range(n):
-                e = np.exp(scores[u, j] - m)
-                scores[u, j] = e
-                tot += e
-            inv = 1.0 / tot
-            for d in range(hd):
-                att[b, q0 + d] = 0.0
-            for j in range(n):
-                w = scores[u, j] * inv
-                for d in range(hd):
-                    att[b, q0 + d] += w * Vc[b, j, kh, d]
+                        Vc[b, p, head, d0] = y0
+                        Vc[b, p, head, d0 + 1] = y1
+        # attention of each sequence over its cache rows 0..p_b, the KV heads cut into C chunks
+        # (several chunks per sequence when there are few sequences, so both threads work)
+        for u in prange(B * C):
+            b = u // C
+            c = u - b * C
+            _attend(qkv, Kc, Vc, b, c * KVH // C, (c + 1) * KVH // C, G, pos[b] + 1, scale,
+                    scores, att)
         # x += att W_o^T
-        for i in prange(D):
+        for t in prange(nd):
+            i0 = t * TILE
+            nr = min(TILE, D - i0)
+            _tile(att, Wo, i0, nr, yd, i0, zero)
             for b in range(B):
-                s = zero
-                for k in range(qd):
-                    s += att[b, k] * Wo[i, k]
-                x[b, i] += s
-        # SwiGLU: hb = silu(xn W_1^T) * (xn W_3^T)
+                for r in range(nr):
+                    x[b, i0 + r] += yd[b, i0 + r]
+        # SwiGLU: h1 = silu(xn W_1^T) * (xn W_3^T)
         _rmsnorm_rows(x, g_ffn[layer], eps, xn)
-        for i in prange(F):
+        for t in prange(nf):
+            i0 = t * TILE
+            nr = min(TILE, F - i0)
+            _tile(xn, W1, i0, nr, h1, i0, zero)
+            _tile(xn, W3, i0, nr, h3, i0, zero)
             for b in range(B):
-                a = zero
-                c = zero
-                for k in range(D):
-                    xv = xn[b, k]
-                    a += xv * W1[i, k]
-                    c += xv * W3[i, k]
-                hb[b, i] = a / (1.0 + np.exp(-a)) * c
-        # x += hb W_2^T
-        for i in prange(D):
+                for r in range(nr):
+                    a = h1[b, i0 + r]
+                    h1[b, i0 + r] = a / (1.0 + np.exp(-a)) * h3[b, i0 + r]
+        # x += h1 W_2^T
+        for t in prange(nd):
+            i0 = t * TILE
+            nr = min(TILE, D - i0)
+            _tile(h1, W2, i0, nr, yd, i0, zero)
             for b in range(B):
-                s = zero
-                for k in range(F):
-                    s += hb[b, k] * W2[i, k]
-                x[b, i] += s
+                for r in range(nr):
+                    x[b, i0 + r] += yd[b, i0 + r]
     _rmsnorm_rows(x, g_final, eps, xn)
-    for v in prange(V):
-        for b in range(B):
-            s = zero
-            for k in range(D):
-                s += xn[b, k] * wout[v, k]
-            logits[b, v] = s
+    for t in prange((V + TILE - 1) // TILE):
+        i0 = t * TILE
+        _tile(xn, wout, i0, min(TILE, V - i0), logits, i0, zero)
