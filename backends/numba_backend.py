@@ -270,6 +270,89 @@ class NumbaBackend(NumpyBackend):
         return logits
 
     # -----------------------------------------------------------------------------------------
+    # RMSNorm and SwiGLU: one Numba pass per row, row blocks on the threads of parallel_rows
+    # -----------------------------------------------------------------------------------------
+    def rmsnorm_forward(self, x, g, eps):
+        r"""y = x r \odot g, r = 1/\sqrt{\mathrm{mean}(x^2) + \epsilon} (see
+        :func:`minillama.ops.rmsnorm_forward`): one pass per row (Numba). x: (..., D); g: (D,).
+        Returns (y (..., D), ctx (x, r (..., 1), g))."""
+        dt = x.dtype
+        if dt not in _FLOATS or g.dtype != dt or x.shape[-1] == 0 or g.shape != x.shape[-1:]:
+            return super().rmsnorm_forward(x, g, eps)
+        D = x.shape[-1]
+        x2 = np.ascontiguousarray(x).reshape(-1, D)
+        N = x2.shape[0]
+        y = np.empty((N, D), dtype=dt)
+        rstd = np.empty(N, dtype=dt)
+        gc = np.ascontiguousarray(g)
+        e, inv_d = dt.type(eps), dt.type(1.0 / D)
+        kern = self._k.rmsnorm_fwd_rows
+        cpu_threads.parallel_rows(lambda lo, hi: kern(x2, gc, e, inv_d, y, rstd, lo, hi), N, x2.size)
+        return y.reshape(x.shape), (x2, rstd.reshape(*x.shape[:-1], 1), gc)
+
+    def rmsnorm_backward(self, dy, ctx):
+        r"""dx = r (u - \hat{x}\, \mathrm{mean}(u \odot \hat{x})), u = dy \odot g,
+        dg = \sum_{rows} dy \odot \hat{x}: one pass per row (Numba), dg summed per thread block.
+        dy: (..., D). Returns (dx (..., D), dg (D,))."""
+        x2, rstd, g = ctx
+        dt = x2.dtype
+        if dy.dtype != dt or x2.ndim != 2 or dt not in _FLOATS or g.dtype != dt:
+            return super().rmsnorm_backward(dy, ctx)
+        D = x2.shape[1]
+        dy2 = np.ascontiguousarray(dy).reshape(-1, D)
+        N = x2.shape[0]
+        r = rstd.reshape(-1)
+        dx = np.empty((N, D), dtype=dt)
+        inv_d = dt.type(1.0 / D)
+        parts = []
+        kern = self._k.rmsnorm_bwd_rows
+
+        def rows(lo, hi):
+            dg = np.zeros(D, dtype=dt)
+            kern(dy2, x2, r, g, inv_d, dx, dg, lo, hi)
+            parts.append((lo, dg))
+
+        cpu_threads.parallel_rows(rows, N, x2.size)
+        parts.sort(key=lambda p: p[0])
+        dg = parts[0][1]
+        for _, part in parts[1:]:
+            dg += part
+        return dx.reshape(dy.shape), dg
+
+    def swiglu_forward(self, a, b):
+        r"""h = \mathrm{silu}(a) \odot b, \mathrm{silu}(a) = a \sigma(a) (see
+        :func:`minillama.ops.swiglu_forward`): one pass (Numba); a, b and \sigma(a) are saved.
+        a, b: (..., F). Returns (h (..., F), ctx)."""
+        dt = a.dtype
+        if dt not in _FLOATS or b.dtype != dt or a.shape != b.shape or a.size == 0:
+            return super().swiglu_forward(a, b)
+        F = a.shape[-1]
+        a2 = np.ascontiguousarray(a).reshape(-1, F)
+        b2 = np.ascontiguousarray(b).reshape(-1, F)
+        N = a2.shape[0]
+        h = np.empty((N, F), dtype=dt)
+        sig = np.empty((N, F), dtype=dt)
+        one = dt.type(1)
+        kern = self._k.swiglu_fwd_rows
+        cpu_threads.parallel_rows(lambda lo, hi: kern(a2, b2, one, h, sig, lo, hi), N, a2.size)
+        return h.reshape(a.shape), ("numba", a2, b2, sig)
+
+    def swiglu_backward(self, dh, ctx):
+        r"""db = dh \odot \mathrm{silu}(a), da = dh \odot b \odot \sigma(a)(1 + a(1 - \sigma(a))),
+        \sigma(a) from the forward (Numba, one pass). dh: (..., F). Returns (da, db)."""
+        if len(ctx) != 4 or ctx[0] != "numba":
+            return super().swiglu_backward(dh, ctx)
+        _, a2, b2, sig = ctx
+        N, F = a2.shape
+        dh2 = np.ascontiguousarray(dh, dtype=a2.dtype).reshape(N, F)
+        da = np.empty((N, F), dtype=a2.dtype)
+        db = np.empty((N, F), dtype=a2.dtype)
+        one = a2.dtype.type(1)
+        kern = self._k.swiglu_bwd_rows
+        cpu_threads.parallel_rows(lambda lo, hi: kern(dh2, a2, b2, sig, one, da, db, lo, hi), N, a2.size)
+        return da.reshape(dh.shape), db.reshape(dh.shape)
+
+    # -----------------------------------------------------------------------------------------
     # RoPE
     # -----------------------------------------------------------------------------------------
     def _rope(self, x, cos, sin, inverse: bool, out):

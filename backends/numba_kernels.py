@@ -729,3 +729,74 @@ def xent_grad_rows(z, targets, valid, scale, row_loss):
         for j in range(V):
             zr[j] *= c
         zr[targets[n]] -= scale
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm and SwiGLU, forward and backward: one pass per row over rows lo..hi-1 (the backend
+# runs row blocks on its threads; each kernel releases the GIL)
+# ---------------------------------------------------------------------------------------------
+@njit(**_opts)
+def rmsnorm_fwd_rows(x, g, eps, inv_d, y, rstd, lo, hi):
+    r"""y_n = x_n r_n \odot g, r_n = 1/\sqrt{\mathrm{mean}(x_n^2) + \epsilon} for rows lo..hi-1.
+    x, y: (N, D); g: (D,); rstd: (N,) gets r_n; eps and inv_d = 1/D in the dtype of x."""
+    D = x.shape[1]
+    zero = g[0] - g[0]
+    one = inv_d * D
+    for n in range(lo, hi):
+        xr = x[n]
+        ss = zero
+        for j in range(D):
+            ss += xr[j] * xr[j]
+        r = one / np.sqrt(ss * inv_d + eps)
+        rstd[n] = r
+        yr = y[n]
+        for j in range(D):
+            yr[j] = xr[j] * r * g[j]
+
+
+@njit(**_opts)
+def rmsnorm_bwd_rows(dy, x, rstd, g, inv_d, dx, dg, lo, hi):
+    r"""dx_n = r_n (u_n - \hat{x}_n \mathrm{mean}(u_n \odot \hat{x}_n)), u_n = dy_n \odot g,
+    \hat{x}_n = x_n r_n, for rows lo..hi-1; dg += \sum_n dy_n \odot \hat{x}_n (this block's part).
+    dy, x, dx: (N, D); rstd: (N,); g, dg: (D,); inv_d = 1/D in the dtype of x."""
+    D = x.shape[1]
+    zero = g[0] - g[0]
+    for n in range(lo, hi):
+        xr, dr, r = x[n], dy[n], rstd[n]
+        s = zero
+        for j in range(D):
+            xh = xr[j] * r
+            s += dr[j] * g[j] * xh
+            dg[j] += dr[j] * xh
+        c = s * inv_d * r
+        out = dx[n]
+        for j in range(D):
+            out[j] = r * (dr[j] * g[j] - xr[j] * c)
+
+
+@njit(**_opts)
+def swiglu_fwd_rows(a, b, one, h, sig, lo, hi):
+    r"""h = \mathrm{silu}(a) \odot b = a \sigma(a) b elementwise, rows lo..hi-1 of (N, F);
+    \sigma(a) is kept in ``sig`` for the backward; ``one`` is 1 in the dtype of a."""
+    F = a.shape[1]
+    for n in range(lo, hi):
+        ar, br, hr, sr = a[n], b[n], h[n], sig[n]
+        for j in range(F):
+            s = one / (one + fexp(-ar[j]))
+            sr[j] = s
+            hr[j] = ar[j] * s * br[j]
+
+
+@njit(**_opts)
+def swiglu_bwd_rows(dh, a, b, sig, one, da, db, lo, hi):
+    r"""db = dh \odot a\sigma(a), da = dh \odot b \odot \sigma(a)(1 + a(1 - \sigma(a))), with
+    \sigma(a) saved by the forward; rows lo..hi-1 of (N, F); ``one`` is 1 in the dtype of a."""
+    F = a.shape[1]
+    for n in range(lo, hi):
+        ar, br, gr, sr, dar, dbr = a[n], b[n], dh[n], sig[n], da[n], db[n]
+        for j in range(F):
+            x = ar[j]
+            s = sr[j]
+            g = gr[j]
+            dbr[j] = g * x * s
+            dar[j] = g * br[j] * s * (one + x * (one - s))

@@ -393,6 +393,56 @@ def test_loss_head_matches_reference(dtype, N, D, V, block, ignore_frac, dloss, 
         assert float(loss) == 0.0 and not dx.any() and not dw.any()
 
 
+# ---------------------------------------------------------------------------------------------
+# RMSNorm and SwiGLU (one Numba pass per row, row blocks on threads)
+# ---------------------------------------------------------------------------------------------
+@settings(max_examples=20, deadline=None)
+@given(dtype=st.sampled_from([np.float32, np.float64]), rows=st.integers(1, 40),
+       D=st.integers(4, 70), threaded=st.booleans(), seed=st.integers(0, 2**16))
+def test_rmsnorm_and_swiglu_match_reference(dtype, rows, D, threaded, seed):
+    """Values and every gradient against the float64 reference, serial and with the row
+    threads forced on (3 threads, no size threshold); SwiGLU inputs up to |a| ~ 100, where e^{-a}
+    overflows float32 (sigma must go to 0, not NaN)."""
+    from minillama.backends import cpu_threads
+
+    be = _numba_backend()
+    rng = np.random.default_rng(seed)
+    f64 = np.float64
+    x = (rng.standard_normal((2, rows, D)) * 3).astype(dtype)
+    g = rng.standard_normal(D).astype(dtype)
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    a = (rng.standard_normal((rows, 2, D)) * 4).astype(dtype)
+    a.flat[::7] *= 25
+    b = rng.standard_normal(a.shape).astype(dtype)
+    dh = rng.standard_normal(a.shape).astype(dtype)
+    old = cpu_threads.PARALLEL_MIN_ELEMENTS, os.environ.get("MINILLAMA_NUM_THREADS")
+    if threaded:
+        cpu_threads.PARALLEL_MIN_ELEMENTS = 1
+        os.environ["MINILLAMA_NUM_THREADS"] = "3"
+    try:
+        y, c = be.rmsnorm_forward(x, g, 1e-5)
+        dx, dg = be.rmsnorm_backward(dy, c)
+        h, c = be.swiglu_forward(a, b)
+        da, db = be.swiglu_backward(dh, c)
+    finally:
+        cpu_threads.PARALLEL_MIN_ELEMENTS = old[0]
+        if old[1] is None:
+            os.environ.pop("MINILLAMA_NUM_THREADS", None)
+        else:
+            os.environ["MINILLAMA_NUM_THREADS"] = old[1]
+    y_r, c = ops.rmsnorm_forward(x.astype(f64), g.astype(f64), 1e-5)
+    dx_r, dg_r = ops.rmsnorm_backward(dy.astype(f64), c)
+    with np.errstate(over="ignore"):
+        h_r, c = ops.swiglu_forward(a.astype(f64), b.astype(f64))
+        da_r, db_r = ops.swiglu_backward(dh.astype(f64), c)
+    tol = 10 * TOL[dtype]
+    for got, ref, what in ((y, y_r, "rmsnorm y"), (dx, dx_r, "rmsnorm dx"),
+                           (dg, dg_r, "rmsnorm dg"), (h, h_r, "swiglu h"),
+                           (da, da_r, "swiglu da"), (db, db_r, "swiglu db")):
+        assert got.dtype == dtype and got.shape == ref.shape, what
+        assert np.isfinite(got).all() and rel_err(got, ref) <= tol, what
+
+
 def test_cross_entropy_bad_targets_are_clear_errors():
     be = _numba_backend()
     with pytest.raises(MinillamaError, match="targets must lie"):
