@@ -8,7 +8,11 @@ Prints two markdown tables with the peer side by side (ratio > 1: minillama is f
   and with the whole step captured as one CUDA graph (``minillama.backends.cupy_graph``), against
   PyTorch eager and PyTorch with a static KV cache and one CUDA graph per step;
 * next to the float32 training step, PyTorch's ``torch.autocast`` bf16 step (the mixed-precision
-  peer).
+  peer);
+* with ``--precisions`` (default fp32,tf32,bf16): the training step of ``minillama train
+  --precision P`` (backends/mixed_precision.py) against its PyTorch peer at the same precision:
+  fp32 against eager with TF32 off, tf32 against eager with ``allow_tf32`` on (matmuls and
+  cuDNN), bf16 against ``torch.autocast(bfloat16)``; the first loss is compared with the fp32 one.
 
 Both sides run float32 without TF32 (CuPy's cuBLAS default; ``torch.backends.cuda.matmul
 .allow_tf32 = False``). The PyTorch peer is a plain eager LLaMA (``F.scaled_dot_product_attention``
@@ -57,6 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch CUDA peer")
     ap.add_argument("--no-train", action="store_true", help="skip the training-step table")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode table")
+    ap.add_argument("--precisions", default="fp32,tf32,bf16",
+                    help="training precisions of the mixed-precision table (empty: skip it)")
     return ap.parse_args(argv)
 
 
@@ -355,6 +361,87 @@ def bench_train(name, args, torch_ok):
                 bf16_ms=None if bf16_s is None else 1e3 * bf16_s, check=check)
 
 
+def _time_ml(cfg, params, tok, tgt, args, precision: str):
+    """(median seconds per step, first loss) of minillama's training step in ``precision``."""
+    import cupy as cp  # noqa: PLC0415
+
+    from minillama.backends import get_backend  # noqa: PLC0415
+    from minillama.backends.mixed_precision import with_precision  # noqa: PLC0415
+
+    be = with_precision(get_backend("cupy"), precision)
+    model = Transformer(cfg, params, backend=be, dtype=np.float32)
+    state = {"t": 0, "m": {k: cp.zeros_like(v) for k, v in model.params.items()},
+             "v": {k: cp.zeros_like(v) for k, v in model.params.items()}}
+    first = ml_train_step(model, state, tok, tgt)
+    for _ in range(max(args.warmup - 1, 0)):
+        ml_train_step(model, state, tok, tgt)
+    times = []
+    for _ in range(args.steps):
+        be.synchronize()
+        t0 = time.perf_counter()
+        ml_train_step(model, state, tok, tgt)
+        be.synchronize()
+        times.append(time.perf_counter() - t0)
+    del model, state
+    cp.get_default_memory_pool().free_all_blocks()
+    return median(times), first
+
+
+def _time_torch(cfg, params, tok, tgt, args, precision: str):
+    """(median seconds per step, first loss) of the PyTorch peer at ``precision``."""
+    import torch  # noqa: PLC0415
+
+    tf32 = precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    try:
+        peer = TorchLlama(cfg, params, "cuda")
+        opt = peer.make_optimizer()
+        tt, tg = torch.tensor(tok, device="cuda"), torch.tensor(tgt, device="cuda")
+        auto = precision == "bf16"
+        first = peer.train_step(opt, tt, tg, autocast=auto).item()
+        for _ in range(max(args.warmup - 1, 0)):
+            peer.train_step(opt, tt, tg, autocast=auto)
+        times = []
+        for _ in range(args.steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            peer.train_step(opt, tt, tg, autocast=auto).item()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        del peer, opt
+        torch.cuda.empty_cache()
+        return median(times), first
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+TORCH_PEER = {"fp32": "eager fp32", "tf32": "eager TF32", "bf16": "autocast bf16"}
+
+
+def bench_precisions(name, precisions, args, torch_ok):
+    """Rows of the mixed-precision table for one shape."""
+    cfg_d, B, T = SHAPES[name]
+    cfg = ModelConfig(**cfg_d)
+    params = init_params(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, cfg.vocab_size, (B, T))
+    tgt = rng.integers(0, cfg.vocab_size, (B, T))
+    rows, first32 = [], None
+    for prec in precisions:
+        ml_s, first = _time_ml(cfg, params, tok, tgt, args, prec)
+        if prec == "fp32":
+            first32 = first
+        t_s, t_first = _time_torch(cfg, params, tok, tgt, args, prec) if torch_ok else (None, None)
+        rows.append(dict(shape=name, B=B, T=T, prec=prec, ml_ms=1e3 * ml_s, tok_s=B * T / ml_s,
+                         peer=TORCH_PEER[prec], peer_ms=None if t_s is None else 1e3 * t_s,
+                         ratio=None if t_s is None else t_s / ml_s, first=first,
+                         rel=None if first32 is None else abs(first - first32) / abs(first32),
+                         t_first=t_first))
+    return rows
+
+
 def bench_decode(name, batch, args, torch_ok):
     cfg_d, _, _ = SHAPES[name]
     cfg = ModelConfig(**cfg_d)
@@ -454,6 +541,27 @@ def main(argv=None) -> int:
             print(f"| {s} | {r['B']} x {r['T']} | {fmt(r['ml'])} | {fmt(r['ml_ms'], '.1f')} | "
                   f"{fmt(r['torch'])} | {fmt(r['torch_ms'], '.1f')} | {fmt(ratio, '.2f')} | "
                   f"{fmt(r['bf16_ms'], '.1f')} | {fmt(r16, '.2f')} | {r['check']} |", flush=True)
+
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    if not args.no_train and precisions:
+        from minillama.backends.mixed_precision import PRECISIONS  # noqa: PLC0415
+
+        bad = [p for p in precisions if p not in PRECISIONS]
+        if bad:
+            print(f"bench_gpu: unknown precision {bad[0]!r}; choose from {', '.join(PRECISIONS)}")
+            return 2
+        print("\n## Training step by precision (minillama train --precision P vs the PyTorch "
+              "peer at that precision)\n")
+        print("| shape | B x T | precision | minillama ms/step | tokens/s | PyTorch peer | "
+              "peer ms/step | ratio (peer time / ours) | first loss (rel. to our fp32) | "
+              "peer first loss |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for s in shapes:
+            for r in bench_precisions(s, precisions, args, torch_ok):
+                print(f"| {s} | {r['B']} x {r['T']} | {r['prec']} | {fmt(r['ml_ms'], '.1f')} | "
+                      f"{fmt(r['tok_s'])} | {r['peer']} | {fmt(r['peer_ms'], '.1f')} | "
+                      f"{fmt(r['ratio'], '.2f')} | {r['first']:.5f} ({fmt(r['rel'], '.1e')}) | "
+                      f"{fmt(r['t_first'], '.5f')} |", flush=True)
 
     if not args.no_decode:
         batches = [int(b) for b in args.batches.split(",") if b.strip()]

@@ -1,0 +1,78 @@
+"""scripts/gpu_session.sh (what the next GPU session runs) checked without a GPU: its bash parses,
+``--dry-run`` lists every phase's commands, and each command names files, scripts, options and
+phases that exist (a typo here would cost device time there)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "gpu_session.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def _dry(tmp_path, *phases) -> list[list[str]]:
+    r = subprocess.run(["bash", str(SCRIPT), "--dry-run", *phases], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "OUT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    return [shlex.split(line[2:]) for line in r.stdout.splitlines() if line.startswith("$ ")]
+
+
+def test_script_parses():
+    r = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+
+
+def test_unknown_phase_is_one_line_and_status_2(tmp_path):
+    r = subprocess.run(["bash", str(SCRIPT), "bench"], capture_output=True, text=True,
+                       timeout=30, env={**os.environ, "OUT": str(tmp_path)})
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "unknown phase 'bench'" in r.stderr
+
+
+def test_dry_run_names_what_exists(tmp_path):
+    cmds = _dry(tmp_path)
+    logs = {p.name for p in tmp_path.iterdir()}
+    assert logs == {f"{p}.log" for p in ("setup", "tests", "attention", "train", "decode",
+                                         "cli")}
+    assert len(logs) <= 8  # the device tool returns at most 8 files
+    seen_scripts, seen_tests = set(), set()
+    for cmd in cmds:
+        for word in cmd:
+            if re.fullmatch(r"tests/test_\w+\.py", word):
+                assert (REPO / word).is_file(), word
+                seen_tests.add(word)
+        if len(cmd) > 1 and cmd[1].startswith("scripts/"):
+            seen_scripts.add(cmd[1])
+            # the options it passes exist: argparse accepts them (parse only, no GPU needed)
+            sys.path.insert(0, str(REPO / "scripts"))
+            try:
+                mod = __import__(Path(cmd[1]).stem)
+                if hasattr(mod, "parse_args"):
+                    mod.parse_args(cmd[2:])
+            finally:
+                sys.path.remove(str(REPO / "scripts"))
+    assert {"scripts/bench_gpu.py", "scripts/bench_attention_gpu.py"} <= seen_scripts
+    assert {"tests/test_cupy_backend.py", "tests/test_cuda_graph_cli.py",
+            "tests/test_mixed_precision.py"} <= seen_tests
+    # the CLI commands parse with minillama's own parser (flags and choices exist)
+    from minillama.cli import build_parser  # noqa: PLC0415
+
+    parser = build_parser()
+    clis = [c[3:] for c in cmds if c[1:3] == ["-m", "minillama"]]
+    assert {c[0] for c in clis} == {"generate", "train"}
+    for argv in clis:
+        args = parser.parse_args(argv)
+        assert args.func is not None
+    assert any("--cuda-graph" in c and "on" in c for c in clis)
+    assert {c[c.index("--precision") + 1] for c in clis if "--precision" in c} == \
+        {"fp32", "tf32", "bf16"}
