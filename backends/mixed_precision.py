@@ -150,10 +150,15 @@ def _cublas_gemm(plan: dict, A, B, C, dtype_code: int, compute: int) -> None:
     one = np.ones(1, dtype=np.float32)
     zero = np.zeros(1, dtype=np.float32)
     handle = cupy.cuda.device.get_cublas_handle()
-    cublas.gemmEx(handle, plan["transa"], plan["transb"], plan["m"], plan["n"], plan["k"],
-                  one.ctypes.data, A.data.ptr, dtype_code, plan["lda"], B.data.ptr, dtype_code,
-                  plan["ldb"], zero.ctypes.data, C.data.ptr, CUDA_R_32F, plan["ldc"], compute,
-                  CUBLAS_GEMM_DEFAULT)
+    mode = cublas.getPointerMode(handle)  # alpha, beta are host pointers here
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    try:
+        cublas.gemmEx(handle, plan["transa"], plan["transb"], plan["m"], plan["n"], plan["k"],
+                      one.ctypes.data, A.data.ptr, dtype_code, plan["lda"], B.data.ptr,
+                      dtype_code, plan["ldb"], zero.ctypes.data, C.data.ptr, CUDA_R_32F,
+                      plan["ldc"], compute, CUBLAS_GEMM_DEFAULT)
+    finally:
+        cublas.setPointerMode(handle, mode)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -480,3 +480,28 @@ def test_mixed_precision_cupy_path(be, monkeypatch, precision):
         for got, ref in zip(fast.linear_backward(dy, c), emu.linear_backward(dy, ce)):
             assert got.shape == ref.shape and got.dtype == np.float32
             close(got, ref, 1e-6)
+
+
+def test_mixed_precision_whole_model(be, monkeypatch):
+    """A bf16 training step of a whole model through the CuPy path (emulated kernels, the cuBLAS
+    calls replayed in NumPy) gives the loss and gradients of the NumPy bf16 emulation."""
+    from minillama.backends import mixed_precision as mp  # noqa: PLC0415
+    from minillama.backends import get_backend  # noqa: PLC0415
+    from minillama.config import ModelConfig  # noqa: PLC0415
+    from minillama.model import Transformer  # noqa: PLC0415
+
+    monkeypatch.setattr(mp, "_cublas_gemm", _colmajor_gemm)
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, hidden_dim=48,
+                      max_seq_len=32)
+    ref = Transformer(cfg, backend=mp.MixedPrecisionBackend(get_backend("numpy"), "bf16",
+                                                            emulate=True), seed=3)
+    gpu = Transformer(cfg, params={k: v.copy() for k, v in ref.params.items()},
+                      backend=mp.MixedPrecisionBackend(be, "bf16"))
+    rng = np.random.default_rng(0)
+    tok, tgt = rng.integers(0, 50, (2, 9)), rng.integers(0, 50, (2, 9))
+    (l1, g1), (l2, g2) = ref.loss_and_grads(tok, tgt), gpu.loss_and_grads(tok, tgt)
+    assert abs(l1 - l2) <= 1e-5 * abs(l1)
+    for name in g1:
+        close(g2[name], g1[name], 1e-4)
+    fp32 = Transformer(cfg, params={k: v.copy() for k, v in ref.params.items()}, backend="numpy")
+    assert abs(fp32.loss(tok, tgt) - l1) > 0  # bf16 really differs from float32

@@ -451,11 +451,12 @@ def test_cli_generate_cuda_graph_gives_the_eager_text(tmp_path, capsys):
     assert "decodes float32 models" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("precision, tol", [("bf16", 1e-4), ("tf32", 2e-3)])
+@pytest.mark.parametrize("precision, tol", [("bf16", 1e-4), ("tf32", 5e-3)])
 def test_mixed_precision_products_match_the_emulation(precision, tol):
     """The cuBLAS bf16 / TF32 products of MixedPrecisionBackend against the NumPy emulation of
     the same equations (bf16: the products of rounded operands are exact, only the summation
-    order differs; TF32: cuBLAS may round the operands otherwise than cvt.rna, hence 2e-3)."""
+    order differs; TF32: cuBLAS may round the operands otherwise than cvt.rna (truncation would
+    double the operand error to 2^-10), hence 5e-3; a wrong call plan errs by O(1))."""
     from minillama.backends import mixed_precision as mp
 
     fast = mp.MixedPrecisionBackend(BE, precision)
