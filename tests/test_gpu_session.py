@@ -40,11 +40,14 @@ def test_unknown_phase_is_one_line_and_status_2(tmp_path):
 
 
 def test_dry_run_names_what_exists(tmp_path):
-    cmds = _dry(tmp_path)
-    logs = {p.name for p in tmp_path.iterdir()}
-    assert logs == {f"{p}.log" for p in ("setup", "tests", "attention", "train", "decode",
-                                         "cli")}
-    assert len(logs) <= 8  # the device tool returns at most 8 files
+    default = _dry(tmp_path / "default")
+    assert {p.name for p in (tmp_path / "default").iterdir()} == \
+        {f"{p}.log" for p in ("setup", "tests", "attention", "train", "decode", "cli")}
+    cmds = _dry(tmp_path / "all", "setup", "tests", "attention", "train", "decode", "cli",
+                "retrain")
+    assert cmds[:len(default)] == default
+    # the device tool returns at most 8 files: 7 logs and the retrained model
+    assert len(list((tmp_path / "all").iterdir())) == 7
     seen_scripts, seen_tests = set(), set()
     for cmd in cmds:
         for word in cmd:
@@ -76,3 +79,12 @@ def test_dry_run_names_what_exists(tmp_path):
     assert any("--cuda-graph" in c and "on" in c for c in clis)
     assert {c[c.index("--precision") + 1] for c in clis if "--precision" in c} == \
         {"fp32", "tf32", "bf16"}
+    retrain = [c for c in clis if "--export" in c]
+    assert len(retrain) == 1
+    from minillama.config import ModelConfig  # noqa: PLC0415
+
+    a = parser.parse_args(retrain[0])
+    n = ModelConfig(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
+                    vocab_size=258, max_seq_len=a.context).n_params()
+    assert 2 * n < 16 * 2 ** 20  # its float16 export comes back through $OUT (16 MiB a file)
+    assert a.dim // a.n_heads in (64, 128)  # the tensor-core attention's head dimensions
