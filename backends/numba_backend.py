@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import weakref
 
 import numpy as np
@@ -170,7 +171,7 @@ class NumbaBackend(NumpyBackend):
         array is replaced). None when the model is not a plain LLaMA this step implements."""
         plan = self._decode_plans.get(model)
         p = model.params
-        if plan is not None and all(p.get(k) is a for k, a in plan["refs"]):
+        if plan is not None and all(map(operator.is_, map(p.get, plan["keys"]), plan["arrays"])):
             return plan
         cfg = model.cfg
         if model.dtype not in _FLOATS or not dataclasses.is_dataclass(cfg):
@@ -195,7 +196,7 @@ class NumbaBackend(NumpyBackend):
             return typed_list([arr(p[f"layers.{i}.{name}"]) for i in range(cfg.n_layers)])
 
         plan = {
-            "refs": [(k, p[k]) for k in shapes],
+            "keys": list(shapes), "arrays": [p[k] for k in shapes],
             "emb": arr(p["tok_embeddings.weight"]),
             "out": arr(model.output_weight),
             "norm": arr(p["norm.weight"]),
@@ -219,7 +220,7 @@ class NumbaBackend(NumpyBackend):
         """The cache's per-layer K and V arrays as typed lists (built once per cache), or None
         when they are not C-contiguous writeable NumPy arrays of the model dtype."""
         got = self._cache_plans.get(cache)
-        if got is not None and all(a is b for a, b in zip(got[2], cache.k + cache.v)):
+        if got is not None and all(map(operator.is_, got[2], cache.k + cache.v)):
             return got[:2]
         arrays = list(cache.k) + list(cache.v)
         for a in arrays:
@@ -252,9 +253,13 @@ class NumbaBackend(NumpyBackend):
         if kv is None:
             return None
         kc, vc = kv
-        pos = np.ascontiguousarray(
-            np.broadcast_to(np.asarray(start_pos, dtype=np.int64).reshape(-1), (B,)))
-        lo, hi = int(pos.min()), int(pos.max())
+        if isinstance(start_pos, (int, np.integer)):
+            lo = hi = int(start_pos)
+            pos = np.full(B, lo, dtype=np.int64)
+        else:
+            pos = np.ascontiguousarray(
+                np.broadcast_to(np.asarray(start_pos, dtype=np.int64).reshape(-1), (B,)))
+            lo, hi = int(pos.min()), int(pos.max())
         if lo < 0 or hi >= model.cfg.max_seq_len:
             raise MinillamaError(f"positions up to {hi} exceed the model context of "
                                  f"{model.cfg.max_seq_len}")
