@@ -60,7 +60,7 @@ WORK="${TMPDIR:-/tmp}/minillama_gpu_session"
 run() {
     local log="$OUT/$1.log"
     shift
-    echo "\$ $*" | tee -a "$log"
+    echo "\$ $(printf '%q ' "$@")" | tee -a "$log"  # re-runnable as printed
     if [ "$DRY" -eq 1 ]; then
         return 0
     fi
