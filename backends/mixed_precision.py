@@ -245,7 +245,7 @@ class MixedPrecisionBackend:
         plan = gemm_plan(kind, M, N, K)
         out = xp.empty(plan["out"], dtype=xp.float32)
         if out.size:
-            if K == 0 and kind != "dw" or M == 0 and kind == "dw":
+            if plan["k"] == 0:  # an empty sum
                 out[...] = 0
             else:
                 code = CUDA_R_16BF if self.precision == "bf16" else CUDA_R_32F
