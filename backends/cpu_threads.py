@@ -24,6 +24,11 @@ PARALLEL_MIN_ELEMENTS = 1 << 16
 #: linear layers split their GEMMs over the threads of :func:`parallel_rows` (single-threaded
 #: BLAS each) instead of leaving the threading to BLAS; see :func:`split_gemm`
 THREADED_LINEAR = True
+#: ... except products of fewer multiply-adds than this (M K N), which run as one GEMM on
+#: OpenBLAS's own threads: measured on the 2-core machine (issue 11), the tiny shape's training
+#: step (all its GEMMs below 1.1e8) was ~10 % faster that way, while s15's (2.9e8 and up for the
+#: FFN, 1.7e8 for the attention projections) was ~10 % slower with its 1.7e8 ones moved too
+SPLIT_GEMM_MIN_MACS = 1 << 27
 
 _pool = None
 _pool_lock = threading.Lock()
@@ -144,8 +149,10 @@ def blas_for_rows(n_rows: int):
 
 def split_gemm(a, b, out) -> None:
     """out = a @ b (NumPy, 2-D) with the rows of ``a`` and ``out`` spread over the threads of
-    :func:`parallel_rows`, single-threaded BLAS each; one plain GEMM when that cannot help."""
-    if THREADED_LINEAR and a.shape[0] > 1 and num_threads() > 1:
+    :func:`parallel_rows`, single-threaded BLAS each; one plain GEMM (BLAS's own threads) when that
+    cannot help or the product is below :data:`SPLIT_GEMM_MIN_MACS`."""
+    if (THREADED_LINEAR and a.shape[0] > 1 and num_threads() > 1
+            and a.shape[0] * a.shape[1] * b.shape[1] >= SPLIT_GEMM_MIN_MACS):
         def rows(lo, hi):
             np.matmul(a[lo:hi], b, out=out[lo:hi])
 

@@ -14,6 +14,7 @@ and for the linear layers the GFLOP/s reached against the measured 2048^3 matmul
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import _bench_common
@@ -25,6 +26,9 @@ def parse_args(argv=None):
     ap.add_argument("--configs", default="tiny,s15", help="comma list of: tiny, s15")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (median per op)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--torch", action="store_true",
+                    help="also profile the PyTorch peer's step (torch.profiler, self CPU time "
+                         "per aten op, the model of scripts/bench_train.py)")
     return ap.parse_args(argv)
 
 
@@ -170,6 +174,56 @@ def profile(name, backend, peak):
     print(f"| **step total** | {total * 1e3:.1f} | 100% | |")
 
 
+def profile_torch(name):
+    """The PyTorch eager step of scripts/bench_train.py (with AdamW) under torch.profiler: self
+    CPU time per aten op, grouped (matrix products, attention, the rest)."""
+    import torch  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile as tprofile  # noqa: PLC0415
+
+    argv, sys.argv = sys.argv, [sys.argv[0], "--threads", str(ARGS.threads)]
+    try:  # bench_train parses the command line on import: hand it only the thread count
+        import bench_train  # noqa: PLC0415
+    finally:
+        sys.argv = argv
+
+    torch.set_num_threads(ARGS.threads)
+    kw, B, T = CONFIGS[name]
+    cfg = ModelConfig(**kw)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (B, T))
+    targets = np.roll(tokens, -1, axis=1)
+    _, step_opt = bench_train.torch_step_fns(torch, cfg, init_params(cfg, seed=0), tokens,
+                                            targets, True)
+    for _ in range(2):
+        step_opt()
+    steps = max(ARGS.steps, 1)
+    t0 = time.perf_counter()
+    with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step_opt()
+    wall = (time.perf_counter() - t0) / steps
+    rows = sorted(((e.key, e.self_cpu_time_total / steps / 1e3) for e in prof.key_averages()),
+                  key=lambda r: -r[1])
+    total = sum(ms for _, ms in rows)
+    groups = {"matrix products (mm, addmm, bmm, matmul, linear)": 0.0,
+              "attention (scaled_dot_product / flash)": 0.0, "everything else": 0.0}
+    for key, ms in rows:
+        if any(w in key for w in ("::mm", "::addmm", "::bmm", "::matmul", "::linear")):
+            groups["matrix products (mm, addmm, bmm, matmul, linear)"] += ms
+        elif "attention" in key or "flash" in key:
+            groups["attention (scaled_dot_product / flash)"] += ms
+        else:
+            groups["everything else"] += ms
+    print(f"\n### {name}, PyTorch {torch.__version__} eager with AdamW: {wall * 1e3:.1f} ms per step "
+          f"(profiled; self CPU time of the main thread's ops {total:.1f} ms)\n")
+    print("| aten op | self CPU ms/step | share |")
+    print("|---|---|---|")
+    for key, ms in rows[:14]:
+        print(f"| {key} | {ms:.1f} | {100 * ms / total:.1f}% |")
+    for g, ms in groups.items():
+        print(f"| **{g}** | {ms:.1f} | {100 * ms / total:.1f}% |")
+
+
 def main() -> int:
     peak = matmul_peak()
     print(f"# training-step profile — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
@@ -178,6 +232,8 @@ def main() -> int:
     for name in ARGS.configs.split(","):
         for backend in ARGS.backend.split(","):
             profile(name.strip(), get_backend(backend.strip()), peak)
+        if ARGS.torch:
+            profile_torch(name.strip())
     return 0
 
 
