@@ -268,7 +268,8 @@ class NumbaBackend(NumpyBackend):
                                  f"{cache.max_seq_len}")
         logits = np.empty((B, plan["emb"].shape[0]), dtype=model.dtype)
         g_att, wq, wk, wv, wo, g_ffn, w1, w2, w3 = plan["layers"]
-        self._decode.decode_step(
+        kern = self._decode.decode_step_one if B == 1 else self._decode.decode_step
+        kern(
             np.ascontiguousarray(tok[:, 0], dtype=np.int64), pos, plan["emb"], plan["out"],
             plan["norm"], g_att, wq, wk, wv, wo, g_ffn, w1, w2, w3, kc, vc, plan["cos"],
             plan["sin"], plan["eps"], plan["heads"], plan["zero"], logits)

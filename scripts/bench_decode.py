@@ -296,27 +296,34 @@ def llama2c_main():
                     break
                 agree += 1
             load1 = os.getloadavg()[0]
+            # bytes streamed per batch-1 token: every weight once (the tied classifier is the
+            # embedding); the cache rows read are under 1% of it at these lengths
+            wbytes = 4 * cfg.n_params()
             row = dict(name=name, c=theirs, m=ours, batch=batch, agree=agree,
-                       n=min(len(c_ids), len(m_ids)), load=(load0 + load1) / 2)
+                       n=min(len(c_ids), len(m_ids)), load=(load0 + load1) / 2,
+                       gbs_c=max(theirs) * wbytes / 1e9, gbs_m=max(ours) * wbytes / 1e9,
+                       copy=copy_bandwidth(wbytes) / 1e9)
             rows.append(row)
             print(f"{name}: run.c {max(theirs):.0f} tok/s best, {np.median(theirs):.0f} median; "
                   f"minillama {max(ours):.0f} best, {np.median(ours):.0f} median; ratio "
                   f"{max(ours) / max(theirs):.2f}x best, {np.median(ours) / np.median(theirs):.2f}x "
                   f"median; batch {ARGS.batch} {max(batch):.0f} tok/s = "
                   f"{max(batch) / max(theirs):.2f}x run.c batch 1; greedy agree "
-                  f"{agree}/{row['n']}; load {row['load']:.2f}", flush=True)
+                  f"{agree}/{row['n']}; load {row['load']:.2f}; weights streamed at "
+                  f"{row['gbs_c']:.1f} GB/s by run.c, {row['gbs_m']:.1f} by minillama (NumPy copy "
+                  f"{row['copy']:.1f} GB/s)", flush=True)
             del model
     print()
     print(f"| shape | run.c tok/s best (median) | minillama {ARGS.backend} tok/s best (median) | "
           f"ratio best (median) | batch-{ARGS.batch} tok/s best | / run.c batch 1 | greedy agree "
-          f"| load avg |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"| load avg | weight GB/s run.c / minillama / copy |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         c, m, bt = r["c"], r["m"], r["batch"]
         print(f"| {r['name']} | {max(c):.0f} ({np.median(c):.0f}) | {max(m):.0f} "
               f"({np.median(m):.0f}) | {max(m) / max(c):.2f}x ({np.median(m) / np.median(c):.2f}x) "
               f"| {max(bt):.0f} | {max(bt) / max(c):.2f}x | {r['agree']}/{r['n']} | "
-              f"{r['load']:.2f} |")
+              f"{r['load']:.2f} | {r['gbs_c']:.1f} / {r['gbs_m']:.1f} / {r['copy']:.1f} |")
 
 
 def main():

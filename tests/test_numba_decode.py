@@ -43,11 +43,15 @@ def calls(monkeypatch):
 
     n = {"calls": 0}
 
-    def counting(*args):
-        n["calls"] += 1
-        return numba_decode.decode_step(*args)
+    def counting(kernel):
+        def run(*args):
+            n["calls"] += 1
+            return kernel(*args)
+        return run
 
-    monkeypatch.setattr(NUMBA, "_decode", types.SimpleNamespace(decode_step=counting))
+    monkeypatch.setattr(NUMBA, "_decode", types.SimpleNamespace(
+        decode_step=counting(numba_decode.decode_step),
+        decode_step_one=counting(numba_decode.decode_step_one)))
     return n
 
 
@@ -117,7 +121,7 @@ def test_weights_updated_in_place_or_replaced_are_seen(calls):
     for m in (ref, fast):
         m.params["layers.0.attention.wq.weight"] = new.astype(np.float32)  # replaced
     np.testing.assert_allclose(step(fast), step(ref), rtol=2e-5, atol=1e-5)
-    assert calls["calls"] == 3
+    assert calls["calls"] == 4  # three steps, and the one-token prompt of n = 1
 
 
 def test_float64_matches_reference_tightly(calls):
@@ -152,3 +156,44 @@ def test_stories260k_golden_ids_through_the_fused_step(shared_data, calls):
     model, _ = load_model(shared_data / "stories260K.bin", backend="numba")
     assert generate(model, [1], max_new_tokens=64, temperature=0.0) == gold
     assert calls["calls"] == 64  # the one-token prompt and the 63 steps after it
+
+
+@pytest.mark.parametrize("kvh,head_dim", [(2, None), (1, None), (4, 6)])
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 2e-5), (np.float64, 1e-11)])
+def test_single_sequence_kernel_matches_reference_and_batched_kernel(calls, kvh, head_dim, dtype,
+                                                                     tol):
+    """B = 1 runs decode_step_one (plain row loops); it must give the reference's logits and
+    cache rows, and the batched tile kernel on the same input must agree with it. head_dim 6
+    makes RoPE pairs straddle the 4-row tiles of the batched kernel."""
+    from minillama.backends import numba_decode
+
+    extra = {} if head_dim is None else {"head_dim": head_dim}
+    ref, fast = _pair(dtype=dtype, n_kv_heads=kvh, **extra)
+    S = ref.cfg.max_seq_len
+    for n in (1, 7, S - 1):  # position 0, the middle and the last slot of the context
+        prompt = np.random.default_rng(n).integers(0, 61, (1, n))
+        c_ref, c_fast = ref.new_cache(1, S), fast.new_cache(1, S)
+        ref.forward(prompt, cache=c_ref)
+        fast.forward(prompt, cache=c_fast)
+        c_tile = fast.new_cache(1, S)
+        for layer in range(ref.cfg.n_layers):
+            c_tile.k[layer][...] = c_fast.k[layer]
+            c_tile.v[layer][...] = c_fast.v[layer]
+        tok = np.array([[n % 61]])
+        want = ref.forward(tok, start_pos=n, cache=c_ref, last_only=True)
+        got = fast.forward(tok, start_pos=n, cache=c_fast, last_only=True)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+        for layer in range(ref.cfg.n_layers):
+            np.testing.assert_allclose(c_fast.k[layer][0, n], c_ref.k[layer][0, n], rtol=tol,
+                                       atol=tol)
+            np.testing.assert_allclose(c_fast.v[layer][0, n], c_ref.v[layer][0, n], rtol=tol,
+                                       atol=tol)
+        plan = NUMBA._decode_plan(fast)
+        kc, vc = NUMBA._cache_lists(c_tile, fast.dtype)
+        tiled = np.empty_like(got)
+        numba_decode.decode_step(
+            tok[:, 0].astype(np.int64), np.array([n], np.int64), plan["emb"], plan["out"],
+            plan["norm"], *plan["layers"], kc, vc, plan["cos"], plan["sin"], plan["eps"],
+            plan["heads"], plan["zero"], tiled)
+        np.testing.assert_allclose(tiled, got, rtol=tol, atol=tol * np.abs(want).max())
+    assert calls["calls"] == 4  # three steps, and the one-token prompt of n = 1
