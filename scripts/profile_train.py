@@ -28,7 +28,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--torch", action="store_true",
                     help="also profile the PyTorch peer's step (torch.profiler, self CPU time "
-                         "per aten op, the model of scripts/bench_train.py)")
+                         "per aten op, the model of scripts/bench_train.py); note: on the "
+                         "2-core machine (2026-11-23) the profiler slowed torch's SDPA 20-30x, "
+                         "so read only the other rows")
     return ap.parse_args(argv)
 
 
