@@ -634,9 +634,13 @@ class Trainer:
             self._save_on_root()
 
     def _stop_for_time_limit(self, bar) -> None:
+        """Save, and say so on rank 0 alone: every rank stops here (the vote is agreed), and a
+        second rank writing the same line to the launcher's merged stdout could land in the middle
+        of one of rank 0's lines."""
         self._save_on_root()
-        bar.write(f"time limit of {self.tc.time_limit} min reached at step {self.step}; "
-                  f"checkpoint saved, continue with --resume")
+        if self.is_root:
+            bar.write(f"time limit of {self.tc.time_limit} min reached at step {self.step}; "
+                      f"checkpoint saved, continue with --resume")
 
     def _summary(self, start_step: int, wall: float, last_loss: float,
                  stopped_early: bool) -> dict[str, Any]:
@@ -915,8 +919,8 @@ def _train_ranks(args, world: Communicator, say) -> int:
         say(f"resumed at step {trainer.step}")
     summary = trainer.train(stop_at=args.stop_at)
     if world.rank == 0:
-        print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v)
-                          for k, v in summary.items()}), flush=True)  # before MPI_Finalize
+        _print_line(json.dumps({k: (round(v, 5) if isinstance(v, float) else v)
+                                for k, v in summary.items()}))
     if args.export:
         path = world.agree(lambda: export_model(trainer.ckpt_path, args.export,
                                                 args.export_dtype), root_only=True)
@@ -929,6 +933,14 @@ def _check_outputs(tc: TrainConfig, args) -> None:
     check_output_dir(tc.out, "output folder (--out)")
     if args.export:
         check_output_file(args.export, "--export file")
+
+
+def _print_line(line: str) -> None:
+    """``line`` and its newline to stdout in one write, flushed (before MPI_Finalize): under a
+    launcher the ranks' stdout is merged, and with unbuffered stdout (``PYTHONUNBUFFERED``)
+    ``print`` writes the text and the newline separately."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _say(line: str) -> None:

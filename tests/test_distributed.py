@@ -229,12 +229,18 @@ def test_resume_with_one_process_keeps_the_global_batch(stopped_at_2, two_ranks,
 @needs_mpi
 def test_time_limit_stops_every_rank_at_the_same_step(data, tmp_path):
     """The time-limit vote travels in the gradient buffer: both ranks stop after the same step
-    and rank 0 saves there."""
+    and rank 0 saves there. Rank 0 alone says so: a line from rank 1 could be spliced into rank
+    0's lines in the launcher's merged stdout (the summary line lost)."""
     out = tmp_path / "run"
     proc = _mpiexec(2, *TINY_FLAGS, f"--data={data}", f"--out={out}", "--time-limit=1e-9")
     assert proc.returncode == 0, proc.stderr
-    assert "time limit of 1e-09 min reached at step 1" in proc.stdout
-    summary = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][0])
+    lines = proc.stdout.splitlines()
+    assert [ln for ln in lines if "time limit" in ln] == [
+        "time limit of 1e-09 min reached at step 1; checkpoint saved, continue with --resume"
+    ], proc.stdout
+    summaries = [ln for ln in lines if ln.startswith("{")]
+    assert len(summaries) == 1, proc.stdout
+    summary = json.loads(summaries[0])
     assert summary["steps"] == 1 and summary["stopped_early"]
     assert _history(out)["step"] == 1
 
