@@ -146,6 +146,18 @@ def _attend(qkv, Kc, Vc, b, k0, k1, G, n, scale, sc, att):  # pragma: no cover -
                     o[d] += w * vr[d]
 
 
+@njit(cache=True, nogil=True, inline='always')
+def _sizes(emb, wq, wk, w1, kc, n_heads):  # pragma: no cover - compiled
+    """V, D, L, H, q width H*hd, kv width KVH*hd, hd, KVH, G = H/KVH, F and the cache length S
+    of a decode step's arguments."""
+    V, D = emb.shape
+    qd = wq[0].shape[0]
+    kvd = wk[0].shape[0]
+    hd = qd // n_heads
+    return (V, D, len(wq), n_heads, qd, kvd, hd, kvd // hd, n_heads // (kvd // hd),
+            w1[0].shape[0], kc[0].shape[1])
+
+
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
 def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, w2, w3,
                 kc, vc, cos, sin, eps, n_heads, zero, logits):  # pragma: no cover - compiled
@@ -159,16 +171,7 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
     logits: (B, V) output, filled in.
     """
     B = tok.shape[0]
-    V, D = emb.shape
-    L = len(wq)
-    H = n_heads
-    qd = wq[0].shape[0]
-    kvd = wk[0].shape[0]
-    hd = qd // H
-    KVH = kvd // hd
-    G = H // KVH
-    F = w1[0].shape[0]
-    S = kc[0].shape[1]
+    V, D, L, H, qd, kvd, hd, KVH, G, F, S = _sizes(emb, wq, wk, w1, kc, n_heads)
     dt = emb.dtype
     x = np.empty((B, D), dtype=dt)
     xn = np.empty((B, D), dtype=dt)
@@ -293,16 +296,7 @@ def decode_step_one(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, 
     pair) per iteration, so each thread reads one run of consecutive rows, which keeps the
     hardware prefetchers streaming (measured faster at B = 1 than the tiles of
     :func:`decode_step`, which pay off from two sequences on)."""
-    V, D = emb.shape
-    L = len(wq)
-    H = n_heads
-    qd = wq[0].shape[0]
-    kvd = wk[0].shape[0]
-    hd = qd // H
-    KVH = kvd // hd
-    G = H // KVH
-    F = w1[0].shape[0]
-    S = kc[0].shape[1]
+    V, D, L, H, qd, kvd, hd, KVH, G, F, S = _sizes(emb, wq, wk, w1, kc, n_heads)
     dt = emb.dtype
     p = pos[0]
     x = np.empty((1, D), dtype=dt)

@@ -28,3 +28,9 @@ def shape(name: str, **overrides) -> dict:
     from minillama.bench import SHAPES  # noqa: PLC0415
 
     return {**SHAPES[name], **overrides}
+
+
+def train_configs() -> dict:
+    """The training-step benchmark configs: name -> (model shape, B, T), shared by
+    scripts/bench_train.py, profile_train.py and bench_gemm.py."""
+    return {"tiny": (shape("tiny"), 16, 128), "s15": (shape("s15"), 8, 256)}

@@ -34,11 +34,8 @@ import numpy as np  # noqa: E402
 from minillama import ModelConfig  # noqa: E402
 from minillama.backends import cpu_threads  # noqa: E402
 
-#: name -> (config, B, T), as scripts/bench_train.py
-CONFIGS = {
-    "tiny": (_bench_common.shape("tiny"), 16, 128),
-    "s15": (_bench_common.shape("s15"), 8, 256),
-}
+#: name -> (config, B, T)
+CONFIGS = _bench_common.train_configs()
 
 
 def best(fn, reps):

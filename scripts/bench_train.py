@@ -48,10 +48,7 @@ from minillama import ModelConfig, Transformer  # noqa: E402
 from minillama.model import init_params  # noqa: E402
 
 #: name -> (config, B, T)
-CONFIGS = {
-    "tiny": (_bench_common.shape("tiny"), 16, 128),
-    "s15": (_bench_common.shape("s15"), 8, 256),
-}
+CONFIGS = _bench_common.train_configs()
 
 
 def median_times(fns, steps: int, warmup: int, sync=lambda: None) -> list[float]:

@@ -44,10 +44,8 @@ from minillama.backends import get_backend  # noqa: E402
 from minillama.model import init_params  # noqa: E402
 from minillama.optim import AdamW  # noqa: E402
 
-CONFIGS = {
-    "tiny": (_bench_common.shape("tiny"), 16, 128),
-    "s15": (_bench_common.shape("s15"), 8, 256),
-}
+#: name -> (config, B, T)
+CONFIGS = _bench_common.train_configs()
 #: backend attributes timed (those a plain LLaMA training step calls)
 OPS = ("embedding", "linear", "rmsnorm", "rope", "attention", "swiglu", "cross_entropy",
        "linear_cross_entropy")
