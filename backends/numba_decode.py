@@ -3,19 +3,22 @@ r"""A fused Numba decode step: one compiled call runs a whole KV-cached decode s
 Decoding one token per sequence (B small, T = 1) is a chain of matrix-vector products whose time
 is that of streaming every weight once; with one NumPy/BLAS call per op the Python and dispatch
 work between the products (dozens of calls per layer) costs as much as the products on a small
-model. :func:`decode_step` does all of it in one call, per layer
+model. :func:`decode_step` (several sequences) and :func:`decode_step_one` (one) do all of it in
+one call, per layer
 
-1. RMSNorm of the residual (one pass) fused into the GEMV by [W_q; W_k; W_v], whose output rows
-   are taken in RoPE pairs (2i, 2i+1): each pair is rotated as soon as it is computed and the
-   rotated k and v go straight into the KV cache at the sequence's position;
-2. attention of each (sequence, query head) over its cache rows 0..p_b (scores, softmax and the
-   weighted sum of V in one pass over the cache, head h reading KV head h // G);
-3. the GEMV by W_o with the residual add in place;
-4. RMSNorm fused into the GEMVs by W_1 and W_3, with SiLU(a) * b applied per output row;
-5. the GEMV by W_2 with the residual add in place,
+1. RMSNorm of the residual, then the products by W_q, W_k, W_v, whose output rows are taken in
+   whole RoPE pairs (2i, 2i+1): each pair is rotated as soon as it is computed and the rotated
+   k and v go straight into the KV cache at the sequence's position;
+2. attention of each sequence over its cache rows 0..p_b (:func:`_attend`: scores, softmax and
+   the weighted sum of V, each cache row read once for all heads of a chunk of KV heads);
+3. the product by W_o with the residual add in place;
+4. RMSNorm, then the products by W_1 and W_3 with SiLU(a) * b applied per output row;
+5. the product by W_2 with the residual add in place,
 
-then the final RMSNorm and the classifier rows. Every GEMV spreads its output rows over the
-Numba threads (``prange``); W is read once, row by row in memory order, for all B sequences.
+then the final RMSNorm and the classifier rows. Every product spreads its output rows over the
+Numba threads (``prange``) and reads W once, in memory order, for all B sequences: by tiles of
+4 W rows x 2 sequences in :func:`decode_step` (:func:`_tile`, bound by the multiply-adds), one
+row at a time in :func:`decode_step_one` (bound by streaming W).
 The weights are the model's own arrays (no copy), passed as typed lists over the layers (whose
 type does not depend on L, so one compilation per dtype serves every depth), so a decode step
 is one dispatch with no Python work per op. Equations: those of :mod:`minillama.ops`
@@ -100,7 +103,6 @@ def _tile(x, W, i0, nr, y, c0, zero):  # pragma: no cover - compiled
             for k in range(K):
                 s += xb[k] * w[k]
             y[bb, c0 + r] = s
-
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline='always')
