@@ -299,62 +299,13 @@ def bench_train(name, args, torch_ok):
     tok = rng.integers(0, cfg.vocab_size, (B, T))
     tgt = rng.integers(0, cfg.vocab_size, (B, T))
 
-    import cupy as cp  # noqa: PLC0415
-
-    model = Transformer(cfg, params, backend="cupy", dtype=np.float32)
-    state = {"t": 0, "m": {k: cp.zeros_like(v) for k, v in model.params.items()},
-             "v": {k: cp.zeros_like(v) for k, v in model.params.items()}}
-    first_loss = ml_train_step(model, state, tok, tgt)
-    for _ in range(max(args.warmup - 1, 0)):
-        ml_train_step(model, state, tok, tgt)
-    times = []
-    for _ in range(args.steps):
-        model.backend.synchronize()
-        t0 = time.perf_counter()
-        ml_train_step(model, state, tok, tgt)  # the loss is already a host float (synchronises)
-        model.backend.synchronize()
-        times.append(time.perf_counter() - t0)
-    ml_s = median(times)
-    del model, state
-    cp.get_default_memory_pool().free_all_blocks()
-
+    ml_s, first_loss = _time_ml(cfg, params, tok, tgt, args, "fp32")
     torch_s, bf16_s, check = None, None, "n/a"
     if torch_ok:
-        import torch  # noqa: PLC0415
-
-        peer = TorchLlama(cfg, params, "cuda")
-        opt = peer.make_optimizer()
-        tt = torch.tensor(tok, device="cuda")
-        tg = torch.tensor(tgt, device="cuda")
-        peer_first = peer.train_step(opt, tt, tg).item()
+        torch_s, peer_first = _time_torch(cfg, params, tok, tgt, args, "fp32")
         rel = abs(peer_first - first_loss) / abs(peer_first)
         check = f"first loss {first_loss:.5f} vs {peer_first:.5f} ({'ok' if rel < 1e-4 else 'DIFFERS'})"
-        for _ in range(max(args.warmup - 1, 0)):
-            peer.train_step(opt, tt, tg)
-        times = []
-        for _ in range(args.steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            peer.train_step(opt, tt, tg).item()  # the loss crosses to the host, as for minillama
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        torch_s = median(times)
-        del peer, opt
-        torch.cuda.empty_cache()
-        peer = TorchLlama(cfg, params, "cuda")  # autocast bf16: bf16 matmuls, fp32 weights
-        opt = peer.make_optimizer()
-        for _ in range(max(args.warmup, 1)):
-            peer.train_step(opt, tt, tg, autocast=True)
-        times = []
-        for _ in range(args.steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            peer.train_step(opt, tt, tg, autocast=True).item()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        bf16_s = median(times)
-        del peer, opt
-        torch.cuda.empty_cache()
+        bf16_s, _ = _time_torch(cfg, params, tok, tgt, args, "bf16")  # bf16 matmuls, fp32 weights
     return dict(shape=name, B=B, T=T, ml=B * T / ml_s, ml_ms=1e3 * ml_s,
                 torch=None if torch_s is None else B * T / torch_s,
                 torch_ms=None if torch_s is None else 1e3 * torch_s,
