@@ -282,8 +282,7 @@ class GraphDecoder:
         if n_new < self._done or n_new - self._done > self.room():
             raise MinillamaError(f"{n_new} new tokens after position {self._P} exceed the cache "
                                  f"length {self.S}")
-        self.more(n_new - self._done)
-        self.stream.synchronize()
+        self.more(n_new - self._done)  # synchronises the stream
         return self.cp.asnumpy(self.out[:n_new]).T.copy()
 
     def generate(self, prompt, n_new: int) -> np.ndarray:
