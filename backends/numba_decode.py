@@ -16,9 +16,11 @@ one call, per layer
 5. the product by W_2 with the residual add in place,
 
 then the final RMSNorm and the classifier rows. Every product spreads its output rows over the
-Numba threads (``prange``) and reads W once, in memory order, for all B sequences: by tiles of
-4 W rows x 2 sequences in :func:`decode_step` (:func:`_tile`, bound by the multiply-adds), one
-row at a time in :func:`decode_step_one` (bound by streaming W).
+Numba threads (``prange``) and reads W once, in memory order, for all B sequences. In
+:func:`decode_step` one W row at a time feeds groups of 8 sequences (:func:`_row`: eight running
+sums) when their x rows fit in L1 (:data:`ROW_X_BYTES`), else tiles of 4 W rows x 2 sequences
+(:func:`_tile`); :func:`decode_step_one` takes one row at a time for its one sequence (bound by
+streaming W).
 The weights are the model's own arrays (no copy), passed as typed lists over the layers (whose
 type does not depend on L, so one compilation per dtype serves every depth), so a decode step
 is one dispatch with no Python work per op. Equations: those of :mod:`minillama.ops`
@@ -32,8 +34,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-#: output rows of W per tile of :func:`_tile` (even: a tile holds whole RoPE pairs)
+#: output rows of W per tile of :func:`_tile` and per parallel iteration of :func:`decode_step`
+#: (even: a tile holds whole RoPE pairs)
 TILE = 4
+
+#: :func:`decode_step` takes a product with K inputs row by row (:func:`_row`) when the B rows
+#: of x it multiplies, B * K * itemsize bytes, fit in this much of L1, with at least 4 sequences;
+#: otherwise by tiles (:func:`_tile`). Measured on s15/s110 shapes at B = 8: rows 1.2-1.75x
+#: faster for K <= 768 (x 24 KiB), tiles 1.1-1.3x faster for K = 2048 (x 64 KiB, read from L2).
+ROW_X_BYTES = 24 * 1024
 
 
 @njit(fastmath=True, cache=True, nogil=True)
@@ -103,6 +112,94 @@ def _tile(x, W, i0, nr, y, c0, zero):  # pragma: no cover - compiled
             for k in range(K):
                 s += xb[k] * w[k]
             y[bb, c0 + r] = s
+
+
+@njit(fastmath=True, cache=True, nogil=True, inline='always')
+def _row(x, W, i, y, c, zero):  # pragma: no cover - compiled
+    """y[b, c] = x_b . W_i for every row b of x (B, K): row i of W (K,) is read once from memory
+    for all B sequences.
+
+    The sequences go by groups of eight (then four, then one at a time): each loaded element of
+    W feeds eight running sums, one per sequence, whose x rows stay in L1. W is read strictly in
+    memory order, one row after the other, so the hardware prefetcher streams it while the
+    multiply-adds run (measured 1.3-1.75x faster at B = 8 than tiles of 4 W rows x 2 sequences,
+    whose bursts of four rows at once it did not hide)."""
+    B, K = x.shape
+    w = W[i]
+    b = 0
+    while b + 8 <= B:
+        x0 = x[b]
+        x1 = x[b + 1]
+        x2 = x[b + 2]
+        x3 = x[b + 3]
+        x4 = x[b + 4]
+        x5 = x[b + 5]
+        x6 = x[b + 6]
+        x7 = x[b + 7]
+        s0 = zero
+        s1 = zero
+        s2 = zero
+        s3 = zero
+        s4 = zero
+        s5 = zero
+        s6 = zero
+        s7 = zero
+        for k in range(K):
+            v = w[k]
+            s0 += v * x0[k]
+            s1 += v * x1[k]
+            s2 += v * x2[k]
+            s3 += v * x3[k]
+            s4 += v * x4[k]
+            s5 += v * x5[k]
+            s6 += v * x6[k]
+            s7 += v * x7[k]
+        y[b, c] = s0
+        y[b + 1, c] = s1
+        y[b + 2, c] = s2
+        y[b + 3, c] = s3
+        y[b + 4, c] = s4
+        y[b + 5, c] = s5
+        y[b + 6, c] = s6
+        y[b + 7, c] = s7
+        b += 8
+    if b + 4 <= B:
+        x0 = x[b]
+        x1 = x[b + 1]
+        x2 = x[b + 2]
+        x3 = x[b + 3]
+        s0 = zero
+        s1 = zero
+        s2 = zero
+        s3 = zero
+        for k in range(K):
+            v = w[k]
+            s0 += v * x0[k]
+            s1 += v * x1[k]
+            s2 += v * x2[k]
+            s3 += v * x3[k]
+        y[b, c] = s0
+        y[b + 1, c] = s1
+        y[b + 2, c] = s2
+        y[b + 3, c] = s3
+        b += 4
+    for bb in range(b, B):
+        xb = x[bb]
+        s = zero
+        for k in range(K):
+            s += xb[k] * w[k]
+        y[bb, c] = s
+
+
+@njit(fastmath=True, cache=True, nogil=True, inline='always')
+def _rows(x, W, i0, nr, y, c0, tiled, zero):  # pragma: no cover - compiled
+    """y[b, c0 + r] = x_b . W_{i0 + r} for r < nr <= TILE rows of W and every row b of x (B, K),
+    by :func:`_tile` when ``tiled``, else row after row by :func:`_row`."""
+    if tiled:
+        _tile(x, W, i0, nr, y, c0, zero)
+    else:
+        for r in range(nr):
+            _row(x, W, i0 + r, y, c0 + r, zero)
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline='always')
@@ -189,6 +286,11 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
     nd = (D + TILE - 1) // TILE
     nf = (F + TILE - 1) // TILE
     C = min(KVH, max(1, 4 // B))  # KV-head chunks per sequence in attention
+    # by tiles or row by row, for the products with K = D, H*hd and F inputs
+    isz = x.itemsize
+    tile_d = B < 4 or B * D * isz > ROW_X_BYTES
+    tile_q = B < 4 or B * qd * isz > ROW_X_BYTES
+    tile_f = B < 4 or B * F * isz > ROW_X_BYTES
     for b in range(B):
         x[b, :] = emb[tok[b]]
     for layer in range(L):
@@ -217,7 +319,7 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
                 rows = kvd
                 c0 = qd + kvd + i0
             nr = min(TILE, rows - i0)
-            _tile(xn, W, i0, nr, qkv, c0, zero)
+            _rows(xn, W, i0, nr, qkv, c0, tile_d, zero)
             for b in range(B):
                 p = pos[b]
                 for r in range(0, nr, 2):
@@ -250,7 +352,7 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
         for t in prange(nd):
             i0 = t * TILE
             nr = min(TILE, D - i0)
-            _tile(att, Wo, i0, nr, yd, i0, zero)
+            _rows(att, Wo, i0, nr, yd, i0, tile_q, zero)
             for b in range(B):
                 for r in range(nr):
                     x[b, i0 + r] += yd[b, i0 + r]
@@ -259,8 +361,8 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
         for t in prange(nf):
             i0 = t * TILE
             nr = min(TILE, F - i0)
-            _tile(xn, W1, i0, nr, h1, i0, zero)
-            _tile(xn, W3, i0, nr, h3, i0, zero)
+            _rows(xn, W1, i0, nr, h1, i0, tile_d, zero)
+            _rows(xn, W3, i0, nr, h3, i0, tile_d, zero)
             for b in range(B):
                 for r in range(nr):
                     a = h1[b, i0 + r]
@@ -269,14 +371,14 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
         for t in prange(nd):
             i0 = t * TILE
             nr = min(TILE, D - i0)
-            _tile(h1, W2, i0, nr, yd, i0, zero)
+            _rows(h1, W2, i0, nr, yd, i0, tile_f, zero)
             for b in range(B):
                 for r in range(nr):
                     x[b, i0 + r] += yd[b, i0 + r]
     _rmsnorm_rows(x, g_final, eps, xn)
     for t in prange((V + TILE - 1) // TILE):
         i0 = t * TILE
-        _tile(xn, wout, i0, min(TILE, V - i0), logits, i0, zero)
+        _rows(xn, wout, i0, min(TILE, V - i0), logits, i0, tile_d, zero)
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline='always')

@@ -94,6 +94,29 @@ def test_fused_step_matches_reference_per_sequence_positions(calls, kvh):
     np.testing.assert_allclose(g2, w2, rtol=2e-5, atol=2e-5 * np.abs(w2).max())
 
 
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 2e-5), (np.float64, 1e-11)])
+def test_many_sequences_by_groups_of_rows_match_reference(calls, dtype, tol):
+    """From 4 sequences on, decode_step multiplies by W row after row for groups of 8, then 4,
+    then single sequences (13 = 8 + 4 + 1 here); every sequence must get the reference's
+    logits and cache rows, whatever group it falls in."""
+    ref, fast = _pair(dtype=dtype)
+    S = ref.cfg.max_seq_len
+    rng = np.random.default_rng(2)
+    lens = [int(n) for n in rng.integers(1, S - 1, 13)]
+    prompts = [rng.integers(0, 61, n).tolist() for n in lens]
+    c_ref, c_fast = _prefill(ref, prompts, S), _prefill(fast, prompts, S)
+    tok = rng.integers(0, 61, (13, 1))
+    pos = np.array(lens)
+    want = ref.forward(tok, start_pos=pos, cache=c_ref, last_only=True)
+    before = calls["calls"]
+    got = fast.forward(tok, start_pos=pos, cache=c_fast, last_only=True)
+    assert calls["calls"] == before + 1
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+    for layer in range(ref.cfg.n_layers):
+        for got_c, want_c in ((c_fast.k[layer], c_ref.k[layer]), (c_fast.v[layer], c_ref.v[layer])):
+            np.testing.assert_allclose(got_c, want_c, rtol=tol, atol=tol * np.abs(want_c).max())
+
+
 def test_greedy_tokens_equal_reference_batch(calls):
     ref, fast = _pair()
     prompts = [[1, 5, 7], [2], [9, 9, 9, 9, 9]]
