@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import MinillamaError
+from ..generate import stream_greedy  # noqa: F401  (the loop that drives a GraphDecoder)
 
 _STEP_SRC = r"""
 extern "C" __global__ void cache_write(float* __restrict__ kc, float* __restrict__ vc,
@@ -289,57 +290,3 @@ class GraphDecoder:
         """:meth:`prefill` then :meth:`decode`: the greedy continuation (B, n_new) on the host."""
         self.prefill(prompt)
         return self.decode(n_new)
-
-
-def stream_greedy(decoder, prompt_ids, max_new_tokens: int, max_seq_len: int,
-                  stop_ids=(), stats=None, chunk: int = 16):
-    """Greedy generation of one prompt through ``decoder`` (a :class:`GraphDecoder` with batch
-    1, or anything with its ``prefill`` / ``more`` / ``room`` methods), yielding lists of
-    ``(0, token)`` pairs like :func:`minillama.generate.generate_steps`: the same tokens, the same
-    stop rule (a stop id ends the text and is not yielded) and the same budget
-    (``max_new_tokens``, capped where the context of ``max_seq_len`` positions ends).
-
-    The graph is replayed ``chunk`` steps at a time, so the host synchronises once per chunk
-    (the text still streams); ids decoded past a stop token are discarded. ``stats`` (a
-    :class:`~minillama.generate.GenerationStats`) is filled in as in the eager loop."""
-    import time  # noqa: PLC0415
-
-    prompt = [int(t) for t in prompt_ids]
-    P = len(prompt)
-    budget = int(min(max_new_tokens, max_seq_len - P + 1))
-    stop = {int(t) for t in stop_ids}
-    if stats is not None:
-        stats.batch_size = 1
-    if budget <= 0:
-        return
-    t0 = time.perf_counter()
-    first = int(decoder.prefill(np.asarray([prompt], dtype=np.int64))[0])
-    if stats is not None:
-        stats.prompt_tokens = P
-        stats.prefill_s = time.perf_counter() - t0
-    if first in stop:
-        return
-    if stats is not None:
-        stats.new_tokens += 1
-    yield [(0, first)]
-    emitted = 1
-    while emitted < budget:
-        t0 = time.perf_counter()
-        k = min(int(chunk), budget - emitted, decoder.room())
-        if k <= 0:
-            break
-        ids = [int(t) for t in decoder.more(k)[0]]
-        out = []
-        for t in ids:
-            if t in stop:
-                break
-            out.append((0, t))
-        emitted += len(ids)
-        if stats is not None:
-            stats.decode_steps += len(out) + (len(out) < len(ids))
-            stats.new_tokens += len(out)
-            stats.decode_s += time.perf_counter() - t0
-        if out:
-            yield out
-        if len(out) < len(ids):
-            return

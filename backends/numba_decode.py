@@ -245,6 +245,69 @@ def _attend(qkv, Kc, Vc, b, k0, k1, G, n, scale, sc, att):  # pragma: no cover -
                     o[d] += w * vr[d]
 
 
+@njit(fastmath=True, cache=True, nogil=True, inline='always')
+def _attend_span(q, Kc, Vc, j0, j1, G, scale, sc, ml, o):  # pragma: no cover - compiled
+    """The part of one sequence's attention that cache rows j0..j1-1 give (a span of the
+    positions; the spans are joined by :func:`_join_spans`), for every query head h:
+    s_j = q_h . k_j * scale, m_h = max_j s_j, l_h = sum_j e^{s_j - m_h},
+    o_h = sum_j e^{s_j - m_h} v_j. q: (H*hd,); Kc, Vc: (S_max, KVH, hd) the sequence's cache;
+    sc: (H, >= j1 - j0) scores scratch; ml: (H, 2) gets m_h, l_h; o: (H*hd,) gets o_h.
+    The rows are read in memory order, each once for all heads."""
+    KVH, hd = Kc.shape[1], Kc.shape[2]
+    H = KVH * G
+    for j in range(j0, j1):
+        for kh in range(KVH):
+            kr = Kc[j, kh]
+            for h in range(kh * G, (kh + 1) * G):
+                s = o.dtype.type(0)
+                for d in range(hd):
+                    s += q[h * hd + d] * kr[d]
+                sc[h, j - j0] = s * scale
+    o[:] = 0
+    for h in range(H):
+        m = -np.inf
+        for j in range(j1 - j0):
+            m = max(m, sc[h, j])
+        tot = 0.0
+        for j in range(j1 - j0):
+            e = np.exp(sc[h, j] - m)
+            sc[h, j] = e
+            tot += e
+        ml[h, 0] = m
+        ml[h, 1] = tot
+    for j in range(j0, j1):
+        for kh in range(KVH):
+            vr = Vc[j, kh]
+            for h in range(kh * G, (kh + 1) * G):
+                w = sc[h, j - j0]
+                for d in range(hd):
+                    o[h * hd + d] += w * vr[d]
+
+
+@njit(fastmath=True, cache=True, nogil=True, inline='always')
+def _join_spans(ml, o, out):  # pragma: no cover - compiled
+    """out_h = sum_u e^{m_uh - M_h} o_uh / sum_u e^{m_uh - M_h} l_uh, M_h = max_u m_uh: the
+    softmax-weighted sum over all positions from the P spans' (m, l, o) of
+    :func:`_attend_span`. ml: (P, H, 2); o: (P, H*hd); out: (H*hd,)."""
+    P, H = ml.shape[0], ml.shape[1]
+    hd = o.shape[1] // H
+    for h in range(H):
+        M = -np.inf
+        for u in range(P):
+            M = max(M, ml[u, h, 0])
+        tot = 0.0
+        for u in range(P):
+            if ml[u, h, 1] > 0:
+                tot += np.exp(ml[u, h, 0] - M) * ml[u, h, 1]
+        for d in range(hd):
+            out[h * hd + d] = 0
+        for u in range(P):
+            if ml[u, h, 1] > 0:
+                w = np.exp(ml[u, h, 0] - M) / tot
+                for d in range(hd):
+                    out[h * hd + d] += w * o[u, h * hd + d]
+
+
 @njit(cache=True, nogil=True, inline='always')
 def _sizes(emb, wq, wk, w1, kc, n_heads):  # pragma: no cover - compiled
     """V, D, L, H, q width H*hd, kv width KVH*hd, hd, KVH, G = H/KVH, F and the cache length S
@@ -259,7 +322,7 @@ def _sizes(emb, wq, wk, w1, kc, n_heads):  # pragma: no cover - compiled
 
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
 def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, w2, w3,
-                kc, vc, cos, sin, eps, n_heads, zero, logits):  # pragma: no cover - compiled
+                kc, vc, cos, sin, eps, n_heads, zero, logits, threads):  # pragma: no cover - compiled
     r"""One decode step for B sequences, each feeding one token at its own position.
 
     tok, pos: (B,) int64 (token id and absolute position p_b of each sequence);
@@ -267,7 +330,7 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
     g_att, g_ffn (D,), wq (H*hd, D), wk, wv (KVH*hd, D), wo (D, H*hd), w1, w3 (F, D), w2 (D, F);
     kc, vc: lists of the layers' caches (B, S_max, KVH, hd), written at p_b;
     cos, sin: (S, hd/2) RoPE tables; zero: 0 in the compute dtype (the accumulators' type);
-    logits: (B, V) output, filled in.
+    logits: (B, V) output, filled in; threads: the number of Numba threads (parallel parts).
     """
     B = tok.shape[0]
     V, D, L, H, qd, kvd, hd, KVH, G, F, S = _sizes(emb, wq, wk, w1, kc, n_heads)
@@ -390,73 +453,147 @@ def _dot(x, W, i, zero):  # pragma: no cover - compiled
     return s
 
 
+@njit(cache=True, nogil=True)
+def _argmax_finite(z, lo, hi):  # pragma: no cover - compiled
+    """(i, ok): the first i in lo..hi-1 with z_i = max z[lo:hi], and whether every z_i there
+    is finite. z: (V,) contiguous float32/float64. Finiteness is read from the bits (exponent
+    all ones: inf or NaN), which the fastmath code this is inlined into cannot assume away."""
+    ok = True
+    if z.itemsize == 4:
+        b32 = z.view(np.uint32)
+        m32 = np.uint32(0x7F800000)
+        for v in range(lo, hi):
+            if b32[v] & m32 == m32:
+                ok = False
+    else:
+        b64 = z.view(np.uint64)
+        m64 = np.uint64(0x7FF0000000000000)
+        for v in range(lo, hi):
+            if b64[v] & m64 == m64:
+                ok = False
+    best = lo
+    if ok:
+        for v in range(lo, hi):
+            if z[v] > z[best]:
+                best = v
+    return best, ok
+
+
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
 def decode_step_one(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, w2, w3,
-                    kc, vc, cos, sin, eps, n_heads, zero, logits):  # pragma: no cover - compiled
-    r""":func:`decode_step` for one sequence (B = 1), the same arguments and the same step.
+                    kc, vc, cos, sin, eps, n_heads, zero, logits, threads, stop,
+                    ids):  # pragma: no cover - compiled
+    r""":func:`decode_step` for one sequence (B = 1), the same arguments and the same step;
+    with ``ids`` of length n > 0, n greedy steps in one call.
+
+    stop: (n_stop,) int64 stop ids; ids: (n,) int64. Greedy: after each step the next token is
+    t = argmax_v z_v of its logits (the first maximum) and is fed at the next position, so one
+    call decodes up to n tokens into ``ids`` with no Python work between them; it ends early
+    after a token in ``stop`` (written) or at logits holding NaN/inf (-1 written). Returns how
+    many entries of ``ids`` it wrote (1 for the single step, ``ids`` empty); ``logits`` holds
+    the last step's.
 
     With one sequence every product is a plain matrix-vector product bound by streaming W:
-    here each parallel loop walks one matrix (W_q and W_k together) one output row (or RoPE
+    here each parallel loop walks one matrix (W_q, W_k, W_v stacked) one output row (or RoPE
     pair) per iteration, so each thread reads one run of consecutive rows, which keeps the
     hardware prefetchers streaming (measured faster at B = 1 than the tiles of
     :func:`decode_step`, which pay off from two sequences on)."""
     V, D, L, H, qd, kvd, hd, KVH, G, F, S = _sizes(emb, wq, wk, w1, kc, n_heads)
     dt = emb.dtype
-    p = pos[0]
+    n_steps = max(1, ids.shape[0])
+    t = tok[0]
     x = np.empty((1, D), dtype=dt)
-    x[0, :] = emb[tok[0]]
     xn = np.empty((1, D), dtype=dt)
     qkv = np.empty((1, qd), dtype=dt)
     att = np.empty((1, qd), dtype=dt)
     h = np.empty((1, F), dtype=dt)
-    scores = np.empty((H, S), dtype=dt)
+    n_max = pos[0] + n_steps  # cache rows attended to at the last step
+    scores = np.empty((threads, H, n_max), dtype=dt)
+    ml = np.empty((threads, H, 2), dtype=dt)
+    parts = np.empty((threads, qd), dtype=dt)
+    best = np.empty(threads, dtype=np.int64)
+    finite = np.empty(threads, dtype=np.bool_)
     scale = dt.type(1.0 / np.sqrt(hd))
-    C = min(KVH, 4)  # KV-head chunks in attention
-    for layer in range(L):
-        Wq = wq[layer]
-        Wk = wk[layer]
-        Wv = wv[layer]
-        Wo = wo[layer]
-        W1 = w1[layer]
-        W2 = w2[layer]
-        W3 = w3[layer]
-        Kc = kc[layer]
-        Vc = vc[layer]
-        _rmsnorm_rows(x, g_att[layer], eps, xn)
-        # q and k by RoPE pairs of rows (rotated as computed), k into the cache; then v
-        for i in prange((qd + kvd) // 2):
-            r = 2 * i
-            if r < qd:
-                a = _dot(xn, Wq, r, zero)
-                c = _dot(xn, Wq, r + 1, zero)
-                d0 = r % hd
-            else:
-                a = _dot(xn, Wk, r - qd, zero)
-                c = _dot(xn, Wk, r - qd + 1, zero)
-                d0 = (r - qd) % hd
-            cs = cos[p, d0 // 2]
-            sn = sin[p, d0 // 2]
-            if r < qd:
-                qkv[0, r] = a * cs - c * sn
-                qkv[0, r + 1] = a * sn + c * cs
-            else:
-                Kc[0, p, (r - qd) // hd, d0] = a * cs - c * sn
-                Kc[0, p, (r - qd) // hd, d0 + 1] = a * sn + c * cs
-        for i in prange(kvd):
-            Vc[0, p, i // hd, i % hd] = _dot(xn, Wv, i, zero)
-        for u in prange(C):
-            _attend(qkv, Kc, Vc, 0, u * KVH // C, (u + 1) * KVH // C, G, p + 1, scale, scores,
-                    att)
-        for i in prange(D):
-            x[0, i] += _dot(att, Wo, i, zero)
-        _rmsnorm_rows(x, g_ffn[layer], eps, xn)
-        for i in prange(F):
-            h[0, i] = _dot(xn, W1, i, zero)
-        for i in prange(F):
-            a = h[0, i]
-            h[0, i] = a / (1.0 + np.exp(-a)) * _dot(xn, W3, i, zero)
-        for i in prange(D):
-            x[0, i] += _dot(h, W2, i, zero)
-    _rmsnorm_rows(x, g_final, eps, xn)
-    for v in prange(V):
-        logits[0, v] = _dot(xn, wout, v, zero)
+    for step in range(n_steps):
+        p = pos[0] + step
+        n = p + 1  # cache rows attended to
+        P = max(1, min(threads, n // 8))  # spans of the cache rows in attention
+        x[0, :] = emb[t]
+        for layer in range(L):
+            Wq = wq[layer]
+            Wk = wk[layer]
+            Wv = wv[layer]
+            Wo = wo[layer]
+            W1 = w1[layer]
+            W2 = w2[layer]
+            W3 = w3[layer]
+            Kc = kc[layer]
+            Vc = vc[layer]
+            _rmsnorm_rows(x, g_att[layer], eps, xn)
+            # q, k, v by RoPE pairs of rows of W_q, W_k, W_v stacked: q and k rotated as computed,
+            # k and v into the cache
+            for i in prange((qd + 2 * kvd) // 2):
+                r = 2 * i
+                if r < qd:
+                    a = _dot(xn, Wq, r, zero)
+                    c = _dot(xn, Wq, r + 1, zero)
+                    d0 = r % hd
+                elif r < qd + kvd:
+                    a = _dot(xn, Wk, r - qd, zero)
+                    c = _dot(xn, Wk, r - qd + 1, zero)
+                    d0 = (r - qd) % hd
+                else:
+                    a = _dot(xn, Wv, r - qd - kvd, zero)
+                    c = _dot(xn, Wv, r - qd - kvd + 1, zero)
+                    d0 = (r - qd - kvd) % hd
+                if r < qd + kvd:
+                    cs = cos[p, d0 // 2]
+                    sn = sin[p, d0 // 2]
+                    a, c = a * cs - c * sn, a * sn + c * cs
+                if r < qd:
+                    qkv[0, r] = a
+                    qkv[0, r + 1] = c
+                elif r < qd + kvd:
+                    Kc[0, p, (r - qd) // hd, d0] = a
+                    Kc[0, p, (r - qd) // hd, d0 + 1] = c
+                else:
+                    Vc[0, p, (r - qd - kvd) // hd, d0] = a
+                    Vc[0, p, (r - qd - kvd) // hd, d0 + 1] = c
+            # attention over cache rows 0..p in P spans of consecutive rows (each thread streams
+            # its own part of the cache), then the spans joined
+            for u in prange(P):
+                _attend_span(qkv[0], Kc[0], Vc[0], u * n // P, (u + 1) * n // P, G, scale,
+                             scores[u], ml[u], parts[u])
+            _join_spans(ml[:P], parts[:P], att[0])
+            for i in prange(D):
+                x[0, i] += _dot(att, Wo, i, zero)
+            _rmsnorm_rows(x, g_ffn[layer], eps, xn)
+            for i in prange(F):
+                a = _dot(xn, W1, i, zero)
+                h[0, i] = a / (1.0 + np.exp(-a)) * _dot(xn, W3, i, zero)
+            for i in prange(D):
+                x[0, i] += _dot(h, W2, i, zero)
+        _rmsnorm_rows(x, g_final, eps, xn)
+        if ids.shape[0] == 0:
+            for v in prange(V):
+                logits[0, v] = _dot(xn, wout, v, zero)
+            return 1
+        # the classifier in one span of rows per thread, each span's argmax while in cache
+        for u in prange(threads):
+            lo = u * V // threads
+            hi = (u + 1) * V // threads
+            for v in range(lo, hi):
+                logits[0, v] = _dot(xn, wout, v, zero)
+            best[u], finite[u] = _argmax_finite(logits[0], lo, hi)
+        t = best[0]
+        for u in range(threads):
+            if not finite[u]:
+                ids[step] = -1
+                return step + 1
+            if logits[0, best[u]] > logits[0, t]:
+                t = best[u]
+        ids[step] = t
+        for s in stop:
+            if t == s:
+                return step + 1
+    return n_steps

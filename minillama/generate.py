@@ -102,8 +102,6 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
         return
     # the cache holds the longest prompt plus the new tokens, capped at the context
     cache_len = int(min(cfg.max_seq_len, int((lens + max_new_tokens).max())))
-    cache = model.new_cache(B, cache_len)
-    stats.cache_bytes = cache.nbytes
     stats.cache_shape = (2, cfg.n_layers, B, cache_len, cfg.n_kv_heads, cfg.head_dim)
     if seed is None:
         seed = int(np.random.SeedSequence().entropy % (1 << 63))
@@ -113,6 +111,15 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
     # token k of sequence b lands at position n_b + k - 1 and is sampled after feeding position
     # n_b + k - 2, which must lie inside the context: k <= S - n_b + 1
     budget = np.minimum(max_new_tokens, cfg.max_seq_len - lens + 1)
+    if B == 1 and temperature == 0:  # greedy: a backend may decode many steps per call
+        make = getattr(be, "greedy_decoder", None)
+        dec = make(model, cache_len, stop) if make is not None else None
+        if dec is not None:
+            stats.cache_bytes = dec.cache.nbytes
+            yield from stream_greedy(dec, seqs[0], max_new_tokens, cfg.max_seq_len, stop, stats)
+            return
+    cache = model.new_cache(B, cache_len)
+    stats.cache_bytes = cache.nbytes
 
     # -- prefill ----------------------------------------------------------------------------
     t0 = time.perf_counter()
@@ -155,13 +162,72 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
             yield step_out
 
 
+def stream_greedy(decoder, prompt_ids, max_new_tokens: int, max_seq_len: int,
+                  stop_ids=(), stats=None, chunk: int = 16):
+    """Greedy generation of one prompt through ``decoder`` (one that decodes several steps per
+    call: :class:`~minillama.backends.numba_backend.GreedyDecoder`, the CUDA-graph
+    :class:`~minillama.backends.cupy_graph.GraphDecoder` with batch 1, or anything with their
+    ``prefill`` / ``more`` / ``room`` methods), yielding lists of
+    ``(0, token)`` pairs like :func:`minillama.generate.generate_steps`: the same tokens, the same
+    stop rule (a stop id ends the text and is not yielded) and the same budget
+    (``max_new_tokens``, capped where the context of ``max_seq_len`` positions ends).
+
+    The decoder runs ``chunk`` steps per call, so Python (and for the graph the host) is back
+    once per chunk (the text still streams); ids decoded past a stop token are discarded. ``stats`` (a
+    :class:`~minillama.generate.GenerationStats`) is filled in as in the eager loop."""
+    prompt = [int(t) for t in prompt_ids]
+    P = len(prompt)
+    budget = int(min(max_new_tokens, max_seq_len - P + 1))
+    stop = {int(t) for t in stop_ids}
+    if stats is not None:
+        stats.batch_size = 1
+    if budget <= 0:
+        return
+    t0 = time.perf_counter()
+    first = int(decoder.prefill(np.asarray([prompt], dtype=np.int64))[0])
+    if stats is not None:
+        stats.prompt_tokens = P
+        stats.prefill_s = time.perf_counter() - t0
+    if first in stop:
+        return
+    if stats is not None:
+        stats.new_tokens += 1
+    yield [(0, first)]
+    emitted = 1
+    while emitted < budget:
+        t0 = time.perf_counter()
+        k = min(int(chunk), budget - emitted, decoder.room())
+        if k <= 0:
+            break
+        ids = [int(t) for t in decoder.more(k)[0]]
+        out = []
+        for t in ids:
+            if t in stop:
+                break
+            out.append((0, t))
+        emitted += len(ids)
+        if stats is not None:
+            stats.decode_steps += len(out) + (len(out) < len(ids))
+            stats.new_tokens += len(out)
+            stats.decode_s += time.perf_counter() - t0
+        if out:
+            yield out
+        if len(out) < len(ids):
+            return
+
+
 def _finite(z: np.ndarray, where: str) -> np.ndarray:
     """The logits, unless they hold NaN/inf: then one clear error instead of sampled garbage
     (weights that load but overflow float32 in the forward pass)."""
     if not np.isfinite(z).all():
-        raise MinillamaError(f"the model's logits for {where} hold NaN/inf values (its weights "
-                             f"overflow the compute dtype; try --dtype float64)")
+        raise nonfinite_error(where)
     return z
+
+
+def nonfinite_error(where: str) -> MinillamaError:
+    """The error for logits holding NaN/inf at ``where`` (e.g. "position 12")."""
+    return MinillamaError(f"the model's logits for {where} hold NaN/inf values (its weights "
+                          f"overflow the compute dtype; try --dtype float64)")
 
 
 def _choose(z, rngs, temperature, top_k, top_p, alive, stop, last, emitted, budget):

@@ -217,6 +217,36 @@ def test_single_sequence_kernel_matches_reference_and_batched_kernel(calls, kvh,
         numba_decode.decode_step(
             tok[:, 0].astype(np.int64), np.array([n], np.int64), plan["emb"], plan["out"],
             plan["norm"], *plan["layers"], kc, vc, plan["cos"], plan["sin"], plan["eps"],
-            plan["heads"], plan["zero"], tiled)
+            plan["heads"], plan["zero"], tiled, 2)
         np.testing.assert_allclose(tiled, got, rtol=tol, atol=tol * np.abs(want).max())
     assert calls["calls"] == 4  # three steps, and the one-token prompt of n = 1
+
+
+@pytest.mark.parametrize("prompt_len", [1, 5])
+def test_greedy_decoder_many_steps_per_call_equals_the_eager_loop(calls, prompt_len):
+    """Greedy decoding of one sequence runs several steps per compiled call (GreedyDecoder);
+    its tokens, stop rule and budget must be those of the reference backend's eager loop,
+    with a stop id met inside a chunk of 16 steps and the context end reached."""
+    ref, fast = _pair(max_seq_len=40)
+    prompt = np.random.default_rng(prompt_len).integers(0, 61, prompt_len).tolist()
+    full = generate(ref, prompt, max_new_tokens=60)  # runs into the context end
+    assert len(full) == 40 - prompt_len + 1
+    before = calls["calls"]
+    assert generate(fast, prompt, max_new_tokens=60) == full
+    assert calls["calls"] - before <= 4  # 40 tokens: one per ~16-step call, not per token
+    for cut in (1, 18, len(full) - 2):  # stop at the first occurrence of full[cut]
+        stop = full[cut]
+        want = generate(ref, prompt, max_new_tokens=60, stop_ids=[stop])
+        assert want == full[:full.index(stop)]
+        assert generate(fast, prompt, max_new_tokens=60, stop_ids=[stop]) == want
+    assert generate(fast, prompt, max_new_tokens=7) == full[:7]
+
+
+def test_greedy_decoder_reports_nonfinite_logits():
+    _, fast = _pair()
+    dec = NUMBA.greedy_decoder(fast, 20)
+    dec.prefill(np.array([[3, 4]]))
+    fast.params["norm.weight"][...] = np.inf  # the next step's logits overflow
+    NUMBA._decode_plans.clear()
+    with pytest.raises(MinillamaError, match="logits for position 2 hold NaN/inf"):
+        dec.more(5)
