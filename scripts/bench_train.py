@@ -10,6 +10,13 @@ run) and the PyTorch/minillama time ratio (> 1: minillama is faster).
 
 Thread counts are fixed through OMP/OPENBLAS/MKL_NUM_THREADS *before* NumPy is imported, and
 ``torch.set_num_threads`` for the peer.
+
+The two sides take turns step by step, and before every timed step the script sleeps ``--gap``
+seconds (default 0.3): OpenBLAS's worker threads busy-wait about 2^28 cycles (~0.1 s here) after
+a threaded GEMM before they sleep, so a step that starts right after the other side's step shares
+the cores with those spinning threads. Measured on the 2-core machine (2026-11-23, issue 11):
+with no gap PyTorch's tiny step took 25-40 % longer right after a minillama step than alone,
+which inflated the ratio; ``--gap 0`` restores that back-to-back timing.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=2, help="BLAS / torch threads (default 2)")
     ap.add_argument("--optimizer", action="store_true",
                     help="also time the full step with AdamW (minillama.optim vs torch.optim)")
+    ap.add_argument("--gap", type=float, default=0.3,
+                    help="seconds of sleep before every timed step, so that the other side's "
+                         "idle BLAS/OpenMP threads have stopped spinning (default 0.3; 0 = "
+                         "back to back)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall: perf_counter (default); cpu: process CPU time, steadier on a "
@@ -53,7 +64,8 @@ CONFIGS = _bench_common.train_configs()
 
 def median_times(fns, steps: int, warmup: int, sync=lambda: None) -> list[float]:
     """Median step time of each function in ``fns``. The functions take turns step by step
-    (A B A B ...), so on a shared machine both sides see the same background load."""
+    (A B A B ...), so on a shared machine both sides see the same background load; each timed
+    step starts ``--gap`` seconds after the previous one ended (see the module docstring)."""
     clock = time.process_time if ARGS.clock == "cpu" else time.perf_counter
     for _ in range(warmup):
         for fn in fns:
@@ -62,6 +74,8 @@ def median_times(fns, steps: int, warmup: int, sync=lambda: None) -> list[float]
     times = [[] for _ in fns]
     for _ in range(steps):
         for fn, ts in zip(fns, times):
+            if ARGS.gap > 0:
+                time.sleep(ARGS.gap)
             t0 = clock()
             fn()
             sync()
@@ -184,7 +198,8 @@ def main() -> int:
     print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, {platform.python_implementation()} "
           f"{platform.python_version()}, numpy {np.__version__}"
           + (f", torch {torch.__version__}" if torch else ", torch not installed")
-          + f"; threads={args.threads}; clock={args.clock}")
+          + f"; threads={args.threads}; clock={args.clock}; gap={args.gap:g} s; load average "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     print(f"measured float32 matmul peak (NumPy 2048^3 GEMM): {peak / 1e9:.1f} GFLOP/s")
     print(f"command: python {' '.join(sys.argv)}\n")
 
