@@ -24,11 +24,16 @@ PARALLEL_MIN_ELEMENTS = 1 << 16
 #: linear layers split their GEMMs over the threads of :func:`parallel_rows` (single-threaded
 #: BLAS each) instead of leaving the threading to BLAS; see :func:`split_gemm`
 THREADED_LINEAR = True
-#: ... except products of fewer multiply-adds than this (M K N), which run as one GEMM on
-#: OpenBLAS's own threads: measured on the 2-core machine (issue 11), the tiny shape's training
-#: step (all its GEMMs below 1.1e8) was ~10 % faster that way, while s15's (2.9e8 and up for the
-#: FFN, 1.7e8 for the attention projections) was ~10 % slower with its 1.7e8 ones moved too
-SPLIT_GEMM_MIN_MACS = 1 << 27
+#: ... except products of fewer multiply-adds than this (M K N) or fewer rows than
+#: :data:`SPLIT_GEMM_MIN_ROWS`, which run as one GEMM on OpenBLAS's own threads (decoding: a
+#: row split would make every thread read the whole weight matrix). Every GEMM of a training
+#: step is split: OpenBLAS's workers busy-wait ~2^28 cycles (~0.1 s) after each threaded GEMM,
+#: and meanwhile take a core from the Numba kernels and row threads of the ops in between.
+#: Measured on the 2-core machine (issue 11, 2026-11-23, same-process A/B, alternating steps):
+#: the tiny training step 9-16 % faster with its small GEMMs split (the 2^27 threshold before
+#: was measured with the peer's step running back to back, see scripts/bench_train.py --gap)
+SPLIT_GEMM_MIN_MACS = 1 << 22
+SPLIT_GEMM_MIN_ROWS = 64
 
 _pool = None
 _pool_lock = threading.Lock()
@@ -150,8 +155,9 @@ def blas_for_rows(n_rows: int):
 def split_gemm(a, b, out) -> None:
     """out = a @ b (NumPy, 2-D) with the rows of ``a`` and ``out`` spread over the threads of
     :func:`parallel_rows`, single-threaded BLAS each; one plain GEMM (BLAS's own threads) when that
-    cannot help or the product is below :data:`SPLIT_GEMM_MIN_MACS`."""
-    if (THREADED_LINEAR and a.shape[0] > 1 and num_threads() > 1
+    cannot help or the product is below :data:`SPLIT_GEMM_MIN_MACS` or
+    :data:`SPLIT_GEMM_MIN_ROWS`."""
+    if (THREADED_LINEAR and a.shape[0] >= SPLIT_GEMM_MIN_ROWS and num_threads() > 1
             and a.shape[0] * a.shape[1] * b.shape[1] >= SPLIT_GEMM_MIN_MACS):
         def rows(lo, hi):
             np.matmul(a[lo:hi], b, out=out[lo:hi])

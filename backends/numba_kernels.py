@@ -42,12 +42,29 @@ _opts = dict(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 # e^x for the softmax loops
 # ---------------------------------------------------------------------------------------------
 @intrinsic
-def _int32_bits_as_float32(typingctx, i):
-    """Reinterpret the bits of an int32 as a float32 (used to build 2^n)."""
+def _pow2_biased(typingctx, k):
+    """2^{k - 127} as a float32 for an int32 biased exponent 1 <= k <= 254: the bits k << 23
+    (shift and reinterpretation in 32 bits, so a vectorised loop stays in 8-wide int32 lanes;
+    Numba's own integer arithmetic would widen to int64)."""
     sig = types.float32(types.int32)
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
+        bits = builder.shl(args[0], ir.Constant(ir.IntType(32), 23))
+        return builder.bitcast(bits, ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _unbias_float32(typingctx, k):
+    """k - 127 as a float32 for an int32 k, subtracted in 32-bit integers (exact; done in
+    floats, fast-math reassociation could fold it into the reduction r = x - n ln 2 and lose
+    its precision; Numba's own integer arithmetic would widen to int64)."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        n = builder.sub(args[0], ir.Constant(ir.IntType(32), 127))
+        return builder.sitofp(n, ir.FloatType())
 
     return sig, codegen
 
@@ -71,7 +88,7 @@ def _fexp_overload(x):
             # k = n + 127 with n = floor(x log2(e) + 1/2): the argument is > 0 after the
             # clamp, so truncation is the floor (float -> int conversions vectorise)
             k = np.int32(xc * np.float32(1.4426950408889634) + np.float32(127.5))
-            n = np.float32(k - np.int32(127))
+            n = _unbias_float32(k)
             r = xc - n * np.float32(0.693359375)
             r = r - n * np.float32(-2.12194440e-4)
             y = np.float32(1.9875691500e-4)
@@ -81,7 +98,7 @@ def _fexp_overload(x):
             y = y * r + np.float32(1.6666665459e-1)
             y = y * r + np.float32(5.0000001201e-1)
             y = y * r * r + r + np.float32(1.0)
-            e = y * _int32_bits_as_float32(k << np.int32(23))  # 2^n from its exponent bits
+            e = y * _pow2_biased(k)  # 2^n from its exponent bits
             e = e if x >= lo else np.float32(0.0)  # underflow, -inf
             return e if x == x else x  # NaN stays NaN
         return impl
