@@ -273,8 +273,31 @@ class NumbaBackend(NumpyBackend):
         if B == 1:
             self._decode.decode_step_one(*args, _NO_IDS, _NO_IDS)
         else:
-            self._decode.decode_step(*args)
+            self._decode.decode_step(*args, _NO_IDS, _NO_IDS_2D)
         return logits
+
+    def greedy_steps(self, model, tok, start_pos, cache, k: int):
+        """Up to ``k`` greedy decode steps of B > 1 sequences in one compiled call, or None to
+        decline (the caller steps one token at a time). tok: (B,) the tokens to feed; start_pos:
+        (B,) their positions (each sequence then advances by one per step, capped at the cache's
+        last slot). Returns ids (B, k'), k' <= k: the argmax of each step's logits per sequence;
+        -1 where a row held NaN/inf (the call ended after that step)."""
+        B = len(tok)
+        plan = self._decode_plan(model)
+        kv = self._cache_lists(cache, model.dtype) if plan is not None else None
+        if B < 2 or kv is None or cache.batch_size != B or k < 1:
+            return None
+        pos = np.ascontiguousarray(start_pos, dtype=np.int64).reshape(B)
+        if pos.min() < 0 or pos.max() >= cache.max_seq_len:
+            raise MinillamaError(f"positions up to {int(pos.max())} exceed the KV cache length "
+                                 f"{cache.max_seq_len}")
+        ids = np.empty((B, int(k)), dtype=np.int64)
+        logits = np.empty((B, plan["emb"].shape[0]), dtype=model.dtype)
+        n = self._decode.decode_step(
+            np.ascontiguousarray(tok, dtype=np.int64).reshape(B), pos, plan["emb"], plan["out"],
+            plan["norm"], *plan["layers"], *kv, plan["cos"], plan["sin"], plan["eps"],
+            plan["heads"], plan["zero"], logits, self.num_threads, _NO_IDS, ids)
+        return ids[:, :n]
 
     def greedy_decoder(self, model, max_seq_len: int, stop_ids=()):
         """A :class:`GreedyDecoder` for one sequence of ``model`` and a cache of ``max_seq_len``
@@ -675,6 +698,7 @@ class NumbaBackend(NumpyBackend):
 
 
 _NO_IDS = np.zeros(0, dtype=np.int64)
+_NO_IDS_2D = np.zeros((0, 0), dtype=np.int64)
 
 
 class GreedyDecoder:

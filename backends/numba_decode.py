@@ -322,15 +322,25 @@ def _sizes(emb, wq, wk, w1, kc, n_heads):  # pragma: no cover - compiled
 
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
 def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, w2, w3,
-                kc, vc, cos, sin, eps, n_heads, zero, logits, threads):  # pragma: no cover - compiled
-    r"""One decode step for B sequences, each feeding one token at its own position.
+                kc, vc, cos, sin, eps, n_heads, zero, logits, threads, stop,
+                ids):  # pragma: no cover - compiled
+    r"""One decode step for B sequences, each feeding one token at its own position; with
+    ``ids`` of shape (B, n), n > 0, n greedy steps in one call.
 
     tok, pos: (B,) int64 (token id and absolute position p_b of each sequence);
     emb: (V, D) embedding; wout: (V, D) classifier; g_final (D,); per-layer lists (length L)
     g_att, g_ffn (D,), wq (H*hd, D), wk, wv (KVH*hd, D), wo (D, H*hd), w1, w3 (F, D), w2 (D, F);
     kc, vc: lists of the layers' caches (B, S_max, KVH, hd), written at p_b;
     cos, sin: (S, hd/2) RoPE tables; zero: 0 in the compute dtype (the accumulators' type);
-    logits: (B, V) output, filled in; threads: the number of Numba threads (parallel parts).
+    logits: (B, V) output, filled in; threads: the number of Numba threads (parallel parts);
+    stop: unused here (the caller applies each sequence's stop rule; the signature is that of
+    :func:`decode_step_one`); ids: (B, n) int64.
+
+    Greedy (n > 0): after each step every sequence's next token is the argmax of its logits
+    (the first maximum) and is fed at its next position, capped at the cache's last slot; all
+    B sequences run the n steps (the caller drops what follows a sequence's end). A row of
+    logits holding NaN/inf gets -1 and ends the call after that step. Returns the number of
+    steps run (1 for the single step, ``ids`` empty).
     """
     B = tok.shape[0]
     V, D, L, H, qd, kvd, hd, KVH, G, F, S = _sizes(emb, wq, wk, w1, kc, n_heads)
@@ -354,94 +364,132 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
     tile_d = B < 4 or B * D * isz > ROW_X_BYTES
     tile_q = B < 4 or B * qd * isz > ROW_X_BYTES
     tile_f = B < 4 or B * F * isz > ROW_X_BYTES
-    for b in range(B):
-        x[b, :] = emb[tok[b]]
-    for layer in range(L):
-        Wo = wo[layer]
-        W1 = w1[layer]
-        W2 = w2[layer]
-        W3 = w3[layer]
-        Kc = kc[layer]
-        Vc = vc[layer]
-        _rmsnorm_rows(x, g_att[layer], eps, xn)
-        # q, k, v by tiles of rows (whole RoPE pairs); RoPE on q and k; k, v into the cache
-        for t in prange(nq + 2 * nkv):
-            if t < nq:
-                W = wq[layer]
-                i0 = t * TILE
-                rows = qd
-                c0 = i0
-            elif t < nq + nkv:
-                W = wk[layer]
-                i0 = (t - nq) * TILE
-                rows = kvd
-                c0 = qd + i0
-            else:
-                W = wv[layer]
-                i0 = (t - nq - nkv) * TILE
-                rows = kvd
-                c0 = qd + kvd + i0
-            nr = min(TILE, rows - i0)
-            _rows(xn, W, i0, nr, qkv, c0, tile_d, zero)
-            for b in range(B):
-                p = pos[b]
-                for r in range(0, nr, 2):
-                    rr = i0 + r
-                    head = rr // hd
-                    d0 = rr - head * hd
-                    y0 = qkv[b, c0 + r]
-                    y1 = qkv[b, c0 + r + 1]
-                    if t < nq + nkv:  # rotate the pair by the angle of position p
-                        c = cos[p, d0 // 2]
-                        s = sin[p, d0 // 2]
-                        y0, y1 = y0 * c - y1 * s, y0 * s + y1 * c
-                        if t < nq:  # q stays in qkv, rotated in place
-                            qkv[b, c0 + r] = y0
-                            qkv[b, c0 + r + 1] = y1
+    n_steps = max(1, ids.shape[1])
+    ps = pos.copy()  # each sequence's position in the current step
+    cur = tok.copy()  # and the token it feeds
+    best = np.empty((threads, B), dtype=np.int64)
+    finite = np.empty((threads, B), dtype=np.bool_)
+    for step in range(n_steps):
+        for b in range(B):
+            ps[b] = min(pos[b] + step, S - 1)
+            x[b, :] = emb[cur[b]]
+        for layer in range(L):
+            Wo = wo[layer]
+            W1 = w1[layer]
+            W2 = w2[layer]
+            W3 = w3[layer]
+            Kc = kc[layer]
+            Vc = vc[layer]
+            _rmsnorm_rows(x, g_att[layer], eps, xn)
+            # q, k, v by tiles of rows (whole RoPE pairs); RoPE on q and k; k, v into the cache
+            for t in prange(nq + 2 * nkv):
+                if t < nq:
+                    W = wq[layer]
+                    i0 = t * TILE
+                    rows = qd
+                    c0 = i0
+                elif t < nq + nkv:
+                    W = wk[layer]
+                    i0 = (t - nq) * TILE
+                    rows = kvd
+                    c0 = qd + i0
+                else:
+                    W = wv[layer]
+                    i0 = (t - nq - nkv) * TILE
+                    rows = kvd
+                    c0 = qd + kvd + i0
+                nr = min(TILE, rows - i0)
+                _rows(xn, W, i0, nr, qkv, c0, tile_d, zero)
+                for b in range(B):
+                    p = ps[b]
+                    for r in range(0, nr, 2):
+                        rr = i0 + r
+                        head = rr // hd
+                        d0 = rr - head * hd
+                        y0 = qkv[b, c0 + r]
+                        y1 = qkv[b, c0 + r + 1]
+                        if t < nq + nkv:  # rotate the pair by the angle of position p
+                            c = cos[p, d0 // 2]
+                            s = sin[p, d0 // 2]
+                            y0, y1 = y0 * c - y1 * s, y0 * s + y1 * c
+                            if t < nq:  # q stays in qkv, rotated in place
+                                qkv[b, c0 + r] = y0
+                                qkv[b, c0 + r + 1] = y1
+                            else:
+                                Kc[b, p, head, d0] = y0
+                                Kc[b, p, head, d0 + 1] = y1
                         else:
-                            Kc[b, p, head, d0] = y0
-                            Kc[b, p, head, d0 + 1] = y1
-                    else:
-                        Vc[b, p, head, d0] = y0
-                        Vc[b, p, head, d0 + 1] = y1
-        # attention of each sequence over its cache rows 0..p_b, the KV heads cut into C chunks
-        # (several chunks per sequence when there are few sequences, so both threads work)
-        for u in prange(B * C):
-            b = u // C
-            c = u - b * C
-            _attend(qkv, Kc, Vc, b, c * KVH // C, (c + 1) * KVH // C, G, pos[b] + 1, scale,
-                    scores, att)
-        # x += att W_o^T
-        for t in prange(nd):
-            i0 = t * TILE
-            nr = min(TILE, D - i0)
-            _rows(att, Wo, i0, nr, yd, i0, tile_q, zero)
+                            Vc[b, p, head, d0] = y0
+                            Vc[b, p, head, d0 + 1] = y1
+            # attention of each sequence over its cache rows 0..p_b, the KV heads cut into C chunks
+            # (several chunks per sequence when there are few sequences, so both threads work)
+            for u in prange(B * C):
+                b = u // C
+                c = u - b * C
+                _attend(qkv, Kc, Vc, b, c * KVH // C, (c + 1) * KVH // C, G, ps[b] + 1, scale,
+                        scores, att)
+            # x += att W_o^T
+            for t in prange(nd):
+                i0 = t * TILE
+                nr = min(TILE, D - i0)
+                _rows(att, Wo, i0, nr, yd, i0, tile_q, zero)
+                for b in range(B):
+                    for r in range(nr):
+                        x[b, i0 + r] += yd[b, i0 + r]
+            # SwiGLU: h1 = silu(xn W_1^T) * (xn W_3^T)
+            _rmsnorm_rows(x, g_ffn[layer], eps, xn)
+            for t in prange(nf):
+                i0 = t * TILE
+                nr = min(TILE, F - i0)
+                _rows(xn, W1, i0, nr, h1, i0, tile_d, zero)
+                _rows(xn, W3, i0, nr, h3, i0, tile_d, zero)
+                for b in range(B):
+                    for r in range(nr):
+                        a = h1[b, i0 + r]
+                        h1[b, i0 + r] = a / (1.0 + np.exp(-a)) * h3[b, i0 + r]
+            # x += h1 W_2^T
+            for t in prange(nd):
+                i0 = t * TILE
+                nr = min(TILE, D - i0)
+                _rows(h1, W2, i0, nr, yd, i0, tile_f, zero)
+                for b in range(B):
+                    for r in range(nr):
+                        x[b, i0 + r] += yd[b, i0 + r]
+        _rmsnorm_rows(x, g_final, eps, xn)
+        if ids.shape[1] == 0:
+            for t in prange((V + TILE - 1) // TILE):
+                i0 = t * TILE
+                _rows(xn, wout, i0, min(TILE, V - i0), logits, i0, tile_d, zero)
+            return 1
+        # the classifier in one span of tiles per thread, then each span's argmax per sequence
+        # while its logits are in cache
+        nt = (V + TILE - 1) // TILE
+        for u in prange(threads):
+            for t in range(u * nt // threads, (u + 1) * nt // threads):
+                i0 = t * TILE
+                _rows(xn, wout, i0, min(TILE, V - i0), logits, i0, tile_d, zero)
+            lo = min(V, u * nt // threads * TILE)
+            hi = min(V, (u + 1) * nt // threads * TILE)
             for b in range(B):
-                for r in range(nr):
-                    x[b, i0 + r] += yd[b, i0 + r]
-        # SwiGLU: h1 = silu(xn W_1^T) * (xn W_3^T)
-        _rmsnorm_rows(x, g_ffn[layer], eps, xn)
-        for t in prange(nf):
-            i0 = t * TILE
-            nr = min(TILE, F - i0)
-            _rows(xn, W1, i0, nr, h1, i0, tile_d, zero)
-            _rows(xn, W3, i0, nr, h3, i0, tile_d, zero)
-            for b in range(B):
-                for r in range(nr):
-                    a = h1[b, i0 + r]
-                    h1[b, i0 + r] = a / (1.0 + np.exp(-a)) * h3[b, i0 + r]
-        # x += h1 W_2^T
-        for t in prange(nd):
-            i0 = t * TILE
-            nr = min(TILE, D - i0)
-            _rows(h1, W2, i0, nr, yd, i0, tile_f, zero)
-            for b in range(B):
-                for r in range(nr):
-                    x[b, i0 + r] += yd[b, i0 + r]
-    _rmsnorm_rows(x, g_final, eps, xn)
-    for t in prange((V + TILE - 1) // TILE):
-        i0 = t * TILE
-        _rows(xn, wout, i0, min(TILE, V - i0), logits, i0, tile_d, zero)
+                best[u, b] = -1
+                finite[u, b] = True
+                if hi > lo:
+                    best[u, b], finite[u, b] = _argmax_finite(logits[b], lo, hi)
+        bad = False
+        for b in range(B):
+            t = -1
+            ok = True
+            for u in range(threads):
+                if not finite[u, b]:
+                    ok = False
+                elif best[u, b] >= 0 and (t < 0 or logits[b, best[u, b]] > logits[b, t]):
+                    t = best[u, b]
+            ids[b, step] = t if ok else -1
+            cur[b] = t if ok else 0
+            bad = bad or not ok
+        if bad:
+            return step + 1
+    return n_steps
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline='always')

@@ -136,12 +136,17 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
     pos = lens.copy()  # where each sequence's next token goes
     last = np.zeros(B, dtype=np.int64)
     emitted = np.zeros(B, dtype=np.int64)
-    step_out = _choose(z, rngs, temperature, top_k, top_p, alive, stop, last, emitted, budget)
+    step_out = _choose(lambda b: sample(z[b], rngs[b], temperature, top_k, top_p), alive, stop,
+                       last, emitted, budget)
     stats.prefill_s = time.perf_counter() - t0
     stats.new_tokens += len(step_out)
     if step_out:
         yield step_out
     # -- decode (the time the caller spends between our yields is not counted) ---------------
+    # greedy with several sequences: a backend may run up to 16 steps per call (the ids of
+    # every sequence at each step), replayed below step by step exactly as the loop does
+    many = getattr(be, "greedy_steps", None) if temperature == 0 and B > 1 else None
+    ids, j = None, 0  # the steps of the last such call, and the next one to replay
     while True:
         t0 = time.perf_counter()
         # a sequence keeps running while it may emit and its next token has a slot to go
@@ -149,12 +154,26 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
         if not alive.any():
             break
         feed_pos = np.minimum(pos, cache_len - 1)
-        sp = int(feed_pos[0]) if B == 1 else feed_pos
-        logits = model.forward(last[:, None], start_pos=sp, cache=cache, last_only=True)
-        z = _finite(be.to_numpy(logits), f"position {int(np.max(feed_pos))}")
-        pos = pos + alive
-        step_out = _choose(z, rngs, temperature, top_k, top_p, alive, stop, last, emitted,
-                           budget)
+        if many is not None and (ids is None or j == ids.shape[1]):
+            left = np.minimum(budget - emitted, cache_len - pos)[alive]
+            ids, j = many(model, last, feed_pos, cache, int(min(16, left.max()))), 0
+            if ids is None:
+                many = None
+        if ids is not None:  # the step's ids from the call above
+            picked = ids[:, j]
+            j += 1
+            bad = alive & (picked < 0)
+            if bad.any():
+                raise nonfinite_error(f"position {int(feed_pos[bad].max())}")
+            pos = pos + alive
+            step_out = _choose(lambda b: int(picked[b]), alive, stop, last, emitted, budget)
+        else:
+            sp = int(feed_pos[0]) if B == 1 else feed_pos
+            logits = model.forward(last[:, None], start_pos=sp, cache=cache, last_only=True)
+            z = _finite(be.to_numpy(logits), f"position {int(np.max(feed_pos))}")
+            pos = pos + alive
+            step_out = _choose(lambda b: sample(z[b], rngs[b], temperature, top_k, top_p),
+                               alive, stop, last, emitted, budget)
         stats.decode_steps += 1
         stats.new_tokens += len(step_out)
         stats.decode_s += time.perf_counter() - t0
@@ -230,14 +249,15 @@ def nonfinite_error(where: str) -> MinillamaError:
                           f"overflow the compute dtype; try --dtype float64)")
 
 
-def _choose(z, rngs, temperature, top_k, top_p, alive, stop, last, emitted, budget):
-    """Pick the next token of every running sequence; update ``alive``/``last``/``emitted``."""
+def _choose(pick, alive, stop, last, emitted, budget):
+    """Take the next token ``pick(b)`` of every running sequence b; update ``alive``/``last``/
+    ``emitted``; the (b, token) pairs emitted."""
     out = []
     for b in np.flatnonzero(alive):
         if emitted[b] >= budget[b]:
             alive[b] = False
             continue
-        tok = sample(z[b], rngs[b], temperature, top_k, top_p)
+        tok = pick(b)
         if tok in stop:
             alive[b] = False
             continue

@@ -122,7 +122,7 @@ def test_greedy_tokens_equal_reference_batch(calls):
     prompts = [[1, 5, 7], [2], [9, 9, 9, 9, 9]]
     want = generate(ref, prompts, max_new_tokens=30)  # runs into the context end (24)
     got = generate(fast, prompts, max_new_tokens=30)
-    assert calls["calls"] > 10
+    assert calls["calls"] == 2  # the 23 decode steps, greedy_steps calls of 16 and 7
     assert got == want
     assert generate(fast, [4, 4], max_new_tokens=12) == generate(ref, [4, 4], max_new_tokens=12)
 
@@ -218,7 +218,8 @@ def test_single_sequence_kernel_matches_reference_and_batched_kernel(calls, kvh,
         numba_decode.decode_step(
             tok[:, 0].astype(np.int64), np.array([n], np.int64), plan["emb"], plan["out"],
             plan["norm"], *plan["layers"], kc, vc, plan["cos"], plan["sin"], plan["eps"],
-            plan["heads"], plan["zero"], tiled, 2)
+            plan["heads"], plan["zero"], tiled, 2, np.zeros(0, np.int64),
+            np.zeros((0, 0), np.int64))
         np.testing.assert_allclose(tiled, got, rtol=tol, atol=tol * np.abs(want).max())
     assert calls["calls"] == 4  # three steps, and the one-token prompt of n = 1
 
@@ -251,3 +252,30 @@ def test_greedy_decoder_reports_nonfinite_logits():
     NUMBA._decode_plans.clear()
     with pytest.raises(MinillamaError, match="logits for position 2 hold NaN/inf"):
         dec.more(5)
+
+
+def test_batched_greedy_steps_replay_the_eager_loop(calls):
+    """Greedy decoding of several sequences runs up to 16 steps per compiled call
+    (greedy_steps) and replays them step by step: per sequence the reference backend's tokens,
+    its stop rule (a stop id met mid-chunk by one sequence only), budget and context end."""
+    ref, fast = _pair(max_seq_len=40)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 61, n).tolist() for n in (1, 4, 9, 2, 30)]
+    full = generate(ref, prompts, max_new_tokens=60)
+    before = calls["calls"]
+    assert generate(fast, prompts, max_new_tokens=60) == full
+    assert calls["calls"] - before <= 6  # prefill, then one call per <= 16 steps
+    stop = full[1][5]  # ends sequence 1 at its 6th token (and any other where it comes first)
+    want = generate(ref, prompts, max_new_tokens=60, stop_ids=[stop])
+    assert len(want[1]) == full[1].index(stop)
+    assert generate(fast, prompts, max_new_tokens=60, stop_ids=[stop]) == want
+    assert generate(fast, prompts, max_new_tokens=21) == generate(ref, prompts, max_new_tokens=21)
+
+
+def test_batched_greedy_steps_report_nonfinite_logits():
+    _, fast = _pair()
+    cache = fast.new_cache(2, 20)
+    fast.forward(np.array([[3, 4], [5, 6]]), 0, cache, last_only=True)
+    fast.params["norm.weight"][...] = np.inf
+    ids = NUMBA.greedy_steps(fast, np.array([1, 2]), np.array([2, 2]), cache, 5)
+    assert ids.shape == (2, 1) and (ids == -1).all()  # the first step's rows, then it stopped
