@@ -8,7 +8,8 @@ the best run of each counts.
     python scripts/profile_decode.py --shape s15 --threads 2
 
 "before" is the numba backend with its fused step switched off (each op a backend call, the
-GEMVs Numba, the rest NumPy); "after" is the fused step.
+GEMVs Numba, the rest NumPy); "after" is the fused step, called once per token, then the greedy
+decoder that ``generate`` uses for one sequence (16 steps per compiled call).
 """
 
 from __future__ import annotations
@@ -70,6 +71,19 @@ def run(model, steps, timers, fused):
     return total / steps
 
 
+def run_greedy(model, steps, timers, chunk=16):
+    """The same decode through the backend's greedy decoder (``chunk`` steps per compiled call,
+    the argmax in the kernel): seconds per token."""
+    dec = model.backend.greedy_decoder(model, 16 + steps + 1)
+    dec.prefill(np.arange(3, 19)[None])
+    timers["fused decode_step kernel"] = [0, 0.0]
+    t0 = time.perf_counter()
+    done = 0
+    while done < steps:
+        done += dec.more(min(chunk, steps - done)).shape[1]
+    return (time.perf_counter() - t0) / steps
+
+
 def main():
     name = ARGS.shape
     shape = _bench_common.shape("s15", n_kv_heads=2) if name == "s15gqa" else \
@@ -97,9 +111,10 @@ def main():
     def timed(kernel):
         def run_kernel(*a):
             t = time.perf_counter()
-            kernel(*a)
+            out = kernel(*a)
             timers["fused decode_step kernel"][0] += 1
             timers["fused decode_step kernel"][1] += time.perf_counter() - t
+            return out
         return run_kernel
 
     import types  # noqa: PLC0415
@@ -111,12 +126,16 @@ def main():
     timers["forward (all)"] = [0, 0.0]
     run(model, 4, timers, False)
     run(model, 4, timers, True)
+    run_greedy(model, 4, timers)
     best = {}
     for _ in range(ARGS.reps):
         for fused in (False, True):
             per = run(model, ARGS.steps, timers, fused)
             if fused not in best or per < best[fused][0]:
                 best[fused] = (per, {k: list(v) for k, v in timers.items()})
+        per = run_greedy(model, ARGS.steps, timers)
+        if "greedy" not in best or per < best["greedy"][0]:
+            best["greedy"] = (per, list(timers["fused decode_step kernel"]))
     print(f"# profile_decode: {name}, batch 1, numba backend, threads {ARGS.threads}, "
           f"{ARGS.steps} steps from position 16, best of {ARGS.reps}, load average "
           f"{os.getloadavg()[0]:.2f}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
@@ -136,6 +155,15 @@ def main():
             print(f"| {k} | {n / ARGS.steps:.0f} | {us * 1e6:.0f} | {100 * us / per:.0f}% |")
         print(f"| rest of forward (checks, reshapes, residual adds, Python) | – | "
               f"{(fwd - inside) * 1e6:.0f} | {100 * (fwd - inside) / per:.0f}% |")
+    per, (n, s) = best["greedy"]
+    kern = s / ARGS.steps
+    print(f"\nafter, what `generate` runs at batch 1 greedy: the greedy decoder, 16 steps per "
+          f"compiled call: {per * 1e6:.0f} us/token ({1 / per:.0f} tok/s)\n")
+    print("| part | calls/token | us/token | share |")
+    print("|---|---|---|---|")
+    print(f"| fused kernel (16 steps, argmax included) | {n / ARGS.steps:.3f} | {kern * 1e6:.0f} | "
+          f"{100 * kern / per:.0f}% |")
+    print(f"| Python around it | – | {(per - kern) * 1e6:.0f} | {100 * (per - kern) / per:.0f}% |")
 
 
 if __name__ == "__main__":
