@@ -23,7 +23,10 @@ sums) when their x rows fit in L1 (:data:`ROW_X_BYTES`), else tiles of 4 W rows 
 streaming W).
 The weights are the model's own arrays (no copy), passed as typed lists over the layers (whose
 type does not depend on L, so one compilation per dtype serves every depth), so a decode step
-is one dispatch with no Python work per op. Equations: those of :mod:`minillama.ops`
+is one dispatch with no Python work per op. Given an ``ids`` buffer of n columns, both kernels
+run n greedy steps in that one call (the argmax of each step's logits is the next token, found
+per thread on its span of the classifier rows by :func:`_argmax_finite`), so greedy generation
+returns to Python once per n tokens. Equations: those of :mod:`minillama.ops`
 (rmsnorm, linear, rope, attention, swiglu), held to them by ``tests/test_numba_decode.py``.
 
 Imported only by the numba backend (importing it imports Numba).
