@@ -267,9 +267,8 @@ class NumbaBackend(NumpyBackend):
             raise MinillamaError(f"sequence of {hi + 1} positions exceeds the KV cache length "
                                  f"{cache.max_seq_len}")
         logits = np.empty((B, plan["emb"].shape[0]), dtype=model.dtype)
-        args = (np.ascontiguousarray(tok[:, 0], dtype=np.int64), pos, plan["emb"], plan["out"],
-                plan["norm"], *plan["layers"], kc, vc, plan["cos"], plan["sin"], plan["eps"],
-                plan["heads"], plan["zero"], logits, self.num_threads)
+        args = (np.ascontiguousarray(tok[:, 0], dtype=np.int64), pos,
+                *_model_args(plan, kc, vc), logits, self.num_threads)
         if B == 1:
             self._decode.decode_step_one(*args, _NO_IDS, _NO_IDS)
         else:
@@ -294,9 +293,8 @@ class NumbaBackend(NumpyBackend):
         ids = np.empty((B, int(k)), dtype=np.int64)
         logits = np.empty((B, plan["emb"].shape[0]), dtype=model.dtype)
         n = self._decode.decode_step(
-            np.ascontiguousarray(tok, dtype=np.int64).reshape(B), pos, plan["emb"], plan["out"],
-            plan["norm"], *plan["layers"], *kv, plan["cos"], plan["sin"], plan["eps"],
-            plan["heads"], plan["zero"], logits, self.num_threads, _NO_IDS, ids)
+            np.ascontiguousarray(tok, dtype=np.int64).reshape(B), pos, *_model_args(plan, *kv),
+            logits, self.num_threads, _NO_IDS, ids)
         return ids[:, :n]
 
     def greedy_decoder(self, model, max_seq_len: int, stop_ids=()):
@@ -701,6 +699,14 @@ _NO_IDS = np.zeros(0, dtype=np.int64)
 _NO_IDS_2D = np.zeros((0, 0), dtype=np.int64)
 
 
+def _model_args(plan, kc, vc):
+    """The arguments of the :mod:`.numba_decode` kernels between the positions and the logits:
+    the weights of ``plan`` (:meth:`NumbaBackend._decode_plan`), the cache lists kc, vc, the
+    RoPE tables and the constants."""
+    return (plan["emb"], plan["out"], plan["norm"], *plan["layers"], kc, vc, plan["cos"],
+            plan["sin"], plan["eps"], plan["heads"], plan["zero"])
+
+
 class GreedyDecoder:
     """Greedy decoding of one sequence on the numba backend, many steps per compiled call.
 
@@ -761,9 +767,7 @@ class GreedyDecoder:
         logits = np.empty((1, plan["emb"].shape[0]), dtype=m.dtype)
         n = be._decode.decode_step_one(
             np.array([self._last], dtype=np.int64), np.array([p0], dtype=np.int64),
-            plan["emb"], plan["out"], plan["norm"], *plan["layers"], kc, vc, plan["cos"],
-            plan["sin"], plan["eps"], plan["heads"], plan["zero"], logits, be.num_threads,
-            self.stop, ids)
+            *_model_args(plan, kc, vc), logits, be.num_threads, self.stop, ids)
         ids = ids[:n]
         if n and ids[-1] < 0:
             from ..generate import nonfinite_error  # noqa: PLC0415
