@@ -81,35 +81,58 @@ def parallel_rows(fn, n_rows: int, n_elements: int, xp=np) -> None:
 # BLAS thread control (OpenBLAS as bundled with NumPy; a no-op anywhere else)
 # ---------------------------------------------------------------------------------------------
 _blas_api: Any = None
+_blas_lib: Any = None
+
+#: the (get, set) thread-count symbols of the OpenBLAS builds we know, and the prefix and suffix
+#: of their other symbols (``cblas_sgemm`` is ``<prefix>cblas_sgemm<suffix>``)
+_OPENBLAS_NAMES = (
+    ("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_", "scipy_", "64_"),
+    ("scipy_openblas_get_num_threads", "scipy_openblas_set_num_threads", "scipy_", ""),
+    ("openblas_get_num_threads64_", "openblas_set_num_threads64_", "", "64_"),
+    ("openblas_get_num_threads", "openblas_set_num_threads", "", ""))
+
+
+def openblas_library():
+    """(ctypes library, symbol prefix, symbol suffix) of the OpenBLAS that NumPy loaded, found by
+    its exported thread-control symbols; None if the BLAS is not OpenBLAS or cannot be found."""
+    global _blas_lib
+    if _blas_lib is not None:
+        return _blas_lib or None
+    _blas_lib = False
+    try:
+        import ctypes  # noqa: PLC0415
+
+        np.ones(2) @ np.ones(2)  # NumPy loads its BLAS lazily on some builds
+        with open("/proc/self/maps") as f:
+            paths = sorted({ln.split()[-1] for ln in f if "openblas" in ln.lower() and "/" in ln})
+        for path in paths:
+            lib = ctypes.CDLL(path)
+            for get_name, set_name, prefix, suffix in _OPENBLAS_NAMES:
+                if hasattr(lib, get_name) and hasattr(lib, set_name):
+                    _blas_lib = (lib, prefix, suffix)
+                    return _blas_lib
+    except (OSError, ValueError, AttributeError):  # no /proc, odd paths: leave BLAS alone
+        pass
+    return None
 
 
 def openblas_api():
-    """(get, set) of the OpenBLAS that NumPy loaded, found by its exported symbols; None if the
+    """(get, set) of the OpenBLAS that NumPy loaded (see :func:`openblas_library`); None if the
     BLAS is not OpenBLAS or cannot be found (then thread control is a no-op)."""
     global _blas_api
     if _blas_api is not None:
         return _blas_api or None
     _blas_api = False
-    try:
+    found = openblas_library()
+    if found is not None:
         import ctypes  # noqa: PLC0415
 
-        with open("/proc/self/maps") as f:
-            paths = sorted({ln.split()[-1] for ln in f if "openblas" in ln.lower() and "/" in ln})
-        for path in paths:
-            lib = ctypes.CDLL(path)
-            for get_name, set_name in (
-                    ("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
-                    ("scipy_openblas_get_num_threads", "scipy_openblas_set_num_threads"),
-                    ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
-                    ("openblas_get_num_threads", "openblas_set_num_threads")):
-                if hasattr(lib, get_name) and hasattr(lib, set_name):
-                    getter, setter = getattr(lib, get_name), getattr(lib, set_name)
-                    getter.restype, setter.argtypes = ctypes.c_int, [ctypes.c_int]
-                    _blas_api = (getter, setter)
-                    return _blas_api
-    except (OSError, ValueError, AttributeError):  # no /proc, odd paths: leave BLAS alone
-        pass
-    return None
+        lib, prefix, suffix = found
+        getter = getattr(lib, f"{prefix}openblas_get_num_threads{suffix}")
+        setter = getattr(lib, f"{prefix}openblas_set_num_threads{suffix}")
+        getter.restype, setter.argtypes = ctypes.c_int, [ctypes.c_int]
+        _blas_api = (getter, setter)
+    return _blas_api or None
 
 
 class single_threaded_blas:  # noqa: N801 - used like a function: ``with single_threaded_blas():``

@@ -8,18 +8,19 @@ where plain NumPy wastes time or memory:
   log-sum-exp, (B, H, T); the backward recomputes the probabilities tile by tile from it with
   D_t = dO_t . O_t. Extra memory is O(T) per head instead of the reference's O(T S). Three paths:
 
-  - T >= :data:`TILED_MIN_T`: BLAS-tiled. Q, K, V are laid out (B*KVH, rows, hd) with the G query
-    heads of a KV head as rows of the same tile, so each K/V tile is read once per group; the
-    (B*KVH, BQ*G, BK) score tiles are BLAS matmuls (matrix products stay in BLAS) and the
-    softmax work between them runs in Numba tile kernels. Causal tiles above the diagonal are
-    skipped.
-  - short T: all-Numba loop kernels, ``prange`` over B x KVH.
+  - T >= :data:`TILED_MIN_T`: BLAS-tiled, one (sequence, KV head) per ``prange`` item: the
+    (BQ, BK) score tiles and the products with V, K, Q are OpenBLAS GEMMs called from the kernel
+    on that item's thread (:mod:`.numba_blas`), reading Q, K, V and writing O, dQ, dK, dV in
+    their (B, T, heads, hd) layout; the softmax work between them runs in Numba loops. Causal
+    tiles past a tile's last query are skipped.
+  - short T (or no OpenBLAS found): all-Numba loop kernels, ``prange`` over B x KVH.
   - T <= :data:`DECODE_MAX_T` (decoding against a KV cache): one pass over the cache rows in
     memory order for all heads, split along the keys across threads when the batch is small.
 
 * softmax cross-entropy: one fused pass per row (max, exponentials, sum, normalisation);
 * linear layers with at most a few rows (decoding): a Numba GEMV (:mod:`.numba_gemv`) that
-  streams W near memory bandwidth; every other matrix product is BLAS;
+  streams W near memory bandwidth; every other matrix product is OpenBLAS's GEMM with its rows
+  split over the Numba threads (:mod:`.numba_blas`), so a training step runs on one thread pool;
 * AdamW: one fused pass per parameter buffer (:mod:`.numba_optim`);
 * a whole KV-cached decode step (one new token per sequence) in one compiled call,
   :meth:`NumbaBackend.decode_step` (:mod:`.numba_decode`); prefill stays on the ops above.
@@ -40,7 +41,7 @@ import numpy as np
 
 from .. import ops
 from ..errors import MinillamaError
-from . import cpu_threads
+from . import cpu_threads, numpy_backend
 from .numpy_backend import NumpyBackend
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -52,16 +53,12 @@ PARALLEL_MIN_WORK = 1 << 22
 ROPE_PARALLEL_MIN_SIZE = 1 << 20
 #: at most this many query positions per call take the decode kernel (no K transpose)
 DECODE_MAX_T = 4
-#: from this many query positions on, attention runs BLAS-tiled (score tiles by matmul, softmax
-#: work in Numba tile kernels); below, the all-Numba loop kernels
+#: from this many query positions on, attention runs BLAS-tiled (score tiles by OpenBLAS GEMMs
+#: called from the Numba kernel, softmax work in Numba loops); below, the all-Numba loop kernels
 TILED_MIN_T = 16
-#: query positions and keys per tile of the BLAS-tiled path (tile memory B*H*BQ*BK numbers)
+#: query positions and keys per tile of the BLAS-tiled path (one BQ x BK score tile per thread)
 TILE_BQ = 64
 TILE_BK = 256
-#: True: one thread runs all B*KVH groups of the BLAS-tiled path with threaded BLAS and
-#: Numba-parallel tile kernels; False (default): the groups are spread over row threads, each
-#: with one-threaded BLAS and serial tile kernels (see NumbaBackend._over_groups)
-TILE_PARALLEL = False
 #: the decode kernel splits the keys into chunks of at least this many when it splits them
 DECODE_MIN_CHUNK = 256
 #: config fields the fused decode step understands; any other field must keep its default
@@ -94,6 +91,9 @@ class NumbaBackend(NumpyBackend):
         from . import numba_gemv  # noqa: PLC0415
 
         self._gemv = numba_gemv
+        from . import numba_blas  # noqa: PLC0415
+
+        self._blas = numba_blas
         self._decode_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._cache_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -117,7 +117,19 @@ class NumbaBackend(NumpyBackend):
                 and w.flags.c_contiguous):
             y = self._gemv.gemv(x.reshape(rows, K), w)
             return y.reshape(*x.shape[:-1], w.shape[0]), (x, w)
-        return super().linear_forward(x, w)
+        return numpy_backend.linear_forward(x, w, self._gemm)
+
+    def linear_backward(self, dy, ctx):
+        r"""dx = dy W, dW = dy^T x (see :func:`minillama.ops.linear_backward`), both GEMMs on
+        the Numba threads (:meth:`_gemm`). Returns (dx (..., in), dW (out, in))."""
+        return numpy_backend.linear_backward(dy, ctx, self._gemm)
+
+    def _gemm(self, a, b, out):
+        """out = a b with the rows split over the Numba threads, each calling OpenBLAS on one
+        thread (:func:`.numba_blas.matmul`); :func:`.cpu_threads.split_gemm` where that does
+        not apply (no OpenBLAS found, odd strides, other dtypes)."""
+        if not self._blas.matmul(a, b, out, self.num_threads):
+            cpu_threads.split_gemm(a, b, out)
 
     # -----------------------------------------------------------------------------------------
     # AdamW
@@ -439,126 +451,13 @@ class NumbaBackend(NumpyBackend):
     # -----------------------------------------------------------------------------------------
     # attention
     # -----------------------------------------------------------------------------------------
-    # the BLAS-tiled path ---------------------------------------------------------------------
-    @staticmethod
-    def _heads_major(x, G):
-        """(B, T, KVH*G, hd) -> contiguous (B*KVH, T*G, hd), rows (t, g) of each KV head."""
-        B, T, H, hd = x.shape
-        KVH = H // G
-        y = np.ascontiguousarray(x.reshape(B, T, KVH, G, hd).transpose(0, 2, 1, 3, 4))
-        return y.reshape(B * KVH, T * G, hd)
+    def _tiled(self, T: int) -> bool:
+        """Whether attention over T query positions takes the BLAS-tiled kernels."""
+        return T >= TILED_MIN_T and self._blas.available()
 
-    @staticmethod
-    def _from_heads_major(y, B, T, KVH, G):
-        """Inverse of :meth:`_heads_major`: (B*KVH, T*G, hd) -> (B, T, KVH*G, hd)."""
-        hd = y.shape[-1]
-        return np.ascontiguousarray(
-            y.reshape(B, KVH, T, G, hd).transpose(0, 2, 1, 3, 4)).reshape(B, T, KVH * G, hd)
-
-    def _tile_kernel(self, name, n_elems):
-        # Serial unless TILE_PARALLEL: the tiled path runs the B*KVH groups on row threads
-        # (see _over_groups), each with one-threaded BLAS and these serial kernels.
-        par = TILE_PARALLEL and self._parallel(n_elems * 4)
-        return getattr(self._k, f"tile_{name}_{'parallel' if par else 'serial'}")
-
-    def _over_groups(self, fn, BKV: int, work: int) -> None:
-        """Run ``fn(lo, hi)`` over slices of the B*KVH groups: with one-threaded BLAS on the
-        row threads of :func:`.cpu_threads.parallel_rows` (the tile kernels release the GIL).
-        Splitting each small GEMM over BLAS threads instead costs a synchronisation per GEMM,
-        which dominates on a small or busy machine."""
-        if TILE_PARALLEL or BKV == 1:
-            fn(0, BKV)
-            return
-        with cpu_threads.single_threaded_blas():
-            cpu_threads.parallel_rows(fn, BKV, work, np)
-
-    def _attn_fwd_tiled(self, q, k, v, starts, scale, out, lse):
-        B, T, H, hd = q.shape
-        S, KVH = k.shape[1], k.shape[2]
-        G = H // KVH
-        BKV = B * KVH
-        dt = q.dtype
-        qh = self._heads_major(q, G)
-        kh = self._heads_major(k, 1)
-        vh = self._heads_major(v, 1)
-        oh = np.empty((BKV, T * G, hd), dtype=dt)
-        lh = np.empty((BKV, T * G), dtype=dt)
-        smax = int(starts.max())
-
-        def groups(u0, u1):
-            n = u1 - u0
-            for t0 in range(0, T, TILE_BQ):
-                t1 = min(T, t0 + TILE_BQ)
-                rows = slice(t0 * G, t1 * G)
-                R = (t1 - t0) * G
-                qi = qh[u0:u1, rows]
-                m = np.full((n, R), -np.inf, dtype=dt)
-                l = np.zeros((n, R), dtype=dt)
-                o = np.zeros((n, R, hd), dtype=dt)
-                pv = np.empty((n, R, hd), dtype=dt)
-                kend = min(S, smax + t1)
-                for c0 in range(0, kend, TILE_BK):
-                    c1 = min(kend, c0 + TILE_BK)
-                    s = np.matmul(qi, kh[u0:u1, c0:c1].transpose(0, 2, 1))  # (n, R, C)
-                    self._tile_kernel("fwd", s.size)(s, m, l, o, starts, KVH, G, t0, c0, scale,
-                                                     u0)
-                    np.matmul(s, vh[u0:u1, c0:c1], out=pv)
-                    o += pv
-                o /= l[:, :, None]
-                oh[u0:u1, rows] = o
-                lh[u0:u1, rows] = m + np.log(l)
-
-        self._over_groups(groups, BKV, BKV * T * hd)
-        out[...] = self._from_heads_major(oh, B, T, KVH, G)
-        lse[...] = lh.reshape(B, KVH, T, G).transpose(0, 1, 3, 2).reshape(B, H, T)
-
-    def _attn_bwd_tiled(self, q, k, v, out, dout, lse, starts, scale):
-        B, T, H, hd = q.shape
-        S, KVH = k.shape[1], k.shape[2]
-        G = H // KVH
-        BKV = B * KVH
-        dt = q.dtype
-        qh = self._heads_major(q, G)
-        doh = self._heads_major(dout, G)
-        kh = self._heads_major(k, 1)
-        vh = self._heads_major(v, 1)
-        # D_t = dO_t . O_t and the saved lse, in the same (B*KVH, T*G) row order
-        Dh = np.einsum("btgd,btgd->btg", dout.reshape(B, T, KVH * G, hd),
-                       out.reshape(B, T, KVH * G, hd))
-        Dh = self._heads_major(Dh[..., None], G)[..., 0]
-        lh = np.ascontiguousarray(
-            lse.reshape(B, KVH, G, T).transpose(0, 1, 3, 2)).reshape(BKV, T * G)
-        dqh = np.empty((BKV, T * G, hd), dtype=dt)
-        dkh = np.zeros((BKV, S, hd), dtype=dt)
-        dvh = np.zeros((BKV, S, hd), dtype=dt)
-        smax = int(starts.max())
-
-        def groups(u0, u1):
-            for t0 in range(0, T, TILE_BQ):
-                t1 = min(T, t0 + TILE_BQ)
-                rows = slice(t0 * G, t1 * G)
-                qi, doi = qh[u0:u1, rows], doh[u0:u1, rows]
-                li = np.ascontiguousarray(lh[u0:u1, rows])
-                Di = np.ascontiguousarray(Dh[u0:u1, rows])
-                dqi = np.zeros((u1 - u0, (t1 - t0) * G, hd), dtype=dt)
-                kend = min(S, smax + t1)
-                for c0 in range(0, kend, TILE_BK):
-                    c1 = min(kend, c0 + TILE_BK)
-                    kj, vj = kh[u0:u1, c0:c1], vh[u0:u1, c0:c1]
-                    s = np.matmul(qi, kj.transpose(0, 2, 1))  # (n, R, C)
-                    dp = np.matmul(doi, vj.transpose(0, 2, 1))
-                    self._tile_kernel("bwd", s.size)(s, dp, li, Di, starts, KVH, G, t0, c0,
-                                                     scale, u0)
-                    dvh[u0:u1, c0:c1] += np.matmul(s.transpose(0, 2, 1), doi)
-                    dkh[u0:u1, c0:c1] += np.matmul(dp.transpose(0, 2, 1), qi)
-                    dqi += np.matmul(dp, kj)
-                dqh[u0:u1, rows] = dqi
-
-        self._over_groups(groups, BKV, BKV * T * hd)
-        dq = self._from_heads_major(dqh, B, T, KVH, G)
-        dk = self._from_heads_major(dkh, B, S, KVH, 1)
-        dv = self._from_heads_major(dvh, B, S, KVH, 1)
-        return dq, dk, dv
+    def _blas_args(self, dt, scale):
+        fn, ilp64 = self._blas.gemm_address(dt)
+        return fn, ilp64, scale, dt.type(1), TILE_BQ, TILE_BK
 
     def attention_forward(self, q, k, v, start_pos=0):
         r"""Causal GQA attention (same contract as :func:`minillama.ops.attention_forward`):
@@ -606,8 +505,12 @@ class NumbaBackend(NumpyBackend):
                 pacc = np.empty((B * nsplit, T * H, hd), dtype=dt)
                 kern = self._k.attn_dec_parallel if par else self._k.attn_dec_serial
                 kern(q, k, v, starts, scale, nsplit, pm, pl, pacc, out, lse)
-            elif T >= TILED_MIN_T:
-                self._attn_fwd_tiled(q, k, v, starts, scale, out, lse)
+            elif self._tiled(T):
+                q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
+                fn, ilp64, scale, one, bq, bk = self._blas_args(dt, scale)
+                with cpu_threads.single_threaded_blas():
+                    self._k.attn_fwd_blas(fn, ilp64, q, k, v, starts, scale, one, bq, bk, out,
+                                          lse)
             else:
                 kern = self._k.attn_fwd_parallel if par else self._k.attn_fwd_serial
                 kern(q, k, v, starts, scale, out, lse)
@@ -629,11 +532,16 @@ class NumbaBackend(NumpyBackend):
         dout = dout if dout.dtype == q.dtype else dout.astype(q.dtype)
         B, T, H, hd = q.shape
         S = k.shape[1]
-        if T >= TILED_MIN_T and B * H:
-            return self._attn_bwd_tiled(q, k, v, out, dout, lse, starts, scale)
         dq = np.empty_like(q, order="C")
         dk = np.empty(k.shape, dtype=q.dtype)
         dv = np.empty(k.shape, dtype=q.dtype)
+        if self._tiled(T) and B * H:
+            fn, ilp64, scale, one, bq, bk = self._blas_args(q.dtype, scale)
+            dout = np.ascontiguousarray(dout)
+            with cpu_threads.single_threaded_blas():
+                self._k.attn_bwd_blas(fn, ilp64, q, k, v, out, dout, lse, starts, scale, one, bq,
+                                      bk, dq, dk, dv)
+            return dq, dk, dv
         keys = int(min(S, int(starts.max()) + T)) if B else 0
         work = 4 * B * H * T * keys * hd
         kern = self._k.attn_bwd_parallel if self._parallel(work) else self._k.attn_bwd_serial

@@ -87,24 +87,25 @@ def embedding_backward(dout, ctx):
 # ---------------------------------------------------------------------------------------------
 # Linear: one (N, in) x (in, out) GEMM, its rows split over threads
 # ---------------------------------------------------------------------------------------------
-def linear_forward(x, w):
-    r"""y = x W^T. x: (..., in); w: (out, in). Returns (y (..., out), ctx)."""
+def linear_forward(x, w, gemm=split_gemm):
+    r"""y = x W^T. x: (..., in); w: (out, in). Returns (y (..., out), ctx). ``gemm(a, b, out)``
+    computes out = a b (the numba backend passes its own)."""
     x2 = x.reshape(-1, x.shape[-1])
     y = np.empty((x2.shape[0], w.shape[0]), dtype=np.result_type(x, w))
-    split_gemm(x2, w.T, y)
+    gemm(x2, w.T, y)
     return y.reshape(*x.shape[:-1], w.shape[0]), (x, w)
 
 
-def linear_backward(dy, ctx):
+def linear_backward(dy, ctx, gemm=split_gemm):
     r"""dx = dy W, dW = dy^T x. Returns (dx (..., in), dW (out, in))."""
     x, w = ctx
     dy2 = dy.reshape(-1, dy.shape[-1])
     x2 = x.reshape(-1, x.shape[-1])
     dt = np.result_type(dy, x, w)
     dx = np.empty((dy2.shape[0], w.shape[1]), dtype=dt)
-    split_gemm(dy2, w, dx)
+    gemm(dy2, w, dx)
     dw = np.empty(w.shape, dtype=dt)
-    split_gemm(dy2.T, x2, dw)  # rows of dW = output features
+    gemm(dy2.T, x2, dw)  # rows of dW = output features
     return dx.reshape(*dy.shape[:-1], w.shape[1]), dw
 
 
@@ -422,6 +423,9 @@ class NumpyBackend(ReferenceBackend):
         super().__init__()
         tune_malloc()
 
+    #: out = a b for the linear layers' GEMMs (2-D a, b, out)
+    _gemm = staticmethod(split_gemm)
+
     # the loss head ------------------------------------------------------------------------
     _xent_grad_rows = staticmethod(xent_grad_rows)
     _lce_spare = None
@@ -481,7 +485,7 @@ class NumpyBackend(ReferenceBackend):
         dz, dx = ctx.dz, ctx.dx
         ctx.dz = ctx.dx = None
         dw = np.empty(ctx.w.shape, dtype=dz.dtype)
-        split_gemm(dz.T, ctx.x, dw)
+        self._gemm(dz.T, ctx.x, dw)
         d = float(np.asarray(dloss))
         if d != 1.0:
             dx *= d

@@ -47,15 +47,12 @@ def parallel_threshold(value: int):
     """Force the parallel (0) or the serial (huge) twin of every kernel."""
     from minillama.backends import numba_backend
 
-    old = (numba_backend.PARALLEL_MIN_WORK, numba_backend.ROPE_PARALLEL_MIN_SIZE,
-           numba_backend.TILE_PARALLEL)
+    old = (numba_backend.PARALLEL_MIN_WORK, numba_backend.ROPE_PARALLEL_MIN_SIZE)
     numba_backend.PARALLEL_MIN_WORK = numba_backend.ROPE_PARALLEL_MIN_SIZE = value
-    numba_backend.TILE_PARALLEL = value == 0
     try:
         yield
     finally:
-        (numba_backend.PARALLEL_MIN_WORK, numba_backend.ROPE_PARALLEL_MIN_SIZE,
-         numba_backend.TILE_PARALLEL) = old
+        numba_backend.PARALLEL_MIN_WORK, numba_backend.ROPE_PARALLEL_MIN_SIZE = old
 
 
 def _run_py(code: str, env_extra: dict | None = None) -> str:
@@ -312,25 +309,27 @@ def test_attention_each_path(dtype, T, parallel, rng):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_attention_tiled_groups_on_row_threads(dtype, rng, monkeypatch):
-    """The BLAS-tiled path with its B*KVH groups split over three row threads: every slice
-    masks with its own sequences' start positions (the group offset u0 reaches the kernels)."""
+@pytest.mark.parametrize("blas", [True, False])
+def test_attention_tiled_gqa_offsets(dtype, blas, rng, monkeypatch):
+    """The BLAS-tiled kernels (one (sequence, KV head) per thread item, each owning its rows of
+    dK and dV while its G query heads add into them) on partial query and key tiles, with every
+    sequence at its own start position; and the same case through the loop kernels, the
+    fallback when no OpenBLAS GEMM is found."""
     be = _numba_backend()
-    from minillama.backends import cpu_threads, numba_backend
+    from minillama.backends import numba_backend, numba_blas
 
-    monkeypatch.setenv("MINILLAMA_NUM_THREADS", "3")
-    monkeypatch.setattr(cpu_threads, "PARALLEL_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(numba_backend, "TILE_PARALLEL", False)
+    if blas and not numba_blas.available():
+        pytest.skip("NumPy's BLAS is not an OpenBLAS whose GEMM could be found")
     monkeypatch.setattr(numba_backend, "TILE_BQ", 16)
     monkeypatch.setattr(numba_backend, "TILE_BK", 32)
-    calls = []
-    real = cpu_threads.parallel_rows
-    monkeypatch.setattr(cpu_threads, "parallel_rows",
-                        lambda fn, n, work, xp: calls.append(n) or real(fn, n, work, xp))
+    monkeypatch.setattr(numba_blas, "available", (lambda: True) if blas else (lambda: False))
+    used = []
+    real = be._tiled
+    monkeypatch.setattr(be, "_tiled", lambda T: used.append(real(T)) or used[-1])
     starts = np.array([0, 40, 7, 100])
     q, k, v, dout = _attention_case(rng, dtype, 4, 50, 2, 2, 8, starts, 1)
     _check_attention(be, q, k, v, dout, starts, dtype)
-    assert calls[:2] == [8, 8]  # our forward and backward split the 4 x 2 groups
+    assert used == [blas, blas]  # the forward and the backward took the path under test
 
 
 # ---------------------------------------------------------------------------------------------
