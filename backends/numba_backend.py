@@ -319,8 +319,15 @@ class NumbaBackend(NumpyBackend):
         return dec if self._cache_lists(dec.cache, model.dtype) is not None else None
 
     # -----------------------------------------------------------------------------------------
-    # RMSNorm and SwiGLU: one Numba pass per row, row blocks on the threads of parallel_rows
+    # RMSNorm and SwiGLU: one Numba pass per row, row blocks over the Numba threads
     # -----------------------------------------------------------------------------------------
+    def _parts(self, n_rows: int, n_elements: int) -> int:
+        """Row blocks for a row-wise kernel: one per Numba thread, or 1 (run on the calling
+        thread) below :data:`.cpu_threads.PARALLEL_MIN_ELEMENTS` elements."""
+        if n_elements < cpu_threads.PARALLEL_MIN_ELEMENTS:
+            return 1
+        return max(1, min(self.num_threads, n_rows))
+
     def rmsnorm_forward(self, x, g, eps):
         r"""y = x r \odot g, r = 1/\sqrt{\mathrm{mean}(x^2) + \epsilon} (see
         :func:`minillama.ops.rmsnorm_forward`): one pass per row (Numba). x: (..., D); g: (D,).
@@ -335,8 +342,11 @@ class NumbaBackend(NumpyBackend):
         rstd = np.empty(N, dtype=dt)
         gc = np.ascontiguousarray(g)
         e, inv_d = dt.type(eps), dt.type(1.0 / D)
-        kern = self._k.rmsnorm_fwd_rows
-        cpu_threads.parallel_rows(lambda lo, hi: kern(x2, gc, e, inv_d, y, rstd, lo, hi), N, x2.size)
+        parts = self._parts(N, x2.size)
+        if parts > 1:
+            self._k.rmsnorm_fwd_par(x2, gc, e, inv_d, y, rstd, parts)
+        else:
+            self._k.rmsnorm_fwd_rows(x2, gc, e, inv_d, y, rstd, 0, N)
         return y.reshape(x.shape), (x2, rstd.reshape(*x.shape[:-1], 1), gc)
 
     def rmsnorm_backward(self, dy, ctx):
@@ -353,19 +363,15 @@ class NumbaBackend(NumpyBackend):
         r = rstd.reshape(-1)
         dx = np.empty((N, D), dtype=dt)
         inv_d = dt.type(1.0 / D)
-        parts = []
-        kern = self._k.rmsnorm_bwd_rows
-
-        def rows(lo, hi):
-            dg = np.zeros(D, dtype=dt)
-            kern(dy2, x2, r, g, inv_d, dx, dg, lo, hi)
-            parts.append((lo, dg))
-
-        cpu_threads.parallel_rows(rows, N, x2.size)
-        parts.sort(key=lambda p: p[0])
-        dg = parts[0][1]
-        for _, part in parts[1:]:
-            dg += part
+        parts = self._parts(N, x2.size)
+        dgp = np.zeros((parts, D), dtype=dt)
+        if parts > 1:
+            self._k.rmsnorm_bwd_par(dy2, x2, r, g, inv_d, dx, dgp)
+        else:
+            self._k.rmsnorm_bwd_rows(dy2, x2, r, g, inv_d, dx, dgp[0], 0, N)
+        dg = dgp[0]
+        for t in range(1, parts):
+            dg += dgp[t]
         return dx.reshape(dy.shape), dg
 
     def swiglu_forward(self, a, b):
@@ -382,8 +388,11 @@ class NumbaBackend(NumpyBackend):
         h = np.empty((N, F), dtype=dt)
         sig = np.empty((N, F), dtype=dt)
         one = dt.type(1)
-        kern = self._k.swiglu_fwd_rows
-        cpu_threads.parallel_rows(lambda lo, hi: kern(a2, b2, one, h, sig, lo, hi), N, a2.size)
+        parts = self._parts(N, a2.size)
+        if parts > 1:
+            self._k.swiglu_fwd_par(a2, b2, one, h, sig, parts)
+        else:
+            self._k.swiglu_fwd_rows(a2, b2, one, h, sig, 0, N)
         return h.reshape(a.shape), ("numba", a2, b2, sig)
 
     def swiglu_backward(self, dh, ctx):
@@ -397,8 +406,11 @@ class NumbaBackend(NumpyBackend):
         da = np.empty((N, F), dtype=a2.dtype)
         db = np.empty((N, F), dtype=a2.dtype)
         one = a2.dtype.type(1)
-        kern = self._k.swiglu_bwd_rows
-        cpu_threads.parallel_rows(lambda lo, hi: kern(dh2, a2, b2, sig, one, da, db, lo, hi), N, a2.size)
+        parts = self._parts(N, a2.size)
+        if parts > 1:
+            self._k.swiglu_bwd_par(dh2, a2, b2, sig, one, da, db, parts)
+        else:
+            self._k.swiglu_bwd_rows(dh2, a2, b2, sig, one, da, db, 0, N)
         return da.reshape(dh.shape), db.reshape(dh.shape)
 
     # -----------------------------------------------------------------------------------------
@@ -552,6 +564,19 @@ class NumbaBackend(NumpyBackend):
     # -----------------------------------------------------------------------------------------
     # softmax cross-entropy
     # -----------------------------------------------------------------------------------------
+    def _lce_blocks(self, x, w, targets, valid, scale, dz, dx, row_loss, R):
+        """The loss head's forward blocks (see :meth:`.NumpyBackend._lce_blocks`) in one Numba
+        kernel over the Numba threads, OpenBLAS's GEMMs called from it
+        (:func:`.numba_kernels.lce_fwd_blas`)."""
+        N = dz.shape[0]
+        if not (self._blas.available() and x.flags.c_contiguous and w.flags.c_contiguous):
+            return super()._lce_blocks(x, w, targets, valid, scale, dz, dx, row_loss, R)
+        fn, ilp64 = self._blas.gemm_address(dz.dtype)
+        parts = self._parts(N, dz.size)
+        with cpu_threads.single_threaded_blas():
+            self._k.lce_fwd_blas(fn, ilp64, x, w, targets, valid, scale, dz.dtype.type(1), dz,
+                                 dx, row_loss, R, parts)
+
     def _xent_grad_rows(self, z, targets, valid, scale, row_loss):
         """The loss head's per-block softmax pass (see
         :meth:`.NumpyBackend.linear_cross_entropy_forward`): the Numba kernel

@@ -891,3 +891,66 @@ def swiglu_bwd_rows(dh, a, b, sig, one, da, db, lo, hi):
             g = gr[j]
             dbr[j] = g * x * s
             dar[j] = g * br[j] * s * (one + x * (one - s))
+
+
+# the same kernels over the Numba threads: rows split into ``parts`` contiguous blocks
+@njit(inline="always")
+def _block(N, parts, t):
+    step = (N + parts - 1) // parts
+    return min(N, t * step), min(N, (t + 1) * step)
+
+
+@njit(parallel=True, **_opts)
+def rmsnorm_fwd_par(x, g, eps, inv_d, y, rstd, parts):
+    """:func:`rmsnorm_fwd_rows` on all N rows, in ``parts`` blocks over the threads."""
+    for t in prange(parts):
+        lo, hi = _block(x.shape[0], parts, t)
+        rmsnorm_fwd_rows(x, g, eps, inv_d, y, rstd, lo, hi)
+
+
+@njit(parallel=True, **_opts)
+def rmsnorm_bwd_par(dy, x, rstd, g, inv_d, dx, dgp):
+    """:func:`rmsnorm_bwd_rows` on all N rows, in dgp.shape[0] blocks over the threads; block t
+    adds its part of dg into dgp[t] (zeros on entry)."""
+    parts = dgp.shape[0]
+    for t in prange(parts):
+        lo, hi = _block(x.shape[0], parts, t)
+        rmsnorm_bwd_rows(dy, x, rstd, g, inv_d, dx, dgp[t], lo, hi)
+
+
+@njit(parallel=True, **_opts)
+def swiglu_fwd_par(a, b, one, h, sig, parts):
+    """:func:`swiglu_fwd_rows` on all N rows, in ``parts`` blocks over the threads."""
+    for t in prange(parts):
+        lo, hi = _block(a.shape[0], parts, t)
+        swiglu_fwd_rows(a, b, one, h, sig, lo, hi)
+
+
+@njit(parallel=True, **_opts)
+def swiglu_bwd_par(dh, a, b, sig, one, da, db, parts):
+    """:func:`swiglu_bwd_rows` on all N rows, in ``parts`` blocks over the threads."""
+    for t in prange(parts):
+        lo, hi = _block(a.shape[0], parts, t)
+        swiglu_bwd_rows(dh, a, b, sig, one, da, db, lo, hi)
+
+
+@njit(parallel=True, **_opts)
+def lce_fwd_blas(fn, ilp64, x, w, targets, valid, scale, one, dz, dx, row_loss, R, parts):
+    r"""The loss head's forward over the Numba threads, rows in blocks of R: per block
+    z = x W^T into its rows of dz (BLAS), z \leftarrow (\mathrm{softmax}(z) - e_y) \cdot scale
+    in place with the row losses (:func:`xent_grad_rows`), then its rows of dx = z W (BLAS).
+    x: (N, D); w: (V, D); dz: (N, V); dx: (N, D); all C-contiguous."""
+    N, V = dz.shape
+    D = x.shape[1]
+    isz = x.itemsize
+    zero = scale - scale
+    px, pw, pz, pdx = x.ctypes.data, w.ctypes.data, dz.ctypes.data, dx.ctypes.data
+    for t in prange(parts):
+        lo, hi = _block(N, parts, t)
+        for r0 in range(lo, hi, R):
+            r1 = min(hi, r0 + R)
+            gemm(fn, ilp64, False, True, r1 - r0, V, D, one, px + r0 * D * isz, D, pw, D, zero,
+                 pz + r0 * V * isz, V)
+            xent_grad_rows(dz[r0:r1], targets[r0:r1], valid[r0:r1], scale, row_loss[r0:r1])
+            gemm(fn, ilp64, False, False, r1 - r0, D, V, one, pz + r0 * V * isz, V, pw, D, zero,
+                 pdx + r0 * D * isz, D)

@@ -459,7 +459,16 @@ class NumpyBackend(ReferenceBackend):
             dz = np.empty((N, V), dtype=dt)
         dx = np.empty(x.shape, dtype=dt)
         row_loss = np.empty(N, dtype=dt)
-        R = max(1, LCE_BLOCK_ELEMENTS // V)
+        self._lce_blocks(x, w, safe_t, valid, scale, dz, dx, row_loss,
+                         max(1, LCE_BLOCK_ELEMENTS // V))
+        loss = np.asarray(row_loss.sum(dtype=np.float64) / count, dtype=dt)
+        return loss, _LCECtx(x, w, dz, dx)
+
+    def _lce_blocks(self, x, w, targets, valid, scale, dz, dx, row_loss, R):
+        """The loss head's forward work, rows in blocks of ``R`` on the threads of
+        :func:`.cpu_threads.parallel_rows`: per block z = x W^T into dz, the gradient of the
+        mean loss in place (:func:`xent_grad_rows`), its dx rows z W."""
+        N, V = dz.shape
         wt, kernel = w.T, self._xent_grad_rows
 
         def rows(lo, hi):
@@ -467,13 +476,11 @@ class NumpyBackend(ReferenceBackend):
                 r1 = min(hi, r0 + R)
                 zb = dz[r0:r1]
                 np.matmul(x[r0:r1], wt, out=zb)
-                kernel(zb, safe_t[r0:r1], valid[r0:r1], scale, row_loss[r0:r1])
+                kernel(zb, targets[r0:r1], valid[r0:r1], scale, row_loss[r0:r1])
                 np.matmul(zb, w, out=dx[r0:r1])
 
         with blas_for_rows(N):
             parallel_rows(rows, N, N * V)
-        loss = np.asarray(row_loss.sum(dtype=np.float64) / count, dtype=dt)
-        return loss, _LCECtx(x, w, dz, dx)
 
     def linear_cross_entropy_backward(self, dloss, ctx):
         r"""dx = \bar{z} W (from the forward) and dW = \bar{z}^T x (one GEMM over the rows), both

@@ -365,8 +365,9 @@ def test_cross_entropy_matches_reference(dtype, N, V, spread, ignore_frac, dloss
        seed=st.integers(0, 2**16))
 def test_loss_head_matches_reference(dtype, N, D, V, block, ignore_frac, dloss, seed):
     """The fused output projection + cross-entropy (Numba softmax pass per block of rows)
-    against the two reference ops, in blocks of 1 and 4 rows and in one block."""
-    from minillama.backends import numpy_backend
+    against the two reference ops, in blocks of 1 and 4 rows and in one block, the rows split
+    over the Numba threads (no size threshold)."""
+    from minillama.backends import cpu_threads, numpy_backend
 
     be = _numba_backend()
     rng = np.random.default_rng(seed)
@@ -374,13 +375,13 @@ def test_loss_head_matches_reference(dtype, N, D, V, block, ignore_frac, dloss, 
     w = rng.standard_normal((V, D)).astype(dtype)
     t = rng.integers(0, V, size=N)
     t[rng.random(N) < ignore_frac] = -1
-    old = numpy_backend.LCE_BLOCK_ELEMENTS
-    numpy_backend.LCE_BLOCK_ELEMENTS = block * V
+    old = numpy_backend.LCE_BLOCK_ELEMENTS, cpu_threads.PARALLEL_MIN_ELEMENTS
+    numpy_backend.LCE_BLOCK_ELEMENTS, cpu_threads.PARALLEL_MIN_ELEMENTS = block * V, 1
     try:
         loss, ctx = be.linear_cross_entropy_forward(x, w, t)
         dx, dw = be.linear_cross_entropy_backward(dloss, ctx)
     finally:
-        numpy_backend.LCE_BLOCK_ELEMENTS = old
+        numpy_backend.LCE_BLOCK_ELEMENTS, cpu_threads.PARALLEL_MIN_ELEMENTS = old
     loss_ref, ctx_ref = ops.linear_cross_entropy_forward(x, w, t)
     dx_ref, dw_ref = ops.linear_cross_entropy_backward(dloss, ctx_ref)
     tol = 4 * TOL[dtype]
@@ -393,15 +394,15 @@ def test_loss_head_matches_reference(dtype, N, D, V, block, ignore_frac, dloss, 
 
 
 # ---------------------------------------------------------------------------------------------
-# RMSNorm and SwiGLU (one Numba pass per row, row blocks on threads)
+# RMSNorm and SwiGLU (one Numba pass per row, row blocks over the Numba threads)
 # ---------------------------------------------------------------------------------------------
 @settings(max_examples=20, deadline=None)
 @given(dtype=st.sampled_from([np.float32, np.float64]), rows=st.integers(1, 40),
        D=st.integers(4, 70), threaded=st.booleans(), seed=st.integers(0, 2**16))
 def test_rmsnorm_and_swiglu_match_reference(dtype, rows, D, threaded, seed):
     """Values and every gradient against the float64 reference, serial and with the row
-    threads forced on (3 threads, no size threshold); SwiGLU inputs up to |a| ~ 100, where e^{-a}
-    overflows float32 (sigma must go to 0, not NaN)."""
+    blocks forced onto the Numba threads (no size threshold); SwiGLU inputs up to |a| ~ 100,
+    where e^{-a} overflows float32 (sigma must go to 0, not NaN)."""
     from minillama.backends import cpu_threads
 
     be = _numba_backend()
@@ -414,21 +415,16 @@ def test_rmsnorm_and_swiglu_match_reference(dtype, rows, D, threaded, seed):
     a.flat[::7] *= 25
     b = rng.standard_normal(a.shape).astype(dtype)
     dh = rng.standard_normal(a.shape).astype(dtype)
-    old = cpu_threads.PARALLEL_MIN_ELEMENTS, os.environ.get("MINILLAMA_NUM_THREADS")
+    old = cpu_threads.PARALLEL_MIN_ELEMENTS
     if threaded:
         cpu_threads.PARALLEL_MIN_ELEMENTS = 1
-        os.environ["MINILLAMA_NUM_THREADS"] = "3"
     try:
         y, c = be.rmsnorm_forward(x, g, 1e-5)
         dx, dg = be.rmsnorm_backward(dy, c)
         h, c = be.swiglu_forward(a, b)
         da, db = be.swiglu_backward(dh, c)
     finally:
-        cpu_threads.PARALLEL_MIN_ELEMENTS = old[0]
-        if old[1] is None:
-            os.environ.pop("MINILLAMA_NUM_THREADS", None)
-        else:
-            os.environ["MINILLAMA_NUM_THREADS"] = old[1]
+        cpu_threads.PARALLEL_MIN_ELEMENTS = old
     y_r, c = ops.rmsnorm_forward(x.astype(f64), g.astype(f64), 1e-5)
     dx_r, dg_r = ops.rmsnorm_backward(dy.astype(f64), c)
     with np.errstate(over="ignore"):
