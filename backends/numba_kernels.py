@@ -583,9 +583,9 @@ def attn_bwd_serial(q, k, v, out, dout, lse, starts, scale, dq, dk, dv):
 # c is key c0 + c; st is the sequence's start position.
 # ---------------------------------------------------------------------------------------------
 @njit(**_opts)
-def _tile_fwd(s, m, l, o, st, t0, c0, scale):
-    # s: (R, C) scores of the tile, becomes P = e^{x - m'}; m, l: (>= R,); o: (R, hd)
-    R, C = s.shape
+def _tile_fwd(s, R, C, m, l, o, st, t0, c0, scale):
+    # s[:R, :C] (s C-contiguous, so that each row is a contiguous vector): scores of the tile,
+    # becomes P = e^{x - m'}; m, l: (>= R,); o: (R, hd)
     hd = o.shape[1]
     zero = scale - scale
     for r in range(R):
@@ -615,9 +615,9 @@ def _tile_fwd(s, m, l, o, st, t0, c0, scale):
 
 
 @njit(**_opts)
-def _tile_bwd(s, dp, lse, D, st, t0, c0, scale):
-    # s: (R, C) scores, becomes P; dp: (R, C) dO V^T, becomes dS / sqrt(hd); lse, D: (>= R,)
-    R, C = s.shape
+def _tile_bwd(s, dp, R, C, lse, D, st, t0, c0, scale):
+    # s[:R, :C] scores, becomes P; dp[:R, :C] dO V^T, becomes dS / sqrt(hd) (both C-contiguous
+    # buffers); lse, D: (>= R,)
     zero = scale - scale
     for r in range(R):
         srow = s[r]
@@ -679,7 +679,7 @@ def attn_fwd_blas(fn, ilp64, q, k, v, starts, scale, one, BQ, BK, out, lse):
                     kva = ((b * S + c0) * KVH + kvh) * hd * isz
                     gemm(fn, ilp64, False, True, R, C, hd, one, qa, ldq, pk + kva, ldk, zero,
                          sbuf.ctypes.data, BK)
-                    _tile_fwd(sbuf[:R, :C], m, l, o, starts[b], t0, c0, scale)
+                    _tile_fwd(sbuf, R, C, m, l, o, starts[b], t0, c0, scale)
                     gemm(fn, ilp64, False, False, R, hd, C, one, sbuf.ctypes.data, BK, pv + kva,
                          ldk, one, oa, ldq)
                 for r in range(R):
@@ -737,7 +737,7 @@ def attn_bwd_blas(fn, ilp64, q, k, v, out, dout, lse, starts, scale, one, BQ, BK
                          zero, ps, BK)
                     gemm(fn, ilp64, False, True, R, C, hd, one, pdo + row, ldq, pv + kva, ldk,
                          zero, pp, BK)
-                    _tile_bwd(sbuf[:R, :C], pbuf[:R, :C], L, Dt, starts[b], t0, c0, scale)
+                    _tile_bwd(sbuf, pbuf, R, C, L, Dt, starts[b], t0, c0, scale)
                     gemm(fn, ilp64, True, False, C, hd, R, one, ps, BK, pdo + row, ldq, one,
                          pdv + kva, ldk)
                     gemm(fn, ilp64, True, False, C, hd, R, one, pp, BK, pq + row, ldq, one,
