@@ -169,11 +169,14 @@ class NumbaBackend(NumpyBackend):
         g = np.ascontiguousarray(grad, dtype=dt).reshape(-1)
         f = dt.type
         b1, b2 = float(beta1), float(beta2)
-        kern = (k.adamw_parallel if param.size >= k.PARALLEL_MIN_SIZE and self.num_threads > 1
-                else k.adamw_serial)
-        kern(param.reshape(-1), g, m.reshape(-1), v.reshape(-1), f(1.0 - lr * wd), f(b1),
-             f(1.0 - b1), f(b2), f(1.0 - b2), f(1.0 / math.sqrt(1.0 - b2 ** step)), f(eps),
-             f(lr / (1.0 - b1 ** step)))
+        args = (param.reshape(-1), g, m.reshape(-1), v.reshape(-1), f(1.0 - lr * wd), f(b1),
+                f(1.0 - b1), f(b2), f(1.0 - b2), f(1.0 / math.sqrt(1.0 - b2 ** step)), f(eps),
+                f(lr / (1.0 - b1 ** step)))
+        threads = self.num_threads
+        if param.size >= k.PARALLEL_MIN_SIZE and threads > 1:
+            k.adamw_parallel(*args, threads)
+        else:
+            k.adamw_serial(*args)
 
     # -----------------------------------------------------------------------------------------
     # the fused decode step
