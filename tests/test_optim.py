@@ -242,7 +242,7 @@ def test_numba_fused_adamw_matches_array_path_and_hand_computed(dtype):
     except MinillamaError as e:
         pytest.skip(f"numba backend unavailable: {e}")
     rng = np.random.default_rng(3)
-    shapes = dict(SHAPES, **{"layers.0.feed_forward.w1.weight": (600, 512)})  # > 2^18: parallel
+    shapes = dict(SHAPES, **{"layers.0.feed_forward.w1.weight": (600, 512)})  # > 2^14: parallel
     start = {k: rng.normal(size=s).astype(dtype) for k, s in shapes.items()}
     fused = {k: a.copy() for k, a in start.items()}
     plain = {k: a.copy() for k, a in start.items()}
