@@ -1,11 +1,12 @@
 #!/usr/bin/env python
-"""The matrix products of one training step, side by side: minillama's GEMM (NumPy's OpenBLAS,
-rows split over the op threads with one-threaded BLAS each, as the CPU backends run them), the
-same product with OpenBLAS's own threads, and PyTorch's (MKL / oneDNN) at the same thread count.
+"""The matrix products of one training step, side by side: minillama's GEMM as the chosen backend
+runs it (``--backend numba``, the default: OpenBLAS called from Numba kernels, rows split over
+the Numba threads; ``numpy``: rows split over Python threads, one-threaded BLAS each), the same
+product with OpenBLAS's own threads, and PyTorch's (MKL / oneDNN) at the same thread count.
 Each linear layer of a benchmark shape has three products per step: the forward y = x W^T, and
 backward dx = dy W and dW = dy^T x. Best of ``--reps``; the last column is torch time / ours.
 
-    python scripts/bench_gemm.py --configs tiny,s15 --threads 2
+    python scripts/bench_gemm.py --backend numba --configs tiny,s15 --threads 2
 
 This says how much of a training-step gap to PyTorch is the GEMM library itself.
 """
@@ -20,6 +21,7 @@ import _bench_common
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="numba", help="numba (default) or numpy")
     ap.add_argument("--configs", default="tiny,s15", help="comma list of: tiny, s15")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
@@ -32,7 +34,7 @@ _bench_common.pin_threads(ARGS.threads)
 import numpy as np  # noqa: E402
 
 from minillama import ModelConfig  # noqa: E402
-from minillama.backends import cpu_threads  # noqa: E402
+from minillama.backends import get_backend  # noqa: E402
 
 #: name -> (config, B, T)
 CONFIGS = _bench_common.train_configs()
@@ -54,8 +56,9 @@ def main() -> int:
         torch.set_num_threads(ARGS.threads)
     except ImportError:
         torch = None
+    gemm = get_backend(ARGS.backend)._gemm
     print(f"# GEMMs of one training step — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-          f"threads={ARGS.threads}, numpy {np.__version__}"
+          f"backend {ARGS.backend}, threads={ARGS.threads}, numpy {np.__version__}"
           + (f", torch {torch.__version__}" if torch else ", no torch"))
     print("\n| config | product | M x K x N | ours ms (GFLOP/s) | OpenBLAS threads ms | "
           "torch ms (GFLOP/s) | torch/ours |")
@@ -78,7 +81,7 @@ def main() -> int:
                                       ("dx = dy W", dy, w, (N, out_f, in_f)),
                                       ("dW = dy^T x", dy.T, x, (out_f, N, in_f))):
                 out = np.empty((a.shape[0], b.shape[1]), np.float32)
-                t_ours = best(lambda: cpu_threads.split_gemm(a, b, out), ARGS.reps)
+                t_ours = best(lambda: gemm(a, b, out), ARGS.reps)
                 t_blas = best(lambda: np.matmul(a, b, out=out), ARGS.reps)
                 flops = 2.0 * shape[0] * shape[1] * shape[2]
                 row = (f"| {name} | {lname} {prod} | {' x '.join(map(str, shape))} "
