@@ -158,8 +158,9 @@ def matmul(a, b, out, threads: int, beta: float = 0.0) -> bool:
     r"""out \leftarrow a b + \beta\, out for 2-D float32/float64 arrays a: (M, K), b: (K, N),
     out: (M, N) (rows contiguous), each operand row-major or the transpose of a row-major array;
     the rows of ``out`` are split over ``threads`` Numba threads, OpenBLAS on one thread in
-    each. Returns False (and does nothing) when the arrays do not fit or no OpenBLAS GEMM was
-    found: the caller then uses NumPy."""
+    each (products under :data:`SPLIT_MIN_MACS` run on the calling thread). Returns False (and
+    does nothing) when the arrays do not fit, no OpenBLAS GEMM was found, or a large product has
+    too few rows to split (fewer than 2 :data:`SPLIT_MIN_ROWS`): the caller then uses NumPy."""
     dt = out.dtype
     if (dt not in (np.float32, np.float64) or a.dtype != dt or b.dtype != dt or a.ndim != 2
             or b.ndim != 2 or out.ndim != 2 or not available()):
@@ -175,9 +176,13 @@ def matmul(a, b, out, threads: int, beta: float = 0.0) -> bool:
     ldc = out.strides[0] // isz
     if out.strides[0] % isz or ldc < N:
         return False
+    parts = 1
+    if M * N * K >= SPLIT_MIN_MACS and threads > 1:
+        if M < 2 * SPLIT_MIN_ROWS:
+            return False  # a few rows of a large product (prefill): OpenBLAS's threads split N
+        parts = min(threads, M // SPLIT_MIN_ROWS)
     fn, ilp64 = gemm_address(dt)
     alpha, beta_ = dt.type(1), dt.type(beta)
-    parts = min(threads, M // SPLIT_MIN_ROWS) if M * N * K >= SPLIT_MIN_MACS else 1
     with cpu_threads.single_threaded_blas():
         if parts > 1:
             _gemm_rows(fn, ilp64, oa[0], ob[0], M, N, K, alpha, a.ctypes.data, oa[1],

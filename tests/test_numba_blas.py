@@ -26,11 +26,12 @@ def _operand(rng, rows, cols, dt, transposed):
 @pytest.mark.parametrize("ta,tb", list(itertools.product([False, True], repeat=2)))
 @pytest.mark.parametrize("beta", [0.0, 1.0])
 def test_matmul_matches_numpy(dt, M, K, N, ta, tb, beta, rng, monkeypatch):
-    monkeypatch.setattr(numba_blas, "SPLIT_MIN_MACS", 0)  # split even the small products
+    monkeypatch.setattr(numba_blas, "SPLIT_MIN_MACS", 0)  # split even the small products,
+    monkeypatch.setattr(numba_blas, "SPLIT_MIN_ROWS", 1)  # down to one row per thread
     a, b = _operand(rng, M, K, dt, ta), _operand(rng, K, N, dt, tb)
     out0 = rng.standard_normal((M, N)).astype(dt)
     out = out0.copy()
-    assert numba_blas.matmul(a, b, out, threads=3, beta=beta)
+    assert numba_blas.matmul(a, b, out, threads=3 if M >= 2 else 1, beta=beta)
     ref = a.astype(np.float64) @ b + beta * out0
     tol = 1e-5 if dt == np.float32 else 1e-12
     assert np.abs(out - ref).max() <= tol * max(1.0, np.abs(ref).max())
@@ -65,3 +66,15 @@ def test_matmul_declines_what_it_cannot_do(rng):
     assert not numba_blas.matmul(a, b, np.zeros((6, 5), dtype=np.float32).T.copy().T,
                                  threads=2)  # out not row-major
     assert (out == 0).all()
+
+
+def test_matmul_leaves_few_row_large_products_to_openblas(rng):
+    """A prefill-like product (a few rows, large K N) is declined when threads > 1, so that
+    OpenBLAS's own threads split its columns; on one thread it runs."""
+    a = rng.standard_normal((5, 512)).astype(np.float32)
+    b = rng.standard_normal((512, 1024)).astype(np.float32)
+    out = np.zeros((5, 1024), dtype=np.float32)
+    assert not numba_blas.matmul(a, b, out, threads=2)
+    assert not out.any()
+    assert numba_blas.matmul(a, b, out, threads=1)
+    np.testing.assert_allclose(out, a @ b, rtol=1e-4, atol=1e-4)
