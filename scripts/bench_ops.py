@@ -13,6 +13,12 @@ in-kernel scratch (not traced). The test suite checks the same with the peak RSS
 ``--scripts`` also runs scripts/bench_train.py and scripts/bench_decode.py with
 ``--backend numpy`` and ``--backend numba`` and prints their reports.
 
+``--torch`` prints instead causal attention forward and backward on the training benchmarks'
+shapes (scripts/bench_train.py's tiny and s15), the numba backend beside PyTorch's
+scaled_dot_product_attention, in turns:
+
+    python scripts/bench_ops.py --torch --threads 2 --reps 9
+
 ``--latent`` prints instead the cost of the latent (Perceiver-style) block of
 minillama/latent.py beside a full self-attention block over the same L inputs, as L grows:
 forward + backward time and the size of the attention matrices (B H M L against B H L^2).
@@ -49,6 +55,9 @@ def parse_args(argv=None):
                     help="only the latent block against full self-attention, as L grows")
     ap.add_argument("--latent-L", default="256,1024,4096", help="input lengths for --latent")
     ap.add_argument("--latents", type=int, default=32, help="M, latents for --latent")
+    ap.add_argument("--torch", action="store_true",
+                    help="only causal attention, numba against PyTorch's SDPA, on the training "
+                         "benchmarks' shapes (tiny, s15)")
     ap.add_argument("--scripts", action="store_true",
                     help="also run bench_train.py / bench_decode.py on both backends")
     return ap.parse_args(argv)
@@ -78,12 +87,60 @@ def peak_alloc(fn) -> int:
 
 
 def numba_scratch_bytes(nb_threads: int, G: int, hd: int, itemsize: int = 4) -> int:
-    """Upper bound of the attention kernels' scratch: per running work item two (BR G, BC)
-    tiles, a (BR G, hd) accumulator and a few (BR G) / (hd) vectors."""
+    """Upper bound of the attention kernels' scratch: per running work item, for the loop
+    kernels two (BR G, BC) tiles, a (BR G, hd) accumulator and a few (BR G) / (hd) vectors; for
+    the BLAS-tiled kernels (T >= 16) two (TILE_BQ, TILE_BK) tiles and four TILE_BQ vectors."""
+    from minillama.backends import numba_backend as NB  # noqa: PLC0415
     from minillama.backends import numba_kernels as K  # noqa: PLC0415
 
     R = K.BR * G
-    return nb_threads * itemsize * (2 * R * K.BC + R * hd + 4 * R + 2 * hd)
+    loops = 2 * R * K.BC + R * hd + 4 * R + 2 * hd
+    tiled = 2 * NB.TILE_BQ * NB.TILE_BK + 4 * NB.TILE_BQ
+    return nb_threads * itemsize * max(loops, tiled)
+
+
+def bench_attention_torch(nb, reps):
+    """Causal attention forward and backward, the numba backend against PyTorch's
+    scaled_dot_product_attention (its CPU flash kernel; GQA through ``enable_gqa``) on the
+    training benchmarks' attention shapes, float32. Rows of a markdown table."""
+    import torch  # noqa: PLC0415
+
+    torch.set_num_threads(ARGS.threads)
+    F = torch.nn.functional
+    rows = []
+    for name in ("tiny", "s15"):
+        kw, B, T = _bench_common.train_configs()[name]
+        H, KVH = kw["n_heads"], kw["n_kv_heads"]
+        hd = kw["dim"] // H
+        rng = np.random.default_rng(0)
+        q, do = (rng.standard_normal((B, T, H, hd)).astype(np.float32) for _ in range(2))
+        k, v = (rng.standard_normal((B, T, KVH, hd)).astype(np.float32) for _ in range(2))
+        tq, tk, tv = (torch.from_numpy(a).transpose(1, 2).contiguous().requires_grad_()
+                      for a in (q, k, v))
+        tdo = torch.from_numpy(do).transpose(1, 2).contiguous()
+
+        def t_fwd():
+            return F.scaled_dot_product_attention(tq, tk, tv, is_causal=True,
+                                                  enable_gqa=KVH != H)
+
+        def t_bwd(out):
+            tq.grad = tk.grad = tv.grad = None
+            out.backward(tdo)
+
+        nb.attention_backward(do, nb.attention_forward(q, k, v)[1])  # warm-up
+        t_bwd(t_fwd())
+        res = {"numba": [], "torch": []}
+        for _ in range(reps):  # the two sides take turns
+            res["numba"].append((best(lambda: nb.attention_forward(q, k, v), 1),
+                                 best(lambda c: nb.attention_backward(do, c), 1,
+                                      setup=lambda: nb.attention_forward(q, k, v)[1])))
+            res["torch"].append((best(t_fwd, 1), best(t_bwd, 1, setup=t_fwd)))
+        (f1, b1), (f2, b2) = ([min(x[i] for x in res[s]) for i in (0, 1)]
+                              for s in ("numba", "torch"))
+        rows.append(f"| {name} | {B}x{T}x{H}/{KVH}x{hd} | {fmt_ms(f1)} | {fmt_ms(f2)} "
+                    f"| {f2 / f1:.2f} | {fmt_ms(b1)} | {fmt_ms(b2)} | {b2 / b1:.2f} "
+                    f"| {(f2 + b2) / (f1 + b1):.2f} |")
+    return rows
 
 
 def clock() -> float:
@@ -302,6 +359,21 @@ def main() -> int:
             print(row, flush=True)
         return 0
     nb = get_backend("numba")
+    if ARGS.torch:
+        import torch  # noqa: PLC0415
+
+        print(f"# bench_ops --torch: causal attention, numba vs PyTorch SDPA — "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+        print(f"numpy {np.__version__}, numba {nb._numba.__version__}, torch {torch.__version__}; "
+              f"threads={ARGS.threads}; clock={ARGS.clock}; load average "
+              f"{os.getloadavg()[0]:.1f}")
+        print(f"command: python {' '.join(sys.argv)}\n")
+        print("| config | B x T x H/KVH x hd | numba fwd ms | torch fwd ms | torch/numba "
+              "| numba bwd ms | torch bwd ms | torch/numba | fwd+bwd torch/numba |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for row in bench_attention_torch(nb, max(ARGS.reps, 5)):
+            print(row, flush=True)
+        return 0
     print(f"# bench_ops: numba vs numpy — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     cpu = platform.processor() or platform.machine()
     print(f"machine: {cpu}, {os.cpu_count()} CPUs; python {platform.python_version()}, numpy "
