@@ -4,7 +4,9 @@ runs it (``--backend numba``, the default: OpenBLAS called from Numba kernels, r
 the Numba threads; ``numpy``: rows split over Python threads, one-threaded BLAS each), the same
 product with OpenBLAS's own threads, and PyTorch's (MKL / oneDNN) at the same thread count.
 Each linear layer of a benchmark shape has three products per step: the forward y = x W^T, and
-backward dx = dy W and dW = dy^T x. Best of ``--reps``; the last column is torch time / ours.
+backward dx = dy W and dW = dy^T x. Best of ``--reps``, each side after ``--gap`` seconds of
+sleep (measured 2026-11-23: timed right after PyTorch's product, while its OpenMP threads were
+still spinning, one of ours ran 7x slower); the last column is torch time / ours.
 
     python scripts/bench_gemm.py --backend numba --configs tiny,s15 --threads 2
 
@@ -25,6 +27,10 @@ def parse_args(argv=None):
     ap.add_argument("--configs", default="tiny,s15", help="comma list of: tiny, s15")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--gap", type=float, default=0.3,
+                    help="seconds of sleep before each timed product, so that the previous "
+                         "side's idle threads have stopped spinning (default 0.3; see "
+                         "scripts/bench_train.py --gap)")
     return ap.parse_args(argv)
 
 
@@ -41,6 +47,8 @@ CONFIGS = _bench_common.train_configs()
 
 
 def best(fn, reps):
+    if ARGS.gap > 0:
+        time.sleep(ARGS.gap)
     fn()
     t = np.inf
     for _ in range(reps):
