@@ -471,9 +471,9 @@ class NumbaBackend(NumpyBackend):
         """Whether attention over T query positions takes the BLAS-tiled kernels."""
         return T >= TILED_MIN_T and self._blas.available()
 
-    def _blas_args(self, dt, scale):
-        fn, ilp64 = self._blas.gemm_address(dt)
-        return fn, ilp64, scale, dt.type(1), TILE_BQ, TILE_BK
+    def _gemm_fn(self, dt):
+        """(address, ilp64) of OpenBLAS's GEMM for dtype ``dt`` (see :mod:`.numba_blas`)."""
+        return self._blas.gemm_address(dt)
 
     def attention_forward(self, q, k, v, start_pos=0):
         r"""Causal GQA attention (same contract as :func:`minillama.ops.attention_forward`):
@@ -523,10 +523,10 @@ class NumbaBackend(NumpyBackend):
                 kern(q, k, v, starts, scale, nsplit, pm, pl, pacc, out, lse)
             elif self._tiled(T):
                 q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
-                fn, ilp64, scale, one, bq, bk = self._blas_args(dt, scale)
+                fn, ilp64 = self._gemm_fn(dt)
                 with cpu_threads.single_threaded_blas():
-                    self._k.attn_fwd_blas(fn, ilp64, q, k, v, starts, scale, one, bq, bk, out,
-                                          lse)
+                    self._k.attn_fwd_blas(fn, ilp64, q, k, v, starts, scale, dt.type(1), TILE_BQ,
+                                          TILE_BK, out, lse)
             else:
                 kern = self._k.attn_fwd_parallel if par else self._k.attn_fwd_serial
                 kern(q, k, v, starts, scale, out, lse)
@@ -552,11 +552,11 @@ class NumbaBackend(NumpyBackend):
         dk = np.empty(k.shape, dtype=q.dtype)
         dv = np.empty(k.shape, dtype=q.dtype)
         if self._tiled(T) and B * H:
-            fn, ilp64, scale, one, bq, bk = self._blas_args(q.dtype, scale)
+            fn, ilp64 = self._gemm_fn(q.dtype)
             dout = np.ascontiguousarray(dout)
             with cpu_threads.single_threaded_blas():
-                self._k.attn_bwd_blas(fn, ilp64, q, k, v, out, dout, lse, starts, scale, one, bq,
-                                      bk, dq, dk, dv)
+                self._k.attn_bwd_blas(fn, ilp64, q, k, v, out, dout, lse, starts, scale,
+                                      q.dtype.type(1), TILE_BQ, TILE_BK, dq, dk, dv)
             return dq, dk, dv
         keys = int(min(S, int(starts.max()) + T)) if B else 0
         work = 4 * B * H * T * keys * hd
@@ -575,7 +575,7 @@ class NumbaBackend(NumpyBackend):
         N = dz.shape[0]
         if not (self._blas.available() and x.flags.c_contiguous and w.flags.c_contiguous):
             return super()._lce_blocks(x, w, targets, valid, scale, dz, dx, row_loss, R)
-        fn, ilp64 = self._blas.gemm_address(dz.dtype)
+        fn, ilp64 = self._gemm_fn(dz.dtype)
         parts = self._parts(N, dz.size)
         with cpu_threads.single_threaded_blas():
             self._k.lce_fwd_blas(fn, ilp64, x, w, targets, valid, scale, dz.dtype.type(1), dz,
