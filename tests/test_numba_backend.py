@@ -478,6 +478,36 @@ def test_model_on_numba_matches_numpy(rng):
         pos = pos + 1
 
 
+def test_training_step_stays_on_the_numba_threads(rng, monkeypatch):
+    """With NumPy's OpenBLAS found, a float32 training step with every op above its parallel
+    threshold never wakes the Python row threads (cpu_threads.parallel_rows): its GEMMs,
+    attention, norms and loss head all run on the Numba threads. Waking that pool costs
+    0.1-0.3 ms per call on a small VM (docs/BENCHMARKS.md, fourth session)."""
+    _numba_backend()
+    from minillama.backends import cpu_threads, numba_blas
+    from minillama.config import ModelConfig
+    from minillama.model import Transformer
+
+    if not numba_blas.available():
+        pytest.skip("NumPy's BLAS is not an OpenBLAS whose GEMM could be found")
+
+    def woken(*args, **kwargs):
+        raise AssertionError("the numba training step woke the Python row threads")
+
+    monkeypatch.setattr(cpu_threads, "PARALLEL_MIN_ELEMENTS", 1)  # (the NumPy paths' thresholds
+    monkeypatch.setattr(cpu_threads, "SPLIT_GEMM_MIN_MACS", 0)  # too: a fallback would show)
+    monkeypatch.setattr(numba_blas, "SPLIT_MIN_MACS", 0)
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61,
+                      multiple_of=16, max_seq_len=64)
+    model = Transformer(cfg, backend="numba", dtype=np.float32, seed=1)
+    tok = rng.integers(0, 61, size=(2, 40))
+    want, _ = Transformer(cfg, params=model.params, backend="numpy",
+                          dtype=np.float32).loss_and_grads(tok, tok)
+    monkeypatch.setattr(cpu_threads, "parallel_rows", woken)
+    loss, _ = model.loss_and_grads(tok, tok)
+    assert abs(float(loss) - float(want)) <= 1e-5 * abs(float(want))
+
+
 # ---------------------------------------------------------------------------------------------
 # memory: O(T) per head beyond inputs and outputs
 # ---------------------------------------------------------------------------------------------
