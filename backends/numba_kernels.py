@@ -634,6 +634,15 @@ def _tile_bwd(s, dp, R, C, lse, D, st, t0, c0, scale):
             dprow[c] = zero
 
 
+@njit(inline="always")
+def _attn_dims(q, k):
+    # B, T, H, hd, S, KVH, G and the row strides (in numbers) of q (B, T, H, hd) and k (B, S,
+    # KVH, hd), both C-contiguous
+    B, T, H, hd = q.shape
+    S, KVH = k.shape[1], k.shape[2]
+    return B, T, H, hd, S, KVH, H // KVH, H * hd, KVH * hd
+
+
 @njit(parallel=True, **_opts)
 def attn_fwd_blas(fn, ilp64, q, k, v, starts, scale, one, BQ, BK, out, lse):
     r"""Causal GQA attention, forward, tile by tile with an online softmax:
@@ -648,12 +657,9 @@ def attn_fwd_blas(fn, ilp64, q, k, v, starts, scale, one, BQ, BK, out, lse):
     ``prange`` item; the products are OpenBLAS GEMMs (address ``fn``, see :mod:`.numba_blas`)
     on that item's thread, read from and written to q, k, v, out in place (leading dimensions
     H hd and KVH hd), so nothing is transposed or copied."""
-    B, T, H, hd = q.shape
-    S, KVH = k.shape[1], k.shape[2]
-    G = H // KVH
+    B, T, H, hd, S, KVH, G, ldq, ldk = _attn_dims(q, k)
     isz = q.itemsize
     zero = scale - scale
-    ldq, ldk = H * hd, KVH * hd
     pq, pk, pv, po = q.ctypes.data, k.ctypes.data, v.ctypes.data, out.ctypes.data
     for u in prange(B * KVH):
         b = u // KVH
@@ -699,12 +705,9 @@ def attn_bwd_blas(fn, ilp64, q, k, v, out, dout, lse, starts, scale, one, BQ, BK
     Shapes as in the forward; dq: (B, T, H, hd), dk, dv: (B, S, KVH, hd), C-contiguous, written
     completely. One (sequence, KV head) per ``prange`` item, which owns its rows of dk and dv
     (its G query heads are summed there in turn, so no two threads write the same rows)."""
-    B, T, H, hd = q.shape
-    S, KVH = k.shape[1], k.shape[2]
-    G = H // KVH
+    B, T, H, hd, S, KVH, G, ldq, ldk = _attn_dims(q, k)
     isz = q.itemsize
     zero = scale - scale
-    ldq, ldk = H * hd, KVH * hd
     pq, pk, pv, pdo = q.ctypes.data, k.ctypes.data, v.ctypes.data, dout.ctypes.data
     pdq, pdk, pdv = dq.ctypes.data, dk.ctypes.data, dv.ctypes.data
     for u in prange(B * KVH):
