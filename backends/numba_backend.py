@@ -41,7 +41,7 @@ import numpy as np
 
 from .. import ops
 from ..errors import MinillamaError
-from . import cpu_threads, numpy_backend
+from . import cpu_threads
 from .numpy_backend import NumpyBackend
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -118,17 +118,14 @@ class NumbaBackend(NumpyBackend):
                 and w.flags.c_contiguous):
             y = self._gemv.gemv(x.reshape(rows, K), w)
             return y.reshape(*x.shape[:-1], w.shape[0]), (x, w)
-        return numpy_backend.linear_forward(x, w, self._gemm)
-
-    def linear_backward(self, dy, ctx):
-        r"""dx = dy W, dW = dy^T x (see :func:`minillama.ops.linear_backward`), both GEMMs on
-        the Numba threads (:meth:`_gemm`). Returns (dx (..., in), dW (out, in))."""
-        return numpy_backend.linear_backward(dy, ctx, self._gemm)
+        return super().linear_forward(x, w)
 
     def _gemm(self, a, b, out):
-        """out = a b with the rows split over the Numba threads, each calling OpenBLAS on one
-        thread (:func:`.numba_blas.matmul`); :func:`.cpu_threads.split_gemm` where that does
-        not apply (no OpenBLAS found, odd strides, other dtypes)."""
+        """out = a b for every linear GEMM (forward and backward, see
+        :meth:`.NumpyBackend.linear_forward`): the rows split over the Numba threads, each
+        calling OpenBLAS on one thread (:func:`.numba_blas.matmul`);
+        :func:`.cpu_threads.split_gemm` where that does not apply (no OpenBLAS found, odd
+        strides, other dtypes)."""
         if not self._blas.matmul(a, b, out, self.num_threads):
             cpu_threads.split_gemm(a, b, out)
 
@@ -373,10 +370,7 @@ class NumbaBackend(NumpyBackend):
             self._k.rmsnorm_bwd_par(dy2, x2, r, g, inv_d, dx, dgp)
         else:
             self._k.rmsnorm_bwd_rows(dy2, x2, r, g, inv_d, dx, dgp[0], 0, N)
-        dg = dgp[0]
-        for t in range(1, parts):
-            dg += dgp[t]
-        return dx.reshape(dy.shape), dg
+        return dx.reshape(dy.shape), dgp.sum(axis=0)
 
     def swiglu_forward(self, a, b):
         r"""h = \mathrm{silu}(a) \odot b, \mathrm{silu}(a) = a \sigma(a) (see

@@ -89,7 +89,7 @@ def embedding_backward(dout, ctx):
 # ---------------------------------------------------------------------------------------------
 def linear_forward(x, w, gemm=split_gemm):
     r"""y = x W^T. x: (..., in); w: (out, in). Returns (y (..., out), ctx). ``gemm(a, b, out)``
-    computes out = a b (the numba backend passes its own)."""
+    computes out = a b (the backends pass their own)."""
     x2 = x.reshape(-1, x.shape[-1])
     y = np.empty((x2.shape[0], w.shape[0]), dtype=np.result_type(x, w))
     gemm(x2, w.T, y)
@@ -423,8 +423,16 @@ class NumpyBackend(ReferenceBackend):
         super().__init__()
         tune_malloc()
 
-    #: out = a b for the linear layers' GEMMs (2-D a, b, out)
+    #: out = a b for the linear layers' GEMMs (2-D a, b, out); the numba backend overrides it
     _gemm = staticmethod(split_gemm)
+
+    def linear_forward(self, x, w):
+        r"""y = x W^T (:func:`linear_forward`, its GEMM by :attr:`_gemm`)."""
+        return linear_forward(x, w, self._gemm)
+
+    def linear_backward(self, dy, ctx):
+        r"""dx = dy W, dW = dy^T x (:func:`linear_backward`, its GEMMs by :attr:`_gemm`)."""
+        return linear_backward(dy, ctx, self._gemm)
 
     # the loss head ------------------------------------------------------------------------
     _xent_grad_rows = staticmethod(xent_grad_rows)
@@ -501,8 +509,6 @@ class NumpyBackend(ReferenceBackend):
         return dx, dw
 
     embedding_backward = staticmethod(embedding_backward)
-    linear_forward = staticmethod(linear_forward)
-    linear_backward = staticmethod(linear_backward)
     rmsnorm_forward = staticmethod(rmsnorm_forward)
     rmsnorm_backward = staticmethod(rmsnorm_backward)
     rope_forward = staticmethod(rope_forward)
