@@ -115,7 +115,8 @@ def gemm(fn, ilp64, ta, tb, m, n, k, alpha, pa, lda, pb, ldb, beta, pc, ldc):
     r"""C \leftarrow \alpha\, \mathrm{op}(A)\, \mathrm{op}(B) + \beta C by the CBLAS GEMM at address
     ``fn`` (row-major; ``ta``/``tb``: transpose A/B), on the calling thread. ``pa, pb, pc`` are
     the addresses of the first elements (``arr.ctypes.data`` plus a byte offset); m, n, k, lda,
-    ldb, ldc as in CBLAS; alpha and beta in the dtype of the matrices. For Numba kernels."""
+    ldb, ldc as in CBLAS; alpha and beta in the dtype of the matrices. Inlined into the Numba
+    kernels that call it; :func:`matmul` calls it from Python for an unsplit product."""
     m, n, k = np.int64(m), np.int64(n), np.int64(k)
     lda, ldb, ldc = np.int64(lda), np.int64(ldb), np.int64(ldc)
     pa, pb, pc = np.int64(pa), np.int64(pb), np.int64(pc)
@@ -135,11 +136,6 @@ def _gemm_rows(fn, ilp64, ta, tb, m, n, k, alpha, pa, lda, pb, ldb, beta, pc, ld
             offa = lo if ta else lo * lda  # row lo of op(A): column lo of a transposed A
             gemm(fn, ilp64, ta, tb, hi - lo, n, k, alpha, pa + offa * isz, lda, pb, ldb, beta,
                  pc + lo * ldc * isz, ldc)
-
-
-@njit(**_opts)
-def _gemm_one(fn, ilp64, ta, tb, m, n, k, alpha, pa, lda, pb, ldb, beta, pc, ldc):
-    gemm(fn, ilp64, ta, tb, m, n, k, alpha, pa, lda, pb, ldb, beta, pc, ldc)
 
 
 def _operand(x, isz):
@@ -188,6 +184,6 @@ def matmul(a, b, out, threads: int, beta: float = 0.0) -> bool:
             _gemm_rows(fn, ilp64, oa[0], ob[0], M, N, K, alpha, a.ctypes.data, oa[1],
                        b.ctypes.data, ob[1], beta_, out.ctypes.data, ldc, isz, parts)
         else:
-            _gemm_one(fn, ilp64, oa[0], ob[0], M, N, K, alpha, a.ctypes.data, oa[1],
-                      b.ctypes.data, ob[1], beta_, out.ctypes.data, ldc)
+            gemm(fn, ilp64, oa[0], ob[0], M, N, K, alpha, a.ctypes.data, oa[1], b.ctypes.data,
+                 ob[1], beta_, out.ctypes.data, ldc)
     return True
