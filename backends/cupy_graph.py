@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import MinillamaError
+from ..generate import ChunkDecoder
 from ..generate import stream_greedy  # noqa: F401  (the loop that drives a GraphDecoder)
 
 _STEP_SRC = r"""
@@ -126,7 +127,7 @@ def unsupported_reason(model, batch_size: int = 1) -> str | None:
     return None
 
 
-class GraphDecoder:
+class GraphDecoder(ChunkDecoder):
     """Greedy decoding of ``model`` (a float32 CuPy-backend Transformer) for ``batch_size``
     sequences of up to ``max_seq_len`` positions, one CUDA graph replay per token.
 
@@ -249,21 +250,10 @@ class GraphDecoder:
         self._P, self._done = P, 1
         return cp.asnumpy(first)
 
-    def room(self) -> int:
-        """How many more ids :meth:`more` can decode before the cache is full."""
-        if self._P is None:
-            return 0
-        return self.S - self._P - self._done + 1
-
     def more(self, k: int) -> np.ndarray:
         """Replay the step ``k`` times; the k new ids of every sequence, (B, k) on the host (one
         synchronisation per call)."""
-        k = int(k)
-        if self._P is None:
-            raise MinillamaError("GraphDecoder.more: call prefill first")
-        if k < 0 or k > self.room():
-            raise MinillamaError(f"{k} more tokens after {self._done} decoded from position "
-                                 f"{self._P} exceed the cache length {self.S}")
+        k = self._check_more(k)
         if k == 0:
             return np.zeros((self.B, 0), dtype=np.int64)
         if self.graph is None:

@@ -41,6 +41,7 @@ import numpy as np
 
 from .. import ops
 from ..errors import MinillamaError
+from ..generate import ChunkDecoder, _finite, nonfinite_error
 from . import cpu_threads
 from .numpy_backend import NumpyBackend
 
@@ -638,7 +639,7 @@ def _model_args(plan, kc, vc):
             plan["sin"], plan["eps"], plan["heads"], plan["zero"])
 
 
-class GreedyDecoder:
+class GreedyDecoder(ChunkDecoder):
     """Greedy decoding of one sequence on the numba backend, many steps per compiled call.
 
     :func:`.numba_decode.decode_step_one` with an ``ids`` buffer of k entries runs k greedy
@@ -662,8 +663,6 @@ class GreedyDecoder:
     def prefill(self, prompt) -> np.ndarray:
         """Run the (1, P) prompt through the model (per-op path, BLAS), filling the cache; the
         first new id (argmax of the last position's logits), shape (1,)."""
-        from ..generate import _finite  # noqa: PLC0415
-
         prompt = np.asarray(prompt, dtype=np.int64)
         if prompt.ndim != 2 or prompt.shape[0] != 1:
             raise MinillamaError(f"prompt must be (1, P) token ids, got {prompt.shape}")
@@ -675,19 +674,10 @@ class GreedyDecoder:
         self._P, self._done = P, 1
         return np.array([self._last], dtype=np.int64)
 
-    def room(self) -> int:
-        """How many more ids :meth:`more` can decode before the cache is full."""
-        return 0 if self._P is None else self.S - self._P - self._done + 1
-
     def more(self, k: int) -> np.ndarray:
         """Up to ``k`` more greedy ids, (1, k') with k' = k unless a stop id came first (then it
         is the last id). Raises on logits holding NaN/inf."""
-        k = int(k)
-        if self._P is None:
-            raise MinillamaError("GreedyDecoder.more: call prefill first")
-        if k < 0 or k > self.room():
-            raise MinillamaError(f"{k} more tokens after {self._done} decoded from position "
-                                 f"{self._P} exceed the cache length {self.S}")
+        k = self._check_more(k)
         ids = np.empty(k, dtype=np.int64)
         if k == 0:
             return ids[None]
@@ -701,8 +691,6 @@ class GreedyDecoder:
             *_model_args(plan, kc, vc), logits, be.num_threads, self.stop, ids)
         ids = ids[:n]
         if n and ids[-1] < 0:
-            from ..generate import nonfinite_error  # noqa: PLC0415
-
             raise nonfinite_error(f"position {p0 + n - 1}")
         self._done += n
         self._last = int(ids[-1])

@@ -181,6 +181,32 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
             yield step_out
 
 
+class ChunkDecoder:
+    """What the decoders driven by :func:`stream_greedy` share (the numba backend's
+    :class:`~minillama.backends.numba_backend.GreedyDecoder` and the CUDA-graph
+    :class:`~minillama.backends.cupy_graph.GraphDecoder`): a cache of ``S`` positions, the prompt
+    length ``_P`` (None before ``prefill``) and ``_done`` ids decoded so far, the prefill's
+    included. Subclasses set those and provide ``prefill`` and ``more``."""
+
+    S: int = 0
+    _P: int | None = None
+    _done: int = 0
+
+    def room(self) -> int:
+        """How many more ids :meth:`more` can decode before the cache is full."""
+        return 0 if self._P is None else self.S - self._P - self._done + 1
+
+    def _check_more(self, k) -> int:
+        """``k`` as an int, after checking that ``prefill`` ran and that k ids fit the cache."""
+        k = int(k)
+        if self._P is None:
+            raise MinillamaError(f"{type(self).__name__}.more: call prefill first")
+        if k < 0 or k > self.room():
+            raise MinillamaError(f"{k} more tokens after {self._done} decoded from position "
+                                 f"{self._P} exceed the cache length {self.S}")
+        return k
+
+
 def stream_greedy(decoder, prompt_ids, max_new_tokens: int, max_seq_len: int,
                   stop_ids=(), stats=None, chunk: int = 16):
     """Greedy generation of one prompt through ``decoder`` (one that decodes several steps per
