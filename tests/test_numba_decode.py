@@ -66,25 +66,33 @@ def _prefill(model, prompts, S):
     return cache
 
 
-@pytest.mark.parametrize("kvh", [2, 4, 1])
-def test_fused_step_matches_reference_per_sequence_positions(calls, kvh):
-    ref, fast = _pair(n_kv_heads=kvh)
-    S = ref.cfg.max_seq_len
-    rng = np.random.default_rng(1)
-    lens = [3, 9, S - 1]  # the last sequence writes the final slot of the context
+def _fused_step_matches(ref, fast, calls, lens, rng, tol):
+    """Prefill random prompts of ``lens`` tokens on both models, then one decode step at
+    per-sequence positions: the fast model takes one fused call, and its logits and every
+    cache row equal the reference's within ``tol``. Returns the two caches."""
+    S, B = ref.cfg.max_seq_len, len(lens)
     prompts = [rng.integers(0, 61, n).tolist() for n in lens]
     c_ref, c_fast = _prefill(ref, prompts, S), _prefill(fast, prompts, S)
-    tok = rng.integers(0, 61, (3, 1))
+    tok = rng.integers(0, 61, (B, 1))
     pos = np.array(lens)
     want = ref.forward(tok, start_pos=pos, cache=c_ref, last_only=True)
     before = calls["calls"]
     got = fast.forward(tok, start_pos=pos, cache=c_fast, last_only=True)
     assert calls["calls"] == before + 1
-    assert got.shape == want.shape == (3, 61) and got.dtype == np.float32
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    assert got.shape == want.shape == (B, 61) and got.dtype == ref.dtype
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
     for layer in range(ref.cfg.n_layers):
         for got_c, want_c in ((c_fast.k[layer], c_ref.k[layer]), (c_fast.v[layer], c_ref.v[layer])):
-            np.testing.assert_allclose(got_c, want_c, rtol=2e-5, atol=2e-5 * np.abs(want_c).max())
+            np.testing.assert_allclose(got_c, want_c, rtol=tol, atol=tol * np.abs(want_c).max())
+    return c_ref, c_fast
+
+
+@pytest.mark.parametrize("kvh", [2, 4, 1])
+def test_fused_step_matches_reference_per_sequence_positions(calls, kvh):
+    ref, fast = _pair(n_kv_heads=kvh)
+    rng = np.random.default_rng(1)
+    lens = [3, 9, ref.cfg.max_seq_len - 1]  # the last one writes the final slot of the context
+    c_ref, c_fast = _fused_step_matches(ref, fast, calls, lens, rng, 2e-5)
     # without last_only the (B, 1, V) shape of the per-op forward
     tok2 = rng.integers(0, 61, (3, 1))
     pos2 = np.array([4, 10, 2])
@@ -100,21 +108,9 @@ def test_many_sequences_by_groups_of_rows_match_reference(calls, dtype, tol):
     then single sequences (13 = 8 + 4 + 1 here); every sequence must get the reference's
     logits and cache rows, whatever group it falls in."""
     ref, fast = _pair(dtype=dtype)
-    S = ref.cfg.max_seq_len
     rng = np.random.default_rng(2)
-    lens = [int(n) for n in rng.integers(1, S - 1, 13)]
-    prompts = [rng.integers(0, 61, n).tolist() for n in lens]
-    c_ref, c_fast = _prefill(ref, prompts, S), _prefill(fast, prompts, S)
-    tok = rng.integers(0, 61, (13, 1))
-    pos = np.array(lens)
-    want = ref.forward(tok, start_pos=pos, cache=c_ref, last_only=True)
-    before = calls["calls"]
-    got = fast.forward(tok, start_pos=pos, cache=c_fast, last_only=True)
-    assert calls["calls"] == before + 1
-    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
-    for layer in range(ref.cfg.n_layers):
-        for got_c, want_c in ((c_fast.k[layer], c_ref.k[layer]), (c_fast.v[layer], c_ref.v[layer])):
-            np.testing.assert_allclose(got_c, want_c, rtol=tol, atol=tol * np.abs(want_c).max())
+    lens = [int(n) for n in rng.integers(1, ref.cfg.max_seq_len - 1, 13)]
+    _fused_step_matches(ref, fast, calls, lens, rng, tol)
 
 
 def test_greedy_tokens_equal_reference_batch(calls):
