@@ -218,8 +218,9 @@ def stream_greedy(decoder, prompt_ids, max_new_tokens: int, max_seq_len: int,
     (``max_new_tokens``, capped where the context of ``max_seq_len`` positions ends).
 
     The decoder runs ``chunk`` steps per call, so Python (and for the graph the host) is back
-    once per chunk (the text still streams); ids decoded past a stop token are discarded. ``stats`` (a
-    :class:`~minillama.generate.GenerationStats`) is filled in as in the eager loop."""
+    once per chunk (the text still streams); ids decoded past a stop token are discarded.
+    ``stats`` (a :class:`~minillama.generate.GenerationStats`) is filled in as in the eager
+    loop."""
     prompt = [int(t) for t in prompt_ids]
     P = len(prompt)
     budget = int(min(max_new_tokens, max_seq_len - P + 1))
