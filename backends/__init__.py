@@ -24,10 +24,10 @@ from ..errors import MinillamaError
 
 #: name -> "module:Class", imported lazily
 BACKENDS: dict[str, str] = {
-    "numpy": "minillama.backends.numpy_backend:NumpyBackend",
-    "reference": "minillama.backends.reference_backend:ReferenceBackend",
-    "numba": "minillama.backends.numba_backend:NumbaBackend",
-    "cupy": "minillama.backends.cupy_backend:CupyBackend",
+    "numpy": "minillama.backends.numpy.backend:NumpyBackend",
+    "reference": "minillama.backends.reference:ReferenceBackend",
+    "numba": "minillama.backends.numba.backend:NumbaBackend",
+    "cupy": "minillama.backends.cupy.backend:CupyBackend",
 }
 
 ENV_VAR = "MINILLAMA_BACKEND"

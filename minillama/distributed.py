@@ -147,7 +147,7 @@ def blas_share(threads: int | None):
     other ranks slow every step. None, or a BLAS that is not OpenBLAS, leaves it alone."""
     api = None
     if threads:
-        from .backends.cpu_threads import openblas_api  # noqa: PLC0415
+        from .backends.numpy.threads import openblas_api  # noqa: PLC0415
 
         api = openblas_api()
     if api is None:

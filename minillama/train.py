@@ -101,7 +101,7 @@ class TrainConfig:
     ckpt_interval: int | None = None
     backend: str | None = None
     dtype: str = "float32"
-    precision: str = "fp32"  # or tf32 / bf16 GPU matrix products (backends/mixed_precision.py)
+    precision: str = "fp32"  # or tf32 / bf16 GPU matrix products (backends/cupy/mixed_precision.py)
     seed: int = 0
     out: str = "runs/default"
     time_limit: float | None = None  # minutes; save and stop cleanly when reached
@@ -160,7 +160,7 @@ class TrainConfig:
         if self.backend is not None and not isinstance(self.backend, str):
             raise MinillamaError(f"train config: backend must be a name, got {self.backend!r}")
         backend = resolve_name(self.backend)  # an unknown name (or $MINILLAMA_BACKEND) fails now
-        from .backends.mixed_precision import check_precision  # noqa: PLC0415
+        from .backends.cupy.mixed_precision import check_precision  # noqa: PLC0415
 
         try:
             check_precision(self.precision, backend, self.dtype)
@@ -327,7 +327,7 @@ class Trainer:
                 raise MinillamaError(f"--init-from: {self.tc.init_from} has {diff[0]}="
                                      f"{theirs[diff[0]]!r}, this run asks for {mine[diff[0]]!r}")
         from .backends import get_backend  # noqa: PLC0415
-        from .backends.mixed_precision import with_precision  # noqa: PLC0415
+        from .backends.cupy.mixed_precision import with_precision  # noqa: PLC0415
 
         backend = with_precision(get_backend(self.tc.backend), self.tc.precision)
         return Transformer(self.cfg, params, backend=backend, dtype=np.dtype(self.tc.dtype),

@@ -5,12 +5,12 @@ Prints two markdown tables with the peer side by side (ratio > 1: minillama is f
 
 * training step tokens/s (forward + backward + AdamW update) for the s15 and s110 shapes;
 * KV-cached greedy decode tokens/s at batch 1 and batch 8 (prefill not counted): minillama eager
-  and with the whole step captured as one CUDA graph (``minillama.backends.cupy_graph``), against
+  and with the whole step captured as one CUDA graph (``minillama.backends.cupy.graph``), against
   PyTorch eager and PyTorch with a static KV cache and one CUDA graph per step;
 * next to the float32 training step, PyTorch's ``torch.autocast`` bf16 step (the mixed-precision
   peer);
 * with ``--precisions`` (default fp32,tf32,bf16): the training step of ``minillama train
-  --precision P`` (backends/mixed_precision.py) against its PyTorch peer at the same precision:
+  --precision P`` (backends/cupy/mixed_precision.py) against its PyTorch peer at the same precision:
   fp32 against eager with TF32 off, tf32 against eager with ``allow_tf32`` on (matmuls and
   cuDNN), bf16 against ``torch.autocast(bfloat16)``; the first loss is compared with the fp32 one.
 
@@ -71,7 +71,7 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------------------------------
 def ml_train_step(model, opt_state, tok, tgt):
     """One step: loss_and_grads, then the fused AdamW kernel on every parameter."""
-    from minillama.backends.cupy_backend import adamw_update  # noqa: PLC0415
+    from minillama.backends.cupy.backend import adamw_update  # noqa: PLC0415
 
     loss, grads = model.loss_and_grads(tok, tgt)
     opt_state["t"] += 1
@@ -317,7 +317,7 @@ def _time_ml(cfg, params, tok, tgt, args, precision: str):
     import cupy as cp  # noqa: PLC0415
 
     from minillama.backends import get_backend  # noqa: PLC0415
-    from minillama.backends.mixed_precision import with_precision  # noqa: PLC0415
+    from minillama.backends.cupy.mixed_precision import with_precision  # noqa: PLC0415
 
     be = with_precision(get_backend("cupy"), precision)
     model = Transformer(cfg, params, backend=be, dtype=np.float32)
@@ -402,7 +402,7 @@ def bench_decode(name, batch, args, torch_ok):
     model = Transformer(cfg, params, backend="cupy", dtype=np.float32)
     ml_decode(model, prompt, min(8, n))  # warm-up: compiles the decode kernels
     ml_ids, ml_s = ml_decode(model, prompt, n)
-    from minillama.backends.cupy_graph import GraphDecoder  # noqa: PLC0415
+    from minillama.backends.cupy.graph import GraphDecoder  # noqa: PLC0415
 
     GraphDecoder(model, batch, args.prompt + n).generate(prompt, min(8, n))  # warm-up
     dec = GraphDecoder(model, batch, args.prompt + n)
@@ -495,7 +495,7 @@ def main(argv=None) -> int:
 
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     if not args.no_train and precisions:
-        from minillama.backends.mixed_precision import PRECISIONS  # noqa: PLC0415
+        from minillama.backends.cupy.mixed_precision import PRECISIONS  # noqa: PLC0415
 
         bad = [p for p in precisions if p not in PRECISIONS]
         if bad:

@@ -36,7 +36,7 @@ _bench_common.pin_threads(ARGS.threads)
 import numpy as np  # noqa: E402  (after the thread settings)
 
 from minillama import ModelConfig, Transformer  # noqa: E402
-from minillama.backends.numpy_backend import NumpyBackend  # noqa: E402
+from minillama.backends.numpy.backend import NumpyBackend  # noqa: E402
 from minillama.model import init_params  # noqa: E402
 
 #: name -> (B, T, default steps)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from minillama.backends import cuda_build as cb
+from minillama.backends.cupy import build as cb
 from minillama.errors import MinillamaError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ __global__ void broken(T* x, int n) {
 def test_graph_decoder_step_kernels_compile(nvrtc, arch, tmp_path):
     """The CUDA-graph decoder's own kernels (inline in cupy_graph.py: cache write, matrix-vector
     products, the token/position advance) compile for the A100 and the H100 without spills."""
-    from minillama.backends.cupy_graph import _STEP_SRC  # noqa: PLC0415
+    from minillama.backends.cupy.graph import _STEP_SRC  # noqa: PLC0415
 
     src = tmp_path / "graph_step.cu"
     src.write_text(_STEP_SRC)
@@ -223,7 +223,7 @@ def _run(code: str, env=None) -> subprocess.CompletedProcess:
 
 def test_import_minillama_never_imports_cupy():
     r = _run("import sys, minillama, minillama.model, minillama.backends\n"
-             "import minillama.backends.cuda_build\n"
+             "import minillama.backends.cupy.build\n"
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'cupy_backends')))")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from minillama import ops
-from minillama.backends import cuda_build as cb
-from minillama.backends import cupy_backend as cbk
+from minillama.backends.cupy import build as cb
+from minillama.backends.cupy import backend as cbk
 
 EMU_HEADER = r"""// Minimal CPU emulation of the CUDA features the minillama kernels use: one OS thread per CUDA
 // thread, blocks run one after another (so function-static "__shared__" arrays are per block),
@@ -427,7 +427,7 @@ def test_flash_attention(be, case, precision):
 def _colmajor_gemm(plan, A, B, C, dtype_code, compute):
     """cublasGemmEx in NumPy: A, B, C are flat buffers read as column-major matrices with the
     plan's leading dimensions; C = op(A) op(B) (bf16 operands as their bit patterns)."""
-    from minillama.backends import mixed_precision as mp  # noqa: PLC0415
+    from minillama.backends.cupy import mixed_precision as mp  # noqa: PLC0415
 
     def mat(buf, rows, cols, ld):
         v = buf.reshape(-1)
@@ -456,7 +456,7 @@ def test_mixed_precision_cupy_path(be, monkeypatch, precision):
     plans of gemm_plan run by a column-major NumPy GEMM) gives the NumPy emulation's products:
     the kernel's bf16 bits equal mixed_precision.bf16_bits bit for bit (ties, NaN, infinities,
     overflow, denormals), and y, dx, dW agree to float32 rounding."""
-    from minillama.backends import mixed_precision as mp  # noqa: PLC0415
+    from minillama.backends.cupy import mixed_precision as mp  # noqa: PLC0415
 
     monkeypatch.setattr(mp, "_cublas_gemm", _colmajor_gemm)
     be.name = "cupy"
@@ -485,7 +485,7 @@ def test_mixed_precision_cupy_path(be, monkeypatch, precision):
 def test_mixed_precision_whole_model(be, monkeypatch):
     """A bf16 training step of a whole model through the CuPy path (emulated kernels, the cuBLAS
     calls replayed in NumPy) gives the loss and gradients of the NumPy bf16 emulation."""
-    from minillama.backends import mixed_precision as mp  # noqa: PLC0415
+    from minillama.backends.cupy import mixed_precision as mp  # noqa: PLC0415
     from minillama.backends import get_backend  # noqa: PLC0415
     from minillama.config import ModelConfig  # noqa: PLC0415
     from minillama.model import Transformer  # noqa: PLC0415

@@ -1,6 +1,6 @@
 """``minillama generate --cuda-graph`` without a GPU: the flag's validation (one line, status 2,
 before any model loads), which models the CUDA-graph decoder takes, and the chunked streaming
-loop that drives it (:func:`minillama.backends.cupy_graph.stream_greedy`), run here against an
+loop that drives it (:func:`minillama.backends.cupy.graph.stream_greedy`), run here against an
 eager stand-in with the decoder's interface: the same tokens, stop rule and budget as the eager
 loop of :func:`minillama.generate.generate_steps`. The graph itself (GraphDecoder on a GPU) is
 checked by tests/test_cupy_backend.py, which skips without one.
@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 
-from minillama.backends.cupy_graph import MAX_BATCH, stream_greedy, unsupported_reason
+from minillama.backends.cupy.graph import MAX_BATCH, stream_greedy, unsupported_reason
 from minillama.checkpoint import save_checkpoint
 from minillama.cli import main
 from minillama.config import ModelConfig

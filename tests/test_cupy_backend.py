@@ -30,8 +30,8 @@ except MinillamaError as _e:
 else:
     import cupy as cp
 
-    from minillama.backends import cuda_build as cb
-    from minillama.backends import cupy_backend as cbk
+    from minillama.backends.cupy import build as cb
+    from minillama.backends.cupy import backend as cbk
 
     pytestmark = pytest.mark.gpu
 
@@ -378,7 +378,7 @@ def test_graph_decoder_matches_eager_greedy_decode():
     """The decode step captured once as a CUDA graph (positions and tokens advanced on the
     device) gives the ids of the eager KV-cached greedy decode, at batch 1 and 3, and again
     when the captured graph is replayed after a new prefill."""
-    from minillama.backends.cupy_graph import GraphDecoder
+    from minillama.backends.cupy.graph import GraphDecoder
     from minillama.config import ModelConfig
     from minillama.model import Transformer
 
@@ -403,7 +403,7 @@ def test_graph_decoder_streams_in_chunks_like_the_eager_loop():
     """stream_greedy over the real GraphDecoder (replays in chunks, one read-back per chunk)
     gives generate_steps' greedy tokens, with a stop token in the middle of a chunk and with
     the context's end capping the budget."""
-    from minillama.backends.cupy_graph import GraphDecoder, stream_greedy
+    from minillama.backends.cupy.graph import GraphDecoder, stream_greedy
     from minillama.config import ModelConfig
     from minillama.generate import generate_steps
     from minillama.model import Transformer
@@ -457,7 +457,7 @@ def test_mixed_precision_products_match_the_emulation(precision, tol):
     the same equations (bf16: the products of rounded operands are exact, only the summation
     order differs; TF32: cuBLAS may round the operands otherwise than cvt.rna (truncation would
     double the operand error to 2^-10), hence 5e-3; a wrong call plan errs by O(1))."""
-    from minillama.backends import mixed_precision as mp
+    from minillama.backends.cupy import mixed_precision as mp
 
     fast = mp.MixedPrecisionBackend(BE, precision)
     emu = mp.MixedPrecisionBackend(get_backend("numpy"), precision, emulate=True)

@@ -458,7 +458,7 @@ def test_guard_exits_quietly_on_other_ranks_and_aborts_on_local_failures(capsys)
 
 
 def test_blas_share_holds_openblas_at_the_share():
-    from minillama.backends.cpu_threads import openblas_api
+    from minillama.backends.numpy.threads import openblas_api
 
     api = openblas_api()
     if api is None:

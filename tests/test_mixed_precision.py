@@ -1,5 +1,5 @@
 """Mixed-precision training (``--precision tf32|bf16``) checked on the CPU: the bf16/TF32
-rounding, the emulated products (the equations of backends/mixed_precision.py), a short training
+rounding, the emulated products (the equations of backends/cupy/mixed_precision.py), a short training
 run whose emulated-bf16 and emulated-TF32 loss curves track float32, and the option's validation.
 The CuPy code path (conversion kernel + cuBLAS call plan) is driven on the CPU by
 tests/test_cuda_emulated.py and on a GPU by tests/test_cupy_backend.py.
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from minillama.backends import get_backend
-from minillama.backends.mixed_precision import (MixedPrecisionBackend, bf16_bits, bf16_to_f32,
+from minillama.backends.cupy.mixed_precision import (MixedPrecisionBackend, bf16_bits, bf16_to_f32,
                                                 check_precision, round_bf16, round_tf32,
                                                 with_precision)
 from minillama.cli import main

@@ -45,7 +45,7 @@ def rel_err(got, ref) -> float:
 @contextlib.contextmanager
 def parallel_threshold(value: int):
     """Force the parallel (0) or the serial (huge) twin of every kernel."""
-    from minillama.backends import numba_backend
+    from minillama.backends.numba import backend as numba_backend
 
     old = (numba_backend.PARALLEL_MIN_WORK, numba_backend.ROPE_PARALLEL_MIN_SIZE)
     numba_backend.PARALLEL_MIN_WORK = numba_backend.ROPE_PARALLEL_MIN_SIZE = value
@@ -70,14 +70,14 @@ def _run_py(code: str, env_extra: dict | None = None) -> str:
 def test_import_minillama_does_not_import_numba():
     out = _run_py("""
         import sys
-        import minillama, minillama.model, minillama.backends.numba_backend
-        print('numba' in sys.modules, 'minillama.backends.numba_kernels' in sys.modules)
+        import minillama, minillama.model, minillama.backends.numba.backend
+        print('numba' in sys.modules, 'minillama.backends.numba.kernels' in sys.modules)
     """)
     assert out.split() == ["False", "False"]
 
 
 def test_missing_numba_is_a_clear_error(monkeypatch):
-    from minillama.backends.numba_backend import NumbaBackend
+    from minillama.backends.numba.backend import NumbaBackend
 
     monkeypatch.setitem(sys.modules, "numba", None)  # makes `import numba` raise ImportError
     with pytest.raises(MinillamaError, match="pip install numba"):
@@ -94,7 +94,7 @@ def test_threads_follow_numba_num_threads():
 
 def test_fastmath_keeps_inf_and_nan():
     _numba_backend()
-    from minillama.backends import numba_kernels
+    from minillama.backends.numba import kernels as numba_kernels
 
     assert "nnan" not in numba_kernels.FASTMATH and "ninf" not in numba_kernels.FASTMATH
     assert "fast" not in numba_kernels.FASTMATH
@@ -104,7 +104,7 @@ def test_fast_exp_float32():
     _numba_backend()
     from numba import njit
 
-    from minillama.backends.numba_kernels import fexp
+    from minillama.backends.numba.kernels import fexp
 
     @njit
     def apply(x, y):
@@ -295,7 +295,7 @@ def test_attention_each_path(dtype, T, parallel, rng):
     """Each attention path on a GQA case with per-sequence offsets: decode kernel (T <= 4),
     loop kernels (short T) and the BLAS-tiled path (several query and key tiles)."""
     be = _numba_backend()
-    from minillama.backends import numba_backend
+    from minillama.backends.numba import backend as numba_backend
 
     starts = np.array([5, 300, 0])
     q, k, v, dout = _attention_case(rng, dtype, 3, T, 2, 3, 16, starts, 3)
@@ -316,7 +316,7 @@ def test_attention_tiled_gqa_offsets(dtype, blas, rng, monkeypatch):
     sequence at its own start position; and the same case through the loop kernels, the
     fallback when no OpenBLAS GEMM is found."""
     be = _numba_backend()
-    from minillama.backends import numba_backend, numba_blas
+    from minillama.backends.numba import backend as numba_backend, blas as numba_blas
 
     if blas and not numba_blas.available():
         pytest.skip("NumPy's BLAS is not an OpenBLAS whose GEMM could be found")
@@ -367,7 +367,7 @@ def test_loss_head_matches_reference(dtype, N, D, V, block, ignore_frac, dloss, 
     """The fused output projection + cross-entropy (Numba softmax pass per block of rows)
     against the two reference ops, in blocks of 1 and 4 rows and in one block, the rows split
     over the Numba threads (no size threshold)."""
-    from minillama.backends import cpu_threads, numpy_backend
+    from minillama.backends.numpy import backend as numpy_backend, threads as cpu_threads
 
     be = _numba_backend()
     rng = np.random.default_rng(seed)
@@ -403,7 +403,7 @@ def test_rmsnorm_and_swiglu_match_reference(dtype, rows, D, threaded, seed):
     """Values and every gradient against the float64 reference, serial and with the row
     blocks forced onto the Numba threads (no size threshold); SwiGLU inputs up to |a| ~ 100,
     where e^{-a} overflows float32 (sigma must go to 0, not NaN)."""
-    from minillama.backends import cpu_threads
+    from minillama.backends.numpy import threads as cpu_threads
 
     be = _numba_backend()
     rng = np.random.default_rng(seed)
@@ -484,7 +484,8 @@ def test_training_step_stays_on_the_numba_threads(rng, monkeypatch):
     attention, norms and loss head all run on the Numba threads. Waking that pool costs
     0.1-0.3 ms per call on a small VM (docs/BENCHMARKS.md, fourth session)."""
     _numba_backend()
-    from minillama.backends import cpu_threads, numba_blas
+    from minillama.backends.numba import blas as numba_blas
+    from minillama.backends.numpy import threads as cpu_threads
     from minillama.config import ModelConfig
     from minillama.model import Transformer
 

@@ -1,4 +1,4 @@
-"""The numba backend's fused decode step (backends/numba_decode.py) against the reference per-op
+"""The numba backend's fused decode step (backends/numba/decode.py) against the reference per-op
 forward: logits, KV-cache contents, greedy tokens, GQA, per-sequence positions up to the end of
 the context, in-place and replaced weights, and what it declines."""
 
@@ -39,7 +39,7 @@ def _pair(dtype=np.float32, seed=0, **kw):
 @pytest.fixture
 def calls(monkeypatch):
     """Counts the fused kernel's calls (so a test knows the fused path ran, not the fallback)."""
-    from minillama.backends import numba_decode
+    from minillama.backends.numba import decode as numba_decode
 
     n = {"calls": 0}
 
@@ -185,7 +185,7 @@ def test_single_sequence_kernel_matches_reference_and_batched_kernel(calls, kvh,
     """B = 1 runs decode_step_one (plain row loops); it must give the reference's logits and
     cache rows, and the batched tile kernel on the same input must agree with it. head_dim 6
     makes RoPE pairs straddle the 4-row tiles of the batched kernel."""
-    from minillama.backends import numba_decode
+    from minillama.backends.numba import decode as numba_decode
 
     extra = {} if head_dim is None else {"head_dim": head_dim}
     ref, fast = _pair(dtype=dtype, n_kv_heads=kvh, **extra)

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from minillama import ops
-from minillama.backends import cpu_threads, get_backend
-from minillama.backends.numpy_backend import NumpyBackend
-from minillama.backends.reference_backend import ReferenceBackend
+from minillama.backends import get_backend
+from minillama.backends.numpy import threads as cpu_threads
+from minillama.backends.numpy.backend import NumpyBackend
+from minillama.backends.reference import ReferenceBackend
 
 #: max |fast - ref| / max |ref| allowed: float64 is exact up to reordered sums
 TOL = {np.float32: 2e-6, np.float64: 1e-13}
@@ -233,7 +234,7 @@ def test_loss_head_blocks_and_buffer_reuse(rng, monkeypatch, block):
     """The fused loss head in blocks of 1 and 3 rows and in one block, on 3 threads, equals the
     reference; a second step reuses the (N, V) buffer and still gives the same answer; a second
     backward of one forward is a clear error."""
-    from minillama.backends import numpy_backend
+    from minillama.backends.numpy import backend as numpy_backend
     from minillama.errors import MinillamaError
 
     monkeypatch.setattr(numpy_backend, "LCE_BLOCK_ELEMENTS", block * 13)

@@ -26,7 +26,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from .numba_blas import gemm
+from .blas import gemm
 
 #: fast-math flags that keep inf/nan meaningful (no 'nnan', no 'ninf')
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
@@ -578,7 +578,7 @@ def attn_bwd_serial(q, k, v, out, dout, lse, starts, scale, dq, dk, dv):
 # ---------------------------------------------------------------------------------------------
 # BLAS-tiled attention (the backend's path for T >= 16 when NumPy's OpenBLAS is found): the
 # score tiles S = Q_i K_j^T, dP = dO_i V_j^T and the products with V, K, Q are OpenBLAS GEMMs
-# called from the kernel (:mod:`.numba_blas`); the two tile kernels below do the elementwise
+# called from the kernel (:mod:`.blas`); the two tile kernels below do the elementwise
 # softmax work between them, in place. Row r of a tile is query time t0 + r of one head, column
 # c is key c0 + c; st is the sequence's start position.
 # ---------------------------------------------------------------------------------------------
@@ -654,7 +654,7 @@ def attn_fwd_blas(fn, ilp64, q, k, v, starts, scale, one, BQ, BK, out, lse):
     q, out: (B, T, H, hd); k, v: (B, S, KVH, hd), all C-contiguous; starts: (B,) positions of
     each sequence's first query; lse: (B, H, T). Query tiles of ``BQ`` rows, key tiles of ``BK``
     keys; causal tiles past a tile's last query are skipped. One (sequence, KV head) per
-    ``prange`` item; the products are OpenBLAS GEMMs (address ``fn``, see :mod:`.numba_blas`)
+    ``prange`` item; the products are OpenBLAS GEMMs (address ``fn``, see :mod:`.blas`)
     on that item's thread, read from and written to q, k, v, out in place (leading dimensions
     H hd and KVH hd), so nothing is transposed or copied."""
     B, T, H, hd, S, KVH, G, ldq, ldk = _attn_dims(q, k)

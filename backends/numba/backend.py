@@ -10,7 +10,7 @@ where plain NumPy wastes time or memory:
 
   - T >= :data:`TILED_MIN_T`: BLAS-tiled, one (sequence, KV head) per ``prange`` item: the
     (BQ, BK) score tiles and the products with V, K, Q are OpenBLAS GEMMs called from the kernel
-    on that item's thread (:mod:`.numba_blas`), reading Q, K, V and writing O, dQ, dK, dV in
+    on that item's thread (:mod:`.blas`), reading Q, K, V and writing O, dQ, dK, dV in
     their (B, T, heads, hd) layout; the softmax work between them runs in Numba loops. Causal
     tiles past a tile's last query are skipped.
   - short T (or no OpenBLAS found): all-Numba loop kernels, ``prange`` over B x KVH.
@@ -18,12 +18,12 @@ where plain NumPy wastes time or memory:
     memory order for all heads, split along the keys across threads when the batch is small.
 
 * softmax cross-entropy: one fused pass per row (max, exponentials, sum, normalisation);
-* linear layers with at most a few rows (decoding): a Numba GEMV (:mod:`.numba_gemv`) that
+* linear layers with at most a few rows (decoding): a Numba GEMV (:mod:`.gemv`) that
   streams W near memory bandwidth; every other matrix product is OpenBLAS's GEMM with its rows
-  split over the Numba threads (:mod:`.numba_blas`), so a training step runs on one thread pool;
-* AdamW: one fused pass per parameter buffer (:mod:`.numba_optim`);
+  split over the Numba threads (:mod:`.blas`), so a training step runs on one thread pool;
+* AdamW: one fused pass per parameter buffer (:mod:`.optim`);
 * a whole KV-cached decode step (one new token per sequence) in one compiled call,
-  :meth:`NumbaBackend.decode_step` (:mod:`.numba_decode`); prefill stays on the ops above.
+  :meth:`NumbaBackend.decode_step` (:mod:`.decode`); prefill stays on the ops above.
 
 Importing this module imports neither Numba nor the kernels; constructing :class:`NumbaBackend`
 imports Numba (a clear :class:`~minillama.errors.MinillamaError` when it is missing) and each
@@ -39,11 +39,12 @@ import weakref
 
 import numpy as np
 
-from .. import ops
-from ..errors import MinillamaError
-from ..generate import ChunkDecoder, _finite, nonfinite_error
-from . import cpu_threads
-from .numpy_backend import NumpyBackend
+from ... import ops
+from ...errors import MinillamaError
+from ...decoding import ChunkDecoder, nonfinite_error
+from ...decoding import finite_logits as _finite
+from ..numpy import threads as cpu_threads
+from ..numpy.backend import NumpyBackend
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -81,7 +82,7 @@ class NumbaBackend(NumpyBackend):
         try:
             import numba  # noqa: PLC0415
 
-            from . import numba_kernels  # noqa: PLC0415
+            from . import kernels as numba_kernels  # noqa: PLC0415
         except ImportError as e:
             if (e.name or "numba").split(".")[0] not in ("numba", "llvmlite"):
                 raise
@@ -90,10 +91,10 @@ class NumbaBackend(NumpyBackend):
             ) from None
         self._numba = numba
         self._k = numba_kernels
-        from . import numba_gemv  # noqa: PLC0415
+        from . import gemv as numba_gemv  # noqa: PLC0415
 
         self._gemv = numba_gemv
-        from . import numba_blas  # noqa: PLC0415
+        from . import blas as numba_blas  # noqa: PLC0415
 
         self._blas = numba_blas
         self._decode_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -112,7 +113,7 @@ class NumbaBackend(NumpyBackend):
     # -----------------------------------------------------------------------------------------
     def linear_forward(self, x, w):
         r"""y = x W^T (x: (..., in), W: (out, in)); up to four rows (decoding) take the Numba
-        GEMV of :mod:`.numba_gemv`, which streams W at close to memory bandwidth; else BLAS."""
+        GEMV of :mod:`.gemv`, which streams W at close to memory bandwidth; else BLAS."""
         K = x.shape[-1]
         rows = x.size // K if K else 0
         if (0 < rows <= self._gemv.GEMV_MAX_ROWS and x.dtype == w.dtype and x.dtype in _FLOATS
@@ -124,8 +125,8 @@ class NumbaBackend(NumpyBackend):
     def _gemm(self, a, b, out):
         """out = a b for every linear GEMM (forward and backward, see
         :meth:`.NumpyBackend.linear_forward`): the rows split over the Numba threads, each
-        calling OpenBLAS on one thread (:func:`.numba_blas.matmul`);
-        :func:`.cpu_threads.split_gemm` where that does not apply (no OpenBLAS found, odd
+        calling OpenBLAS on one thread (:func:`.blas.matmul`);
+        :func:`..numpy.threads.split_gemm` where that does not apply (no OpenBLAS found, odd
         strides, other dtypes)."""
         if not self._blas.matmul(a, b, out, self.num_threads):
             cpu_threads.split_gemm(a, b, out)
@@ -136,7 +137,7 @@ class NumbaBackend(NumpyBackend):
     _optim = None
 
     def adamw_update(self, param, grad, m, v, lr, beta1, beta2, eps, wd, step):
-        r"""One AdamW step of one parameter in place, in one pass (see :mod:`.numba_optim`):
+        r"""One AdamW step of one parameter in place, in one pass (see :mod:`.optim`):
 
         m \leftarrow \beta_1 m + (1-\beta_1) g,\quad v \leftarrow \beta_2 v + (1-\beta_2) g^2,
         \theta \leftarrow \theta (1 - \eta\lambda) - \frac{\eta}{1-\beta_1^t}
@@ -160,7 +161,7 @@ class NumbaBackend(NumpyBackend):
         if step < 1:
             raise MinillamaError(f"adamw_update: step must be >= 1, got {step}")
         if self._optim is None:
-            from . import numba_optim  # noqa: PLC0415
+            from . import optim as numba_optim  # noqa: PLC0415
 
             type(self)._optim = numba_optim
         k = self._optim
@@ -180,7 +181,7 @@ class NumbaBackend(NumpyBackend):
     # the fused decode step
     # -----------------------------------------------------------------------------------------
     def _decode_plan(self, model):
-        """The model's weights as the lists :func:`.numba_decode.decode_step` takes, built once
+        """The model's weights as the lists :func:`.decode.decode_step` takes, built once
         per model (the arrays themselves, so in-place updates are seen; rebuilt when a parameter
         array is replaced). None when the model is not a plain LLaMA this step implements."""
         plan = self._decode_plans.get(model)
@@ -194,7 +195,7 @@ class NumbaBackend(NumpyBackend):
             if f.name not in FUSED_DECODE_FIELDS and (
                     f.default is dataclasses.MISSING or getattr(cfg, f.name) != f.default):
                 return None
-        from ..model import param_shapes  # noqa: PLC0415
+        from ...model import param_shapes  # noqa: PLC0415
 
         shapes = param_shapes(cfg)
         if set(p) != set(shapes) or any(not isinstance(a, np.ndarray) for a in p.values()):
@@ -222,7 +223,7 @@ class NumbaBackend(NumpyBackend):
             "eps": float(cfg.norm_eps), "heads": int(cfg.n_heads), "zero": dt.type(0),
         }
         if self._decode is None:
-            from . import numba_decode  # noqa: PLC0415
+            from . import decode as numba_decode  # noqa: PLC0415
 
             self._decode = numba_decode
         self._decode_plans[model] = plan
@@ -253,7 +254,7 @@ class NumbaBackend(NumpyBackend):
         p_b each token is written at; cache: the model's :class:`~minillama.kvcache.KVCache`.
         Computes exactly :meth:`minillama.model.Transformer.forward` at T = 1 with
         ``last_only`` (rmsnorm, linear, rope, attention over positions 0..p_b, swiglu, head;
-        see :mod:`.numba_decode`) and writes k, v at p_b. Returns logits (B, V). Declines
+        see :mod:`.decode`) and writes k, v at p_b. Returns logits (B, V). Declines
         (None: the model runs its per-op path) for model variants it does not implement, T > 1
         and caches it cannot write in place.
         """
@@ -467,7 +468,7 @@ class NumbaBackend(NumpyBackend):
         return T >= TILED_MIN_T and self._blas.available()
 
     def _gemm_fn(self, dt):
-        """(address, ilp64) of OpenBLAS's GEMM for dtype ``dt`` (see :mod:`.numba_blas`)."""
+        """(address, ilp64) of OpenBLAS's GEMM for dtype ``dt`` (see :mod:`.blas`)."""
         return self._blas.gemm_address(dt)
 
     def attention_forward(self, q, k, v, start_pos=0):
@@ -566,7 +567,7 @@ class NumbaBackend(NumpyBackend):
     def _lce_blocks(self, x, w, targets, valid, scale, dz, dx, row_loss, R):
         """The loss head's forward blocks (see :meth:`.NumpyBackend._lce_blocks`) in one Numba
         kernel over the Numba threads, OpenBLAS's GEMMs called from it
-        (:func:`.numba_kernels.lce_fwd_blas`)."""
+        (:func:`.kernels.lce_fwd_blas`)."""
         N = dz.shape[0]
         if not (self._blas.available() and x.flags.c_contiguous and w.flags.c_contiguous):
             return super()._lce_blocks(x, w, targets, valid, scale, dz, dx, row_loss, R)
@@ -579,7 +580,7 @@ class NumbaBackend(NumpyBackend):
     def _xent_grad_rows(self, z, targets, valid, scale, row_loss):
         """The loss head's per-block softmax pass (see
         :meth:`.NumpyBackend.linear_cross_entropy_forward`): the Numba kernel
-        :func:`.numba_kernels.xent_grad_rows`, one thread per block."""
+        :func:`.kernels.xent_grad_rows`, one thread per block."""
         self._k.xent_grad_rows(z, targets, valid, scale, row_loss)
 
     def cross_entropy_forward(self, logits, targets, ignore_index: int = -1):
@@ -632,7 +633,7 @@ _NO_IDS_2D = np.zeros((0, 0), dtype=np.int64)
 
 
 def _model_args(plan, kc, vc):
-    """The arguments of the :mod:`.numba_decode` kernels between the positions and the logits:
+    """The arguments of the :mod:`.decode` kernels between the positions and the logits:
     the weights of ``plan`` (:meth:`NumbaBackend._decode_plan`), the cache lists kc, vc, the
     RoPE tables and the constants."""
     return (plan["emb"], plan["out"], plan["norm"], *plan["layers"], kc, vc, plan["cos"],
@@ -642,7 +643,7 @@ def _model_args(plan, kc, vc):
 class GreedyDecoder(ChunkDecoder):
     """Greedy decoding of one sequence on the numba backend, many steps per compiled call.
 
-    :func:`.numba_decode.decode_step_one` with an ``ids`` buffer of k entries runs k greedy
+    :func:`.decode.decode_step_one` with an ``ids`` buffer of k entries runs k greedy
     steps (each token is the argmax of the previous step's logits) without returning to Python,
     so the per-token Python work of the eager loop (the model call, checks, the argmax and the
     bookkeeping, about 0.1 ms a token) is paid once per call. The interface is that of the

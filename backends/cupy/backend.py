@@ -1,5 +1,5 @@
 r"""The CuPy backend: the model on an NVIDIA GPU, cuBLAS for the matrix products (through CuPy) and
-hand-written CUDA kernels (``kernels/*.cu``, built by :mod:`.cuda_build`) for the other ops.
+hand-written CUDA kernels (``kernels/*.cu``, built by :mod:`.build`) for the other ops.
 
 Every op keeps the contract of :mod:`minillama.ops` (``*_forward(...) -> (out, ctx)``,
 ``*_backward(dout, ctx)``) and the arrays stay on the device. The kernels are templated for
@@ -32,10 +32,10 @@ import math
 
 import numpy as np
 
-from .. import ops
-from ..errors import MinillamaError
-from . import cuda_build as cb
-from .reference_backend import (ReferenceBackend, composed_linear_cross_entropy_backward,
+from ... import ops
+from ...errors import MinillamaError
+from . import build as cb
+from ..reference import (ReferenceBackend, composed_linear_cross_entropy_backward,
                                 composed_linear_cross_entropy_forward)
 
 INSTALL_HINT = 'install the GPU extra: pip install -e ".[gpu]"'
@@ -588,7 +588,7 @@ def sample_tokens(logits, temperature: float = 0.0, top_k=None, top_p=None,
     generator), else ``rng.random(B)``. With the same uniform, row b picks the token that
     :func:`minillama.sampling.sample` picks. Returns (B,) int64 ids on the host.
     """
-    from ..sampling import check_sampling  # noqa: PLC0415
+    from ...sampling import check_sampling  # noqa: PLC0415
 
     _import_cupy()
     check_sampling(temperature, top_k, top_p)

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import MinillamaError
-from ..generate import ChunkDecoder
-from ..generate import stream_greedy  # noqa: F401  (the loop that drives a GraphDecoder)
+from ...errors import MinillamaError
+from ...decoding import ChunkDecoder
+from ...decoding import stream_greedy  # noqa: F401  (the loop that drives a GraphDecoder)
 
 _STEP_SRC = r"""
 extern "C" __global__ void cache_write(float* __restrict__ kc, float* __restrict__ vc,

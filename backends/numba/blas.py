@@ -2,7 +2,7 @@ r"""OpenBLAS's GEMM called from Numba kernels, so that a training step's matrix 
 Numba's threads.
 
 Why: on a small machine a training step of a small model is hundreds of GEMMs of a millisecond
-or less. Spreading each over Python threads (:func:`.cpu_threads.split_gemm`) costs 0.1-0.3 ms
+or less. Spreading each over Python threads (:func:`..numpy.threads.split_gemm`) costs 0.1-0.3 ms
 per call to wake the pool on the project's 2-core VM; OpenBLAS's own threads wake faster but
 busy-wait ~0.1 s after each GEMM and take a core from the Numba kernels in between. Here a
 product's rows are split over a Numba ``prange`` (OpenMP threads, a few microseconds per parallel
@@ -10,7 +10,7 @@ region) and each thread calls OpenBLAS's ``cblas_?gemm`` on its rows with OpenBL
 thread: the same BLAS kernels, the same threads as every other Numba kernel of the step.
 
 The ``cblas_sgemm``/``cblas_dgemm`` of the OpenBLAS that NumPy loaded are found by name
-(:func:`.cpu_threads.openblas_library`) and called through their address, which the kernels
+(:func:`..numpy.threads.openblas_library`) and called through their address, which the kernels
 take as an ordinary integer argument (so they stay cacheable). Without such an OpenBLAS
 (another BLAS, no ``/proc``) :func:`available` is False and the backend keeps its NumPy path.
 
@@ -31,7 +31,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from . import cpu_threads
+from ..numpy import threads as cpu_threads
 
 _opts = dict(cache=True, nogil=True)
 #: CBLAS constants (row-major order; no transpose / transpose)

@@ -8,7 +8,7 @@ training step runs hundreds of them. The ops here therefore give whole row block
 of :func:`parallel_rows`, each running single-threaded BLAS (:class:`single_threaded_blas`).
 
 None of this is math: the equations are in :mod:`minillama.ops`, and the fast ops built on these
-helpers (:mod:`.numpy_backend`) are held to them by parity tests.
+helpers (:mod:`.backend`) are held to them by parity tests.
 """
 
 from __future__ import annotations

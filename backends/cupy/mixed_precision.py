@@ -35,8 +35,8 @@ import copy
 
 import numpy as np
 
-from ..errors import MinillamaError
-from .reference_backend import (composed_linear_cross_entropy_backward,
+from ...errors import MinillamaError
+from ..reference import (composed_linear_cross_entropy_backward,
                                 composed_linear_cross_entropy_forward)
 
 #: the training precisions, the default first
@@ -231,7 +231,7 @@ class MixedPrecisionBackend:
         a = xp.ascontiguousarray(a)
         if self.precision == "tf32":
             return a
-        from . import cuda_build as cb  # noqa: PLC0415
+        from . import build as cb  # noqa: PLC0415
 
         out = xp.empty(a.shape, dtype=xp.uint16)
         n = a.size

@@ -4,9 +4,9 @@ Each function below overrides the op of the same name in :mod:`minillama.ops` (s
 same equation; its own ``ctx``) and is held to it by ``tests/test_numpy_backend.py``. What makes
 them faster, none of which changes the math:
 
-* rows split over Python threads (:func:`.cpu_threads.parallel_rows`; NumPy releases the GIL),
+* rows split over Python threads (:func:`.threads.parallel_rows`; NumPy releases the GIL),
   with OpenBLAS on one thread meanwhile (:class:`.cpu_threads.single_threaded_blas`), for the
-  row-wise ops, the linear GEMMs (:func:`.cpu_threads.split_gemm`) and attention (whole
+  row-wise ops, the linear GEMMs (:func:`.threads.split_gemm`) and attention (whole
   sequences per thread);
 * in-place work in preallocated buffers instead of temporaries; attention multiplies the G query
   heads of a group as one (G T, hd) matrix against their shared K/V, with Q pre-scaled;
@@ -25,10 +25,10 @@ import sys
 
 import numpy as np
 
-from .. import ops
-from ..errors import MinillamaError
-from .cpu_threads import blas_for_rows, parallel_rows, split_gemm
-from .reference_backend import ReferenceBackend
+from ... import ops
+from ...errors import MinillamaError
+from .threads import blas_for_rows, parallel_rows, split_gemm
+from ..reference import ReferenceBackend
 
 _MALLOC_TUNED: bool | None = None
 
@@ -474,7 +474,7 @@ class NumpyBackend(ReferenceBackend):
 
     def _lce_blocks(self, x, w, targets, valid, scale, dz, dx, row_loss, R):
         """The loss head's forward work, rows in blocks of ``R`` on the threads of
-        :func:`.cpu_threads.parallel_rows`: per block z = x W^T into dz, the gradient of the
+        :func:`.threads.parallel_rows`: per block z = x W^T into dz, the gradient of the
         mean loss in place (:func:`xent_grad_rows`), its dx rows z W."""
         N, V = dz.shape
         wt, kernel = w.T, self._xent_grad_rows
