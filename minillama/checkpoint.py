@@ -28,6 +28,8 @@ from .errors import MinillamaError, OutputError
 from .model import check_params
 
 FORMAT = "minillama"
+#: the checkpoint file inside the folder that ``minillama train --out`` writes
+CKPT_NAME = "ckpt.safetensors"
 FORMAT_VERSION = "1"
 
 

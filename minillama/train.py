@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 
 from .backends import resolve_name
-from .checkpoint import (check_finite, check_output_dir, check_output_file, load_checkpoint,
-                         save_checkpoint)
+from .checkpoint import (CKPT_NAME, check_finite, check_output_dir, check_output_file,
+                         load_checkpoint, save_checkpoint)
 from .config import ModelConfig
 from .data import TokenData, prepare_data, prepare_shakespeare, prepare_text_file
 from .distributed import (Communicator, NCCLComm, RanksFailed, SingleProcess, blas_share,
@@ -50,7 +50,6 @@ from .model import Transformer
 from .optim import AdamW, clip_grad_norm, lr_at
 from .tokenizer import ByteTokenizer
 
-CKPT_NAME = "ckpt.safetensors"
 PLOT_NAME = "loss.png"
 
 #: fields of the model shape (checked against the checkpoint on --resume)

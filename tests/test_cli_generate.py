@@ -160,3 +160,24 @@ def test_default_command_prints_clean_text(capsys):
         assert main(["generate", "-n", "60", "--seed", str(seed)]) == 0
         out = capsys.readouterr().out
         assert out.isascii() and "\ufffd" not in out, (seed, out)
+
+
+def test_training_run_folder_is_a_checkpoint(tmp_path, capsys):
+    """The folder that ``minillama train --out`` writes is accepted wherever a checkpoint is
+    (generate, export): it stands for its ckpt.safetensors."""
+    run = tmp_path / "run"
+    rc = main(["train", "--steps", "2", "--dim", "32", "--n-layers", "1", "--n-heads", "2",
+               "--context", "16", "--batch-size", "2", "--plot", "false", "--no-progress",
+               "--out", str(run)])
+    assert rc == 0 and (run / "ckpt.safetensors").is_file()
+    capsys.readouterr()
+    args = ["--prompt", "To be", "-n", "8", "--temperature", "0"]
+    assert main(["generate", "-c", str(run)] + args) == 0
+    from_folder = capsys.readouterr().out
+    assert main(["generate", "-c", str(run / "ckpt.safetensors")] + args) == 0
+    assert capsys.readouterr().out == from_folder and from_folder.startswith("To be")
+    assert main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()
+    (tmp_path / "empty").mkdir()
+    assert main(["generate", "-c", str(tmp_path / "empty")]) == 2
+    assert "training run" in _err_line(capsys)

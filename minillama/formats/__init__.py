@@ -36,14 +36,27 @@ def _is_safetensors(path: Path) -> bool:
     return head[8:9] == b"{" and n < (1 << 32)
 
 
-def detect_format(path) -> str:
-    """``"hf"``, ``"minillama"``, ``"gguf"`` or ``"llama2c"`` for ``path``; anything else
-    raises."""
+def resolve_checkpoint(path) -> Path:
+    """``path``, or the checkpoint inside it when it is a folder that ``minillama train --out``
+    wrote (``ckpt.safetensors``, no ``config.json``): a run folder is accepted wherever a
+    checkpoint is."""
+    from ..checkpoint import CKPT_NAME  # noqa: PLC0415
+
     p = Path(path)
+    if p.is_dir() and not is_hf_dir(p) and (p / CKPT_NAME).is_file():
+        return p / CKPT_NAME
+    return p
+
+
+def detect_format(path) -> str:
+    """``"hf"``, ``"minillama"``, ``"gguf"`` or ``"llama2c"`` for ``path`` (a training run's
+    folder counts as its checkpoint); anything else raises."""
+    p = resolve_checkpoint(path)
     if p.is_dir():
         if is_hf_dir(p):
             return "hf"
-        raise MinillamaError(f"{p} is a folder without config.json (not a Hugging Face model)")
+        raise MinillamaError(f"{p} is a folder without config.json (not a Hugging Face model) "
+                             f"nor a training run's ckpt.safetensors")
     if not p.exists():
         raise MinillamaError(f"checkpoint not found: {p}")
     if not p.is_file():  # a device or a FIFO: reading it could block forever
@@ -63,6 +76,7 @@ def load_params(path):
     from ..checkpoint import load_checkpoint  # noqa: PLC0415
     from ..tokenizer import HFTokenizer, tokenizer_from_spec  # noqa: PLC0415
 
+    path = resolve_checkpoint(path)
     fmt = detect_format(path)
     tok = None
     if fmt == "hf":
