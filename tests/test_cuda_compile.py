@@ -34,7 +34,8 @@ def nvrtc():
 def test_kernel_sources_are_shipped():
     names = {p.name for p in SOURCES}
     for expected in ("common.cu", "rmsnorm.cu", "rope.cu", "attention.cu", "swiglu.cu",
-                     "cross_entropy.cu", "embedding.cu", "adamw.cu", "flash_attention.cu"):
+                     "cross_entropy.cu", "embedding.cu", "adamw.cu", "flash_attention.cu",
+                     "quant.cu"):
         assert expected in names
     # each file of kernels names them, and each named kernel is defined as a template
     for path in SOURCES:
@@ -167,6 +168,7 @@ def test_launch_tables_match_the_sources():
     assert define(att, "DEC_WARPS") == cb.DEC_WARPS
     assert define(common, "ML_MAXD") == cb.ATTN_MAX_HD
     assert define(rms, "RMS_DG_ROWS") == cb.RMS_DG_ROWS
+    assert define((cb.KERNEL_DIR / "quant.cu").read_text(), "ML_QUANT_WARPS") == cb.QUANT_WARPS
     flash = (cb.KERNEL_DIR / "flash_attention.cu").read_text()
     assert define(flash, "FA_WARPS") == cb.FLASH_WARPS
     assert define(flash, "FA_BK") == cb.FLASH_BK

@@ -505,3 +505,38 @@ def test_mixed_precision_whole_model(be, monkeypatch):
         close(g2[name], g1[name], 1e-4)
     fp32 = Transformer(cfg, params={k: v.copy() for k, v in ref.params.items()}, backend="numpy")
     assert abs(fp32.loss(tok, tgt) - l1) > 0  # bf16 really differs from float32
+
+
+def _random_blocks(qtype, N, K, rng):
+    """A QuantMatrix of random bytes whose fp16 fields are finite, modest scales."""
+    from minillama.quant import BLOCKS, QuantMatrix  # noqa: PLC0415
+
+    _, per, size = BLOCKS[qtype]
+    data = rng.integers(0, 256, size=(N, K // per, size), dtype=np.uint8)
+    halves = 1 if qtype == "Q8_0" else 2  # Q8_0: d; Q4_K: d, dmin
+    for h in range(halves):
+        d = (rng.uniform(0.002, 0.05, size=(N, K // per)) * rng.choice([-1, 1], (N, K // per)))
+        data[:, :, 2 * h:2 * h + 2] = d.astype("<f2").view(np.uint8).reshape(N, K // per, 2)
+    return QuantMatrix(qtype, (N, K), data.reshape(N, -1))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_quant_kernels_match_gguf(be, qtype, dtype):
+    """quant.cu against the gguf package's dequantization: the matvec kernel (few rows of x), the
+    dequantize-then-GEMM path (many rows) and dx = dy W of a frozen quantized weight."""
+    gquants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType  # noqa: PLC0415
+
+    rng = np.random.default_rng(3)
+    N, K = 9, 512  # N not a multiple of the warps per block
+    w = _random_blocks(qtype, N, K, rng)
+    W = gquants.dequantize(w.data, GGMLQuantizationType[qtype]).reshape(N, K).astype(np.float64)
+    for rows in (1, 3, 11):  # 11 > QUANT_MATVEC_ROWS: the GEMM path
+        x = rng.standard_normal((rows, K)).astype(dtype)
+        y, ctx = be.linear_forward(x, w)
+        close(y, x.astype(np.float64) @ W.T, TOL[dtype] * 10)
+        dy = rng.standard_normal((rows, N)).astype(dtype)
+        dx, dw = be.linear_backward(dy, ctx)
+        assert dw is None
+        close(dx, dy.astype(np.float64) @ W, TOL[dtype] * 10)

@@ -33,10 +33,16 @@ import math
 import numpy as np
 
 from ... import ops
+from ... import quant
 from ...errors import MinillamaError
+from ...quant import QuantMatrix
 from . import build as cb
 from ..reference import (ReferenceBackend, composed_linear_cross_entropy_backward,
                                 composed_linear_cross_entropy_forward)
+
+#: block types kept in their blocks on the device, with their (matvec, dequantize) kernels in
+#: quant.cu; other quantized types are widened once when the model moves to the device
+QUANT_KERNELS = {"Q8_0": ("q8_0_matvec", "q8_0_dequant"), "Q4_K": ("q4_k_matvec", "q4_k_dequant")}
 
 INSTALL_HINT = 'install the GPU extra: pip install -e ".[gpu]"'
 
@@ -160,7 +166,13 @@ class CupyBackend(ReferenceBackend):
 
     # --- helpers -------------------------------------------------------------------------------
     def asarray(self, a, dtype=None):
-        """A CuPy array on the current device (copied from the host when needed)."""
+        """A CuPy array on the current device (copied from the host when needed). A
+        :class:`QuantMatrix` of a type in ``QUANT_KERNELS`` moves as its blocks; other quantized
+        types are dequantized once into ``dtype``."""
+        if isinstance(a, QuantMatrix):
+            if a.qtype in QUANT_KERNELS:
+                return QuantMatrix(a.qtype, a.shape, cp.asarray(a.data))
+            return cp.asarray(quant.dequantize(a), dtype=dtype or np.float32)
         return cp.asarray(a, dtype=dtype)
 
     def to_numpy(self, a) -> np.ndarray:
@@ -236,6 +248,8 @@ class CupyBackend(ReferenceBackend):
     # --- linear (cuBLAS) ------------------------------------------------------------------------
     def linear_forward(self, x, w):
         r"""y = x W^T as one GEMM over the flattened rows. x: (..., in); w: (out, in) -> (..., out)."""
+        if isinstance(w, QuantMatrix):
+            return self._qlinear_forward(x, w)
         if not _supported(x, w):
             return ops.linear_forward(x, w)
         x2 = x.reshape(-1, x.shape[-1])
@@ -248,9 +262,39 @@ class CupyBackend(ReferenceBackend):
             return ops.linear_backward(dy, ctx)
         x2, w, xshape = ctx
         dy2 = dy.reshape(-1, dy.shape[-1])
+        if isinstance(w, QuantMatrix):  # a frozen weight: dx only
+            return (dy2 @ self._dequantize(w, dy.dtype)).reshape(xshape), None
         dx = (dy2 @ w).reshape(xshape)
         dw = dy2.T @ x2
         return dx, dw
+
+    def _qlinear_forward(self, x, w):
+        r"""y = x W^T with W in Q8_0 or Q4_K blocks on the device: up to ``QUANT_MATVEC_ROWS`` rows
+        of x go through the matvec kernel (weights read once, in their blocks); more rows
+        dequantize W once and run one GEMM. x: (..., K); w: QuantMatrix (N, K) -> (..., N)."""
+        N, K = w.shape
+        if not _supported(x):
+            raise MinillamaError(f"a {w.qtype} product on the GPU needs float32 or float64 "
+                                 f"activations, got {x.dtype}")
+        x2 = _c(x.reshape(-1, K))
+        M = x2.shape[0]
+        if M <= cb.QUANT_MATVEC_ROWS:
+            y = cp.empty((M, N), dtype=x.dtype)
+            grid, block = cb.quant_matvec_launch(N, M)
+            _launch("quant", QUANT_KERNELS[w.qtype][0], x.dtype, grid, block,
+                    (w.data, x2, y, _i32(N), _i32(K)))
+        else:
+            y = x2 @ self._dequantize(w, x.dtype).T
+        return y.reshape(tuple(x.shape[:-1]) + (N,)), _KCtx((None, w, tuple(x.shape)))
+
+    def _dequantize(self, w, dtype):
+        """W (N, K) as ``dtype`` on the device, from its blocks (quant.cu *_dequant)."""
+        N, K = w.shape
+        out = cp.empty((N, K), dtype=dtype)
+        grid, block = cb.elementwise_launch(N * K)
+        _launch("quant", QUANT_KERNELS[w.qtype][1], dtype, grid, block,
+                (w.data, out, _i32(N), _i32(K)))
+        return out
 
     # --- RMSNorm --------------------------------------------------------------------------------
     def rmsnorm_forward(self, x, g, eps):

@@ -393,6 +393,17 @@ def row_launch(n_rows: int, width: int):
     return (max(1, n_rows),), (threads,)
 
 
+#: quant.cu: warps (output rows) per block of the matvec kernels (ML_QUANT_WARPS there), and the
+#: most rows of x a product sends to the matvec kernels (more rows: dequantize once, then a GEMM)
+QUANT_WARPS = 4
+QUANT_MATVEC_ROWS = 8
+
+
+def quant_matvec_launch(N: int, M: int):
+    """quant.cu's *_matvec kernels: one warp per output row, one grid row per row of x."""
+    return (math.ceil(N / QUANT_WARPS), M), (32 * QUANT_WARPS,)
+
+
 def elementwise_launch(n: int):
     """Grid-stride kernels over ``n`` items: 256 threads, enough blocks to cover ``n`` (capped)."""
     blocks = max(1, min(math.ceil(n / ELEMENTWISE_BLOCK), MAX_GRID_X))
