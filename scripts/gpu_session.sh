@@ -119,7 +119,7 @@ phase_tests() {
 }
 
 phase_attention() {
-    run attention "$PY" scripts/bench_attention_gpu.py --reps 5 --no-simt
+    run attention "$PY" scripts/bench_gpu.py --attention --reps 5 --no-simt
 }
 
 phase_train() {
