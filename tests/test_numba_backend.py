@@ -480,9 +480,9 @@ def test_model_on_numba_matches_numpy(rng):
 
 def test_training_step_stays_on_the_numba_threads(rng, monkeypatch):
     """With NumPy's OpenBLAS found, a float32 training step with every op above its parallel
-    threshold never wakes the Python row threads (cpu_threads.parallel_rows): its GEMMs,
+    threshold never wakes the Python row threads (numpy/threads.py parallel_rows): its GEMMs,
     attention, norms and loss head all run on the Numba threads. Waking that pool costs
-    0.1-0.3 ms per call on a small VM (docs/BENCHMARKS.md, fourth session)."""
+    0.1-0.3 ms per call on a 2-core VM (an idle vCPU is woken through the hypervisor)."""
     _numba_backend()
     from minillama.backends.numba import blas as numba_blas
     from minillama.backends.numpy import threads as cpu_threads
