@@ -257,7 +257,7 @@ def hamlet(tmp_path_factory):
 
 
 def test_train_flags_post_layernorm_sinusoidal_gelu(hamlet, tmp_path, capsys):
-    """The issue's command trains with a falling loss, and the variants land in the checkpoint."""
+    """The vanilla transformer's command trains with a falling loss, and the variants land in the checkpoint."""
     from minillama.checkpoint import load_checkpoint
     from minillama.train import CKPT_NAME
 
