@@ -104,7 +104,7 @@ phase_setup() {
     run setup "$PY" -c "import minillama, minillama.backends as b, cupy, numpy, sys; \
 print('minillama', minillama.__file__, '| cupy', cupy.__version__, '| numpy', numpy.__version__, \
 '| python', sys.version.split()[0]); from minillama.backends import get_backend; \
-print(get_backend('cupy').device); from minillama.backends.cupy import build as cuda_build as cb; \
+print(get_backend('cupy').device); from minillama.backends.cupy import build as cb; \
 print('nvrtc', cb.nvrtc_version())"
     run setup git log --oneline -1
 }

@@ -103,8 +103,8 @@ __global__ void broken(T* x, int n) {
 
 @pytest.mark.parametrize("arch", cb.CHECK_ARCHS, ids=lambda a: f"sm_{a}")
 def test_graph_decoder_step_kernels_compile(nvrtc, arch, tmp_path):
-    """The CUDA-graph decoder's own kernels (inline in cupy_graph.py: cache write, matrix-vector
-    products, the token/position advance) compile for the A100 and the H100 without spills."""
+    """The CUDA-graph decoder's own kernels (inline in backends/cupy/graph.py: cache write,
+    matrix-vector products, the token/position advance) compile for the A100 and the H100 without spills."""
     from minillama.backends.cupy.graph import _STEP_SRC  # noqa: PLC0415
 
     src = tmp_path / "graph_step.cu"
@@ -155,7 +155,8 @@ def test_error_in_included_file_names_that_file(nvrtc, tmp_path):
 
 
 def test_launch_tables_match_the_sources():
-    """The tile sizes used to compute grids in cuda_build mirror the constants in the .cu files."""
+    """The tile sizes used to compute grids in backends/cupy/build.py mirror the constants in the
+    .cu files."""
     att = (cb.KERNEL_DIR / "attention.cu").read_text()
     common = (cb.KERNEL_DIR / "common.cu").read_text()
     rms = (cb.KERNEL_DIR / "rmsnorm.cu").read_text()
