@@ -49,6 +49,10 @@ def test_dry_run_names_what_exists(tmp_path):
     # the device tool returns at most 8 files: 7 logs and the retrained model
     assert len(list((tmp_path / "all").iterdir())) == 7
     seen_scripts, seen_tests = set(), set()
+    snippets = [c[c.index("-c") + 1] for c in cmds if len(c) > 2 and "-c" in c[1:2]]
+    assert snippets
+    for code in snippets:  # every inline Python snippet at least compiles
+        compile(code, "<gpu_session.sh>", "exec")
     for cmd in cmds:
         for word in cmd:
             if re.fullmatch(r"tests/test_\w+\.py", word):
