@@ -22,6 +22,8 @@ from minillama import ops
 from minillama.backends import get_backend
 from minillama.errors import MinillamaError
 
+from helpers import PARITY_TOL
+
 try:
     BE = get_backend("cupy")
 except MinillamaError as _e:
@@ -35,7 +37,7 @@ else:
 
     pytestmark = pytest.mark.gpu
 
-TOL = {np.float32: 1e-4, np.float64: 1e-10}
+TOL = PARITY_TOL["cupy"]
 #: hypothesis examples per test (MINILLAMA_GPU_EXAMPLES overrides, e.g. for a quick run)
 N_EXAMPLES = int(os.environ.get("MINILLAMA_GPU_EXAMPLES", "30"))
 EXAMPLES = settings(max_examples=N_EXAMPLES, deadline=None)

@@ -22,8 +22,10 @@ from minillama import ops
 from minillama.backends import get_backend
 from minillama.errors import MinillamaError
 
+from helpers import PARITY_TOL
+
 ROOT = Path(__file__).resolve().parents[1]
-TOL = {np.float32: 1e-5, np.float64: 1e-12}
+TOL = PARITY_TOL["numba"]
 
 
 def _numba_backend():
