@@ -27,6 +27,17 @@ PARITY_TOL = {
 }
 
 
+def max_rel_err(got, ref, floor: float = 0.0) -> float:
+    """max |got - ref| / max(max |ref|, ``floor``), in float64 (the absolute error when both the
+    reference and the floor are zero). The floor matters only where the exact result is (close
+    to) zero; parity inputs are O(1)."""
+    g, r = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    assert g.shape == r.shape, (g.shape, r.shape)
+    diff = float(np.max(np.abs(g - r), initial=0.0))
+    scale = max(float(np.max(np.abs(r), initial=0.0)), floor)
+    return diff / scale if scale > 0 else diff
+
+
 def backend_params() -> list:
     """One ``pytest.param`` per registered backend; those that cannot run here are marked skip
     with the reason (no GPU, no CuPy, no Numba)."""

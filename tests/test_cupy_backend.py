@@ -22,7 +22,7 @@ from minillama import ops
 from minillama.backends import get_backend
 from minillama.errors import MinillamaError
 
-from helpers import PARITY_TOL
+from helpers import PARITY_TOL, max_rel_err
 
 try:
     BE = get_backend("cupy")
@@ -44,13 +44,8 @@ EXAMPLES = settings(max_examples=N_EXAMPLES, deadline=None)
 
 
 def rel_err(got, ref, floor: float = 1e-2) -> float:
-    """max |got - ref| / max(max |ref|, floor).
-
-    The floor only matters when the exact result is (close to) zero; the inputs are O(1)."""
-    g = np.asarray(BE.to_numpy(got), dtype=np.float64)
-    r = np.asarray(ref, dtype=np.float64)
-    assert g.shape == r.shape, (g.shape, r.shape)
-    return float(np.max(np.abs(g - r), initial=0.0) / max(np.max(np.abs(r), initial=0.0), floor))
+    """max |got - ref| / max(max |ref|, floor), ``got`` on the device."""
+    return max_rel_err(BE.to_numpy(got), ref, floor)
 
 
 def close(got, ref, dtype, what="", floor: float = 1e-2):

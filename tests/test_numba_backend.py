@@ -22,7 +22,7 @@ from minillama import ops
 from minillama.backends import get_backend
 from minillama.errors import MinillamaError
 
-from helpers import PARITY_TOL
+from helpers import PARITY_TOL, max_rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = PARITY_TOL["numba"]
@@ -35,13 +35,7 @@ def _numba_backend():
         pytest.skip(f"numba backend unavailable: {e}")
 
 
-def rel_err(got, ref) -> float:
-    """Normwise relative error max|got - ref| / max|ref| (0 when both are zero)."""
-    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
-    assert got.shape == ref.shape
-    scale = np.abs(ref).max(initial=0.0)
-    diff = np.abs(got - ref).max(initial=0.0)
-    return diff / scale if scale > 0 else diff
+rel_err = max_rel_err  # max|got - ref| / max|ref|
 
 
 @contextlib.contextmanager
