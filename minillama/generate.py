@@ -31,7 +31,7 @@ from .errors import MinillamaError
 from .sampling import check_sampling, sample
 from .tokenizer import ByteTokenizer
 
-#: where the training issue ships the default model (own format, byte tokenizer in the metadata)
+#: where the default model ships (own format, byte tokenizer in the metadata)
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "weights" / "shakespeare.safetensors"
 
 

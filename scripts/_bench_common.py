@@ -32,5 +32,5 @@ def shape(name: str, **overrides) -> dict:
 
 def train_configs() -> dict:
     """The training-step benchmark configs: name -> (model shape, B, T), shared by
-    scripts/bench_train.py, profile_train.py and bench_gemm.py."""
+    scripts/bench_train.py, profile_step.py train and bench_ops.py --gemm."""
     return {"tiny": (shape("tiny"), 16, 128), "s15": (shape("s15"), 8, 256)}

@@ -22,6 +22,24 @@ scaled_dot_product_attention, in turns:
 ``--latent`` prints instead the cost of the latent (Perceiver-style) block of
 minillama/latent.py beside a full self-attention block over the same L inputs, as L grows:
 forward + backward time and the size of the attention matrices (B H M L against B H L^2).
+
+``--gemm`` prints instead the matrix products of one training step (forward y = x W^T, backward
+dx = dy W and dW = dy^T x of each linear layer of tiny and s15): the chosen backend's GEMM path
+(``--backend numba``: OpenBLAS called from Numba kernels, rows over the Numba threads; ``numpy``:
+rows over Python threads, one-threaded BLAS each), the same product on OpenBLAS's own threads,
+and PyTorch's (MKL / oneDNN) at the same thread count, each after ``--gap`` seconds of sleep (a
+product timed right after PyTorch's, while its OpenMP threads still spin, can run 7x slower).
+It says how much of a training-step gap to PyTorch is the GEMM library itself:
+
+    python scripts/bench_ops.py --gemm --configs tiny,s15 --threads 2 --reps 7
+
+``--old-ops PATH`` prints instead an A/B in one process: the training step on the ``numpy``
+backend as it is, against the same backend with the op functions of another ``ops.py`` (an older
+commit's) bound in their place; same weights and tokens, steps alternating so that both see the
+same load; the ratio is after / before (< 1: now is faster):
+
+    git worktree add --detach /tmp/old <commit>
+    python scripts/bench_ops.py --old-ops /tmp/old/minillama/ops.py --threads 1 --clock cpu
 """
 
 from __future__ import annotations
@@ -58,6 +76,19 @@ def parse_args(argv=None):
     ap.add_argument("--torch", action="store_true",
                     help="only causal attention, numba against PyTorch's SDPA, on the training "
                          "benchmarks' shapes (tiny, s15)")
+    ap.add_argument("--gemm", action="store_true",
+                    help="only the GEMMs of a training step, ours against OpenBLAS threads and "
+                         "PyTorch")
+    ap.add_argument("--backend", default="numba", help="--gemm: numba (default) or numpy")
+    ap.add_argument("--configs", default="tiny,s15",
+                    help="--gemm / --old-ops: comma list of: tiny, s15")
+    ap.add_argument("--gap", type=float, default=0.3,
+                    help="--gemm: seconds of sleep before each timed product (default 0.3)")
+    ap.add_argument("--old-ops", metavar="PATH",
+                    help="only an A/B training step: the numpy backend against the same backend "
+                         "with the ops of the ops.py at PATH")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="--old-ops: timed steps per side (0: 15 tiny, 3 s15)")
     ap.add_argument("--scripts", action="store_true",
                     help="also run bench_train.py / bench_decode.py on both backends")
     return ap.parse_args(argv)
@@ -344,7 +375,136 @@ def bench_latent(reps):
     return rows
 
 
+def best_after_gap(fn, reps):
+    """Best wall time of ``reps`` calls, after ``--gap`` seconds of sleep and one untimed call."""
+    if ARGS.gap > 0:
+        time.sleep(ARGS.gap)
+    fn()
+    t = np.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        t = min(t, time.perf_counter() - t0)
+    return t
+
+
+def bench_gemm() -> int:
+    """--gemm: each product of one training step, ours / OpenBLAS threads / PyTorch."""
+    try:
+        import torch  # noqa: PLC0415
+        torch.set_num_threads(ARGS.threads)
+    except ImportError:
+        torch = None
+    gemm = get_backend(ARGS.backend)._gemm
+    print(f"# bench_ops --gemm: the GEMMs of one training step — "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, backend {ARGS.backend}, "
+          f"threads={ARGS.threads}, numpy {np.__version__}"
+          + (f", torch {torch.__version__}" if torch else ", no torch"))
+    print(f"command: python {' '.join(sys.argv)}")
+    print("\n| config | product | M x K x N | ours ms (GFLOP/s) | OpenBLAS threads ms | "
+          "torch ms (GFLOP/s) | torch/ours |")
+    print("|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    configs = _bench_common.train_configs()
+    for name in ARGS.configs.split(","):
+        kw, B, T = configs[name.strip()]
+        cfg = ModelConfig(**kw)
+        N, D, F, V = B * T, cfg.dim, cfg.hidden_dim, cfg.vocab_size
+        qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        layers = {"wq": (qd, D), "wk/wv": (kvd, D), "wo": (D, qd), "w1/w3": (F, D),
+                  "w2": (D, F), "head": (V, D)}
+        tot = {"ours": 0.0, "torch": 0.0}
+        for lname, (out_f, in_f) in layers.items():
+            count = 1 if lname == "head" else cfg.n_layers * (2 if "/" in lname else 1)
+            x = rng.standard_normal((N, in_f), dtype=np.float32)
+            w = rng.standard_normal((out_f, in_f), dtype=np.float32)
+            dy = rng.standard_normal((N, out_f), dtype=np.float32)
+            for prod, a, b, shape in (("fwd x W^T", x, w.T, (N, in_f, out_f)),
+                                      ("dx = dy W", dy, w, (N, out_f, in_f)),
+                                      ("dW = dy^T x", dy.T, x, (out_f, N, in_f))):
+                out = np.empty((a.shape[0], b.shape[1]), np.float32)
+                t_ours = best_after_gap(lambda: gemm(a, b, out), ARGS.reps)
+                t_blas = best_after_gap(lambda: np.matmul(a, b, out=out), ARGS.reps)
+                flops = 2.0 * shape[0] * shape[1] * shape[2]
+                row = (f"| {name} | {lname} {prod} | {' x '.join(map(str, shape))} "
+                       f"| {t_ours * 1e3:.2f} ({flops / t_ours / 1e9:.0f}) | {t_blas * 1e3:.2f} ")
+                tot["ours"] += count * t_ours
+                if torch is not None:
+                    ta, tb = torch.from_numpy(np.ascontiguousarray(a)), torch.from_numpy(
+                        np.ascontiguousarray(b))
+                    if prod.startswith("fwd"):
+                        tx, tw = torch.from_numpy(x), torch.from_numpy(w)
+                        t_t = best_after_gap(lambda: torch.nn.functional.linear(tx, tw), ARGS.reps)
+                    elif prod.startswith("dW"):
+                        tdy, tx = torch.from_numpy(dy), torch.from_numpy(x)
+                        t_t = best_after_gap(lambda: tdy.t().mm(tx), ARGS.reps)
+                    else:
+                        t_t = best_after_gap(lambda: ta.mm(tb), ARGS.reps)
+                    tot["torch"] += count * t_t
+                    row += f"| {t_t * 1e3:.2f} ({flops / t_t / 1e9:.0f}) | {t_t / t_ours:.2f} |"
+                else:
+                    row += "| – | – |"
+                print(row, flush=True)
+        line = f"| {name} | **all products of a step** | | {tot['ours'] * 1e3:.1f} | "
+        if torch is not None:
+            line += f"| {tot['torch'] * 1e3:.1f} | {tot['torch'] / tot['ours']:.2f} |"
+        print(line)
+    return 0
+
+
+#: --old-ops: name -> (B, T, default steps)
+AB_RUNS = {"tiny": (16, 128, 15), "s15": (8, 256, 3)}
+
+
+def backend_with_ops(path: str):
+    """A NumpyBackend whose public forward/backward functions come from the ops.py at ``path``."""
+    import importlib.util  # noqa: PLC0415
+
+    from minillama.backends.numpy.backend import NumpyBackend  # noqa: PLC0415
+
+    spec = importlib.util.spec_from_file_location("minillama_old_ops", path)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    cls = type("OldOpsBackend", (NumpyBackend,), {"name": "numpy-old-ops"})
+    for name in dir(old):
+        if name.endswith(("_forward", "_backward")) and not name.startswith("_"):
+            setattr(cls, name, staticmethod(getattr(old, name)))
+    return cls()
+
+
+def bench_old_ops() -> int:
+    """--old-ops: the numpy backend's training step now against another ops.py, alternating."""
+    before = backend_with_ops(ARGS.old_ops)
+    print(f"# bench_ops --old-ops: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"threads={ARGS.threads}, clock={ARGS.clock}, old ops: {ARGS.old_ops}")
+    print(f"command: python {' '.join(sys.argv)}\n")
+    print("| config | B x T | before ms/step | after ms/step | after/before |")
+    print("|---|---|---|---|---|")
+    for name in ARGS.configs.split(","):
+        B, T, steps = AB_RUNS[name.strip()]
+        cfg = ModelConfig(**_bench_common.shape(name.strip()))
+        params = init_params(cfg, seed=0)
+        x = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1))
+        models = {"before": Transformer(cfg, params, backend=before),
+                  "after": Transformer(cfg, params, backend="numpy")}
+        times: dict[str, list[float]] = {k: [] for k in models}
+        for m in models.values():  # warm-up
+            m.loss_and_grads(x[:, :-1], x[:, 1:])
+        for i in range(ARGS.steps or steps):
+            for k in ("before", "after") if i % 2 else ("after", "before"):
+                t0 = clock()
+                models[k].loss_and_grads(x[:, :-1], x[:, 1:])
+                times[k].append(clock() - t0)
+        b, a = (float(np.median(times[k])) * 1e3 for k in ("before", "after"))
+        print(f"| {name} | {B} x {T} | {b:.1f} | {a:.1f} | {a / b:.3f} |", flush=True)
+    return 0
+
+
 def main() -> int:
+    if ARGS.gemm:
+        return bench_gemm()
+    if ARGS.old_ops:
+        return bench_old_ops()
     if ARGS.latent:
         print(f"# bench_ops --latent: latent block vs full self-attention — "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")

@@ -14,7 +14,7 @@ Thread counts are fixed through OMP/OPENBLAS/MKL_NUM_THREADS *before* NumPy is i
 The two sides take turns step by step, and before every timed step the script sleeps ``--gap``
 seconds (default 0.3): OpenBLAS's worker threads busy-wait about 2^28 cycles (~0.1 s here) after
 a threaded GEMM before they sleep, so a step that starts right after the other side's step shares
-the cores with those spinning threads. Measured on the 2-core machine (2026-11-23, issue 11):
+the cores with those spinning threads. Measured on the 2-core machine (2026-11-23):
 with no gap PyTorch's tiny step took 25-40 % longer right after a minillama step than alone,
 which inflated the ratio; ``--gap 0`` restores that back-to-back timing.
 """

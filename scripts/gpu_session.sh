@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Everything issue 12 still has to run on a GPU, in one script, for the next session that has one.
+# Every GPU check and benchmark the project has (tests, attention, training, decode, CLI), in one
+# script, for a machine with a CUDA GPU.
 #
 # Run from the repository root on a CUDA machine (CuPy, PyTorch and pytest installed; no network
 # needed), writing one log per phase under $OUT (default ./gpu_out):
@@ -25,8 +26,8 @@
 #              300 steps of `minillama train --precision fp32/tf32/bf16` on Shakespeare: loss
 #              curves side by side
 #   retrain    (not in the default list; one call of its own, ~8 min) a larger Shakespeare model
-#              (D 256, L 8, hd 64, 5.9M parameters: 11.8 MB in float16) for the issue's "retrain
-#              the shipped model if held-out bits/byte drop by 10%" (2.11 today): trains on the
+#              (D 256, L 8, hd 64, 5.9M parameters: 11.8 MB in float16) to replace
+#              the shipped model if its held-out bits/byte are 10% lower (2.11 today): trains on the
 #              GPU, exports $OUT/shakespeare_large.safetensors, measures it with
 #              scripts/eval_shakespeare.py. Copy it to minillama/weights/ only if it is <= 1.90
 #              bits/byte, and record the command, time and device in docs/TRAINING.md
@@ -119,7 +120,7 @@ phase_tests() {
 }
 
 phase_attention() {
-    run attention "$PY" scripts/bench_attention_gpu.py --reps 5 --no-simt
+    run attention "$PY" scripts/bench_gpu.py --attention --reps 5 --no-simt
 }
 
 phase_train() {

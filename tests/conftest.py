@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-from minillama.backends import backend_names, get_backend
-from minillama.errors import MinillamaError
+from minillama.backends import get_backend
+
+from helpers import BACKEND_PARAMS
 
 settings.register_profile(
     "default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -25,22 +26,6 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 #: ../shared/data beside the repository root (absent outside this project's machines)
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
-
-def _backend_params():
-    params = []
-    for name in backend_names():
-        try:
-            get_backend(name)
-        except MinillamaError as e:
-            params.append(pytest.param(name, id=name, marks=pytest.mark.skip(
-                reason=f"backend {name} unavailable: {e}")))
-        else:
-            params.append(pytest.param(name, id=name))
-    return params
-
-
-BACKEND_PARAMS = _backend_params()
 
 
 @pytest.fixture(params=BACKEND_PARAMS)

@@ -20,9 +20,10 @@ from minillama import cli
 from minillama.checkpoint import save_checkpoint
 from minillama.config import ModelConfig
 from minillama.formats import save_llama2c
-from minillama.fuzz import _write_tokenizer_bin
 from minillama.model import init_params
 from minillama.tokenizer import ByteTokenizer
+
+from fuzzing import _write_tokenizer_bin
 
 ROOT = Path(__file__).resolve().parents[1]
 

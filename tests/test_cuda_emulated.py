@@ -24,6 +24,8 @@ from minillama import ops
 from minillama.backends.cupy import build as cb
 from minillama.backends.cupy import backend as cbk
 
+from helpers import max_rel_err
+
 EMU_HEADER = r"""// Minimal CPU emulation of the CUDA features the minillama kernels use: one OS thread per CUDA
 // thread, blocks run one after another (so function-static "__shared__" arrays are per block),
 // __syncthreads as a block barrier, warp shuffles through a per-warp exchange buffer.
@@ -242,9 +244,7 @@ def be(emu_lib, monkeypatch):
 
 
 def close(got, ref, tol, floor=1e-2):
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    assert got.shape == ref.shape
-    err = np.max(np.abs(got - ref), initial=0.0) / max(np.max(np.abs(ref), initial=0.0), floor)
+    err = max_rel_err(got, ref, floor)
     assert err <= tol, err
 
 

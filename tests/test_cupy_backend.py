@@ -22,6 +22,8 @@ from minillama import ops
 from minillama.backends import get_backend
 from minillama.errors import MinillamaError
 
+from helpers import PARITY_TOL, max_rel_err
+
 try:
     BE = get_backend("cupy")
 except MinillamaError as _e:
@@ -35,20 +37,15 @@ else:
 
     pytestmark = pytest.mark.gpu
 
-TOL = {np.float32: 1e-4, np.float64: 1e-10}
+TOL = PARITY_TOL["cupy"]
 #: hypothesis examples per test (MINILLAMA_GPU_EXAMPLES overrides, e.g. for a quick run)
 N_EXAMPLES = int(os.environ.get("MINILLAMA_GPU_EXAMPLES", "30"))
 EXAMPLES = settings(max_examples=N_EXAMPLES, deadline=None)
 
 
 def rel_err(got, ref, floor: float = 1e-2) -> float:
-    """max |got - ref| / max(max |ref|, floor).
-
-    The floor only matters when the exact result is (close to) zero; the inputs are O(1)."""
-    g = np.asarray(BE.to_numpy(got), dtype=np.float64)
-    r = np.asarray(ref, dtype=np.float64)
-    assert g.shape == r.shape, (g.shape, r.shape)
-    return float(np.max(np.abs(g - r), initial=0.0) / max(np.max(np.abs(r), initial=0.0), floor))
+    """max |got - ref| / max(max |ref|, floor), ``got`` on the device."""
+    return max_rel_err(BE.to_numpy(got), ref, floor)
 
 
 def close(got, ref, dtype, what="", floor: float = 1e-2):

@@ -1,6 +1,6 @@
-"""scripts/gpu_session.sh (what the next GPU session runs) checked without a GPU: its bash parses,
-``--dry-run`` lists every phase's commands, and each command names files, scripts, options and
-phases that exist (a typo here would cost device time there)."""
+"""scripts/gpu_session.sh (every GPU check and benchmark, run on a lent GPU) checked without a
+GPU: its bash parses, ``--dry-run`` lists every phase's commands, and each command names files,
+scripts, options and phases that exist (a typo here would cost device time there)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,10 @@ def test_dry_run_names_what_exists(tmp_path):
     # the device tool returns at most 8 files: 7 logs and the retrained model
     assert len(list((tmp_path / "all").iterdir())) == 7
     seen_scripts, seen_tests = set(), set()
+    snippets = [c[c.index("-c") + 1] for c in cmds if len(c) > 2 and "-c" in c[1:2]]
+    assert snippets
+    for code in snippets:  # every inline Python snippet at least compiles
+        compile(code, "<gpu_session.sh>", "exec")
     for cmd in cmds:
         for word in cmd:
             if re.fullmatch(r"tests/test_\w+\.py", word):
@@ -64,7 +68,11 @@ def test_dry_run_names_what_exists(tmp_path):
                     mod.parse_args(cmd[2:])
             finally:
                 sys.path.remove(str(REPO / "scripts"))
-    assert {"scripts/bench_gpu.py", "scripts/bench_attention_gpu.py"} <= seen_scripts
+    assert "scripts/bench_gpu.py" in seen_scripts
+    # the attention sweep and the training/decode tables are both bench_gpu.py runs
+    gpu_runs = [c[2:] for c in cmds if len(c) > 1 and c[1] == "scripts/bench_gpu.py"]
+    assert any("--attention" in c for c in gpu_runs) and any("--attention" not in c
+                                                               for c in gpu_runs)
     assert {"tests/test_cupy_backend.py", "tests/test_cuda_graph_cli.py",
             "tests/test_mixed_precision.py"} <= seen_tests
     # the CLI commands parse with minillama's own parser (flags and choices exist)

@@ -1,4 +1,4 @@
-"""Loading is total: each malformed input found by fuzzing (issue 17) is one clear MinillamaError.
+"""Loading is total: each malformed input found by fuzzing is one clear MinillamaError.
 
 Every case here was a bare traceback, a hang, a huge allocation or NaN logits before; each test
 names the input and the words the one-line error must contain."""

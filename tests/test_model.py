@@ -20,30 +20,13 @@ from minillama import ModelConfig, Transformer
 from minillama.model import init_params, param_shapes
 
 from gradcheck import central_differences, rel_err
+from helpers import lively_params, require_float64, small_config
 
 H_STEP = 1e-5
 TOL = 1e-6
 
 
-def require_float64(backend):
-    if not getattr(backend, "supports_float64", True):
-        pytest.skip(f"backend {backend.name} declares no float64 support")
-
-
-def small_cfg(tie: bool, n_kv_heads: int = 2) -> ModelConfig:
-    return ModelConfig(dim=16, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, vocab_size=11,
-                       hidden_dim=24, max_seq_len=16, tie_embeddings=tie, norm_eps=1e-5)
-
-
-def lively_params(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    params = {}
-    for name, shape in param_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            params[name] = 1.0 + 0.2 * rng.standard_normal(shape)
-        else:
-            params[name] = 0.3 * rng.standard_normal(shape)
-    return params
+small_cfg = small_config  # tie first, as the tests call it
 
 
 def host(backend, a) -> np.ndarray:

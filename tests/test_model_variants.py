@@ -15,6 +15,7 @@ from minillama.errors import MinillamaError
 from minillama.model import param_shapes
 
 from gradcheck import central_differences, rel_err
+from helpers import lively_params, small_config
 
 H_STEP = 1e-5
 TOL = 1e-6
@@ -33,24 +34,7 @@ def ids(v):
     return "-".join(str(x) for x in v.values())
 
 
-def cfg_of(tie=False, **kw) -> ModelConfig:
-    base = dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=11, hidden_dim=24,
-                max_seq_len=16, tie_embeddings=tie)
-    return ModelConfig(**{**base, **kw})
-
-
-def lively_params(cfg, seed):
-    """Weights well away from the linear regime; gains near 1, biases near 0."""
-    rng = np.random.default_rng(seed)
-    p = {}
-    for name, shape in param_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            p[name] = 1.0 + 0.2 * rng.standard_normal(shape)
-        elif name.endswith("norm.bias"):
-            p[name] = 0.2 * rng.standard_normal(shape)
-        else:
-            p[name] = 0.3 * rng.standard_normal(shape)
-    return p
+cfg_of = small_config
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=ids)
@@ -257,7 +241,7 @@ def hamlet(tmp_path_factory):
 
 
 def test_train_flags_post_layernorm_sinusoidal_gelu(hamlet, tmp_path, capsys):
-    """The issue's command trains with a falling loss, and the variants land in the checkpoint."""
+    """The vanilla transformer's command trains with a falling loss, and the variants land in the checkpoint."""
     from minillama.checkpoint import load_checkpoint
     from minillama.train import CKPT_NAME
 

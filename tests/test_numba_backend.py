@@ -22,8 +22,10 @@ from minillama import ops
 from minillama.backends import get_backend
 from minillama.errors import MinillamaError
 
+from helpers import PARITY_TOL, max_rel_err
+
 ROOT = Path(__file__).resolve().parents[1]
-TOL = {np.float32: 1e-5, np.float64: 1e-12}
+TOL = PARITY_TOL["numba"]
 
 
 def _numba_backend():
@@ -33,13 +35,7 @@ def _numba_backend():
         pytest.skip(f"numba backend unavailable: {e}")
 
 
-def rel_err(got, ref) -> float:
-    """Normwise relative error max|got - ref| / max|ref| (0 when both are zero)."""
-    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
-    assert got.shape == ref.shape
-    scale = np.abs(ref).max(initial=0.0)
-    diff = np.abs(got - ref).max(initial=0.0)
-    return diff / scale if scale > 0 else diff
+rel_err = max_rel_err  # max|got - ref| / max|ref|
 
 
 @contextlib.contextmanager
@@ -480,9 +476,9 @@ def test_model_on_numba_matches_numpy(rng):
 
 def test_training_step_stays_on_the_numba_threads(rng, monkeypatch):
     """With NumPy's OpenBLAS found, a float32 training step with every op above its parallel
-    threshold never wakes the Python row threads (cpu_threads.parallel_rows): its GEMMs,
+    threshold never wakes the Python row threads (numpy/threads.py parallel_rows): its GEMMs,
     attention, norms and loss head all run on the Numba threads. Waking that pool costs
-    0.1-0.3 ms per call on a small VM (docs/BENCHMARKS.md, fourth session)."""
+    0.1-0.3 ms per call on a 2-core VM (an idle vCPU is woken through the hypervisor)."""
     _numba_backend()
     from minillama.backends.numba import blas as numba_blas
     from minillama.backends.numpy import threads as cpu_threads

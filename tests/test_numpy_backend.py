@@ -17,8 +17,10 @@ from minillama.backends.numpy import threads as cpu_threads
 from minillama.backends.numpy.backend import NumpyBackend
 from minillama.backends.reference import ReferenceBackend
 
+from helpers import PARITY_TOL
+
 #: max |fast - ref| / max |ref| allowed: float64 is exact up to reordered sums
-TOL = {np.float32: 2e-6, np.float64: 1e-13}
+TOL = PARITY_TOL["numpy"]
 
 
 def _std(rng, shape, dtype):

@@ -65,3 +65,10 @@ def test_nothing_but_minillama_at_the_top(wheel_names):
     tops = {n.split("/", 1)[0] for n in wheel_names}
     assert not any(t == "backends" or t.startswith("backends") for t in tops), tops
     assert {t for t in tops if not t.endswith(".dist-info")} == {"minillama"}
+
+
+def test_test_machinery_stays_out_of_the_wheel(wheel_names):
+    """The load fuzzer is test machinery (tests/fuzzing.py), not part of the installed package."""
+    assert (ROOT / "tests" / "fuzzing.py").is_file()
+    assert not any(n.startswith("tests/") or n.endswith("/fuzz.py") or n.endswith("/fuzzing.py")
+                   for n in wheel_names), sorted(n for n in wheel_names if "fuzz" in n)

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from minillama import ModelConfig, Transformer, ops
 from minillama.model import param_shapes
 
+from helpers import lively_params, require_float64
+
 FIXTURE_OK = settings(max_examples=12, deadline=None,
                       suppress_health_check=[HealthCheck.function_scoped_fixture,
                                              HealthCheck.too_slow])
@@ -26,10 +28,7 @@ def host(backend, a):
     return np.asarray(backend.to_numpy(a), dtype=np.float64)
 
 
-def f64_or_skip(backend):
-    if not getattr(backend, "supports_float64", True):
-        pytest.skip(f"backend {backend.name} declares no float64 support")
-    return np.float64
+f64_or_skip = require_float64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,9 +183,7 @@ def test_attention_gqa_equals_repeated_mha(seed, T, extra, G, KVH):
 # whole-model properties
 # ---------------------------------------------------------------------------------------------
 def make_params(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {k: (1.0 + 0.2 * rng.standard_normal(s)) if k.endswith("norm.weight")
-            else 0.2 * rng.standard_normal(s) for k, s in param_shapes(cfg).items()}
+    return lively_params(cfg, seed, scale=0.2)
 
 
 def cfg_of(H, KVH, hd=4, L=2, V=13, tie=True):

@@ -17,6 +17,8 @@ import pytest
 from minillama import ModelConfig, Transformer, ops
 from minillama.model import param_shapes
 
+from helpers import lively_params
+
 torch = pytest.importorskip("torch")
 
 TOL = {np.float32: 1e-4, np.float64: 1e-10}
@@ -87,14 +89,7 @@ def t_forward(cfg: ModelConfig, p: dict, tokens):
 
 # ---------------------------------------------------------------------------------------------
 def random_params(cfg, seed):
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in param_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            out[name] = 1.0 + 0.2 * rng.standard_normal(shape)
-        else:
-            out[name] = 0.15 * rng.standard_normal(shape)
-    return out
+    return lively_params(cfg, seed, scale=0.15)
 
 
 CONFIGS = {

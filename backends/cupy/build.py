@@ -1,6 +1,6 @@
 """Build and launch the CUDA kernels of the CuPy backend.
 
-The kernels live as ``.cu`` files in ``backends/kernels/`` beside this loader. Each file
+The kernels live as ``.cu`` files in ``kernels/`` beside this loader. Each file
 names its templated kernels on a ``// KERNELS: name1 name2 ...`` line; every kernel is
 instantiated for ``float`` and ``double`` through NVRTC name expressions.
 

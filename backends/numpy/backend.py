@@ -5,7 +5,7 @@ same equation; its own ``ctx``) and is held to it by ``tests/test_numpy_backend.
 them faster, none of which changes the math:
 
 * rows split over Python threads (:func:`.threads.parallel_rows`; NumPy releases the GIL),
-  with OpenBLAS on one thread meanwhile (:class:`.cpu_threads.single_threaded_blas`), for the
+  with OpenBLAS on one thread meanwhile (:func:`.threads.single_threaded_blas`), for the
   row-wise ops, the linear GEMMs (:func:`.threads.split_gemm`) and attention (whole
   sequences per thread);
 * in-place work in preallocated buffers instead of temporaries; attention multiplies the G query

@@ -29,7 +29,7 @@ THREADED_LINEAR = True
 #: row split would make every thread read the whole weight matrix). Every GEMM of a training
 #: step is split: OpenBLAS's workers busy-wait ~2^28 cycles (~0.1 s) after each threaded GEMM,
 #: and meanwhile take a core from the Numba kernels and row threads of the ops in between.
-#: Measured on the 2-core machine (issue 11, 2026-11-23, same-process A/B, alternating steps):
+#: Measured on the 2-core machine (2026-11-23, same-process A/B, alternating steps):
 #: the tiny training step 3-23 % faster with its small GEMMs split (the 2^27 threshold before
 #: was measured with the peer's step running back to back, see scripts/bench_train.py --gap)
 SPLIT_GEMM_MIN_MACS = 1 << 22

@@ -1,5 +1,5 @@
-"""A seeded mutation fuzzer for everything minillama reads (used by ``tests/test_fuzz_load.py``
-and ``scripts/fuzz_load.py``).
+"""A seeded mutation fuzzer for everything minillama reads: test machinery, kept out of the
+installed package (used by ``tests/test_fuzz_load.py`` and ``scripts/fuzz_load.py``).
 
 Each *target* is one format: a small valid seed (files written by the project's own writers, in a
 folder), the file(s) of it that mutations may hit, and a *loader* that reads the mutated copy the
@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import MinillamaError
+from minillama.errors import MinillamaError
 
 GOOD = ("error", "ok")
 BAD = ("traceback", "nonfinite", "timeout", "crash")
@@ -50,7 +50,7 @@ BAD = ("traceback", "nonfinite", "timeout", "crash")
 # seeds: small valid files of every format, made by the project's own writers
 # ---------------------------------------------------------------------------------------------
 def _small_cfg(V: int, tie: bool = False, **kw):
-    from .config import ModelConfig  # noqa: PLC0415
+    from minillama.config import ModelConfig  # noqa: PLC0415
 
     base = dict(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=V, hidden_dim=24,
                 max_seq_len=24, tie_embeddings=tie)
@@ -58,7 +58,7 @@ def _small_cfg(V: int, tie: bool = False, **kw):
 
 
 def _params(cfg, seed=0):
-    from .model import init_params  # noqa: PLC0415
+    from minillama.model import init_params  # noqa: PLC0415
 
     return init_params(cfg, seed=seed)
 
@@ -114,9 +114,9 @@ class Target:
 def make_targets(root, names: list[str] | None = None) -> dict[str, Target]:
     """Write the seed of every target (or of ``names``) under ``root``; returns them by name.
     Targets whose optional package is missing (``tokenizers``, ``gguf``) are left out."""
-    from .checkpoint import save_checkpoint  # noqa: PLC0415
-    from .formats import save_hf, save_llama2c  # noqa: PLC0415
-    from .tokenizer import ByteTokenizer  # noqa: PLC0415
+    from minillama.checkpoint import save_checkpoint  # noqa: PLC0415
+    from minillama.formats import save_hf, save_llama2c  # noqa: PLC0415
+    from minillama.tokenizer import ByteTokenizer  # noqa: PLC0415
 
     root = Path(root)
     targets: dict[str, Target] = {}
@@ -158,7 +158,7 @@ def make_targets(root, names: list[str] | None = None) -> dict[str, Target]:
     if want("tokenizer_bin"):
         d = mk("tokenizer_bin")
         _write_tokenizer_bin(d / "tokenizer.bin")
-        from .tokenizer import Llama2cTokenizer  # noqa: PLC0415
+        from minillama.tokenizer import Llama2cTokenizer  # noqa: PLC0415
 
         V = Llama2cTokenizer(d / "tokenizer.bin").vocab_size
         cfg = _small_cfg(V)
@@ -178,7 +178,7 @@ def make_targets(root, names: list[str] | None = None) -> dict[str, Target]:
                                          _load_train_config)
     if want("data"):
         d = mk("data")
-        from .data import prepare_text_file  # noqa: PLC0415
+        from minillama.data import prepare_text_file  # noqa: PLC0415
 
         src = root / "data" / "corpus.txt"
         src.write_text("To be, or not to be, that is the question.\n" * 30, encoding="utf-8")
@@ -212,9 +212,9 @@ def _make_hf_target(d: Path, name: str, shard: int | None, extra: dict) -> Targe
     ``tokenizers`` package or when ModelConfig lacks an option of ``extra``."""
     import dataclasses  # noqa: PLC0415
 
-    from .config import ModelConfig  # noqa: PLC0415
-    from .formats import save_hf  # noqa: PLC0415
-    from .tokenizer import HFTokenizer  # noqa: PLC0415
+    from minillama.config import ModelConfig  # noqa: PLC0415
+    from minillama.formats import save_hf  # noqa: PLC0415
+    from minillama.tokenizer import HFTokenizer  # noqa: PLC0415
 
     if not set(extra) <= {f.name for f in dataclasses.fields(ModelConfig)}:
         return None
@@ -231,7 +231,7 @@ def _make_hf_target(d: Path, name: str, shard: int | None, extra: dict) -> Targe
 
 
 def _train_config(data: Path, out: Path):
-    from .train import TrainConfig  # noqa: PLC0415
+    from minillama.train import TrainConfig  # noqa: PLC0415
 
     return TrainConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, context=8, batch_size=2,
                        steps=4, warmup=1, eval_interval=2, eval_iters=1, data=str(data),
@@ -241,8 +241,8 @@ def _train_config(data: Path, out: Path):
 def _make_train_ckpt_target(root: Path, mk) -> Target:
     """A training checkpoint (weights, AdamW moments, train_state) written after 2 steps; the
     loader resumes a fresh trainer from the mutated copy and takes one more step."""
-    from .data import prepare_text_file  # noqa: PLC0415
-    from .train import CKPT_NAME, Trainer  # noqa: PLC0415
+    from minillama.data import prepare_text_file  # noqa: PLC0415
+    from minillama.train import CKPT_NAME, Trainer  # noqa: PLC0415
 
     d = mk("train_ckpt")
     src = root / "train_ckpt" / "corpus.txt"
@@ -273,10 +273,10 @@ def _make_gguf_targets(mk, want) -> dict[str, Target]:
     try:
         import gguf  # noqa: F401, PLC0415
 
-        from .formats.gguf import save_gguf  # noqa: PLC0415
+        from minillama.formats.gguf import save_gguf  # noqa: PLC0415
     except ImportError:
         return {}
-    from .tokenizer import Llama2cTokenizer  # noqa: PLC0415
+    from minillama.tokenizer import Llama2cTokenizer  # noqa: PLC0415
 
     out = {}
     for name, extra, mtype in (("gguf", {}, "F32"), ("gguf_qwen2", {"qkv_bias": True}, "F16")):
@@ -307,9 +307,9 @@ class NonFiniteLogits(Exception):
 def _load_and_run(path, tokenizer=None):
     """load_model on the NumPy backend, encode a short text (when there is a tokenizer), check
     the logits of up to 4 tokens are finite, greedy-decode 4 tokens and decode them to text."""
-    from .formats import check_tokenizer, load_model  # noqa: PLC0415
-    from .generate import generate  # noqa: PLC0415
-    from .tokenizer import load_tokenizer  # noqa: PLC0415
+    from minillama.formats import check_tokenizer, load_model  # noqa: PLC0415
+    from minillama.generate import generate  # noqa: PLC0415
+    from minillama.tokenizer import load_tokenizer  # noqa: PLC0415
 
     model, tok = load_model(path, backend="numpy")
     if tokenizer is not None:
@@ -332,7 +332,7 @@ def _load_own_bpe(folder: Path):
     decode."""
     import sys  # noqa: PLC0415
 
-    from .tokenizer import HFTokenizer  # noqa: PLC0415
+    from minillama.tokenizer import HFTokenizer  # noqa: PLC0415
 
     saved = sys.modules.get("tokenizers")
     sys.modules["tokenizers"] = None  # `from tokenizers import ...` now raises ImportError
@@ -351,7 +351,7 @@ def _load_own_bpe(folder: Path):
 
 
 def _load_train_config(folder: Path):
-    from .train import TrainConfig, read_config_file  # noqa: PLC0415
+    from minillama.train import TrainConfig, read_config_file  # noqa: PLC0415
 
     for name in ("train.json", "train.toml"):
         tc = TrainConfig.from_dict(read_config_file(folder / name))
@@ -360,8 +360,8 @@ def _load_train_config(folder: Path):
 
 
 def _load_data(folder: Path):
-    from .data import TokenData  # noqa: PLC0415
-    from .tokenizer import ByteTokenizer  # noqa: PLC0415
+    from minillama.data import TokenData  # noqa: PLC0415
+    from minillama.tokenizer import ByteTokenizer  # noqa: PLC0415
 
     data = TokenData(folder, context=16, seed=0, vocab_size=ByteTokenizer.vocab_size)
     x, y = data.train_batch(2)
