@@ -90,10 +90,12 @@ class Request:
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
+        self._engine.finished[reason] += 1
         self._emit(("done", reason))
 
     def _fail(self, message: str) -> None:
         self.finish_reason = "error"
+        self._engine.finished["error"] += 1
         self._emit(("error", message))
 
 
@@ -135,6 +137,7 @@ class Engine:
         self._closed = False
         self.decode_steps = 0  #: batched decode steps run so far
         self.max_active = 0  #: the most requests that ever decoded in one step
+        self.finished: collections.Counter = collections.Counter()  #: finish reason -> count
 
     # -- the caller's side ---------------------------------------------------------------------
     @property
