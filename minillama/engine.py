@@ -4,9 +4,9 @@ The :class:`Engine` owns a cache of ``max_batch`` slots (rows) of ``S`` position
 thread. Each iteration of the scheduler
 
 1. drops the requests that were cancelled (a client that went away) and frees their slots;
-2. admits waiting requests while slots are free: a request's prompt is prefilled alone into its
-   own row (a batch-1 view of the cache) and its first token is sampled from the last position's
-   logits;
+2. admits waiting requests while slots are free: their prompts are prefilled into free rows
+   (together, right-padded, in one forward over a view of those rows, up to ``prefill_tokens``
+   padded tokens per forward) and each first token is sampled from its last prompt position;
 3. decodes one token for every running request in one batched forward: row b feeds the token
    it sampled last at its own position p_b (``start_pos`` is the (n,) array of the p_b), so
    rows at different positions share the step; attention reads positions 0..p_b of row b only;
@@ -119,7 +119,8 @@ class Engine:
     submit (or :meth:`start`) and stops with :meth:`close`.
     """
 
-    def __init__(self, model, max_batch: int = 8, max_seq_len: int | None = None):
+    def __init__(self, model, max_batch: int = 8, max_seq_len: int | None = None,
+                 prefill_tokens: int = 4096):
         if isinstance(max_batch, bool) or int(max_batch) != max_batch or max_batch < 1:
             raise MinillamaError(f"max_batch must be a positive integer, got {max_batch}")
         ctx = model.cfg.max_seq_len
@@ -128,6 +129,9 @@ class Engine:
             raise MinillamaError(f"the context must hold at least one position, got {self.S}")
         self.model = model
         self.max_batch = int(max_batch)
+        #: the most (padded) prompt tokens prefilled in one forward: new requests arriving
+        #: together are prefilled together up to this size
+        self.prefill_tokens = int(prefill_tokens)
         self.cache = model.new_cache(self.max_batch, self.S)
         self._views: dict[tuple[int, int], object] = {}
         self._slots: list[_Slot] = []
@@ -136,6 +140,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.decode_steps = 0  #: batched decode steps run so far
+        self.prefills = 0  #: prefill forwards run so far (each may hold several prompts)
         self.max_active = 0  #: the most requests that ever decoded in one step
         self.finished: collections.Counter = collections.Counter()  #: finish reason -> count
 
@@ -239,11 +244,20 @@ class Engine:
                 s.done = True
                 s.req._finish("cancelled")
         self._compact()
+        group: list[Request] = []
         for r in new:
             if r.cancelled:
                 r._finish("cancelled")
+            elif min(r.max_tokens, self.S - len(r.prompt_ids) + 1) <= 0:
+                r._finish("length")
             else:
-                self._admit(r)
+                longest = max([len(q.prompt_ids) for q in group] + [len(r.prompt_ids)])
+                if group and longest * (len(group) + 1) > self.prefill_tokens:
+                    self._admit(group)
+                    group = []
+                group.append(r)
+        if group:
+            self._admit(group)
         self._compact()
         if self._slots:
             self._decode()
@@ -256,24 +270,31 @@ class Engine:
             v = self._views[(lo, hi)] = self.cache.rows(lo, hi)
         return v
 
-    def _admit(self, r: Request) -> None:
-        """Prefill r's prompt into the next free row and sample its first token."""
-        P = len(r.prompt_ids)
-        budget = min(r.max_tokens, self.S - P + 1)
-        if budget <= 0:
-            r._finish("length")
-            return
-        row = len(self._slots)
-        be = self.model.backend
+    def _admit(self, group: list[Request]) -> None:
+        """Prefill the prompts of ``group`` into the next free rows in one forward (right-padded
+        to the longest; the padding's K/V lie beyond each row's positions, masked and later
+        overwritten) and sample each one's first token from its last prompt position."""
+        row, k = len(self._slots), len(group)
+        self.prefills += 1
+        lens = np.array([len(r.prompt_ids) for r in group], dtype=np.int64)
+        block = np.zeros((k, int(lens.max())), dtype=np.int64)
+        for b, r in enumerate(group):
+            block[b, :lens[b]] = r.prompt_ids
         try:
-            logits = self.model.forward(np.asarray([r.prompt_ids], dtype=np.int64), 0,
-                                        self._view(row, row + 1), last_only=True)
+            if k == 1:
+                logits = self.model.forward(block, 0, self._view(row, row + 1), last_only=True)
+            else:
+                logits = self.model.forward(block, 0, self._view(row, row + k),
+                                            output_index=lens - 1)
         except MinillamaError as e:
-            r._fail(str(e))
+            for r in group:
+                r._fail(str(e))
             return
-        slot = _Slot(r, P, budget)
-        self._slots.append(slot)
-        self._take(slot, be.to_numpy(logits)[0])
+        z = self.model.backend.to_numpy(logits).reshape(k, -1)
+        for b, r in enumerate(group):
+            slot = _Slot(r, int(lens[b]), min(r.max_tokens, self.S - int(lens[b]) + 1))
+            self._slots.append(slot)
+            self._take(slot, z[b])
 
     def _decode(self) -> None:
         """One batched step: row b feeds its last token at its own position p_b."""

@@ -66,8 +66,18 @@ def test_batched_decode_at_different_positions_equals_each_row_alone(backend):
         pos += 1
 
 
-def _run_together(engine, jobs):
-    """Submit every job (prompt, kwargs) from its own thread at once; their results in order."""
+def _run_together(engine, jobs, queued: bool):
+    """Submit every job (prompt, kwargs) and wait for all; their results in order. ``queued``:
+    submitted while the scheduler is held, so it admits them all at once (one batched prefill);
+    else each from its own thread at once."""
+    if queued:
+        with engine._cv:  # a re-entrant lock: submit() takes it too
+            reqs = [engine.submit(p, **kw) for p, kw in jobs]
+        out = []
+        for r in reqs:
+            assert list(r.events(timeout=60))[-1][0] == "done"
+            out.append((r.tokens, r.finish_reason))
+        return out
     out = [None] * len(jobs)
     gate = threading.Barrier(len(jobs))
 
@@ -86,7 +96,8 @@ def _run_together(engine, jobs):
 @pytest.mark.parametrize("max_batch", [2, 8])
 def test_concurrent_requests_get_their_own_tokens(max_batch):
     """Greedy and seeded sampled requests of different prompt lengths, budgets and stop ids,
-    run together (with 2 slots: queued, slots reused, rows moved), equal each one alone."""
+    run together equal each one alone: with 8 slots all prefilled in one padded forward, with 2
+    slots queued from threads, slots reused and rows moved."""
     m = _model(dtype=np.float64, max_seq_len=40)
     rng = np.random.default_rng(2)
     jobs = []
@@ -99,8 +110,10 @@ def test_concurrent_requests_get_their_own_tokens(max_batch):
     jobs.append(([5] * 38, {"max_tokens": 10}))  # runs into the end of the context
     engine = Engine(m, max_batch=max_batch)
     try:
-        got = _run_together(engine, jobs)
+        got = _run_together(engine, jobs, queued=max_batch == 8)
         assert engine.max_active >= 2  # the requests did share decode steps
+        if max_batch == 8:
+            assert engine.prefills == 1
     finally:
         engine.close()
     for (prompt, kw), (ids, reason) in zip(jobs, got):
