@@ -19,6 +19,7 @@ import contextlib
 import hmac
 import json
 import math
+import os
 import time
 import uuid
 from pathlib import Path
@@ -455,6 +456,8 @@ def build_app(engine, tok, model_name: str, api_key: str | None = None):
 # the command
 # ---------------------------------------------------------------------------------------------
 def add_cli(subparsers) -> None:
+    from .cli import positive_int  # noqa: PLC0415
+
     p = subparsers.add_parser(
         "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
         description="Serve a checkpoint over HTTP with OpenAI's API (/v1/chat/completions, "
@@ -468,8 +471,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every request but /health")
+    p.add_argument("--api-key", default=os.environ.get("MINILLAMA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every request but /health "
+                        "(default: $MINILLAMA_API_KEY, which keeps the key out of `ps`)")
     p.add_argument("--model-name", default=None,
                    help="the model id clients send (default: the checkpoint's file or folder "
                         "name)")
@@ -477,9 +481,9 @@ def add_cli(subparsers) -> None:
                    help="numpy, numba or cupy (default: $MINILLAMA_BACKEND or numpy)")
     p.add_argument("--dtype", default=None, choices=("float32", "float64"),
                    help="compute precision (default float32)")
-    p.add_argument("--max-batch", type=int, default=8,
+    p.add_argument("--max-batch", type=positive_int, default=8,
                    help="most requests decoded together (KV-cache slots, default 8)")
-    p.add_argument("--max-context", type=int, default=2048,
+    p.add_argument("--max-context", type=positive_int, default=2048,
                    help="positions per request, prompt included (default 2048, capped at the "
                         "model's context)")
     p.set_defaults(func=run_cli)
@@ -503,8 +507,6 @@ def load_engine(args):
     tok = resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt)
     if tok is None:
         raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer")
-    if args.max_batch < 1 or args.max_context < 1:
-        raise MinillamaError("--max-batch and --max-context must be positive")
     engine = Engine(model, max_batch=args.max_batch, max_seq_len=args.max_context)
     return engine, tok, args.model_name or model_name_for(checkpoint)
 
@@ -521,15 +523,20 @@ def run_cli(args) -> int:
                              "pip install 'minillama[serve]'") from None
     if not 0 <= args.port <= 65535:
         raise MinillamaError(f"--port must lie in [0, 65535], got {args.port}")
-    engine, tok, name = load_engine(args)
-    try:
+    try:  # bound before the model loads: a busy port is refused at once
         info = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(info[0], socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(info[4])
+        sock.listen(128)
     except OSError as e:
         raise MinillamaError(f"cannot listen on {args.host}:{args.port}: "
                              f"{e.strerror or e}") from None
+    try:
+        engine, tok, name = load_engine(args)
+    except BaseException:
+        sock.close()
+        raise
     app = build_app(engine, tok, name, args.api_key)
     host, port = sock.getsockname()[:2]
     print(f"minillama: serving {name!r} on http://{host}:{port} (backend "

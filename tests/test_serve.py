@@ -353,5 +353,28 @@ def test_serve_command_listens_on_loopback_with_a_key():
     finally:
         proc.terminate()
         proc.wait(20)
-    rc = cli.main(["serve", "--port", "70000"])
-    assert rc == 2
+
+
+def test_bad_serve_invocations_are_one_error_line(capsys, tmp_path):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = str(busy.getsockname()[1])
+    rows = [(["--port", "70000"], "--port must lie in"),
+            (["--port", port], "cannot listen on 127.0.0.1:" + port),
+            (["--host", "no.such.host.invalid", "--port", "0"], "cannot listen on"),
+            (["--port", "0", "--max-batch", "0"], "expected a positive integer"),
+            (["--port", "0", "--max-context", "-5"], "expected a positive integer"),
+            (["--port", "0", "-c", str(tmp_path / "missing.safetensors")], "missing"),
+            (["--port", "0", "--backend", "tpu"], "unknown backend")]
+    try:
+        for argv, words in rows:
+            try:
+                rc = cli.main(["serve", *argv])
+            except SystemExit as e:  # argparse
+                rc = e.code
+            err = capsys.readouterr().err.strip().splitlines()
+            assert rc == 2 and len(err) == 1, (argv, err)
+            assert err[0].startswith("minillama: error: ") and words in err[0], (argv, err)
+    finally:
+        busy.close()
