@@ -279,6 +279,7 @@ async def _until_disconnect(receive, work, on_disconnect):
     finally:
         for t in (task, watcher):
             t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)  # both really ended
     if task in done:
         return task.result()
     on_disconnect()
