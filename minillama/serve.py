@@ -9,19 +9,15 @@ server-sent events), ``GET /v1/models`` and ``GET /health``. Request fields: ``m
 OpenAI's, ``{"error": {"message", "type", "param", "code"}}``, and the server goes on serving.
 
 Starlette and uvicorn are an optional extra (``pip install 'minillama[serve]'``), imported only
-when the server is built: importing this module (the CLI does) loads neither.
+when the server is built: importing this module (the CLI does) loads neither, nor asyncio.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import hmac
 import json
 import math
 import os
 import time
-import uuid
 from pathlib import Path
 
 from .errors import MinillamaError
@@ -206,6 +202,8 @@ class _Generation:
 
     def __init__(self, engine, tok, prompt_ids: list[int], fields: dict, stop_ids: set[int],
                  max_tokens: int):
+        import asyncio  # noqa: PLC0415
+
         from .engine import StopText  # noqa: PLC0415
         from .generate import TextStreamer  # noqa: PLC0415
 
@@ -267,6 +265,8 @@ class _Generation:
 async def _until_disconnect(receive, work, on_disconnect):
     """Run the coroutine ``work`` while watching ``receive`` for the client going away: then
     ``work`` is cancelled and ``on_disconnect()`` called. Returns work's result (None if cut)."""
+    import asyncio  # noqa: PLC0415
+
     async def watch():
         while True:
             msg = await receive()
@@ -323,6 +323,10 @@ def build_app(engine, tok, model_name: str, api_key: str | None = None):
     """The Starlette application serving ``engine`` (its model's tokenizer ``tok``) as
     ``model_name``; with ``api_key`` every route but /health needs ``Authorization: Bearer
     api_key``."""
+    import contextlib  # noqa: PLC0415
+    import hmac  # noqa: PLC0415
+    import uuid  # noqa: PLC0415
+
     from starlette.applications import Starlette  # noqa: PLC0415
     from starlette.exceptions import HTTPException  # noqa: PLC0415
     from starlette.responses import JSONResponse  # noqa: PLC0415

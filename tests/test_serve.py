@@ -323,7 +323,7 @@ def test_api_key(chat):
 def test_importing_minillama_loads_no_server_stack():
     code = ("import sys, minillama, minillama.cli, minillama.serve, minillama.engine\n"
             "minillama.cli.build_parser()\n"
-            "print(sorted(m for m in ('starlette', 'uvicorn', 'anyio', 'httpx', 'openai') "
+            "print(sorted(m for m in ('starlette', 'uvicorn', 'anyio', 'httpx', 'openai', 'asyncio') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
