@@ -323,8 +323,8 @@ def test_api_key(chat):
 def test_importing_minillama_loads_no_server_stack():
     code = ("import sys, minillama, minillama.cli, minillama.serve, minillama.engine\n"
             "minillama.cli.build_parser()\n"
-            "print(sorted(m for m in ('starlette', 'uvicorn', 'anyio', 'httpx', 'openai', 'asyncio') "
-            "if m in sys.modules))")
+            "stack = ('starlette', 'uvicorn', 'anyio', 'httpx', 'openai', 'asyncio')\n"
+            "print(sorted(m for m in stack if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
