@@ -2,7 +2,7 @@
 :class:`~minillama.engine.Engine`.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream`` as
-server-sent events), ``GET /v1/models`` and ``GET /health``. Request fields: ``model``,
+server-sent events), ``GET /v1/models`` (and ``/v1/models/{id}``) and ``GET /health``. Request fields: ``model``,
 ``messages`` / ``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``stream`` (and ``stream_options.include_usage``); answers carry ``usage`` and a
 ``finish_reason`` of ``stop`` or ``length``. A bad request gets a 4xx JSON error shaped like
@@ -350,14 +350,25 @@ def build_app(engine, tok, model_name: str, api_key: str | None = None):
     async def health(request):
         return JSONResponse({"status": "ok", "active": engine.active, "waiting": engine.waiting})
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "minillama",
+            "context_length": engine.S}
+
     async def models(request):
         try:
             check_key(request)
         except APIError as e:
             return error(e)
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": created, "owned_by": "minillama",
-             "context_length": engine.S}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def one_model(request):
+        try:
+            check_key(request)
+            if request.path_params["model"] != model_name:
+                raise APIError(404, f"the model {json.dumps(request.path_params['model'])} does "
+                                    f"not exist", param="model", code="model_not_found")
+        except APIError as e:
+            return error(e)
+        return JSONResponse(card)
 
     async def run(request, chat: bool):
         try:
@@ -442,6 +453,7 @@ def build_app(engine, tok, model_name: str, api_key: str | None = None):
 
     routes = [Route("/health", health, methods=["GET"]),
               Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{model:path}", one_model, methods=["GET"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"])]
     @contextlib.asynccontextmanager

@@ -303,6 +303,9 @@ def test_bad_requests_get_a_4xx_and_the_server_goes_on(shakespeare):
                                   temperature=0)
     assert len(r.choices[0].text) > 0 and r.usage.completion_tokens == 5
     assert [m.id for m in client.models.list()] == ["shakespeare"]
+    assert client.models.retrieve("shakespeare").id == "shakespeare"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
     assert httpx.get(shakespeare.url + "/health").json()["status"] == "ok"
 
 
