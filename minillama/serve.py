@@ -557,7 +557,8 @@ def run_cli(args) -> int:
     app = build_app(engine, tok, name, args.api_key)
     host, port = sock.getsockname()[:2]
     print(f"minillama: serving {name!r} on http://{host}:{port} (backend "
-          f"{engine.model.backend.name}, {engine.max_batch} slots of {engine.S} positions)",
+          f"{engine.model.backend.name}, {engine.max_batch} slots of {engine.S} positions, "
+          f"KV cache {engine.cache.nbytes / 2**20:.1f} MiB)",
           file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
     uvicorn.Server(config).run(sockets=[sock])
