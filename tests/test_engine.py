@@ -19,9 +19,9 @@ from minillama.generate import generate
 from minillama.model import Transformer, init_params
 
 
-def _model(backend="numpy", dtype=np.float64, seed=0, max_seq_len=48):
+def _model(backend="numpy", dtype=np.float64, seed=0, max_seq_len=48, tie=True):
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=48,
-                      max_seq_len=max_seq_len)
+                      max_seq_len=max_seq_len, tie_embeddings=tie)
     params = init_params(cfg, seed=seed, dtype=np.float64)
     rng = np.random.default_rng(seed)
     for v in params.values():  # far from uniform attention, so a wrong position would show
@@ -181,3 +181,26 @@ def test_stop_text_cuts_at_the_first_stop_however_the_text_arrives(text, stops, 
     got = "".join(st_.push(text[a:b]) for a, b in zip(bounds, bounds[1:])) + st_.flush()
     assert got == want
     assert st_.hit == bool(found)
+
+
+def test_a_failing_row_ends_only_its_own_request():
+    """A prompt whose logits turn NaN (token 7's embedding is NaN here) ends with an error event;
+    the request decoding beside it in the same batch is untouched and the engine goes on."""
+    m = _model(tie=False)  # (a tied head would give every row a NaN logit for token 7)
+    m.params["tok_embeddings.weight"][7] = np.nan
+    good, bad = [1, 2, 3], [4, 7, 5]
+    want = generate(m, good, max_new_tokens=12, stop_ids={7})
+    engine = Engine(m, max_batch=4)
+    try:
+        with engine._cv:
+            r_good = engine.submit(good, max_tokens=12, stop_ids={7})
+            r_bad = engine.submit(bad, max_tokens=12, stop_ids={7})
+        assert list(r_bad.events(timeout=60)) == [
+            ("error", "the model's logits hold NaN/inf values (its weights overflow the compute "
+                      "dtype)")]
+        assert [v for k, v in r_good.events(timeout=60) if k == "token"] == want
+        assert engine.generate(good, max_tokens=12, stop_ids={7}) == (want, "length")
+        with pytest.raises(MinillamaError, match="NaN/inf"):
+            engine.generate(bad, max_tokens=3)
+    finally:
+        engine.close()
