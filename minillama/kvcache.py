@@ -32,6 +32,19 @@ class KVCache:
         self.v = [xp.zeros(shape, dtype=dtype) for _ in range(cfg.n_layers)]
         self.xp = xp
 
+    def rows(self, lo: int, hi: int) -> "KVCache":
+        """A cache over sequences lo..hi-1 of this one that shares its memory (basic slices, so
+        writes through the view land here): continuous batching decodes the first n slots of a
+        fixed cache, or prefills one slot, without copying."""
+        if not 0 <= lo < hi <= self.batch_size:
+            raise MinillamaError(f"rows {lo}..{hi - 1} are outside the cache batch of "
+                                 f"{self.batch_size}")
+        view = object.__new__(KVCache)
+        view.max_seq_len, view.batch_size, view.xp = self.max_seq_len, hi - lo, self.xp
+        view.k = [a[lo:hi] for a in self.k]
+        view.v = [a[lo:hi] for a in self.v]
+        return view
+
     @property
     def nbytes(self) -> int:
         """2 * L * B * S_max * KVH * hd * itemsize."""

@@ -1,0 +1,383 @@
+"""`minillama serve`: the OpenAI-compatible server, driven over loopback by the real `openai`
+client (and httpx for raw requests). Greedy answers equal the engine's own greedy decode and
+`minillama generate --temperature 0`; concurrent clients each get their own text; a client that
+goes away frees its slot; bad requests get a 4xx in OpenAI's shape and the server goes on."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("starlette")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from minillama import cli  # noqa: E402
+from minillama.engine import Engine  # noqa: E402
+from minillama.formats import load_model  # noqa: E402
+from minillama.generate import DEFAULT_CHECKPOINT, generate  # noqa: E402
+from minillama.serve import _render, _stops, build_app  # noqa: E402
+
+KEY = "sekret"
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% endif %}")
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat?"}]
+
+
+class _Server:
+    """uvicorn serving ``app`` from a thread on a free loopback port."""
+
+    def __init__(self, app, engine, tok, name):
+        self.engine, self.tok, self.name = engine, tok, name
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+        self.thread.start()
+        t0 = time.time()
+        while not self.server.started:
+            assert time.time() - t0 < 30, "the server did not start"
+            time.sleep(0.02)
+
+    def client(self, key="none", **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def shakespeare():
+    """The shipped byte-level model (no chat template), 4 slots, no API key."""
+    model, tok = load_model(DEFAULT_CHECKPOINT)
+    engine = Engine(model, max_batch=4)
+    srv = _Server(build_app(engine, tok, "shakespeare"), engine, tok, "shakespeare")
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    """A tiny random Hugging Face folder (config.json + safetensors, a byte-level BPE
+    tokenizer.json with a ChatML chat_template), 1024 positions, served with an API key."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from minillama.config import ModelConfig
+    from minillama.formats import save_hf
+    from minillama.model import init_params
+
+    d = tmp_path_factory.mktemp("chat_model")
+    t = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    t.train_from_iterator(["the cat sat on the mat", "be brief, the dog ran"] * 50, trainer)
+    t.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
+    V = t.get_vocab_size()
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=V, hidden_dim=64,
+                      max_seq_len=1024)
+    params = init_params(cfg, seed=3)
+    rng = np.random.default_rng(3)
+    params["tok_embeddings.weight"][...] = rng.normal(0, 1.0, (V, 32))  # a peaked next token
+    save_hf(d, cfg, params)
+    model, tok = load_model(d)
+    engine = Engine(model, max_batch=4)
+    srv = _Server(build_app(engine, tok, "tiny-chat", api_key=KEY), engine, tok, "tiny-chat")
+    yield srv
+    srv.close()
+
+
+def _text_of(tok, prompt_ids, ids):
+    """What the server streams for ``ids`` after ``prompt_ids``: the decoded continuation."""
+    tail = list(prompt_ids[-16:])
+    full, base = tok.decode(tail + list(ids)), tok.decode(tail)
+    assert full.startswith(base)
+    return full[len(base):]
+
+
+def _stream_text(chunks, chat):
+    text, reasons, usage = [], [], None
+    for c in chunks:
+        if c.usage is not None:
+            usage = c.usage
+        for ch in c.choices:
+            piece = ch.delta.content if chat else ch.text
+            text.append(piece or "")
+            if ch.finish_reason:
+                reasons.append(ch.finish_reason)
+    return "".join(text), reasons, usage
+
+
+# ---------------------------------------------------------------------------------------------
+def test_completions_equal_generate_and_the_engine(shakespeare, capsys):
+    assert cli.main(["generate", "--prompt", "ROMEO.", "-n", "40", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    tok, engine = shakespeare.tok, shakespeare.engine
+    prompt = tok.encode("ROMEO.", bos=True)
+    ids, reason = engine.generate(prompt, max_tokens=40, stop_ids=_stops(tok))
+    client = shakespeare.client()
+    r = client.completions.create(model="shakespeare", prompt="ROMEO.", max_tokens=40,
+                                  temperature=0)
+    text = r.choices[0].text
+    assert printed == "ROMEO." + text + "\n"
+    assert text == _text_of(tok, prompt, ids) and len(text) > 20
+    assert r.choices[0].finish_reason == reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 40)
+    chunks = client.completions.create(model="shakespeare", prompt="ROMEO.", max_tokens=40,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    got, reasons, usage = _stream_text(chunks, chat=False)
+    assert got == text and reasons == ["length"] and usage.completion_tokens == 40
+    # a stop string cuts the text before it, streamed or not, and ends the generation
+    cut = text[5:9]
+    want = text[:text.find(cut)]
+    r = client.completions.create(model="shakespeare", prompt="ROMEO.", max_tokens=40,
+                                  temperature=0, stop=[cut, "zzz"])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 40
+    got, reasons, _ = _stream_text(client.completions.create(
+        model="shakespeare", prompt="ROMEO.", max_tokens=40, temperature=0, stop=cut,
+        stream=True), chat=False)
+    assert got == want and reasons == ["stop"]
+
+
+def test_chat_equals_the_engine_greedy_decode(chat):
+    tok, engine = chat.tok, chat.engine
+    prompt = tok.encode(_render(tok, MESSAGES))
+    assert prompt[0] == tok._tok.token_to_id("<|im_start|>")
+    ids, reason = engine.generate(prompt, max_tokens=30, stop_ids=_stops(tok))
+    want = _text_of(tok, prompt, ids)
+    client = chat.client(KEY)
+    r = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=30,
+                                       temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want and len(want) > 0
+    assert r.choices[0].finish_reason == reason
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(ids)
+    got, reasons, usage = _stream_text(client.chat.completions.create(
+        model="tiny-chat", messages=MESSAGES, max_tokens=30, temperature=0, stream=True,
+        stream_options={"include_usage": True}), chat=True)
+    assert got == want and reasons == [reason] and usage.completion_tokens == len(ids)
+    # seeded sampling is reproducible, request by request
+    a, b = (client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=20,
+                                           temperature=1.0, top_p=0.9, seed=5)
+            .choices[0].message.content for _ in range(2))
+    assert a == b
+
+
+def test_concurrent_clients_each_get_their_own_text(shakespeare):
+    """8 streaming clients at once on 4 slots: each text equals that prompt's greedy decode
+    alone, and the requests did share decode steps."""
+    tok, engine = shakespeare.tok, shakespeare.engine
+    prompts = ["ROMEO.", "KING.\nWhat", "First Citizen:\nBefore we proceed", "\n", "JULIET.\n",
+               "To be", "HAMLET.\nO", "My lord,"]
+    want = [_text_of(tok, tok.encode(p, bos=True),
+                     generate(engine.model, tok.encode(p, bos=True), max_new_tokens=60,
+                              temperature=0, stop_ids=_stops(tok))) for p in prompts]
+    assert len(set(want)) == len(want)
+    engine.max_active = 0
+    got = [None] * len(prompts)
+    gate = threading.Barrier(len(prompts))
+
+    def run(i):
+        client = shakespeare.client()
+        gate.wait()
+        got[i] = _stream_text(client.completions.create(
+            model="shakespeare", prompt=prompts[i], max_tokens=60, temperature=0, stream=True),
+            chat=False)[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == want
+    assert engine.max_active >= 2
+
+
+def _wait_idle(engine, timeout=10.0):
+    t0 = time.time()
+    while engine.active and time.time() - t0 < timeout:
+        time.sleep(0.01)
+    return engine.active
+
+
+def test_a_client_that_goes_away_frees_its_slot(chat):
+    engine = chat.engine
+    head = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny-chat", "messages": MESSAGES, "max_tokens": 1000, "temperature": 0,
+            "stream": True}
+    before = engine.finished["cancelled"]
+    with httpx.Client(base_url=chat.url, headers=head, timeout=30) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            while '"content":"' not in next(lines) or engine.active == 0:
+                pass
+            assert engine.active == 1
+    assert _wait_idle(engine) == 0
+    assert engine.finished["cancelled"] == before + 1
+    # a non-streaming client that gives up (its read timeout) frees its slot too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(chat.url + "/v1/chat/completions", headers=head, timeout=0.3,
+                   json={**body, "stream": False})
+    assert _wait_idle(engine) == 0
+    assert engine.finished["cancelled"] == before + 2
+    r = chat.client(KEY).chat.completions.create(model="tiny-chat", messages=MESSAGES,
+                                                 max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens <= 3
+
+
+BAD = [  # (path, body, status, code)
+    ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model_not_found"),
+    ("/v1/completions", b'{"model": "shakespeare", "prompt": "a"', 400, "invalid_json"),
+    ("/v1/completions", b"[1, 2]", 400, "invalid_json"),
+    ("/v1/completions", {"prompt": "a"}, 400, "missing_field"),
+    ("/v1/completions", {"model": "shakespeare"}, 400, "missing_field"),
+    ("/v1/chat/completions", {"model": "shakespeare"}, 400, "missing_field"),
+    ("/v1/chat/completions", {"model": "shakespeare", "messages": []}, 400, "invalid_type"),
+    ("/v1/chat/completions", {"model": "shakespeare", "messages": [{"content": "x"}]}, 400,
+     "invalid_type"),
+    ("/v1/chat/completions", {"model": "shakespeare", "messages": MESSAGES}, 400,
+     "no_chat_template"),
+    ("/v1/completions", {"model": "shakespeare", "prompt": "x" * 300}, 400,
+     "context_length_exceeded"),
+    ("/v1/completions", {"model": "shakespeare", "prompt": [1, 2, 999]}, 400, "invalid_value"),
+    ("/v1/completions", {"model": "shakespeare", "prompt": "a", "max_tokens": -1}, 400,
+     "invalid_value"),
+    ("/v1/completions", {"model": "shakespeare", "prompt": "a", "max_tokens": 2.5}, 400,
+     "invalid_type"),
+    ("/v1/completions", {"model": "shakespeare", "prompt": "a", "temperature": "hot"}, 400,
+     "invalid_type"),
+    ("/v1/completions", {"model": "shakespeare", "prompt": "a", "temperature": -1}, 400,
+     "invalid_value"),
+    ("/v1/completions", {"model": "shakespeare", "prompt": "a", "top_p": [1]}, 400,
+     "invalid_type"),
+    ("/v1/completions", {"model": "shakespeare", "prompt": "a", "seed": -1}, 400,
+     "invalid_value"),
+    ("/v1/completions", {"model": "shakespeare", "prompt": "a", "stop": 3}, 400, "invalid_type"),
+    ("/v1/completions", {"model": "shakespeare", "prompt": "a", "stream": "yes"}, 400,
+     "invalid_type"),
+    ("/v1/completions", {"model": "shakespeare", "prompt": "a", "n": 2}, 400, "invalid_value"),
+    ("/v1/nothing", {}, 404, "not_found"),
+]
+
+
+def test_bad_requests_get_a_4xx_and_the_server_goes_on(shakespeare):
+    with httpx.Client(base_url=shakespeare.url, timeout=30) as c:
+        for path, body, status, code in BAD:
+            r = (c.post(path, content=body) if isinstance(body, bytes)
+                 else c.post(path, json=body))
+            assert r.status_code == status, (body, r.text)
+            err = r.json()["error"]
+            assert err["code"] == code and isinstance(err["message"], str), (body, err)
+            assert err["type"] == "invalid_request_error"
+        r = c.get("/v1/completions")
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    client = shakespeare.client()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="a", max_tokens=3)
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client.chat.completions.create(model="shakespeare", messages=MESSAGES)
+    r = client.completions.create(model="shakespeare", prompt="KING.", max_tokens=5,
+                                  temperature=0)
+    assert len(r.choices[0].text) > 0 and r.usage.completion_tokens == 5
+    assert [m.id for m in client.models.list()] == ["shakespeare"]
+    assert client.models.retrieve("shakespeare").id == "shakespeare"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert httpx.get(shakespeare.url + "/health").json()["status"] == "ok"
+
+
+def test_api_key(chat):
+    body = {"model": "tiny-chat", "messages": MESSAGES, "max_tokens": 2}
+    for head in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for path, method in (("/v1/chat/completions", "POST"), ("/v1/completions", "POST"),
+                             ("/v1/models", "GET")):
+            r = httpx.request(method, chat.url + path, headers=head, json=body, timeout=30)
+            assert r.status_code == 401, (head, path)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        chat.client("wrong").chat.completions.create(model="tiny-chat", messages=MESSAGES)
+    assert httpx.get(chat.url + "/health").status_code == 200  # health checks need no key
+    assert [m.id for m in chat.client(KEY).models.list()] == ["tiny-chat"]
+
+
+def test_importing_minillama_loads_no_server_stack():
+    code = ("import sys, minillama, minillama.cli, minillama.serve, minillama.engine\n"
+            "minillama.cli.build_parser()\n"
+            "stack = ('starlette', 'uvicorn', 'anyio', 'httpx', 'openai', 'asyncio')\n"
+            "print(sorted(m for m in stack if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_serve_command_listens_on_loopback_with_a_key():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "minillama", "serve", "--port", "0",
+                             "--api-key", KEY, "--max-batch", "2"], stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        assert "serving 'shakespeare' on http://127.0.0.1:" in line, line
+        url = line.split(" on ")[1].split()[0]
+        for _ in range(200):  # the banner comes just before uvicorn starts accepting
+            try:
+                httpx.get(url + "/health", timeout=5)
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        assert httpx.get(url + "/v1/models", timeout=5).status_code == 401
+        r = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0).completions.create(
+            model="shakespeare", prompt="ROMEO.", max_tokens=8, temperature=0)
+        assert r.usage.completion_tokens == 8
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_bad_serve_invocations_are_one_error_line(capsys, tmp_path):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = str(busy.getsockname()[1])
+    rows = [(["--port", "70000"], "--port must lie in"),
+            (["--port", port], "cannot listen on 127.0.0.1:" + port),
+            (["--host", "no.such.host.invalid", "--port", "0"], "cannot listen on"),
+            (["--port", "0", "--max-batch", "0"], "expected a positive integer"),
+            (["--port", "0", "--max-context", "-5"], "expected a positive integer"),
+            (["--port", "0", "-c", str(tmp_path / "missing.safetensors")], "missing"),
+            (["--port", "0", "--backend", "tpu"], "unknown backend")]
+    try:
+        for argv, words in rows:
+            try:
+                rc = cli.main(["serve", *argv])
+            except SystemExit as e:  # argparse
+                rc = e.code
+            err = capsys.readouterr().err.strip().splitlines()
+            assert rc == 2 and len(err) == 1, (argv, err)
+            assert err[0].startswith("minillama: error: ") and words in err[0], (argv, err)
+    finally:
+        busy.close()
