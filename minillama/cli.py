@@ -66,17 +66,27 @@ def _command_names(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.error("a command is required: " + ", ".join(_command_names(parser)))
+    command = "minillama"
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.error("a command is required: " + ", ".join(_command_names(parser)))
+        command = f"minillama {args.command}"
         return int(args.func(args) or 0)
     except MinillamaError as e:
         print(f"minillama: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         return 0
+    except ModuleNotFoundError as e:  # an optional dependency that some path imports directly
+        if not e.name or e.name.split(".")[0] == "minillama":
+            raise
+        from .extras import missing_error  # noqa: PLC0415
+
+        print(f"minillama: error: {missing_error(e.name, f'`{command}`')}",
+              file=sys.stderr)
+        return 2
     except OSError as e:  # a missing file, a folder given for a file, a full disk...
         where = f": {e.filename}" if e.filename else ""
         print(f"minillama: error: {e.strerror or e}{where}", file=sys.stderr)

@@ -403,9 +403,11 @@ def run_cli(args) -> int:
     tok = resolve_tokenizer(args.tokenizer, model_tok, cfg, checkpoint, fmt)
     if tok is None:
         if args.prompt:
-            raise MinillamaError(
-                f"{checkpoint} has no tokenizer; pass --tokenizer (tokenizer.bin or "
-                f"tokenizer.json) to use a text prompt")
+            hint = ("--tokenizer byte (its vocabulary of 258 is minillama's byte tokenizer)"
+                    if cfg.vocab_size == ByteTokenizer.vocab_size else
+                    "--tokenizer (a llama2.c tokenizer.bin, a tokenizer.json, or byte)")
+            raise MinillamaError(f"{checkpoint} has no tokenizer; pass {hint} to use a text "
+                                 f"prompt")
         bos, stop = 1, ({1, 2} if fmt == "llama2c" else set())
         prompt_ids = [bos if bos < cfg.vocab_size else 0]
     else:

@@ -38,7 +38,8 @@ from . import build as cb
 from ..reference import (ReferenceBackend, composed_linear_cross_entropy_backward,
                                 composed_linear_cross_entropy_forward)
 
-INSTALL_HINT = 'install the GPU extra: pip install -e ".[gpu]"'
+INSTALL_HINT = ('install the GPU extra: pip install "minillama[gpu]" (CUDA 12; '
+                '"minillama[gpu-cuda13]" for CUDA 13, as nvidia-smi shows)')
 
 cp = None  # the cupy module, bound by CupyBackend() once a GPU is confirmed
 

@@ -74,7 +74,7 @@ def detect_format(path) -> str:
 def load_params(path):
     """``(format, cfg, host params, tokenizer or None)`` of the checkpoint at ``path``."""
     from ..checkpoint import load_checkpoint  # noqa: PLC0415
-    from ..tokenizer import HFTokenizer, tokenizer_from_spec  # noqa: PLC0415
+    from ..tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec  # noqa: PLC0415
 
     path = resolve_checkpoint(path)
     fmt = detect_format(path)
@@ -84,6 +84,8 @@ def load_params(path):
         tj = Path(path) / "tokenizer.json"
         if tj.is_file():
             tok = HFTokenizer(tj)
+            if tok.is_byte_tokenizer() and not tok.chat_template:
+                tok = ByteTokenizer()  # minillama's byte tokenizer, as an export writes it
     elif fmt == "gguf":
         cfg, params, tok = load_gguf(path)
     elif fmt == "minillama":

@@ -1,0 +1,125 @@
+"""Exports keep the tokenizer: a byte-level model exported as a Hugging Face folder carries a
+tokenizer.json that transformers' AutoTokenizer reads to the same ids as minillama's byte
+tokenizer; as GGUF it carries a llama (SentencePiece) vocabulary of byte pieces that minillama
+reads back as the byte tokenizer; either export takes a text prompt with no --tokenizer. A
+llama2.c export (a format without a tokenizer) names the flag that works: --tokenizer byte."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minillama import cli
+from minillama.checkpoint import save_checkpoint
+from minillama.config import ModelConfig
+from minillama.formats import load_params
+from minillama.model import init_params
+from minillama.tokenizer import ByteTokenizer, HFTokenizer
+
+CFG = ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=ByteTokenizer.vocab_size,
+                  hidden_dim=24, max_seq_len=64)
+TEXTS = ["ROMEO. What, ho!", "", " leading and trailing ", "caf\u00e9 \u2581 \u00fc\u00df\n\t",
+         "\U0001f600 emoji", "<s> not a special token </s>", "a" * 50]
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    d = tmp_path_factory.mktemp("exports")
+    ckpt = save_checkpoint(d / "m.safetensors", CFG, init_params(CFG, seed=1),
+                           tokenizer=ByteTokenizer())
+    out = {"ckpt": ckpt}
+    for fmt, name in (("hf", "hf"), ("gguf", "m.gguf"), ("llama2c", "m.bin")):
+        try:
+            rc = cli.main(["export", str(ckpt), "--format", fmt, "--out", str(d / name)])
+        except SystemExit as e:  # pragma: no cover
+            rc = e.code
+        if rc == 0:
+            out[fmt] = d / name
+    return out
+
+
+def test_hf_export_writes_the_byte_tokenizer(exports):
+    d = exports["hf"]
+    assert (d / "tokenizer.json").is_file() and (d / "tokenizer_config.json").is_file()
+    conf = json.loads((d / "config.json").read_text())
+    assert (conf["bos_token_id"], conf["eos_token_id"]) == (256, 257)
+    _, _, _, tok = load_params(d)
+    assert isinstance(tok, ByteTokenizer)
+
+
+@pytest.mark.parametrize("library", ["tokenizers", "minillama.bpe"])
+def test_hf_tokenizer_json_gives_the_byte_ids(exports, library, monkeypatch):
+    if library == "tokenizers":
+        pytest.importorskip("tokenizers")
+    else:  # the package's own BPE, as without the hf extra
+        monkeypatch.setitem(sys.modules, "tokenizers", None)
+    tok = HFTokenizer(exports["hf"])
+    assert tok.is_byte_tokenizer()
+    ref = ByteTokenizer()
+    for text in TEXTS:
+        assert tok.encode(text, bos=True) == ref.encode(text, bos=True), text
+        assert tok.decode(ref.encode(text, bos=True, eos=True)) == text
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(max_size=40))
+def test_transformers_autotokenizer_matches_the_byte_tokenizer(exports, text):
+    transformers = pytest.importorskip("transformers")
+    auto = _auto_tokenizer(transformers, exports["hf"])
+    ids = ByteTokenizer().encode(text, bos=True)
+    assert auto(text).input_ids == ids
+    assert auto.decode(ids, skip_special_tokens=True) == text
+    assert (auto.bos_token_id, auto.eos_token_id) == (256, 257)
+
+
+_AUTO = {}
+
+
+def _auto_tokenizer(transformers, path):
+    if path not in _AUTO:
+        _AUTO[path] = transformers.AutoTokenizer.from_pretrained(str(path))
+    return _AUTO[path]
+
+
+def test_gguf_export_round_trips_the_byte_tokenizer(exports):
+    gguf = pytest.importorskip("gguf")
+    path = exports["gguf"]
+    _, _, _, tok = load_params(path)
+    assert isinstance(tok, ByteTokenizer)
+    reader = gguf.GGUFReader(str(path), "r")
+    f = reader.fields
+    assert bytes(f["tokenizer.ggml.model"].parts[-1]).decode() == "llama"
+    tokens = [bytes(f["tokenizer.ggml.tokens"].parts[i]).decode()
+              for i in f["tokenizer.ggml.tokens"].data]
+    assert tokens[0x41] == "<0x41>" and tokens[0x20] == "\u2581" and tokens[256:] == ["<s>", "</s>"]
+    types = [int(f["tokenizer.ggml.token_type"].parts[i][0])
+             for i in f["tokenizer.ggml.token_type"].data]
+    assert types[0x41] == gguf.TokenType.BYTE and types[256] == gguf.TokenType.CONTROL
+    assert int(f["tokenizer.ggml.bos_token_id"].parts[-1][0]) == 256
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_an_export_takes_a_prompt(exports, fmt, capsys):
+    if fmt not in exports:
+        pytest.skip(f"no {fmt} export here (gguf needs the gguf package)")
+    argv = ["generate", "-c", "{}", "--prompt", "ROMEO.", "-n", "5", "--temperature", "0"]
+    argv[2] = str(exports[fmt])
+    assert cli.main(argv) == 0
+    out_export = capsys.readouterr().out
+    argv[2] = str(exports["ckpt"])
+    assert cli.main(argv) == 0
+    assert out_export == capsys.readouterr().out
+    assert out_export.startswith("ROMEO.")
+
+
+def test_llama2c_export_names_the_byte_tokenizer(exports, capsys):
+    rc = cli.main(["generate", "-c", str(exports["llama2c"]), "--prompt", "ROMEO.", "-n", "3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--tokenizer byte" in err[0]
+    rc = cli.main(["generate", "-c", str(exports["llama2c"]), "--tokenizer", "byte", "--prompt",
+                   "ROMEO.", "-n", "3", "--temperature", "0"])
+    assert rc == 0 and capsys.readouterr().out.startswith("ROMEO.")
