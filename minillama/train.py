@@ -644,6 +644,8 @@ class Trainer:
     def _summary(self, start_step: int, wall: float, last_loss: float,
                  stopped_early: bool) -> dict[str, Any]:
         steps_run = self.step - start_step
+        if steps_run == 0 and self.history["train"]:  # nothing ran: the last recorded loss
+            last_loss = self.history["train"][-1][1]
         return {"steps": self.step, "steps_run": steps_run, "wall_seconds": wall,
                 "train_seconds": self.train_seconds, "tokens_seen": self.tokens_seen,
                 "tokens_per_second": steps_run * self.tokens_per_step / max(wall, 1e-9),
@@ -916,6 +918,11 @@ def _train_ranks(args, world: Communicator, say) -> int:
     if args.resume:
         trainer.resume()
         say(f"resumed at step {trainer.step}")
+        if trainer.step >= tc.steps:
+            say(f"the run in {tc.out} is complete: step {trainer.step} of --steps {tc.steps}, "
+                f"nothing to train; to extend it pass more steps, e.g. `minillama train --resume "
+                f"--out {tc.out} --steps {2 * tc.steps}` (the cosine schedule then spans the new "
+                f"total)")
     summary = trainer.train(stop_at=args.stop_at)
     if world.rank == 0:
         _print_line(json.dumps({k: (round(v, 5) if isinstance(v, float) else v)
