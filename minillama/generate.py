@@ -279,6 +279,14 @@ class TextStreamer:
 # ---------------------------------------------------------------------------------------------
 # the `minillama generate` command
 # ---------------------------------------------------------------------------------------------
+def backend_help() -> str:
+    """The ``--backend`` help of the commands that run a model."""
+    from .backends import backend_names  # noqa: PLC0415
+
+    return (f"{', '.join(backend_names())} or auto (default: $MINILLAMA_BACKEND, else auto: the "
+            f"fastest for the model's size, see README)")
+
+
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "generate", help="generate text from a checkpoint (streams to stdout)",
@@ -298,15 +306,17 @@ def add_cli(subparsers) -> None:
                    help="send --prompt as a user message through the folder's chat template "
                         "(tokenizer_config.json chat_template, rendered with jinja2)")
     p.add_argument("-n", "--max-new-tokens", type=int, default=256,
-                   help="most tokens to generate (default 256)")
+                   help="most tokens to generate (default 256; the model's context may cut it, "
+                        "which is noted on stderr)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature, 0 = greedy (default 1.0)")
-    p.add_argument("--top-k", type=int, default=None, help="keep only the k most likely tokens")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="keep only the k most likely tokens (default: all)")
     p.add_argument("--top-p", type=float, default=0.9,
                    help="nucleus sampling mass, 1 disables it (default 0.9)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (reproducible sampling)")
-    p.add_argument("--backend", default=None,
-                   help="numpy, numba or cupy (default: $MINILLAMA_BACKEND or numpy)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed (reproducible sampling; default: a fresh one)")
+    p.add_argument("--backend", default=None, help=backend_help())
     p.add_argument("--dtype", default=None, choices=("float32", "float64"),
                    help="compute precision (default float32)")
     p.add_argument("--cuda-graph", default="auto", choices=CUDA_GRAPH_CHOICES,

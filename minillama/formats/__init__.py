@@ -125,7 +125,11 @@ def load_model(path, backend=None, dtype=None):
 
     from ..model import Transformer  # noqa: PLC0415
 
+    from ..backends import resolve_name  # noqa: PLC0415
+
     fmt, cfg, params, tok = load_params(path)
+    if backend is None or isinstance(backend, str):  # None/"auto": by the model's size
+        backend = resolve_name(backend, cfg)
     model = Transformer(cfg, params, backend=backend, dtype=np.dtype(dtype or np.float32))
     model.source_format = fmt
     return model, tok
