@@ -112,3 +112,57 @@ def test_resuming_a_finished_run_says_how_to_extend_it(finished_run, capsys):
                    "--steps", "4"])
     out, err = capsys.readouterr()
     assert rc == 0 and json.loads(out.strip().splitlines()[-1])["steps_run"] == 1 and "complete" not in err
+
+
+# --- warmup scaled to the run, and said ---------------------------------------------------------
+def test_warmup_scales_to_a_short_run():
+    from minillama.optim import lr_at
+    from minillama.train import TrainConfig
+
+    assert TrainConfig().warmup_steps == 100  # the default 2000-step run: as before
+    short = TrainConfig(steps=30)
+    assert short.warmup_steps == 3
+    assert lr_at(short.warmup_steps, short.lr, short.warmup_steps, short.steps,
+                 short.min_lr) == pytest.approx(short.lr)  # the peak lr is reached
+    assert TrainConfig(steps=30, warmup=50).warmup_steps == 50  # an explicit warmup is kept
+    assert TrainConfig(steps=5).warmup_steps == 0
+
+
+def test_train_says_its_schedule(finished_run, capsys):
+    capsys.readouterr()
+    rc = cli.main(["train", "--no-progress", "--resume", "--out", str(finished_run),
+                   "--steps", "5"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert ("schedule: 5 steps, linear warmup over 0 to lr 0.002, cosine decay to 0.0002 "
+            "(warmup: min(100, steps // 10); set --warmup)") in err
+
+
+# --- the auto backend ---------------------------------------------------------------------------
+def test_auto_backend_by_model_size(monkeypatch):
+    from minillama.backends import AUTO_REFERENCE_MAX_PARAMS, auto_backend, resolve_name
+
+    monkeypatch.delenv("MINILLAMA_BACKEND", raising=False)
+    big = ModelConfig(dim=512, n_layers=8, n_heads=8, vocab_size=32000)
+    assert CFG.n_params() <= AUTO_REFERENCE_MAX_PARAMS < big.n_params()
+    assert auto_backend(CFG) == "reference" and auto_backend(big) == "numpy"
+    assert auto_backend(CFG, task="train") == "numpy"
+    assert resolve_name(None, CFG) == resolve_name("auto", CFG) == "reference"
+    assert resolve_name(None, big) == "numpy"
+    assert resolve_name(None) == "numpy"  # no model to size: numpy
+    monkeypatch.setenv("MINILLAMA_BACKEND", "numba")  # the environment overrides auto
+    assert resolve_name(None, CFG) == "numba"
+    assert resolve_name("numpy", CFG) == "numpy"  # and a flag overrides the environment
+    monkeypatch.setenv("MINILLAMA_BACKEND", "auto")
+    assert resolve_name(None, big) == "numpy"
+
+
+def test_generate_defaults_to_auto(ckpt, capsys, monkeypatch):
+    monkeypatch.delenv("MINILLAMA_BACKEND", raising=False)
+    rc, out, err = _gen(capsys, "-c", str(ckpt), "-n", "3", "--seed", "0")
+    assert rc == 0 and err.strip().endswith("backend reference")
+    monkeypatch.setenv("MINILLAMA_BACKEND", "numpy")
+    rc, out, err = _gen(capsys, "-c", str(ckpt), "-n", "3", "--seed", "0")
+    assert rc == 0 and err.strip().endswith("backend numpy")
+    rc, out, err = _gen(capsys, "-c", str(ckpt), "-n", "3", "--seed", "0", "--backend", "auto")
+    assert rc == 0 and err.strip().endswith("backend reference")
