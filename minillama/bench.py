@@ -63,6 +63,13 @@ def cmd_backends(args) -> int:
             print(f"{name:{width}s} unavailable: {e}")
         else:
             print(f"{name:{width}s} ok ({getattr(be, 'device', 'cpu')})")
+    import os  # noqa: PLC0415
+
+    from .backends import AUTO_REFERENCE_MAX_PARAMS, ENV_VAR  # noqa: PLC0415
+
+    print(f"default: auto (generating with a model of at most {AUTO_REFERENCE_MAX_PARAMS / 1e6:g}M "
+          f"parameters: reference; a larger one, and training: numpy)"
+          + (f"; {ENV_VAR}={os.environ[ENV_VAR]} overrides it" if os.environ.get(ENV_VAR) else ""))
     return 0
 
 

@@ -30,12 +30,14 @@ SHAPES = {
                 max_seq_len=256),
     "s42": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=32000,
                 max_seq_len=256),
+    "s110": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000,
+                 max_seq_len=256),
 }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=", ".join(SHAPES))
     ap.add_argument("--backends", default="reference,numpy,numba")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=96)
@@ -81,7 +83,7 @@ def main() -> None:
             time.sleep(0.05)
         med = {n: statistics.median(v) for n, v in rates.items()}
         ref = med.get("reference") or next(iter(med.values()))
-        cells = "".join(f"{med[n]:>12.0f}" for n in names)
+        cells = "".join(f"{med[n]:>12.{0 if med[n] >= 100 else 1}f}" for n in names)
         ratios = " ".join(f"{med[n] / ref:.2f}" for n in names)
         best = max(med, key=med.get)
         print(f"{shape:<12}{cfg.n_params():>12,}{cells}  {ratios:>20}  {best:<9} "
