@@ -41,9 +41,10 @@ def backend_names() -> list[str]:
 
 #: ``auto`` (the default): models of at most this many parameters decode fastest on the
 #: ``reference`` backend (no thread hand-offs: a step of a small model is too short to share),
-#: larger ones on ``numpy`` (threads and in-place buffers). Measured with
-#: ``scripts/bench_default_backend.py``; figures in README ("Switch backends").
-AUTO_REFERENCE_MAX_PARAMS = 4_000_000
+#: larger ones on ``numpy`` (its row threads pay off once the matrices are large). Measured with
+#: ``scripts/bench_default_backend.py`` on a 2-core machine: reference ahead up to 42M
+#: parameters, numpy ahead at 110M; figures in README (the backends table).
+AUTO_REFERENCE_MAX_PARAMS = 50_000_000
 
 
 def auto_backend(cfg=None, task: str = "decode") -> str:

@@ -143,7 +143,7 @@ def test_auto_backend_by_model_size(monkeypatch):
     from minillama.backends import AUTO_REFERENCE_MAX_PARAMS, auto_backend, resolve_name
 
     monkeypatch.delenv("MINILLAMA_BACKEND", raising=False)
-    big = ModelConfig(dim=512, n_layers=8, n_heads=8, vocab_size=32000)
+    big = ModelConfig(dim=768, n_layers=12, n_heads=12, vocab_size=32000)
     assert CFG.n_params() <= AUTO_REFERENCE_MAX_PARAMS < big.n_params()
     assert auto_backend(CFG) == "reference" and auto_backend(big) == "numpy"
     assert auto_backend(CFG, task="train") == "numpy"
