@@ -123,3 +123,44 @@ def test_llama2c_export_names_the_byte_tokenizer(exports, capsys):
     rc = cli.main(["generate", "-c", str(exports["llama2c"]), "--tokenizer", "byte", "--prompt",
                    "ROMEO.", "-n", "3", "--temperature", "0"])
     assert rc == 0 and capsys.readouterr().out.startswith("ROMEO.")
+
+
+def _llama_simple():
+    """llama.cpp's `llama-simple`: in $MINILLAMA_LLAMA_CPP_BIN (a build/bin folder) or on PATH."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    folder = os.environ.get("MINILLAMA_LLAMA_CPP_BIN")
+    exe = Path(folder) / "llama-simple" if folder else None
+    if exe is not None and exe.is_file():
+        return str(exe)
+    return shutil.which("llama-simple")
+
+
+def test_llama_cpp_reads_the_gguf_byte_vocabulary(tmp_path, capsys):
+    """llama.cpp tokenizes a prompt of the GGUF export as minillama does (its greedy text from
+    the shipped model is minillama's); skipped without llama.cpp's tools."""
+    import subprocess
+
+    pytest.importorskip("gguf")
+    exe = _llama_simple()
+    if exe is None:
+        pytest.skip("llama.cpp's llama-simple not found (set MINILLAMA_LLAMA_CPP_BIN)")
+    from minillama.generate import DEFAULT_CHECKPOINT
+
+    path = tmp_path / "shakespeare.gguf"
+    assert cli.main(["export", str(DEFAULT_CHECKPOINT), "--format", "gguf", "--out",
+                     str(path)]) == 0
+    prompt = "ROMEO. What is"
+    r = subprocess.run([exe, "-m", str(path), "-n", "40", prompt], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    theirs = r.stdout.removeprefix("<s>").strip()
+    capsys.readouterr()
+    assert cli.main(["generate", "-c", str(path), "--prompt", prompt, "-n", "40",
+                     "--temperature", "0"]) == 0
+    ours = capsys.readouterr().out.strip()
+    assert "llama_model_load: error" not in r.stderr
+    assert "15 tokens" in r.stderr  # BOS + the 14 bytes of the prompt
+    assert theirs == ours and len(ours) > len(prompt)
