@@ -366,7 +366,7 @@ COMPILING_BACKENDS = ("numba", "cupy")
 
 
 def warm_up(model, prompt_ids: Sequence[int], temperature: float, top_k, top_p,
-            note_after: float = 0.5, say=None) -> float:
+            note_after: float = 1.0, say=None) -> float:
     """Run the generation's code paths once (a prefill of a few prompt tokens and a few decode
     steps, thrown away) on a backend that compiles kernels on first use, so the reported prefill
     and decode speeds time the model and not the compiler. When it runs longer than
