@@ -164,3 +164,21 @@ def test_llama_cpp_reads_the_gguf_byte_vocabulary(tmp_path, capsys):
     assert "llama_model_load: error" not in r.stderr
     assert "15 tokens" in r.stderr  # BOS + the 14 bytes of the prompt
     assert theirs == ours and len(ours) > len(prompt)
+
+
+def test_hf_to_hf_export_copies_the_tokenizer_files(exports, tmp_path):
+    src = exports["hf"]
+    conf = json.loads((src / "tokenizer_config.json").read_text())
+    with_template = tmp_path / "src"
+    with_template.mkdir()
+    for f in src.iterdir():
+        (with_template / f.name).write_bytes(f.read_bytes())
+    (with_template / "tokenizer_config.json").write_text(
+        json.dumps({**conf, "chat_template": "{{ messages[0].content }}"}))
+    out = tmp_path / "again"
+    assert cli.main(["export", str(with_template), "--format", "hf", "--out", str(out)]) == 0
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (with_template / name).read_bytes()
+    _, _, _, tok = load_params(out)
+    assert isinstance(tok, HFTokenizer) and tok.chat_template  # kept: it has a chat template
+    assert tok.encode("hi there", bos=True) == ByteTokenizer().encode("hi there", bos=True)
