@@ -39,14 +39,34 @@ def backend_names() -> list[str]:
     return list(BACKENDS)
 
 
-def resolve_name(name: str | None = None) -> str:
-    """``name``, else ``$MINILLAMA_BACKEND``, else ``"numpy"``; an unknown name is a clear error."""
+#: ``auto`` (the default): models of at most this many parameters decode fastest on the
+#: ``reference`` backend (no thread hand-offs: a step of a small model is too short to share),
+#: larger ones on ``numpy`` (its row threads pay off once the matrices are large). Measured with
+#: ``scripts/bench_default_backend.py`` on a 2-core machine: reference ahead up to 42M
+#: parameters, numpy ahead at 110M; figures in README (the backends table).
+AUTO_REFERENCE_MAX_PARAMS = 50_000_000
+
+
+def auto_backend(cfg=None, task: str = "decode") -> str:
+    """The backend ``auto`` picks for a model of config ``cfg`` doing ``task`` (``decode``, or
+    ``train``: numpy at every size): never one that compiles on first use, so the first run is as
+    quick as the next."""
+    if cfg is None or task != "decode":
+        return "numpy"
+    return "reference" if cfg.n_params() <= AUTO_REFERENCE_MAX_PARAMS else "numpy"
+
+
+def resolve_name(name: str | None = None, cfg=None, task: str = "decode") -> str:
+    """``name``, else ``$MINILLAMA_BACKEND``, else ``auto``; ``auto`` is :func:`auto_backend`
+    (``numpy`` without a ``cfg``); an unknown name is a clear error."""
     if name is None or name == "":
-        name = os.environ.get(ENV_VAR) or "numpy"
+        name = os.environ.get(ENV_VAR) or "auto"
     key = name.strip().lower()
+    if key == "auto":
+        return auto_backend(cfg, task)
     if key not in BACKENDS:
         raise MinillamaError(
-            f"unknown backend {name!r}; available backends: {', '.join(BACKENDS)}")
+            f"unknown backend {name!r}; available backends: {', '.join(BACKENDS)} (or auto)")
     return key
 
 

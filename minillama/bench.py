@@ -31,18 +31,26 @@ SHAPES = {
 def add_cli(sub) -> None:
     from .cli import positive_int  # noqa: PLC0415
 
-    p = sub.add_parser("backends", help="list the backends and whether each can run here")
+    p = sub.add_parser("backends", help="list the backends and whether each can run here",
+                       description="List every registered backend and whether it can run on "
+                                   "this machine (and if not, what to install).")
     p.set_defaults(func=cmd_backends)
 
-    p = sub.add_parser("bench", help="time a training step and cached decode on each backend")
+    shapes = "; ".join(f"{k}: D={v['dim']}, L={v['n_layers']}, H={v['n_heads']}, "
+                       f"V={v['vocab_size']}" for k, v in SHAPES.items())
+    p = sub.add_parser("bench", help="time a training step and cached decode on each backend",
+                       description=__doc__.split("\n\n", 1)[1])
     p.add_argument("--backend", default="all",
-                   help="comma-separated backend names, or 'all' (those that can run here)")
-    p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+                   help=f"comma-separated backend names ({', '.join(backend_names())}), or 'all' "
+                        f"(those that can run here)")
+    p.add_argument("--shape", default="tiny", choices=sorted(SHAPES),
+                   help=f"the model shape, random weights ({shapes})")
     p.add_argument("--batch", type=positive_int, default=8, help="B of the training step")
     p.add_argument("--seq", type=positive_int, default=128, help="T of the training step")
     p.add_argument("--decode-tokens", type=positive_int, default=32,
                    help="tokens decoded at batch 1")
-    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed runs of each measurement; the fastest is reported")
     p.set_defaults(func=cmd_bench)
 
 
@@ -55,6 +63,13 @@ def cmd_backends(args) -> int:
             print(f"{name:{width}s} unavailable: {e}")
         else:
             print(f"{name:{width}s} ok ({getattr(be, 'device', 'cpu')})")
+    import os  # noqa: PLC0415
+
+    from .backends import AUTO_REFERENCE_MAX_PARAMS, ENV_VAR  # noqa: PLC0415
+
+    print(f"default: auto (generating with a model of at most {AUTO_REFERENCE_MAX_PARAMS / 1e6:g}M "
+          f"parameters: reference; a larger one, and training: numpy)"
+          + (f"; {ENV_VAR}={os.environ[ENV_VAR]} overrides it" if os.environ.get(ENV_VAR) else ""))
     return 0
 
 

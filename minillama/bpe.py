@@ -104,15 +104,16 @@ class BPETokenizer:
             raise MinillamaError(f"{self.path}: corrupt normalizer or pre-tokenizer "
                                  f"({type(e).__name__}: {str(e)[:80]})") from None
         self._cache: dict[str, list[int]] = {}
+        #: special tokens spelled in the text stay text (``split_special_tokens``)
+        self.encode_special_tokens = False
 
     # --- configuration -------------------------------------------------------------------------
     def _configure(self, normalizer, pre) -> None:
         """Recognise the two supported pipelines; set ``byte_level``, ``pattern``, ``prefix``."""
-        import regex  # noqa: PLC0415 - the \p{L} classes of the pre-tokenizer patterns
-
         steps = (pre or {}).get("pretokenizers", [pre] if pre else [])
         kinds = [s.get("type") for s in steps]
         self.byte_level = "ByteLevel" in kinds
+        self.spaces_marked = False
         if self.byte_level:
             if normalizer is not None and normalizer.get("type") != "NFC":
                 raise MinillamaError(f"{self.path}: normalizer {normalizer.get('type')} is not "
@@ -123,6 +124,9 @@ class BPETokenizer:
                 patterns.append(GPT2_PATTERN)
             if len(patterns) != 1 or set(kinds) - {"ByteLevel", "Split"}:
                 raise MinillamaError(f"{self.path}: pre-tokenizer {kinds} is not supported")
+            from .extras import require  # noqa: PLC0415 - the \p{L} classes of the patterns
+
+            regex = require("regex", "byte-level BPE without the `tokenizers` package")
             self.pattern = regex.compile(patterns[0])
             self.prefix = " " if bl.get("add_prefix_space") else ""
             self.nfc = normalizer is not None
@@ -131,6 +135,10 @@ class BPETokenizer:
             return
         norm = (normalizer or {}).get("normalizers", [normalizer] if normalizer else [])
         nkinds = [n.get("type") for n in norm]
+        self.spaces_marked = bool(nkinds)  # SentencePiece-style: spaces become U+2581
+        if not kinds and not nkinds:  # plain BPE: characters (or their bytes) as they are
+            self.prefix = ""
+            return
         if kinds or nkinds not in (["Prepend", "Replace"], ["Replace"]):
             raise MinillamaError(f"{self.path}: normalizer {nkinds} / pre-tokenizer {kinds} is "
                                  f"not a supported SentencePiece-style BPE")
@@ -140,7 +148,9 @@ class BPETokenizer:
     def _split_added(self, text: str) -> list[tuple[str, bool]]:
         """The text cut into (segment, is an added token), longest added token first."""
         out: list[tuple[str, bool]] = []
-        names = sorted(self.added, key=len, reverse=True)
+        names = sorted((n for n, i in self.added.items()
+                        if not (self.encode_special_tokens and i in self.special_ids)),
+                       key=len, reverse=True)
         i = start = 0
         while i < len(text):
             hit = next((n for n in names if text.startswith(n, i)), None)
@@ -184,7 +194,8 @@ class BPETokenizer:
 
     def _segment_ids(self, seg: str) -> list[int]:
         if not self.byte_level:
-            return self._word_ids(self.prefix + seg.replace(" ", SPACE))
+            return self._word_ids(self.prefix + (seg.replace(" ", SPACE) if self.spaces_marked
+                                                 else seg))
         if self.nfc:
             import unicodedata  # noqa: PLC0415
 
@@ -218,7 +229,7 @@ class BPETokenizer:
             elif self.byte_level:
                 out += bytes(self.char_to_byte.get(c, 63) for c in p)
             else:
-                out += p.replace(SPACE, " ").encode("utf-8")
+                out += (p.replace(SPACE, " ") if self.spaces_marked else p).encode("utf-8")
         if not self.byte_level and self.prefix and out.startswith(b" "):
             del out[0]
         return bytes(out)
@@ -244,6 +255,14 @@ class LibraryShim:
     @classmethod
     def from_file(cls, path: str) -> "LibraryShim":
         return cls(BPETokenizer(path))
+
+    @property
+    def encode_special_tokens(self) -> bool:
+        return self.bpe.encode_special_tokens
+
+    @encode_special_tokens.setter
+    def encode_special_tokens(self, value: bool) -> None:
+        self.bpe.encode_special_tokens = bool(value)
 
     def token_to_id(self, piece: str):
         return self.bpe.added.get(piece, self.bpe.vocab.get(piece))

@@ -20,7 +20,7 @@ def export(checkpoint, out, fmt: str, gguf_type: str = "F32") -> Path:
         raise MinillamaError(f"unknown export format {fmt!r} (formats: {', '.join(FORMATS)})")
     _, cfg, params, tok = load_params(checkpoint)
     if fmt == "hf":
-        return save_hf(out, cfg, params)
+        return save_hf(out, cfg, params, tokenizer=tok)
     if fmt == "llama2c":
         return save_llama2c(out, cfg, params)
     from .formats.gguf import save_gguf  # noqa: PLC0415

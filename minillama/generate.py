@@ -279,6 +279,14 @@ class TextStreamer:
 # ---------------------------------------------------------------------------------------------
 # the `minillama generate` command
 # ---------------------------------------------------------------------------------------------
+def backend_help() -> str:
+    """The ``--backend`` help of the commands that run a model."""
+    from .backends import backend_names  # noqa: PLC0415
+
+    return (f"{', '.join(backend_names())} or auto (default: $MINILLAMA_BACKEND, else auto: the "
+            f"fastest for the model's size, see README)")
+
+
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "generate", help="generate text from a checkpoint (streams to stdout)",
@@ -298,15 +306,17 @@ def add_cli(subparsers) -> None:
                    help="send --prompt as a user message through the folder's chat template "
                         "(tokenizer_config.json chat_template, rendered with jinja2)")
     p.add_argument("-n", "--max-new-tokens", type=int, default=256,
-                   help="most tokens to generate (default 256)")
+                   help="most tokens to generate (default 256; the model's context may cut it, "
+                        "which is noted on stderr)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature, 0 = greedy (default 1.0)")
-    p.add_argument("--top-k", type=int, default=None, help="keep only the k most likely tokens")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="keep only the k most likely tokens (default: all)")
     p.add_argument("--top-p", type=float, default=0.9,
                    help="nucleus sampling mass, 1 disables it (default 0.9)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (reproducible sampling)")
-    p.add_argument("--backend", default=None,
-                   help="numpy, numba or cupy (default: $MINILLAMA_BACKEND or numpy)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed (reproducible sampling; default: a fresh one)")
+    p.add_argument("--backend", default=None, help=backend_help())
     p.add_argument("--dtype", default=None, choices=("float32", "float64"),
                    help="compute precision (default float32)")
     p.add_argument("--cuda-graph", default="auto", choices=CUDA_GRAPH_CHOICES,
@@ -351,6 +361,45 @@ def graph_decoder_for(model, mode: str, temperature: float, cache_len: int):
     return GraphDecoder(model, 1, cache_len)
 
 
+#: backends that compile kernels on first use (Numba's JIT, NVRTC), cached on disk afterwards
+COMPILING_BACKENDS = ("numba", "cupy")
+
+
+def warm_up(model, prompt_ids: Sequence[int], temperature: float, top_k, top_p,
+            note_after: float = 1.0, say=None) -> float:
+    """Run the generation's code paths once (a prefill of a few prompt tokens and a few decode
+    steps, thrown away) on a backend that compiles kernels on first use, so the reported prefill
+    and decode speeds time the model and not the compiler. When it runs longer than
+    ``note_after`` seconds (compiling, not loading cached kernels), "compiling kernels (once,
+    cached)" goes to stderr while it runs, and its time once done. Returns the seconds spent."""
+    if getattr(model.backend, "name", "") not in COMPILING_BACKENDS:
+        return 0.0
+    import threading  # noqa: PLC0415
+
+    say = say or (lambda text: print(text, end="", file=sys.stderr, flush=True))
+    said = threading.Event()
+
+    def note() -> None:
+        said.set()
+        say(f"{model.backend.name}: compiling kernels (once, cached) ...")
+
+    timer = threading.Timer(note_after, note)
+    t0 = time.perf_counter()
+    timer.start()
+    try:
+        prompt = list(prompt_ids[-8:])
+        n = min(3, model.cfg.max_seq_len - len(prompt) + 1)
+        if n > 0:
+            for _ in generate_steps(model, [prompt], n, temperature, top_k, top_p, seed=0):
+                pass
+    finally:
+        timer.cancel()
+    dt = time.perf_counter() - t0
+    if said.is_set():
+        say(f" done in {dt:.1f} s\n")
+    return dt
+
+
 def resolve_tokenizer(spec: str | None, model_tokenizer, cfg, checkpoint: Path, fmt: str):
     """The tokenizer to use: ``--tokenizer``, else the checkpoint's own, else (llama2.c) a
     ``tokenizer.bin`` beside the checkpoint whose vocabulary fits; may be None."""
@@ -383,8 +432,9 @@ def run_cli(args) -> int:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
         raise MinillamaError("--prompt is not valid UTF-8 text") from None
-    if args.max_new_tokens < 0:
-        raise MinillamaError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.max_new_tokens < 1:
+        raise MinillamaError(f"-n/--max-new-tokens must be at least 1, got "
+                             f"{args.max_new_tokens}")
     from .backends import resolve_name  # noqa: PLC0415
 
     graph_mode = getattr(args, "cuda_graph", "off")
@@ -403,9 +453,11 @@ def run_cli(args) -> int:
     tok = resolve_tokenizer(args.tokenizer, model_tok, cfg, checkpoint, fmt)
     if tok is None:
         if args.prompt:
-            raise MinillamaError(
-                f"{checkpoint} has no tokenizer; pass --tokenizer (tokenizer.bin or "
-                f"tokenizer.json) to use a text prompt")
+            hint = ("--tokenizer byte (its vocabulary of 258 is minillama's byte tokenizer)"
+                    if cfg.vocab_size == ByteTokenizer.vocab_size else
+                    "--tokenizer (a llama2.c tokenizer.bin, a tokenizer.json, or byte)")
+            raise MinillamaError(f"{checkpoint} has no tokenizer; pass {hint} to use a text "
+                                 f"prompt")
         bos, stop = 1, ({1, 2} if fmt == "llama2c" else set())
         prompt_ids = [bos if bos < cfg.vocab_size else 0]
     else:
@@ -429,6 +481,11 @@ def run_cli(args) -> int:
     if len(prompt_ids) > cfg.max_seq_len:
         raise MinillamaError(f"prompt of {len(prompt_ids)} tokens is longer than the model "
                              f"context of {cfg.max_seq_len}")
+    room = cfg.max_seq_len - len(prompt_ids) + 1  # the last token needs no slot of its own
+    if args.max_new_tokens > room:
+        print(f"minillama: note: -n {args.max_new_tokens} is cut to {room} new tokens: the "
+              f"model's context is {cfg.max_seq_len} tokens and the prompt takes "
+              f"{len(prompt_ids)}", file=sys.stderr)
     out = sys.stdout
     stats = GenerationStats()
     top_p = None if args.top_p is None or args.top_p >= 1.0 else args.top_p
@@ -445,6 +502,7 @@ def run_cli(args) -> int:
         steps = stream_greedy(decoder, prompt_ids, args.max_new_tokens, cfg.max_seq_len, stop,
                               stats)
     else:
+        warm_up(model, prompt_ids, args.temperature, args.top_k, top_p)
         steps = generate_steps(model, [prompt_ids], args.max_new_tokens, args.temperature,
                                args.top_k, top_p, args.seed, stop, stats)
     for step in steps:

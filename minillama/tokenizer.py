@@ -34,6 +34,61 @@ class ByteTokenizer:
     def spec(self) -> dict[str, Any]:
         return {"type": "byte"}
 
+    # --- the same vocabulary in other formats ------------------------------------------------
+    #: id -> piece as SentencePiece-style vocabularies spell it: byte b is ``<0xBB>``, then BOS/EOS
+    PIECES = tuple(f"<0x{b:02X}>" for b in range(256)) + ("<s>", "</s>")
+
+    @classmethod
+    def matches(cls, pieces, bos_id, eos_id, space: str = "<0x20>") -> bool:
+        """Whether a vocabulary (pieces in id order, BOS/EOS ids) is this tokenizer's; GGUF
+        spells the space byte ``space`` (U+2581, see :meth:`gguf_pieces`)."""
+        want = list(cls.PIECES)
+        want[0x20] = space
+        return (list(pieces) in (list(cls.PIECES), want) and bos_id == cls.bos_id
+                and eos_id == cls.eos_id)
+
+    @classmethod
+    def gguf_pieces(cls) -> list[str]:
+        """The vocabulary as a GGUF ``llama`` (SentencePiece) tokenizer: byte pieces, except the
+        space, spelled U+2581 because llama.cpp turns every space of a prompt into that mark
+        before it looks pieces up (so text without U+2581 gets the same ids)."""
+        pieces = list(cls.PIECES)
+        pieces[0x20] = "\u2581"
+        return pieces
+
+    @classmethod
+    def hf_files(cls, model_max_length: int) -> dict[str, dict]:
+        """``tokenizer.json`` and ``tokenizer_config.json`` of a Hugging Face folder holding this
+        tokenizer: a BPE with byte fallback, no merges, no normalizer or pre-tokenizer, whose only
+        pieces are the 256 bytes and the specials, so every character falls back to its UTF-8
+        bytes: the ids of :meth:`encode` (BOS added by the post-processor, as ``bos=True``)."""
+        bos, eos = cls.PIECES[cls.bos_id], cls.PIECES[cls.eos_id]
+        tokenizer = {
+            "version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [{"id": i, "content": c, "single_word": False, "lstrip": False,
+                              "rstrip": False, "normalized": False, "special": True}
+                             for i, c in ((cls.bos_id, bos), (cls.eos_id, eos))],
+            "normalizer": None, "pre_tokenizer": None,
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                           {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                         {"Sequence": {"id": "A", "type_id": 0}},
+                         {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {bos: {"id": bos, "ids": [cls.bos_id], "tokens": [bos]}}},
+            "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"},
+                                                         {"type": "Fuse"}]},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                      "fuse_unk": False, "byte_fallback": True, "ignore_merges": False,
+                      "vocab": {p: i for i, p in enumerate(cls.PIECES)}, "merges": []}}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
+                  "eos_token": eos, "model_max_length": int(model_max_length),
+                  "split_special_tokens": True,  # "<s>" in a text is its bytes, as in encode
+                  "clean_up_tokenization_spaces": False}
+        return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
+
 
 def tokenizer_from_spec(spec: dict[str, Any] | None):
     """Rebuild the tokenizer a checkpoint names (``{"type": "byte"}``, ...)."""
@@ -319,6 +374,8 @@ class HFTokenizer:
         if cfg_path.is_file():
             conf = _read_json_object(cfg_path)
             self.chat_template = _pick_chat_template(conf.get("chat_template"), cfg_path)
+            if conf.get("split_special_tokens") is True:  # "<s>" in a text is text
+                self._tok.encode_special_tokens = True
             for key in ("bos_token", "eos_token"):
                 v = conf.get(key)
                 if isinstance(v, dict):
@@ -342,12 +399,10 @@ class HFTokenizer:
         if not self.chat_template:
             raise MinillamaError(f"{self.path.parent} has no chat_template in "
                                  f"tokenizer_config.json; drop --chat")
-        try:
-            import jinja2  # noqa: PLC0415
-            from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
-        except ImportError:
-            raise MinillamaError("--chat needs the optional `jinja2` package: "
-                                 "pip install 'minillama[hf]'") from None
+        from .extras import require  # noqa: PLC0415
+
+        jinja2 = require("jinja2", "--chat (rendering the chat template)")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
 
         def raise_exception(message):
             raise MinillamaError(f"chat template: {message}")
@@ -397,6 +452,17 @@ class HFTokenizer:
 
     def spec(self) -> dict[str, Any]:
         return {"type": "hf", "path": str(self.path.resolve())}
+
+    def is_byte_tokenizer(self) -> bool:
+        """Whether this is :class:`ByteTokenizer` written as a tokenizer.json (same ids for every
+        text): its 258 pieces and BOS/EOS, and the plain byte-fallback pipeline."""
+        if self.vocab_size != ByteTokenizer.vocab_size:
+            return False
+        pieces = [self._tok.id_to_token(i) for i in range(self.vocab_size)]
+        if not ByteTokenizer.matches(pieces, self.bos_id, self.eos_id):
+            return False
+        probe = "a b\u00e9\u2581\n"
+        return self.encode(probe, bos=True) == ByteTokenizer().encode(probe, bos=True)
 
 
 def _read_json_object(path) -> dict:

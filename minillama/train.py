@@ -1,4 +1,5 @@
-r"""``minillama train``: train a LLaMA from scratch with the hand-written backward pass.
+r"""The training loop of ``minillama train`` (the command: :mod:`minillama.train_cli`; its
+settings: :mod:`minillama.train_config`): a LLaMA from scratch with the hand-written backward pass.
 
 One optimisation step with A micro-batches of B windows of T tokens:
 
@@ -25,225 +26,27 @@ Outputs in ``--out`` (default ``runs/default``):
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .backends import resolve_name
-from .checkpoint import (CKPT_NAME, check_finite, check_output_dir, check_output_file,
-                         load_checkpoint, save_checkpoint)
+from .checkpoint import CKPT_NAME, check_finite, check_output_dir, load_checkpoint, save_checkpoint
 from .config import ModelConfig
-from .data import TokenData, prepare_data, prepare_shakespeare, prepare_text_file
-from .distributed import (Communicator, NCCLComm, RanksFailed, SingleProcess, blas_share,
-                          open_world, share_cores)
+from .data import TokenData, prepare_data
+from .distributed import Communicator, SingleProcess
 from .errors import MinillamaError
 from .model import Transformer
 from .optim import AdamW, clip_grad_norm, lr_at
 from .tokenizer import ByteTokenizer
+from .train_config import (MODEL_FIELDS, VARIANT_FIELDS, TrainConfig,  # noqa: F401 (re-exported)
+                           grad_accum_for, read_config_file)
 
 PLOT_NAME = "loss.png"
-
-#: fields of the model shape (checked against the checkpoint on --resume)
-MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "multiple_of",
-                "tie_embeddings", "rope_theta", "norm_eps", "norm", "norm_position",
-                "pos_encoding", "ffn", "logit_scale")
-
-
-@dataclass
-class TrainConfig:
-    """Every setting of a training run (CLI flags, a TOML/JSON file, or both; flags win)."""
-
-    # model
-    dim: int = 192
-    n_layers: int = 4
-    n_heads: int = 6
-    n_kv_heads: int = 2
-    hidden_dim: int | None = None
-    multiple_of: int = 32
-    tie_embeddings: bool = True
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    norm: str = "rmsnorm"  # the variants of docs/MATH.md part II (defaults: LLaMA's)
-    norm_position: str = "pre"
-    pos_encoding: str = "rope"
-    ffn: str = "swiglu"
-    logit_scale: float = 1.0
-    init_from: str | None = None  # start from these weights when out/ has no checkpoint
-    # data
-    data: str = "shakespeare"
-    context: int = 128
-    batch_size: int = 16
-    grad_accum: int = 1
-    # optimisation
-    steps: int = 2000
-    lr: float = 2e-3
-    min_lr: float = 2e-4
-    warmup: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    decay_embeddings: bool = True
-    # evaluation / bookkeeping
-    eval_interval: int = 200
-    eval_iters: int = 10
-    ckpt_interval: int | None = None
-    backend: str | None = None
-    dtype: str = "float32"
-    precision: str = "fp32"  # or tf32 / bf16 GPU matrix products (backends/cupy/mixed_precision.py)
-    seed: int = 0
-    out: str = "runs/default"
-    time_limit: float | None = None  # minutes; save and stop cleanly when reached
-    plot: bool = True  # redraw out/loss.png at every checkpoint
-
-    # --- validation ----------------------------------------------------------------------------
-    def validate(self) -> None:
-        def pos_int(name: str, allow_zero: bool = False) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
-                what = "a non-negative" if allow_zero else "a positive"
-                raise MinillamaError(f"train config: {name} must be {what} integer, got {v!r}")
-
-        def num(name: str, lo: float = 0.0, hi: float = math.inf, lo_open: bool = False) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or v < lo or v > hi or (lo_open and v == lo):
-                raise MinillamaError(f"train config: {name} must be a number in "
-                                     f"{'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
-
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "context",
-                     "batch_size", "grad_accum", "steps", "eval_interval", "eval_iters"):
-            pos_int(name)
-        for name in ("warmup", "seed"):
-            pos_int(name, allow_zero=True)
-        if self.hidden_dim is not None:
-            pos_int("hidden_dim")
-        if self.ckpt_interval is not None:
-            pos_int("ckpt_interval")
-        num("lr", lo_open=True)
-        num("min_lr")
-        if self.min_lr > self.lr:
-            raise MinillamaError(f"train config: min_lr ({self.min_lr}) > lr ({self.lr})")
-        num("weight_decay")
-        num("beta1", 0.0, 0.999999)
-        num("beta2", 0.0, 0.999999)
-        num("eps", lo_open=True)
-        num("grad_clip")
-        num("rope_theta", lo_open=True)
-        num("norm_eps", lo_open=True)
-        if self.time_limit is not None:
-            num("time_limit", lo_open=True)
-        for name in ("tie_embeddings", "decay_embeddings", "plot"):
-            if not isinstance(getattr(self, name), bool):
-                raise MinillamaError(f"train config: {name} must be true or false")
-        if self.dtype not in ("float32", "float64"):
-            raise MinillamaError(f"train config: dtype must be float32 or float64, "
-                                 f"got {self.dtype!r}")
-        if not isinstance(self.data, str) or not self.data:
-            raise MinillamaError("train config: data must be a path or 'shakespeare'")
-        if self.init_from is not None and (not isinstance(self.init_from, str)
-                                           or not self.init_from):
-            raise MinillamaError("train config: init_from must be a checkpoint path")
-        if not isinstance(self.out, str) or not self.out:
-            raise MinillamaError("train config: out must be a folder path")
-        if self.backend is not None and not isinstance(self.backend, str):
-            raise MinillamaError(f"train config: backend must be a name, got {self.backend!r}")
-        backend = resolve_name(self.backend)  # an unknown name (or $MINILLAMA_BACKEND) fails now
-        from .backends.cupy.mixed_precision import check_precision  # noqa: PLC0415
-
-        try:
-            check_precision(self.precision, backend, self.dtype)
-        except MinillamaError as e:
-            raise MinillamaError(f"train config: {e}") from None
-        for name, limit in (("batch_size", 1 << 16), ("grad_accum", 1 << 16),
-                            ("eval_iters", 1 << 16), ("steps", 1 << 40)):
-            if getattr(self, name) > limit:
-                raise MinillamaError(f"train config: {name} must be <= {limit}, got "
-                                     f"{getattr(self, name)}")
-        if self.batch_size * self.context > 1 << 24:
-            raise MinillamaError(f"train config: batch_size * context = "
-                                 f"{self.batch_size * self.context} tokens per micro-batch is "
-                                 f"more than {1 << 24}")
-        if self.batch_size * self.context * self.eval_iters > 1 << 26:
-            raise MinillamaError(f"train config: batch_size * context * eval_iters = "
-                                 f"{self.batch_size * self.context * self.eval_iters} validation "
-                                 f"tokens is more than {1 << 26}")
-        n = self.model_config().n_params()  # the model-shape invariants (dim % n_heads, ...)
-        if n > 1 << 31:
-            raise MinillamaError(f"train config: a model of {n:,} parameters is more than this "
-                                 f"trainer holds ({1 << 31:,}: weights, gradients and AdamW "
-                                 f"moments in host or device memory)")
-
-    def model_config(self) -> ModelConfig:
-        return ModelConfig(dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
-                           n_kv_heads=self.n_kv_heads, vocab_size=ByteTokenizer.vocab_size,
-                           hidden_dim=self.hidden_dim, multiple_of=self.multiple_of,
-                           norm_eps=self.norm_eps, rope_theta=self.rope_theta,
-                           max_seq_len=self.context, tie_embeddings=self.tie_embeddings,
-                           norm=self.norm, norm_position=self.norm_position,
-                           pos_encoding=self.pos_encoding, ffn=self.ffn,
-                           logit_scale=self.logit_scale)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], base: "TrainConfig | None" = None) -> "TrainConfig":
-        """``base`` (default: the defaults) updated with ``d``; unknown keys are an error."""
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - set(known))
-        if unknown:
-            raise MinillamaError(f"train config: unknown field(s) {', '.join(unknown)}; "
-                                 f"known: {', '.join(known)}")
-        cfg = dataclasses.replace(base) if base is not None else cls()
-        for k, v in d.items():
-            if isinstance(v, int) and not isinstance(v, bool) and k in _FLOAT_FIELDS:
-                v = float(v)
-            setattr(cfg, k, v)
-        return cfg
-
-
-_FLOAT_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)
-                 if f.type in ("float", "float | None")}
-
-
-def read_config_file(path) -> dict[str, Any]:
-    """A TOML (``.toml``) or JSON file of :class:`TrainConfig` fields (a ``[train]`` table or top
-    level)."""
-    path = Path(path)
-    if not path.is_file():
-        raise MinillamaError(f"config file not found: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise MinillamaError(f"config file {path} is not UTF-8 text ({e.reason} at byte "
-                             f"{e.start})") from None
-    try:
-        if path.suffix.lower() == ".toml":
-            import tomllib  # noqa: PLC0415
-
-            d = tomllib.loads(text)
-        else:
-            d = json.loads(text)
-    except (ValueError, RecursionError) as e:  # tomllib.TOMLDecodeError, JSONDecodeError
-        raise MinillamaError(f"cannot parse config file {path}: {str(e).splitlines()[0]}") \
-            from None
-    if not isinstance(d, dict):
-        raise MinillamaError(f"config file {path} must hold a table/object of settings")
-    if "train" in d and isinstance(d["train"], dict) and len(d) == 1:
-        d = d["train"]
-    return d
-
 
 # ---------------------------------------------------------------------------------------------
 # The trainer
@@ -482,7 +285,8 @@ class Trainer:
     # --- one optimisation step -----------------------------------------------------------------
     def train_step(self) -> tuple[float, float, float]:
         """One optimisation step; returns (loss, grad norm before clipping, lr)."""
-        lr = lr_at(self.step, self.tc.lr, self.tc.warmup, self.tc.steps, self.tc.min_lr)
+        tc = self.tc
+        lr = lr_at(self.step, tc.lr, tc.warmup_steps, tc.steps, tc.min_lr)
         loss, grads = self._mean_loss_and_grads()
         self._check_finite("loss", loss)
         norm = clip_grad_norm(grads, self.tc.grad_clip)
@@ -644,6 +448,8 @@ class Trainer:
     def _summary(self, start_step: int, wall: float, last_loss: float,
                  stopped_early: bool) -> dict[str, Any]:
         steps_run = self.step - start_step
+        if steps_run == 0 and self.history["train"]:  # nothing ran: the last recorded loss
+            last_loss = self.history["train"][-1][1]
         return {"steps": self.step, "steps_run": steps_run, "wall_seconds": wall,
                 "train_seconds": self.train_seconds, "tokens_seen": self.tokens_seen,
                 "tokens_per_second": steps_run * self.tokens_per_step / max(wall, 1e-9),
@@ -718,244 +524,3 @@ def export_model(src, dst, dtype: str = "float16") -> Path:
         extra["eval"] = meta["eval"]
     return save_checkpoint(dst, cfg, params, tokenizer=ByteTokenizer(), dtype=np.dtype(dtype),
                            extra_metadata=extra)
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------------
-def _bool(s: str) -> bool:
-    v = s.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
-
-
-#: flag name -> (field, type, help)
-_FLAGS = [
-    ("--dim", int, "model width D"),
-    ("--n-layers", int, "number of blocks L"),
-    ("--n-heads", int, "query heads H"),
-    ("--n-kv-heads", int, "key/value heads KVH (GQA when < H)"),
-    ("--hidden-dim", int, "SwiGLU hidden size F (default: LLaMA's rule)"),
-    ("--multiple-of", int, "round F up to a multiple of this"),
-    ("--tie-embeddings", _bool, "share the embedding and the output head (true/false)"),
-    ("--context", int, "training context T (also the model's max_seq_len)"),
-    ("--batch-size", int, "windows per micro-batch B"),
-    ("--grad-accum", int, "micro-batches per optimisation step"),
-    ("--steps", int, "optimisation steps"),
-    ("--lr", float, "peak learning rate"),
-    ("--min-lr", float, "final learning rate of the cosine decay"),
-    ("--warmup", int, "linear warmup steps"),
-    ("--weight-decay", float, "AdamW decoupled weight decay"),
-    ("--beta1", float, "AdamW beta1"),
-    ("--beta2", float, "AdamW beta2"),
-    ("--eps", float, "AdamW epsilon"),
-    ("--grad-clip", float, "clip the global gradient norm to this (0: off)"),
-    ("--decay-embeddings", _bool, "weight-decay the embedding too (true/false)"),
-    ("--eval-interval", int, "steps between validation losses"),
-    ("--eval-iters", int, "validation batches per evaluation"),
-    ("--ckpt-interval", int, "steps between checkpoints (default: eval interval)"),
-    ("--backend", str, "numpy, numba or cupy (default: $MINILLAMA_BACKEND or numpy)"),
-    ("--dtype", str, "compute dtype, float32 or float64"),
-    ("--precision", str, "matrix products: fp32 (default), or on --backend cupy tf32 (TF32 tensor "
-                         "cores) or bf16 (bfloat16 operands); float32 accumulation and master "
-                         "weights"),
-    ("--seed", int, "seed of the initial weights and of the batch sampler"),
-    ("--out", str, "output folder (checkpoint, loss plot, prepared data)"),
-    ("--data", str, "'shakespeare' (default), a text file, or a prepared data folder"),
-    ("--time-limit", float, "minutes; save a checkpoint and stop when reached"),
-    ("--plot", _bool, "redraw OUT/loss.png at every checkpoint (true/false; default true)"),
-    ("--norm", str, "rmsnorm (LLaMA) or layernorm"),
-    ("--norm-position", str, "pre (LLaMA: x + F(Norm(x))) or post (Norm(x + F(x)))"),
-    ("--pos-encoding", str, "rope (LLaMA), sinusoidal (added to the embeddings) or none"),
-    ("--ffn", str, "swiglu (LLaMA), or the two-matrix gelu / relu (default width 3/2 F)"),
-    ("--logit-scale", float, "multiply the logits by this (1/sqrt(dim) keeps their spread flat "
-                             "in the width); 1 = off"),
-    ("--init-from", str, "start from this checkpoint's weights when OUT has no checkpoint; its "
-                         "model shape and variants become the defaults"),
-]
-
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser(
-        "train", help="train a model from scratch (or --resume)",
-        description="Train a LLaMA on byte-level text with the hand-written backward pass. "
-                    "Settings: defaults < --config file (TOML/JSON) < flags.")
-    p.add_argument("--config", metavar="FILE", help="TOML or JSON file of settings")
-    for flag, typ, hlp in _FLAGS:
-        p.add_argument(flag, type=typ, default=None, help=hlp)
-    p.add_argument("--resume", action="store_true",
-                   help="continue from OUT/ckpt.safetensors (its settings, unless overridden)")
-    p.add_argument("--stop-at", type=int, metavar="STEP",
-                   help="stop (with a checkpoint) after this step; the schedule still spans "
-                        "--steps, so a later --resume continues the same run")
-    p.add_argument("--export", metavar="PATH",
-                   help="when done, also write a weights-only model file here")
-    p.add_argument("--export-dtype", default="float16", choices=("float16", "float32"))
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run_train)
-
-    q = subparsers.add_parser(
-        "prepare-data", help="tokenize a corpus into uint16 token files",
-        description="Write OUT/train.bin, OUT/val.bin and OUT/meta.json (byte tokens) from the "
-                    "Shakespeare corpus (default) or a plain text file.")
-    q.add_argument("--data", default="shakespeare", help="'shakespeare' or a text file")
-    q.add_argument("--out", default="data/shakespeare", help="output folder")
-    q.set_defaults(func=run_prepare)
-
-
-def _flag_overrides(args) -> dict[str, Any]:
-    out = {}
-    for flag, _, _ in _FLAGS:
-        name = flag[2:].replace("-", "_")
-        v = getattr(args, name, None)
-        if v is not None:
-            out[name] = v
-    return out
-
-
-def build_config(args, world_size: int = 1) -> TrainConfig:
-    """defaults < (checkpoint's config on --resume) < --config file < flags.
-
-    On ``--resume`` with another rank count than the checkpoint's, ``grad_accum`` becomes what
-    keeps the global batch (unless the file or a flag sets it): see :func:`grad_accum_for`."""
-    flags = _flag_overrides(args)
-    file_cfg = read_config_file(args.config) if getattr(args, "config", None) else {}
-    base = TrainConfig()
-    saved_world = None
-    if getattr(args, "resume", False):
-        out = flags.get("out", file_cfg.get("out", base.out))
-        ckpt = Path(out) / CKPT_NAME
-        if not ckpt.is_file():
-            raise MinillamaError(f"--resume: no checkpoint at {ckpt}")
-        _, _, meta = load_checkpoint(ckpt)
-        st = meta.get("train_state") or {}
-        saved = st.get("config")
-        if not isinstance(saved, dict):
-            raise MinillamaError(f"{ckpt} has no training state; cannot resume")
-        base = TrainConfig.from_dict(saved)
-        saved_world = st.get("world_size", 1)
-    elif flags.get("init_from", file_cfg.get("init_from")):
-        base = _model_defaults_from(flags.get("init_from", file_cfg.get("init_from")), base)
-    settings = {**file_cfg, **flags}
-    tc = TrainConfig.from_dict(settings, base=base)
-    if saved_world is not None and "grad_accum" not in settings:
-        tc.grad_accum = grad_accum_for(saved_world, base.grad_accum, base.batch_size, world_size)
-    tc.validate()
-    return tc
-
-
-def grad_accum_for(saved_world: int, saved_accum: int, batch_size: int, world_size: int) -> int:
-    """The ``grad_accum`` with which ``world_size`` ranks continue a run written by
-    ``saved_world`` ranks with ``saved_accum``: the same N x A micro-batches per step, so the
-    resumed run draws and averages the same global batches as the original one."""
-    if isinstance(saved_world, bool) or not isinstance(saved_world, int) or saved_world < 1:
-        raise MinillamaError(f"--resume: bad world_size {saved_world!r} in the checkpoint")
-    micro = saved_world * saved_accum
-    if micro % world_size:
-        raise MinillamaError(
-            f"--resume: the checkpoint's steps are {micro} micro-batches of {batch_size} windows "
-            f"({saved_world} rank(s) x --grad-accum {saved_accum}), which {world_size} ranks "
-            f"cannot share evenly: launch a rank count that divides {micro}, or pass --grad-accum "
-            f"to choose a new global batch")
-    return micro // world_size
-
-
-def _model_defaults_from(path, base: TrainConfig) -> TrainConfig:
-    """``base`` with the model fields (shape and variants) of the checkpoint at ``path``."""
-    from .formats import load_params  # noqa: PLC0415
-
-    _, cfg, _, _ = load_params(path)
-    if cfg.vocab_size != ByteTokenizer.vocab_size:
-        raise MinillamaError(f"--init-from: {path} has a vocabulary of {cfg.vocab_size}; training "
-                             f"uses byte tokens ({ByteTokenizer.vocab_size})")
-    theirs = cfg.to_dict()
-    return TrainConfig.from_dict({k: theirs[k] for k in MODEL_FIELDS}, base=base)
-
-
-def run_train(args) -> int:
-    """``minillama train``: one process, or one rank of ``mpiexec -n N minillama train``."""
-    world = open_world()
-    with world.guard(collective_errors=(TrainingDiverged,)):
-        return _train_command(args, world)
-
-
-def _train_command(args, world: Communicator) -> int:
-    say = _say if world.rank == 0 else _silent
-    threads = share_cores(world.local_size) if world.size > 1 else None
-    with blas_share(threads):
-        return _train_ranks(args, world, say)
-
-
-def _train_ranks(args, world: Communicator, say) -> int:
-    tc = world.agree(lambda: build_config(args, world_size=world.size))
-    backend = world.agree(lambda: resolve_name(tc.backend))
-    world.agree_on("the training settings",
-                   {**tc.to_dict(), "backend": backend, "resume": bool(args.resume),
-                    "stop_at": args.stop_at, "export": args.export,
-                    "export_dtype": args.export_dtype})
-    if args.stop_at is not None and args.stop_at < 1:
-        raise RanksFailed(f"--stop-at must be >= 1, got {args.stop_at}")
-    world.agree(lambda: _check_outputs(tc, args), root_only=True)
-    comm = NCCLComm(world) if world.size > 1 and backend == "cupy" else world
-    trainer = Trainer(tc, progress=not args.no_progress, comm=comm)
-    n = trainer.cfg.n_params()
-    say(f"model: dim {tc.dim}, {tc.n_layers} layers, {tc.n_heads} heads / {tc.n_kv_heads} kv "
-        f"heads, F {trainer.cfg.hidden_dim}, context {tc.context}: {n:,} parameters; "
-        f"backend {trainer.model.backend.name}"
-        f"{'' if tc.precision == 'fp32' else f', {tc.precision} matrix products'}")
-    if not trainer.cfg.is_llama:
-        say("variants: " + ", ".join(f"{k}={getattr(tc, k)}" for k in MODEL_FIELDS[9:]))
-    say(f"data: {trainer.data.folder} ({trainer.data.train.size:,} train / "
-        f"{trainer.data.val.size:,} val tokens)")
-    if comm.size > 1:
-        say(f"data parallel: {comm.size} ranks over {comm.name.upper()}, "
-            f"{comm.size} x {tc.grad_accum} micro-batches of {tc.batch_size} windows per step")
-    if args.resume:
-        trainer.resume()
-        say(f"resumed at step {trainer.step}")
-    summary = trainer.train(stop_at=args.stop_at)
-    if world.rank == 0:
-        _print_line(json.dumps({k: (round(v, 5) if isinstance(v, float) else v)
-                                for k, v in summary.items()}))
-    if args.export:
-        path = world.agree(lambda: export_model(trainer.ckpt_path, args.export,
-                                                args.export_dtype), root_only=True)
-        say(f"exported the model to {path} ({path.stat().st_size / 1e6:.2f} MB)")
-    return 0
-
-
-def _check_outputs(tc: TrainConfig, args) -> None:
-    """Refuse unwritable outputs now, not after the training (rank 0 writes them)."""
-    check_output_dir(tc.out, "output folder (--out)")
-    if args.export:
-        check_output_file(args.export, "--export file")
-
-
-def _print_line(line: str) -> None:
-    """``line`` and its newline to stdout in one write, flushed (before MPI_Finalize): under a
-    launcher the ranks' stdout is merged, and with unbuffered stdout (``PYTHONUNBUFFERED``)
-    ``print`` writes the text and the newline separately."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr)
-
-
-def _silent(line: str) -> None:
-    pass
-
-
-def run_prepare(args) -> int:
-    if args.data == "shakespeare":
-        out = prepare_shakespeare(args.out)
-    else:
-        out = prepare_text_file(args.data, args.out)
-    meta = json.loads((Path(out) / "meta.json").read_text())
-    print(f"wrote {out}: {meta['train']['tokens']:,} train tokens, {meta['val']['tokens']:,} "
-          f"val tokens (validation: {', '.join(meta['val']['documents'])})")
-    return 0

@@ -7,6 +7,7 @@ runs in-process (``minillama.cli.main``); one row also runs as a real subprocess
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -235,3 +236,106 @@ def test_backend_garbage_in_a_real_process(files):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [r.stderr.strip()]
     assert r.stderr.startswith("minillama: error: unknown backend 'garbage'")
+
+
+# ---------------------------------------------------------------------------------------------
+# an optional dependency missing: one line naming the extra that installs it, on every path
+# ---------------------------------------------------------------------------------------------
+def _without(modules, argv, env=None):
+    """``minillama ARGV`` in a fresh interpreter in which importing ``modules`` fails as for a
+    package that is not installed (``sys.modules[name] = None``)."""
+    code = ("import sys\n"
+            f"for m in {list(modules)!r}:\n"
+            "    sys.modules[m] = None\n"
+            "from minillama.cli import main\n"
+            f"sys.exit(main({list(argv)!r}))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    env.pop("MINILLAMA_BACKEND", None)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def extras_files(files):
+    """A GGUF model, an HF folder with a chat template, a byte-level BPE tokenizer.json."""
+    d = files["d"] / "extras"
+    d.mkdir()
+    out = {}
+    assert cli.main(["export", str(files["ckpt"]), "--format", "hf", "--out", str(d / "hf")]) == 0
+    conf = d / "hf" / "tokenizer_config.json"
+    conf.write_text(json.dumps({**json.loads(conf.read_text()),
+                                "chat_template": "{{ bos_token }}{{ messages[0].content }}"}))
+    out["hf"] = d / "hf"
+    if importlib.util.find_spec("gguf") is not None:
+        assert cli.main(["export", str(files["ckpt"]), "--format", "gguf",
+                         "--out", str(d / "m.gguf")]) == 0
+        out["gguf"] = d / "m.gguf"
+    from minillama.bpe import byte_alphabet, byte_level_json
+
+    alphabet = byte_alphabet()
+    tokens = [alphabet[b] for b in range(256)] + ["<|bos|>", "<|eos|>"]
+    (d / "bl.json").write_text(json.dumps(byte_level_json(tokens, [], [256, 257])))
+    out["byte_level"] = d / "bl.json"
+    return out
+
+
+def _extras_rows(f, x, d):
+    ck = ["-c", str(f["ckpt"]), "-n", "2"]
+    rows = [
+        (["gguf"], ["export", str(f["ckpt"]), "--format", "gguf", "--out", str(d / "n.gguf")],
+         "gguf", None),
+        (["jinja2"], ["generate", "-c", str(x["hf"]), "--chat", "--prompt", "hi", "-n", "2"],
+         "hf", None),
+        (["tokenizers", "regex"], [*ck, "--tokenizer", str(x["byte_level"]), "--prompt", "hi"],
+         "hf", None),
+        (["cupy"], [*ck, "--backend", "cupy"], "gpu", None),
+        (["cupy"], ["train", "--backend", "cupy", "--out", str(d / "never")], "gpu", None),
+        (["mpi4py"], ["train", "--out", str(d / "never"), "--data", str(f["text"])], "mpi",
+         {"PMI_RANK": "0", "PMI_SIZE": "2"}),
+    ]
+    if "gguf" in x:
+        rows.append((["gguf"], [*ck[:0], "generate", "-c", str(x["gguf"]), "-n", "2"], "gguf",
+                     None))
+    return rows
+
+
+def test_a_missing_extra_is_one_line_naming_it(files, extras_files):
+    bad = []
+    rows = _extras_rows(files, extras_files, files["d"])
+    for modules, argv, extra, env in rows:
+        if argv[0] == "-c":
+            argv = ["generate", *argv]
+        r = _without(modules, argv, env)
+        lines = r.stderr.strip().splitlines()
+        want = f'pip install "minillama[{extra}]"'
+        if not (r.returncode == 2 and len(lines) == 1 and lines[0].startswith("minillama: error:")
+                and (want in lines[0] or f"pip install 'minillama[{extra}]'" in lines[0])):
+            bad.append(f"without {modules}: {argv}: rc={r.returncode}, stderr={r.stderr[-600:]!r}")
+    assert not bad, f"{len(bad)} of {len(rows)} rows:\n" + "\n".join(bad)
+    assert not (files["d"] / "n.gguf").exists()
+
+
+def test_the_cli_names_the_extra_of_any_missing_optional_module(monkeypatch, capsys):
+    """The last resort: a path that imports an optional package directly still ends in one line."""
+    def boom(args):
+        raise ModuleNotFoundError("No module named 'gguf'", name="gguf")
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench"])
+    monkeypatch.setattr(cli, "build_parser", lambda: _Fixed(parser, args, boom))
+    assert cli.main(["bench"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ['minillama: error: `minillama bench` needs the optional package `gguf`: '
+                   'pip install "minillama[gguf]"']
+
+
+class _Fixed:
+    def __init__(self, parser, args, func):
+        self.parser, self.args = parser, args
+        args.func = func
+
+    def parse_args(self, argv):
+        return self.args
+
+    def error(self, message):  # pragma: no cover
+        self.parser.error(message)

@@ -239,7 +239,8 @@ def test_choosing_cupy_without_cupy_says_how_to_install():
              "except MinillamaError as e:\n    print(e)\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == ('CuPy is not installed; install the GPU extra: '
-                                'pip install -e ".[gpu]"')
+                                'pip install "minillama[gpu]" (CUDA 12; '
+                                '"minillama[gpu-cuda13]" for CUDA 13, as nvidia-smi shows)')
     assert "Traceback" not in r.stderr
 
 

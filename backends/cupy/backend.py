@@ -44,7 +44,8 @@ from ..reference import (ReferenceBackend, composed_linear_cross_entropy_backwar
 #: quant.cu; other quantized types are widened once when the model moves to the device
 QUANT_KERNELS = {"Q8_0": ("q8_0_matvec", "q8_0_dequant"), "Q4_K": ("q4_k_matvec", "q4_k_dequant")}
 
-INSTALL_HINT = 'install the GPU extra: pip install -e ".[gpu]"'
+INSTALL_HINT = ('install the GPU extra: pip install "minillama[gpu]" (CUDA 12; '
+                '"minillama[gpu-cuda13]" for CUDA 13, as nvidia-smi shows)')
 
 cp = None  # the cupy module, bound by CupyBackend() once a GPU is confirmed
 

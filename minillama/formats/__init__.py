@@ -74,7 +74,7 @@ def detect_format(path) -> str:
 def load_params(path):
     """``(format, cfg, host params, tokenizer or None)`` of the checkpoint at ``path``."""
     from ..checkpoint import load_checkpoint  # noqa: PLC0415
-    from ..tokenizer import HFTokenizer, tokenizer_from_spec  # noqa: PLC0415
+    from ..tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec  # noqa: PLC0415
 
     path = resolve_checkpoint(path)
     fmt = detect_format(path)
@@ -84,6 +84,8 @@ def load_params(path):
         tj = Path(path) / "tokenizer.json"
         if tj.is_file():
             tok = HFTokenizer(tj)
+            if tok.is_byte_tokenizer() and not tok.chat_template:
+                tok = ByteTokenizer()  # minillama's byte tokenizer, as an export writes it
     elif fmt == "gguf":
         cfg, params, tok = load_gguf(path)
     elif fmt == "minillama":
@@ -123,7 +125,11 @@ def load_model(path, backend=None, dtype=None):
 
     from ..model import Transformer  # noqa: PLC0415
 
+    from ..backends import resolve_name  # noqa: PLC0415
+
     fmt, cfg, params, tok = load_params(path)
+    if backend is None or isinstance(backend, str):  # None/"auto": by the model's size
+        backend = resolve_name(backend, cfg)
     model = Transformer(cfg, params, backend=backend, dtype=np.dtype(dtype or np.float32))
     model.source_format = fmt
     return model, tok

@@ -81,11 +81,9 @@ def dequantize(raw: np.ndarray, kind: str, n: int) -> np.ndarray:
 # reading
 # ---------------------------------------------------------------------------------------------
 def _open(path: Path):
-    try:
-        import gguf  # noqa: PLC0415
-    except ImportError:
-        raise MinillamaError("reading GGUF files needs the optional `gguf` package: "
-                             "pip install 'minillama[gguf]'") from None
+    from ..extras import require  # noqa: PLC0415
+
+    gguf = require("gguf", "reading GGUF files")
     try:
         return gguf.GGUFReader(str(path), "r")
     except (KeyboardInterrupt, SystemExit):
@@ -220,7 +218,7 @@ def load_gguf(path):
 def tokenizer_from_gguf(reader, vocab_size: int, where):
     """The tokenizer of the metadata (``tokenizer.ggml.model`` ``llama``), or None when the file
     has none; another tokenizer model is refused with one line."""
-    from ..tokenizer import Llama2cTokenizer  # noqa: PLC0415
+    from ..tokenizer import ByteTokenizer, Llama2cTokenizer  # noqa: PLC0415
 
     model = _meta(reader, "tokenizer.ggml.model")
     if model is None:
@@ -235,6 +233,9 @@ def tokenizer_from_gguf(reader, vocab_size: int, where):
             or len(tokens) != len(scores) or len(tokens) > vocab_size:
         raise MinillamaError(f"{where}: GGUF tokenizer needs tokens and scores of equal length "
                              f"<= the vocabulary of {vocab_size}")
+    ids = {k: _meta(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos")}
+    if ByteTokenizer.matches(tokens, ids["bos"], ids["eos"], space="\u2581"):
+        return ByteTokenizer()  # minillama's byte tokenizer, as save_gguf writes it
     pieces = [str(t).replace("\u2581", " ").encode("utf-8") for t in tokens]
     tok = Llama2cTokenizer(pieces=pieces, scores=[float(s) for s in scores],
                            spec={"type": "gguf", "path": str(Path(where).resolve())})
@@ -306,8 +307,9 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
     norms and biases F32, and a SentencePiece tokenizer's pieces/scores/BOS/EOS in the metadata.
     Configs GGUF cannot state (a RoPE scaling other than linear/yarn, MLP or output biases on
     qwen2) are refused."""
-    import gguf  # noqa: PLC0415
+    from ..extras import require  # noqa: PLC0415
 
+    gguf = require("gguf", "writing GGUF files")
     from ..checkpoint import atomic_write, check_output_file  # noqa: PLC0415
     from .hf import interleaved_to_hf  # noqa: PLC0415
 
@@ -368,10 +370,25 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
 
 
 def _write_tokenizer(w, tok) -> None:
-    """A SentencePiece tokenizer's metadata (``tokenizer.ggml.*``); other tokenizers are left
-    out (the file then has none)."""
-    from ..tokenizer import Llama2cTokenizer  # noqa: PLC0415
+    """A SentencePiece tokenizer's metadata (``tokenizer.ggml.*``), the byte tokenizer as one (its
+    bytes as BYTE pieces, :meth:`~minillama.tokenizer.ByteTokenizer.gguf_pieces`); other
+    tokenizers are left out (the file then has none)."""
+    from ..tokenizer import ByteTokenizer, Llama2cTokenizer  # noqa: PLC0415
 
+    if isinstance(tok, ByteTokenizer):
+        import gguf  # noqa: PLC0415
+
+        pieces = ByteTokenizer.gguf_pieces()
+        w.add_tokenizer_model("llama")
+        w.add_token_list(pieces)
+        w.add_token_scores([0.0] * len(pieces))
+        w.add_token_types([gguf.TokenType.CONTROL if i in (tok.bos_id, tok.eos_id) else
+                           gguf.TokenType.NORMAL if p == "\u2581" else gguf.TokenType.BYTE
+                           for i, p in enumerate(pieces)])
+        w.add_bos_token_id(tok.bos_id)
+        w.add_eos_token_id(tok.eos_id)
+        w.add_add_space_prefix(False)
+        return
     if not isinstance(tok, Llama2cTokenizer):
         return
     w.add_tokenizer_model("llama")

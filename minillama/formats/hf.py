@@ -297,9 +297,11 @@ def load_hf(path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     return cfg, params
 
 
-def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None) -> Path:
+def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None,
+            tokenizer=None) -> Path:
     """Write a HF-style LLaMA directory (``config.json`` and float32 safetensors weights, sharded
-    with an index when ``max_shard_bytes`` is given)."""
+    with an index when ``max_shard_bytes`` is given) and, with ``tokenizer``, its tokenizer files
+    (:func:`save_hf_tokenizer`)."""
     from safetensors.numpy import save_file  # noqa: PLC0415
 
     from ..checkpoint import atomic_write, check_output_dir  # noqa: PLC0415
@@ -329,8 +331,13 @@ def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None) 
             elif sub in ("attention.wk.weight", "attention.wk.bias"):
                 v = interleaved_to_hf(v, cfg.n_kv_heads)
             out[f"model.layers.{layer}.{inv[sub]}"] = v
+    hf_config = config_to_hf(cfg)
+    for key in ("bos_id", "eos_id"):
+        if getattr(tokenizer, key, None) is not None:
+            hf_config[f"{key[:3]}_token_id"] = int(getattr(tokenizer, key))
     atomic_write(d / "config.json",
-                 lambda t: Path(t).write_text(json.dumps(config_to_hf(cfg), indent=2)))
+                 lambda t: Path(t).write_text(json.dumps(hf_config, indent=2)))
+    save_hf_tokenizer(d, tokenizer, cfg.max_seq_len)
     if not max_shard_bytes:
         atomic_write(d / "model.safetensors",
                      lambda t: save_file(out, t, metadata={"format": "pt"}), "weights file")
@@ -358,3 +365,27 @@ def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None) 
     if stale.exists():
         os.unlink(stale)
     return d
+
+
+def save_hf_tokenizer(d: Path, tokenizer, model_max_length: int) -> None:
+    """The tokenizer files of a Hugging Face folder: the byte tokenizer as a byte-fallback BPE
+    (:meth:`~minillama.tokenizer.ByteTokenizer.hf_files`), a folder's own ``tokenizer.json`` (and
+    the JSON files beside it) copied; other tokenizers (llama2.c ``tokenizer.bin``) are left out,
+    and a stale ``tokenizer.json`` of an earlier export is removed."""
+    from ..checkpoint import atomic_write  # noqa: PLC0415
+    from ..tokenizer import ByteTokenizer, HFTokenizer  # noqa: PLC0415
+
+    files: dict[str, bytes] = {}
+    if isinstance(tokenizer, ByteTokenizer):
+        files = {name: json.dumps(obj, indent=2, ensure_ascii=False).encode("utf-8")
+                 for name, obj in ByteTokenizer.hf_files(model_max_length).items()}
+    elif isinstance(tokenizer, HFTokenizer):
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "generation_config.json"):
+            src = tokenizer.path.parent / name
+            if src.is_file() and src.resolve() != (d / name).resolve():
+                files[name] = src.read_bytes()
+    if not files and (d / "tokenizer.json").is_file():
+        os.unlink(d / "tokenizer.json")
+    for name, data in files.items():
+        atomic_write(d / name, lambda t, data=data: Path(t).write_bytes(data))
