@@ -474,6 +474,7 @@ def build_app(engine, tok, model_name: str, api_key: str | None = None):
 # ---------------------------------------------------------------------------------------------
 def add_cli(subparsers) -> None:
     from .cli import positive_int  # noqa: PLC0415
+    from .generate import backend_help  # noqa: PLC0415
 
     p = subparsers.add_parser(
         "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
@@ -494,8 +495,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--model-name", default=None,
                    help="the model id clients send (default: the checkpoint's file or folder "
                         "name)")
-    p.add_argument("--backend", default=None,
-                   help="numpy, numba or cupy (default: $MINILLAMA_BACKEND or numpy)")
+    p.add_argument("--backend", default=None, help=backend_help())
     p.add_argument("--dtype", default=None, choices=("float32", "float64"),
                    help="compute precision (default float32)")
     p.add_argument("--max-batch", type=positive_int, default=8,

@@ -337,7 +337,8 @@ def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None,
             hf_config[f"{key[:3]}_token_id"] = int(getattr(tokenizer, key))
     atomic_write(d / "config.json",
                  lambda t: Path(t).write_text(json.dumps(hf_config, indent=2)))
-    save_hf_tokenizer(d, tokenizer, cfg.max_seq_len)
+    if tokenizer is not None:  # without one, tokenizer files already in ``d`` are left as they are
+        save_hf_tokenizer(d, tokenizer, cfg.max_seq_len)
     if not max_shard_bytes:
         atomic_write(d / "model.safetensors",
                      lambda t: save_file(out, t, metadata={"format": "pt"}), "weights file")
