@@ -1,0 +1,39 @@
+"""Random valid GGML blocks for the quantization tests: random bytes everywhere, except that the
+float16 scale fields (d, and m or dmin where the type has one) hold finite values."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minillama.quant import BLOCKS
+
+#: GGML type -> byte offsets of its float16 fields within a block
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+              "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+              "IQ4_NL": (0,), "IQ4_XS": (0,)}
+assert set(F16_FIELDS) == set(BLOCKS)
+
+
+def finite_f16(rng, n: int, scale: float | None = None) -> np.ndarray:
+    """``n`` float16 values: any finite bit pattern (subnormals, zeros and +-65504 included), or
+    normal values of about ``scale`` when given."""
+    if scale is not None:
+        return (rng.standard_normal(n) * scale).astype(np.float16)
+    bits = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    bits[(bits & 0x7C00) == 0x7C00] &= 0xBBFF  # exponent all ones (inf/nan) -> finite
+    return bits.view(np.float16)
+
+
+def random_blocks(qtype: str, n_blocks: int, rng, scale: float | None = None) -> np.ndarray:
+    """uint8 (n_blocks, bytes per block): random bytes, finite float16 scale fields."""
+    size = BLOCKS[qtype][2]
+    b = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    for at in F16_FIELDS[qtype]:
+        b[:, at:at + 2] = finite_f16(rng, n_blocks, scale).view(np.uint8).reshape(-1, 2)
+    return b
+
+
+def random_quant_rows(qtype: str, N: int, K: int, rng, scale: float | None = None):
+    """uint8 (N, row bytes) of random valid blocks for a matrix (N, K)."""
+    _, per, size = BLOCKS[qtype]
+    return random_blocks(qtype, N * K // per, rng, scale).reshape(N, K // per * size)
