@@ -218,11 +218,17 @@ DEQUANTIZE = {"Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1, "Q5_0": dequanti
               "IQ4_XS": dequantize_iq4_xs}
 
 
-def dequantize_rows(qtype: str, data: np.ndarray, K: int) -> np.ndarray:
-    """Rows of GGML blocks ``data`` uint8 (n, row_bytes) of type ``qtype`` -> float32 (n, K)."""
-    _, per, size = BLOCKS[qtype]
+def dequantize_rows(qtype: str, data: np.ndarray, K: int, out: np.ndarray | None = None
+                    ) -> np.ndarray:
+    """Rows of GGML blocks ``data`` uint8 (n, row_bytes) of type ``qtype`` -> float32 (n, K),
+    or written into ``out`` (n, K) (any float dtype) and returned."""
+    size = BLOCKS[qtype][2]
     n = data.shape[0]
-    return DEQUANTIZE[qtype](np.ascontiguousarray(data).reshape(-1, size)).reshape(n, K)
+    x = DEQUANTIZE[qtype](np.ascontiguousarray(data).reshape(-1, size)).reshape(n, K)
+    if out is None:
+        return x
+    out[...] = x
+    return out
 
 
 def dequantize(w: QuantMatrix) -> np.ndarray:

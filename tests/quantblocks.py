@@ -37,3 +37,20 @@ def random_quant_rows(qtype: str, N: int, K: int, rng, scale: float | None = Non
     """uint8 (N, row bytes) of random valid blocks for a matrix (N, K)."""
     _, per, size = BLOCKS[qtype]
     return random_blocks(qtype, N * K // per, rng, scale).reshape(N, K // per * size)
+
+
+def quantized_params(params: dict, qtype: str, rng, scale: float = 0.002):
+    """(quantized, floats): ``params`` with every matrix replaced by a :class:`QuantMatrix` of
+    random valid ``qtype`` blocks (float16 scales of about ``scale``), and the same dict with
+    those matrices dequantized (the float model that must give the same results)."""
+    from minillama.quant import QuantMatrix, dequantize  # noqa: PLC0415
+
+    quant, floats = {}, {}
+    for k, v in params.items():
+        if np.ndim(v) == 2:
+            N, K = v.shape
+            quant[k] = QuantMatrix(qtype, (N, K), random_quant_rows(qtype, N, K, rng, scale))
+            floats[k] = dequantize(quant[k])
+        else:
+            quant[k] = floats[k] = np.asarray(v, dtype=np.float32)
+    return quant, floats
