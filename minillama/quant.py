@@ -31,6 +31,14 @@ BLOCKS: dict[str, tuple[int, int, int]] = {
 }
 
 
+#: GGML type name -> byte offsets of its float16 fields (d, and m or dmin) within a block
+SCALE_FIELDS: dict[str, tuple[int, ...]] = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
+    "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+}
+
+
 @dataclass(frozen=True, eq=False)
 class QuantMatrix:
     """W (N, K) as GGML blocks: ``data`` uint8 (N, row_bytes), ``qtype`` a key of ``BLOCKS``."""
@@ -234,3 +242,17 @@ def dequantize_rows(qtype: str, data: np.ndarray, K: int, out: np.ndarray | None
 def dequantize(w: QuantMatrix) -> np.ndarray:
     """The float32 matrix (N, K) that a :class:`QuantMatrix` stands for."""
     return dequantize_rows(w.qtype, w.data, w.shape[1])
+
+
+def nonfinite_scales(w: QuantMatrix) -> int:
+    """How many float16 scale fields of ``w`` are NaN or infinite (a corrupt file: every value
+    of such a block would be NaN/inf). Reads only the scale bytes."""
+    blocks = w.data.reshape(-1, BLOCKS[w.qtype][2])
+    return sum(int(np.count_nonzero(~np.isfinite(
+        np.ascontiguousarray(blocks[:, at:at + 2]).view("<f2")))) for at in SCALE_FIELDS[w.qtype])
+
+
+def dequantize_params(params: dict) -> dict:
+    """``params`` with every :class:`QuantMatrix` replaced by its float32 matrix (for writers and
+    converters, which work on float weights)."""
+    return {k: dequantize(v) if isinstance(v, QuantMatrix) else v for k, v in params.items()}

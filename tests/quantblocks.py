@@ -5,13 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minillama.quant import BLOCKS
-
-#: GGML type -> byte offsets of its float16 fields within a block
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-              "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-              "IQ4_NL": (0,), "IQ4_XS": (0,)}
-assert set(F16_FIELDS) == set(BLOCKS)
+from minillama.quant import BLOCKS, SCALE_FIELDS
 
 
 def finite_f16(rng, n: int, scale: float | None = None) -> np.ndarray:
@@ -28,7 +22,7 @@ def random_blocks(qtype: str, n_blocks: int, rng, scale: float | None = None) ->
     """uint8 (n_blocks, bytes per block): random bytes, finite float16 scale fields."""
     size = BLOCKS[qtype][2]
     b = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
-    for at in F16_FIELDS[qtype]:
+    for at in SCALE_FIELDS[qtype]:
         b[:, at:at + 2] = finite_f16(rng, n_blocks, scale).view(np.uint8).reshape(-1, 2)
     return b
 

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillama.errors import MinillamaError
-from minillama.quant import BLOCKS, DEQUANTIZE, QuantMatrix, dequantize, dequantize_rows
-from quantblocks import F16_FIELDS, finite_f16, random_blocks, random_quant_rows
+from minillama.quant import (BLOCKS, DEQUANTIZE, SCALE_FIELDS, QuantMatrix, dequantize,
+                             dequantize_rows)
+from quantblocks import finite_f16, random_blocks, random_quant_rows
 
 TYPES = list(BLOCKS)
 
@@ -77,7 +78,7 @@ def test_doubling_d_doubles_the_block_exactly(qtype, seed, n):
     finite) doubles every value exactly, in float32."""
     rng = np.random.default_rng(seed)
     b = random_blocks(qtype, n, rng)
-    at = F16_FIELDS[qtype][0]
+    at = SCALE_FIELDS[qtype][0]
     d = finite_f16(rng, n)
     d[np.abs(d.astype(np.float32)) >= 32768] = np.float16(1.0)
     b[:, at:at + 2] = d.view(np.uint8).reshape(n, 2)

@@ -2,14 +2,17 @@ r"""GGUF files (llama.cpp) of the LLaMA family: ``general.architecture`` ``llama
 Mistral, TinyLlama, SmolLM) or ``qwen2``.
 
 The container is parsed by the ``gguf`` package that llama.cpp's authors publish (optional extra
-``minillama[gguf]``); the tensors are dequantised here, to float32, on load:
+``minillama[gguf]``); minillama reads the tensor table itself, checks every size against the file,
+and views the tensor bytes in place (the file is memory-mapped):
 
-* F32, F16, BF16: reinterpreted (BF16 is the top half of a float32);
-* Q8_0: blocks of 32 values, a float16 scale d then 32 int8 q: x_j = d q_j;
-* Q4_0: blocks of 32 values, a float16 scale d then 16 bytes whose low nibbles are q_0..q_15
-  and high nibbles q_16..q_31: x_j = d (q_j - 8).
+* F32, F16, BF16: widened to float32 (BF16 is the top half of a float32);
+* the block types of :data:`minillama.quant.BLOCKS` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
+  Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS): a matrix (every linear weight, the token embedding, which
+  is also the head when tied) stays quantized, a :class:`~minillama.quant.QuantMatrix` over its
+  rows of blocks; the backends dequantize it as they multiply. A 1-D tensor stored so is
+  dequantized to float32.
 
-Any other tensor type is refused with one line naming it. Names map to Meta's:
+Any other tensor type is refused with one line naming the tensor and the type. Names map to Meta's:
 ``token_embd`` -> ``tok_embeddings``, ``blk.N.attn_{norm,q,k,v,output}`` ->
 ``layers.N.{attention_norm, attention.wq, wk, wv, wo}``, ``blk.N.ffn_{norm,gate,down,up}`` ->
 ``layers.N.{ffn_norm, feed_forward.w1, w2, w3}``, ``output_norm`` -> ``norm``, ``output``
@@ -29,12 +32,19 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import quant
 from ..config import ModelConfig
 from ..errors import MinillamaError
 
 ARCHITECTURES = ("llama", "qwen2")
-#: GGML type name -> (values per block, bytes per block)
-BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18)}
+#: GGML float types: name -> type id
+FLOAT_TYPES = {"F32": 0, "F16": 1, "BF16": 30}
+#: every type the loader reads: name -> (values per block, bytes per block)
+BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
+          **{k: (per, size) for k, (_, per, size) in quant.BLOCKS.items()}}
+#: GGML type id -> name, for the types of :data:`BLOCKS`
+TYPE_NAMES = {**{i: k for k, i in FLOAT_TYPES.items()},
+              **{i: k for k, (i, _, _) in quant.BLOCKS.items()}}
 
 _LAYER = {"attn_norm": "attention_norm", "attn_q": "attention.wq", "attn_k": "attention.wk",
           "attn_v": "attention.wv", "attn_output": "attention.wo", "ffn_norm": "ffn_norm",
@@ -56,38 +66,56 @@ def is_gguf(path) -> bool:
 # dequantisation
 # ---------------------------------------------------------------------------------------------
 def dequantize(raw: np.ndarray, kind: str, n: int) -> np.ndarray:
-    r"""``n`` float32 values from the raw bytes (uint8) of a tensor of GGML type ``kind``.
-
-    Q8_0: x = d q (d float16, q int8, 32 per block). Q4_0: x = d (q - 8), q the 4-bit nibbles
-    (low nibbles first). The caller checked ``raw.size`` against :data:`BLOCKS`.
-    """
+    r"""``n`` float32 values from the raw bytes (uint8) of a tensor of GGML type ``kind``: the
+    float types reinterpreted and widened, the block types by :mod:`minillama.quant` (their
+    equations are there). The caller checked ``raw.size`` against :data:`BLOCKS`."""
     if kind == "F32":
         return raw.view("<f4").astype(np.float32)
     if kind == "F16":
         return raw.view("<f2").astype(np.float32)
     if kind == "BF16":
         return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-    blocks = raw.reshape(-1, BLOCKS[kind][1])
-    d = blocks[:, :2].copy().view("<f2").astype(np.float32)  # (nblocks, 1)
-    if kind == "Q8_0":
-        q = blocks[:, 2:].view(np.int8).astype(np.float32)
-    else:  # Q4_0
-        packed = blocks[:, 2:]
-        q = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.float32) - 8.0
-    return (d * q).reshape(n)
+    return quant.dequantize_rows(kind, raw.reshape(1, -1), n).reshape(n)
 
 
 # ---------------------------------------------------------------------------------------------
 # reading
 # ---------------------------------------------------------------------------------------------
+_READER = None
+
+
+def _reader_class():
+    """``gguf.GGUFReader`` reading the metadata and the tensor table only: the tensors are then
+    checked and viewed by :func:`_tensor_table` (the package's own reader raises bare exceptions
+    on an unknown type or a truncated tensor, without naming it)."""
+    global _READER
+    if _READER is None:
+        import gguf  # noqa: PLC0415
+
+        class Reader(gguf.GGUFReader):
+            def _build_tensors(self, start_offs, fields):
+                self.tensor_start, self.tensor_fields = int(start_offs), fields
+
+            @property
+            def data(self):
+                return self._mapped
+
+            @data.setter
+            def data(self, mapped):  # a plain ndarray view of the map: its slices are cheaper
+                self._mapped = np.asarray(mapped)
+
+        _READER = Reader
+    return _READER
+
+
 def _open(path: Path):
     try:
-        import gguf  # noqa: PLC0415
+        import gguf  # noqa: F401, PLC0415
     except ImportError:
         raise MinillamaError("reading GGUF files needs the optional `gguf` package: "
                              "pip install 'minillama[gguf]'") from None
     try:
-        return gguf.GGUFReader(str(path), "r")
+        return _reader_class()(str(path), "r")
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:  # noqa: BLE001 - the reader raises many kinds on a corrupt file
@@ -149,23 +177,63 @@ def config_from_gguf(reader, shapes: dict[str, tuple[int, ...]], where,
     return ModelConfig(**args)
 
 
-def _tensor_bytes(t, file_size: int, where) -> tuple[str, tuple[int, ...], np.ndarray]:
-    """(type name, NumPy shape, raw bytes) of one tensor, its sizes checked against the file."""
-    kind = getattr(t.tensor_type, "name", str(t.tensor_type))
-    if kind not in BLOCKS:
-        raise MinillamaError(f"{where}: tensor {t.name} has GGML type {kind}, which is not "
-                             f"supported (supported: {', '.join(BLOCKS)})")
-    shape = tuple(int(n) for n in reversed(list(t.shape)))  # GGUF lists the fastest axis first
-    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    per, size = BLOCKS[kind]
-    if n <= 0 or n % per or shape[-1] % per:
-        raise MinillamaError(f"{where}: tensor {t.name} of shape {list(shape)} does not fill "
-                             f"whole {kind} blocks of {per}")
-    nbytes = n // per * size
-    if t.data_offset < 0 or t.data_offset + nbytes > file_size or t.data.nbytes != nbytes:
-        raise MinillamaError(f"{where}: tensor {t.name} ({kind}, {list(shape)}) needs {nbytes} "
-                             f"bytes at offset {t.data_offset}, beyond the file or its record")
-    return kind, shape, np.asarray(t.data).reshape(-1).view(np.uint8)
+def _type_name(tid: int, name: str, where) -> str:
+    """The name of GGML type ``tid`` if the loader reads it; else a one-line refusal naming the
+    tensor and the type."""
+    if tid in TYPE_NAMES:
+        return TYPE_NAMES[tid]
+    try:
+        import gguf  # noqa: PLC0415
+
+        known = gguf.GGMLQuantizationType(tid).name
+    except ValueError:
+        raise MinillamaError(f"{where}: tensor {name} has unknown GGML type id {tid}") from None
+    raise MinillamaError(f"{where}: tensor {name} has GGML type {known}, which is not supported "
+                         f"(supported: {', '.join(BLOCKS)})")
+
+
+def _tensor_table(reader, file_size: int, where) -> dict[str, tuple[str, tuple, np.ndarray]]:
+    """name -> (type name, NumPy shape, raw bytes: a uint8 view of the mapped file) for every
+    tensor, each checked before any is read: a known type, positive sizes, rows of whole blocks,
+    its bytes inside the file and not overlapping the next tensor's."""
+    table, spans = {}, []
+    for field in reader.tensor_fields:
+        _, name_b, _, dims, raw_type, offset = field.parts
+        name = bytes(name_b).decode("utf-8", errors="replace")[:120]
+        if name in table:
+            raise MinillamaError(f"{where}: tensor {name} appears twice")
+        kind = _type_name(int(raw_type[0]), name, where)
+        shape = tuple(int(n) for n in reversed(dims.tolist()))  # GGUF lists the fastest axis first
+        if not 1 <= len(shape) <= 4 or min(shape) <= 0 or max(shape) >= 1 << 40:
+            raise MinillamaError(f"{where}: tensor {name} ({kind}) has shape {list(shape)}")
+        per, size = BLOCKS[kind]
+        if shape[-1] % per:
+            raise MinillamaError(f"{where}: tensor {name} ({kind}) has rows of {shape[-1]} values, "
+                                 f"not a whole number of blocks of {per}")
+        nbytes = int(np.prod(shape, dtype=object)) // per * size
+        start = reader.tensor_start + int(offset[0])
+        if start + nbytes > file_size:
+            raise MinillamaError(f"{where}: tensor {name} ({kind}, {list(shape)}) needs {nbytes} "
+                                 f"bytes at offset {start}, beyond the end of the file "
+                                 f"({file_size} bytes): truncated")
+        spans.append((start, nbytes, name, kind, shape))
+        table[name] = (kind, shape, start, nbytes)
+    spans.sort()
+    for (start, nbytes, name, kind, shape), nxt in zip(spans, spans[1:]):
+        if start + nbytes > nxt[0]:
+            raise MinillamaError(f"{where}: tensor {name} ({kind}, {list(shape)}) needs {nbytes} "
+                                 f"bytes, but tensor {nxt[2]} starts {nxt[0] - start} bytes "
+                                 f"after it")
+    return {name: (kind, shape, np.asarray(reader.data[start:start + nbytes]))
+            for name, (kind, shape, start, nbytes) in table.items()}
+
+
+def _tensor_value(kind: str, shape: tuple, raw: np.ndarray):
+    """A matrix of a block type as a :class:`~minillama.quant.QuantMatrix` over the file's
+    bytes (rows of blocks, not widened); anything else as float32."""
+    if kind in quant.BLOCKS and len(shape) == 2:
+        return quant.QuantMatrix(kind, shape, raw.reshape(shape[0], -1))
+    return dequantize(raw, kind, int(np.prod(shape))).reshape(shape)
 
 
 def _our_name(name: str, where) -> str:
@@ -180,19 +248,15 @@ def _our_name(name: str, where) -> str:
 
 def load_gguf(path):
     """Read a LLaMA-family GGUF file: ``(cfg, params, tokenizer or None)`` with Meta names,
-    float32 weights and interleaved RoPE rows."""
+    interleaved RoPE rows, float32 vectors and float types, and the matrices of block types kept
+    as :class:`~minillama.quant.QuantMatrix` (over the memory-mapped file)."""
     from ..checkpoint import check_finite  # noqa: PLC0415
     from ..model import check_params, param_shapes  # noqa: PLC0415
     from .hf import hf_to_interleaved  # noqa: PLC0415
 
     path = Path(path)
     reader = _open(path)
-    size = path.stat().st_size
-    infos = {}
-    for t in reader.tensors:
-        if t.name in infos:
-            raise MinillamaError(f"{path}: tensor {t.name} appears twice")
-        infos[t.name] = _tensor_bytes(t, size, path)
+    infos = _tensor_table(reader, path.stat().st_size, path)
     factors = None
     if "rope_freqs.weight" in infos:
         kind, shape, raw = infos.pop("rope_freqs.weight")
@@ -207,13 +271,18 @@ def load_gguf(path):
         if expected.get(ours) != shape:
             raise MinillamaError(f"{path}: tensor {name} has shape {list(shape)}, expected "
                                  f"{list(expected.get(ours, ()))} for this config")
-        params[ours] = dequantize(raw, kind, int(np.prod(shape))).reshape(shape)
+        params[ours] = _tensor_value(kind, shape, raw)
     check_params(cfg, params)
-    check_finite(params, path)
+    check_finite({k: v for k, v in params.items() if not isinstance(v, quant.QuantMatrix)}, path)
+    for k, v in params.items():
+        if isinstance(v, quant.QuantMatrix) and quant.nonfinite_scales(v):
+            raise MinillamaError(f"{k.removesuffix('.weight')} ({v.qtype}) holds "
+                                 f"{quant.nonfinite_scales(v)} NaN/inf block scales (in {path})")
     if _meta(reader, "general.architecture") == "qwen2":  # half-split RoPE rows, as in HF
         for key in [k for k in params if ".attention.wq." in k or ".attention.wk." in k]:
-            params[key] = hf_to_interleaved(params[key], cfg.n_heads if ".wq." in key
-                                            else cfg.n_kv_heads)
+            v, heads = params[key], cfg.n_heads if ".wq." in key else cfg.n_kv_heads
+            params[key] = (quant.QuantMatrix(v.qtype, v.shape, hf_to_interleaved(v.data, heads))
+                           if isinstance(v, quant.QuantMatrix) else hf_to_interleaved(v, heads))
     return cfg, params, tokenizer_from_gguf(reader, cfg.vocab_size, path)
 
 
