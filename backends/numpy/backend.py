@@ -132,14 +132,15 @@ def _quant_tiles(w, dtype):
 
 def quant_linear_forward(x, w, gemm=split_gemm):
     r"""y = x \mathrm{deq}(W)^T, W a :class:`QuantMatrix` (N, K): per tile of rows n0..n1,
-    y[:, n0:n1] = x deq(W[n0:n1])^T. x: (..., K). Returns (y (..., N), ctx)."""
+    y^T[n0:n1] = deq(W[n0:n1]) x^T (contiguous output rows, the tile's rows split over the
+    threads). x: (..., K). Returns (y (..., N), ctx)."""
     N, K = w.shape
     x2 = x.reshape(-1, K)
     dt = np.result_type(x.dtype, np.float32)
-    y = np.empty((x2.shape[0], N), dtype=dt)
+    yt = np.empty((N, x2.shape[0]), dtype=dt)
     for n0, n1, t in _quant_tiles(w, dt):
-        gemm(x2, t.T, y[:, n0:n1])
-    return y.reshape(*x.shape[:-1], N), (x, w)
+        gemm(t, x2.T, yt[n0:n1])
+    return np.ascontiguousarray(yt.T).reshape(*x.shape[:-1], N), (x, w)
 
 
 def quant_linear_backward(dy, ctx, gemm=split_gemm):
