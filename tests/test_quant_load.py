@@ -7,6 +7,7 @@ one-line errors (exit 2 through the CLI). The real-file checks against transform
 from __future__ import annotations
 
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from minillama import cli
 from minillama.config import ModelConfig
 from minillama.errors import MinillamaError
 from minillama.formats import load_model
-from minillama.formats.gguf import load_gguf
+from minillama.formats.gguf import GGUFFile, load_gguf
 from minillama.model import Transformer, init_params
 from minillama.quant import BLOCKS, QuantMatrix
 from minillama.tokenizer import ByteTokenizer
@@ -195,3 +196,23 @@ def test_export_widens_quantized_matrices(q8_file, tmp_path, capsys):
     b, _ = load_model(out, backend="reference")
     assert not any(isinstance(v, QuantMatrix) for v in b.params.values())
     np.testing.assert_array_equal(b.forward(TOKENS), a.forward(TOKENS))
+
+
+def test_header_cut_anywhere_is_one_line(q8_file, tmp_path):
+    """The header parser checks every read: a file cut inside its metadata or tensor table is
+    a one-line error naming the file, never an exception from below."""
+    data = q8_file.read_bytes()
+    table_end = GGUFFile(q8_file).tensor_start
+    for n in sorted({0, 3, 4, 8, 15, 23, 24, 40, 100, 1000, 5000, table_end - 9, table_end - 1}):
+        cut = tmp_path / f"cut{n}.gguf"
+        cut.write_bytes(data[:n])
+        with pytest.raises(MinillamaError) as e:
+            load_gguf(cut)
+        assert str(cut) in str(e.value) and "\n" not in str(e.value), (n, str(e.value))
+
+
+def test_reading_needs_no_gguf_package(q8_file, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now fails
+    cfg, params, tok = load_gguf(q8_file)
+    assert cfg.dim == CFG.dim and isinstance(params["output.weight"], QuantMatrix)
+    assert tok.vocab_size == CFG.vocab_size

@@ -1,9 +1,10 @@
 r"""GGUF files (llama.cpp) of the LLaMA family: ``general.architecture`` ``llama`` (Llama 1-3,
 Mistral, TinyLlama, SmolLM) or ``qwen2``.
 
-The container is parsed by the ``gguf`` package that llama.cpp's authors publish (optional extra
-``minillama[gguf]``); minillama reads the tensor table itself, checks every size against the file,
-and views the tensor bytes in place (the file is memory-mapped):
+The container (GGUF versions 2 and 3) is parsed here (:class:`GGUFFile`): metadata, then the
+tensor table, every size checked against the file before a tensor is read, the tensor bytes
+viewed in place (the file is memory-mapped). Writing uses the ``gguf`` package that llama.cpp's
+authors publish (optional extra ``minillama[gguf]``). Tensor types:
 
 * F32, F16, BF16: widened to float32 (BF16 is the top half of a float32);
 * the block types of :data:`minillama.quant.BLOCKS` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
@@ -28,6 +29,7 @@ allocated.
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -81,57 +83,112 @@ def dequantize(raw: np.ndarray, kind: str, n: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # reading
 # ---------------------------------------------------------------------------------------------
-_READER = None
+#: GGUF metadata value types: id -> struct format of a scalar (8: string, 9: array)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}
 
 
-def _reader_class():
-    """``gguf.GGUFReader`` reading the metadata and the tensor table only: the tensors are then
-    checked and viewed by :func:`_tensor_table` (the package's own reader raises bare exceptions
-    on an unknown type or a truncated tensor, without naming it)."""
-    global _READER
-    if _READER is None:
-        import gguf  # noqa: PLC0415
+class GGUFFile:
+    """The parsed header of a GGUF file (versions 2 and 3, little-endian): ``fields`` (metadata
+    key -> int, float, bool, bytes or list of them; strings stay bytes until :func:`_meta`
+    decodes them), ``tensor_infos`` [(name bytes, dims fastest first, type id, offset)],
+    ``tensor_start`` (where the offsets count from) and ``data``, the whole file as a uint8 view
+    of its memory map. Every read is bounds-checked; a malformed header raises
+    :class:`MinillamaError` naming the byte where it went wrong."""
 
-        class Reader(gguf.GGUFReader):
-            def _build_tensors(self, start_offs, fields):
-                self.tensor_start, self.tensor_fields = int(start_offs), fields
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            try:
+                self.data = np.asarray(np.memmap(f, dtype=np.uint8, mode="r"))
+            except ValueError:  # an empty file cannot be mapped
+                self.data = np.zeros(0, np.uint8)
+        self._buf, self._off = memoryview(self.data), 0
+        if bytes(self._take(4)) != b"GGUF":
+            self._fail("no GGUF magic")
+        version = self._scalar("I")
+        if version not in (2, 3):
+            self._fail(f"GGUF version {version} (readable: 2, 3; big-endian files are not)")
+        n_tensors, n_kv = self._scalar("Q"), self._scalar("Q")
+        self._count(n_tensors, 24, "tensors")
+        self._count(n_kv, 12, "metadata entries")
+        self.fields = {}
+        for _ in range(n_kv):
+            key = self._string().decode("utf-8", errors="replace")
+            self.fields[key] = self._value(self._scalar("I"), depth=0)
+        self.tensor_infos = []
+        for _ in range(n_tensors):
+            name, n_dims = self._string(), self._scalar("I")
+            if not 1 <= n_dims <= 4:
+                self._fail(f"tensor {name[:80]!r} has {n_dims} dimensions")
+            dims = [self._scalar("Q") for _ in range(n_dims)]
+            self.tensor_infos.append((name, dims, self._scalar("I"), self._scalar("Q")))
+        align = self.fields.get("general.alignment", 32)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            self._fail(f"general.alignment {align!r} is not a power of two")
+        self.tensor_start = -(-self._off // align) * align
 
-            @property
-            def data(self):
-                return self._mapped
+    def _fail(self, what: str):
+        raise MinillamaError(f"corrupt GGUF file {self.path}: {what} (at byte {self._off})")
 
-            @data.setter
-            def data(self, mapped):  # a plain ndarray view of the map: its slices are cheaper
-                self._mapped = np.asarray(mapped)
+    def _take(self, n: int) -> memoryview:
+        if n > len(self._buf) - self._off:
+            self._fail(f"{n} bytes needed, the file ends first")
+        self._off += n
+        return self._buf[self._off - n:self._off]
 
-        _READER = Reader
-    return _READER
+    def _scalar(self, fmt: str):
+        size = struct.calcsize("<" + fmt)
+        return struct.unpack("<" + fmt, self._take(size))[0]
+
+    def _string(self) -> bytes:
+        return bytes(self._take(self._scalar("Q")))
+
+    def _count(self, n: int, least: int, what: str) -> None:
+        """n items of at least ``least`` bytes each must fit in the rest of the file."""
+        if n * least > len(self._buf) - self._off:
+            self._fail(f"{n} {what} cannot fit in the file")
+
+    def _value(self, vtype: int, depth: int):
+        if vtype in _SCALARS:
+            return self._scalar(_SCALARS[vtype])
+        if vtype == 8:
+            return self._string()
+        if vtype != 9 or depth > 2:
+            self._fail(f"metadata value type {vtype}")
+        itype, n = self._scalar("I"), self._scalar("Q")
+        if itype in _SCALARS:  # numbers: one read for the whole array
+            fmt = "<" + _SCALARS[itype]
+            self._count(n, struct.calcsize(fmt), "array items")
+            raw = self._take(n * struct.calcsize(fmt))
+            return np.frombuffer(raw, dtype=np.dtype(fmt if itype != 7 else "?")).tolist()
+        self._count(n, 8, "array items")
+        return [self._value(itype, depth + 1) for _ in range(n)]
 
 
-def _open(path: Path):
+def _open(path: Path) -> GGUFFile:
     try:
-        import gguf  # noqa: F401, PLC0415
-    except ImportError:
-        raise MinillamaError("reading GGUF files needs the optional `gguf` package: "
-                             "pip install 'minillama[gguf]'") from None
-    try:
-        return _reader_class()(str(path), "r")
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except Exception as e:  # noqa: BLE001 - the reader raises many kinds on a corrupt file
-        msg = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-        raise MinillamaError(f"corrupt GGUF file {path}: {msg}") from None
+        return GGUFFile(path)
+    except OSError as e:
+        raise MinillamaError(f"cannot read GGUF file {path}: {e.strerror or e}") from None
 
 
 def _meta(reader, key: str, default=None):
     """The value of metadata ``key`` (a number, a string or a list), else ``default``."""
-    field = reader.fields.get(key)
-    if field is None:
+    value = reader.fields.get(key)
+    if value is None:
         return default
+
+    def text(v):  # strings are UTF-8
+        if isinstance(v, bytes):
+            return v.decode("utf-8")
+        return [text(x) for x in v] if isinstance(v, list) and v and \
+            isinstance(v[0], (bytes, list)) else v
+
     try:
-        return field.contents()
-    except (IndexError, ValueError, UnicodeDecodeError, TypeError) as e:
-        raise MinillamaError(f"corrupt GGUF metadata {key}: {e}") from None
+        return text(value)
+    except UnicodeDecodeError as e:
+        raise MinillamaError(f"corrupt GGUF metadata {key}: {str(e)[:80]}") from None
 
 
 def config_from_gguf(reader, shapes: dict[str, tuple[int, ...]], where,
@@ -183,10 +240,10 @@ def _type_name(tid: int, name: str, where) -> str:
     if tid in TYPE_NAMES:
         return TYPE_NAMES[tid]
     try:
-        import gguf  # noqa: PLC0415
+        import gguf  # noqa: PLC0415 - optional: only to name a type minillama does not read
 
         known = gguf.GGMLQuantizationType(tid).name
-    except ValueError:
+    except (ImportError, ValueError):
         raise MinillamaError(f"{where}: tensor {name} has unknown GGML type id {tid}") from None
     raise MinillamaError(f"{where}: tensor {name} has GGML type {known}, which is not supported "
                          f"(supported: {', '.join(BLOCKS)})")
@@ -197,21 +254,20 @@ def _tensor_table(reader, file_size: int, where) -> dict[str, tuple[str, tuple, 
     tensor, each checked before any is read: a known type, positive sizes, rows of whole blocks,
     its bytes inside the file and not overlapping the next tensor's."""
     table, spans = {}, []
-    for field in reader.tensor_fields:
-        _, name_b, _, dims, raw_type, offset = field.parts
-        name = bytes(name_b).decode("utf-8", errors="replace")[:120]
+    for name_b, dims, type_id, offset in reader.tensor_infos:
+        name = name_b.decode("utf-8", errors="replace")[:120]
         if name in table:
             raise MinillamaError(f"{where}: tensor {name} appears twice")
-        kind = _type_name(int(raw_type[0]), name, where)
-        shape = tuple(int(n) for n in reversed(dims.tolist()))  # GGUF lists the fastest axis first
-        if not 1 <= len(shape) <= 4 or min(shape) <= 0 or max(shape) >= 1 << 40:
+        kind = _type_name(type_id, name, where)
+        shape = tuple(reversed(dims))  # GGUF lists the fastest axis first
+        if min(shape) <= 0 or max(shape) >= 1 << 40:
             raise MinillamaError(f"{where}: tensor {name} ({kind}) has shape {list(shape)}")
         per, size = BLOCKS[kind]
         if shape[-1] % per:
             raise MinillamaError(f"{where}: tensor {name} ({kind}) has rows of {shape[-1]} values, "
                                  f"not a whole number of blocks of {per}")
         nbytes = int(np.prod(shape, dtype=object)) // per * size
-        start = reader.tensor_start + int(offset[0])
+        start = reader.tensor_start + offset
         if start + nbytes > file_size:
             raise MinillamaError(f"{where}: tensor {name} ({kind}, {list(shape)}) needs {nbytes} "
                                  f"bytes at offset {start}, beyond the end of the file "
@@ -224,7 +280,7 @@ def _tensor_table(reader, file_size: int, where) -> dict[str, tuple[str, tuple, 
             raise MinillamaError(f"{where}: tensor {name} ({kind}, {list(shape)}) needs {nbytes} "
                                  f"bytes, but tensor {nxt[2]} starts {nxt[0] - start} bytes "
                                  f"after it")
-    return {name: (kind, shape, np.asarray(reader.data[start:start + nbytes]))
+    return {name: (kind, shape, reader.data[start:start + nbytes])
             for name, (kind, shape, start, nbytes) in table.items()}
 
 
