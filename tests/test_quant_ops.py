@@ -53,11 +53,17 @@ def fast(request):
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("M", [1, 5])
-def test_tiled_backend_matches_the_reference(fast, qtype, dtype, M, monkeypatch):
-    """Row tiles of 3 (so 11 rows make 4 tiles, the last short) give the reference's y and dx."""
+@pytest.mark.parametrize("threaded", [False, True])
+def test_tiled_backend_matches_the_reference(fast, qtype, dtype, M, threaded, monkeypatch):
+    """Row tiles of 3 (so 11 rows make 4 tiles, the last short), serial or spread over 3
+    threads, give the reference's y and dx."""
     import minillama.backends.numpy.backend as nb
+    from minillama.backends.numpy import threads as cpu_threads
 
     monkeypatch.setattr(nb, "QUANT_TILE_ROWS", 3)
+    monkeypatch.setenv("MINILLAMA_NUM_THREADS", "3" if threaded else "1")
+    if threaded:
+        monkeypatch.setattr(cpu_threads, "PARALLEL_MIN_ELEMENTS", 1)
     rng = np.random.default_rng(1)
     K = BLOCKS[qtype][1] * 2
     w = qmatrix(qtype, 11, K, seed=2)

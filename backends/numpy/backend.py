@@ -118,28 +118,36 @@ def linear_backward(dy, ctx, gemm=split_gemm):
 # Linear with a block-quantized (frozen) weight: W dequantized tile by tile
 # ---------------------------------------------------------------------------------------------
 #: rows of a quantized W dequantized at a time (the float tile is QUANT_TILE_ROWS x K)
-QUANT_TILE_ROWS = 512
+QUANT_TILE_ROWS = 256
 
 
-def _quant_tiles(w, dtype):
-    """(n0, n1, deq(W)[n0:n1]) for the row tiles of ``w``, each written into the same buffer."""
+def _quant_tiles(w, dtype, lo: int = 0, hi: int | None = None):
+    """(n0, n1, deq(W)[n0:n1]) for the row tiles of rows lo..hi of ``w``, each written into the
+    same buffer."""
     N, K = w.shape
-    buf = np.empty((min(N, QUANT_TILE_ROWS), K), dtype=dtype)
-    for n0 in range(0, N, QUANT_TILE_ROWS):
-        n1 = min(N, n0 + QUANT_TILE_ROWS)
+    hi = N if hi is None else hi
+    buf = np.empty((min(hi - lo, QUANT_TILE_ROWS), K), dtype=dtype)
+    for n0 in range(lo, hi, QUANT_TILE_ROWS):
+        n1 = min(hi, n0 + QUANT_TILE_ROWS)
         yield n0, n1, dequantize_rows(w.qtype, w.data[n0:n1], K, out=buf[:n1 - n0])
 
 
-def quant_linear_forward(x, w, gemm=split_gemm):
+def quant_linear_forward(x, w):
     r"""y = x \mathrm{deq}(W)^T, W a :class:`QuantMatrix` (N, K): per tile of rows n0..n1,
-    y^T[n0:n1] = deq(W[n0:n1]) x^T (contiguous output rows, the tile's rows split over the
-    threads). x: (..., K). Returns (y (..., N), ctx)."""
+    y^T[n0:n1] = deq(W[n0:n1]) x^T (contiguous output rows). The rows of W are spread over the
+    threads, each dequantizing its tiles into its own buffer. x: (..., K). Returns
+    (y (..., N), ctx)."""
     N, K = w.shape
     x2 = x.reshape(-1, K)
     dt = np.result_type(x.dtype, np.float32)
     yt = np.empty((N, x2.shape[0]), dtype=dt)
-    for n0, n1, t in _quant_tiles(w, dt):
-        gemm(t, x2.T, yt[n0:n1])
+
+    def rows(lo, hi):
+        for n0, n1, t in _quant_tiles(w, dt, lo, hi):
+            np.matmul(t, x2.T, out=yt[n0:n1])
+
+    with blas_for_rows(N):
+        parallel_rows(rows, N, N * K)
     return np.ascontiguousarray(yt.T).reshape(*x.shape[:-1], N), (x, w)
 
 
@@ -479,7 +487,7 @@ class NumpyBackend(ReferenceBackend):
         r"""y = x W^T (:func:`linear_forward`, its GEMM by :attr:`_gemm`); a quantized W by
         tiles (:func:`quant_linear_forward`)."""
         if isinstance(w, QuantMatrix):
-            return quant_linear_forward(x, w, self._gemm)
+            return quant_linear_forward(x, w)
         return linear_forward(x, w, self._gemm)
 
     def linear_backward(self, dy, ctx):
