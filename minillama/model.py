@@ -258,6 +258,7 @@ class Transformer:
         unit-amplitude P drowns embeddings of std 0.02). Returns (h_0, ctx)."""
         h, ctx = self.backend.embedding_forward(self.params["tok_embeddings.weight"],
                                                 self.backend.asarray(tok))
+        h = h.astype(self.dtype, copy=False)  # a quantized table's rows come as float32
         if self.cfg.pos_encoding == "sinusoidal":
             h = h * math.sqrt(self.cfg.dim) + self.pos_table[self._positions(start_pos,
                                                                                tok.shape[1])]

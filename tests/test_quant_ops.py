@@ -152,3 +152,34 @@ def test_cuda_graph_declines_quantized_weights():
                                  cfg=CFG32, params=quant)
     why = unsupported_reason(fake, 1)
     assert why is not None and "quantized Q8_0" in why
+
+
+@pytest.mark.parametrize("backend", ["reference", "numpy"])
+def test_dx_through_a_quantized_linear_is_the_central_difference(backend):
+    """float64: dL/dx of L = sum(c * (x deq(W)^T)) from linear_backward against central
+    differences (the float64 gradient check of the project)."""
+    from gradcheck import central_differences, rel_err
+
+    be = get_backend(backend)
+    rng = np.random.default_rng(5)
+    w = qmatrix("Q5_K", 6, 256, seed=6)
+    x = rng.standard_normal((3, 256))
+    c = rng.standard_normal((3, 6))
+
+    def loss():
+        return float(np.sum(c * be.linear_forward(x, w)[0]))
+
+    _, ctx = be.linear_forward(x, w)
+    dx, dw = be.linear_backward(c, ctx)
+    idx = rng.choice(x.size, 40, replace=False)
+    num = central_differences(loss, x.reshape(-1), idx, 1e-5)
+    assert dw is None and dx.dtype == np.float64
+    assert rel_err(dx.reshape(-1)[idx], num) < 1e-8
+
+
+def test_float64_model_with_quantized_weights():
+    quant, floats = quantized_params(init_params(CFG32, seed=3), "Q4_0", np.random.default_rng(4))
+    mq = Transformer(CFG32, quant, backend="reference", dtype=np.float64)
+    mf = Transformer(CFG32, floats, backend="reference", dtype=np.float64)
+    zq, zf = mq.forward(TOKENS), mf.forward(TOKENS)
+    assert zq.dtype == np.float64 and np.abs(zq - zf).max() <= 1e-12 * np.abs(zf).max()
