@@ -45,12 +45,12 @@ def gguf_name(ours: str) -> str:
     return f"blk.{layer}.{LAYER[base]}.{kind}"
 
 
-def write_quant_gguf(path, cfg, qtype: str, seed=0, tokenizer=True):
+def write_quant_gguf(path, cfg, qtype: str, seed=0, tokenizer=True, arch="llama"):
     """A llama GGUF with every matrix as ``qtype`` (quantized by the gguf package where it can,
     else random valid blocks), vectors F32. Returns the params as the gguf package dequantizes
     them (what minillama must compute with)."""
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     for add, v in ((w.add_context_length, cfg.max_seq_len), (w.add_embedding_length, cfg.dim),
                    (w.add_block_count, cfg.n_layers), (w.add_feed_forward_length, cfg.hidden_dim),
                    (w.add_head_count, cfg.n_heads), (w.add_head_count_kv, cfg.n_kv_heads),
@@ -216,3 +216,22 @@ def test_reading_needs_no_gguf_package(q8_file, monkeypatch):
     cfg, params, tok = load_gguf(q8_file)
     assert cfg.dim == CFG.dim and isinstance(params["output.weight"], QuantMatrix)
     assert tok.vocab_size == CFG.vocab_size
+
+
+def test_qwen2_rows_are_permuted_in_their_blocks(tmp_path):
+    """A qwen2 file keeps q/k rows in the half-split RoPE order; the loader reorders whole rows
+    of blocks (a QuantMatrix row is a row of W) into the interleaved order."""
+    from minillama.formats.hf import hf_to_interleaved
+    from minillama.quant import dequantize
+
+    path = tmp_path / "qwen2.gguf"
+    held = write_quant_gguf(path, CFG, "Q4_K", arch="qwen2")
+    _, params, _ = load_gguf(path)
+    for key, heads in (("layers.1.attention.wq.weight", CFG.n_heads),
+                       ("layers.1.attention.wk.weight", CFG.n_kv_heads)):
+        assert isinstance(params[key], QuantMatrix)
+        want = hf_to_interleaved(held[key], heads)
+        assert not np.array_equal(want, held[key])
+        np.testing.assert_array_equal(dequantize(params[key]), want)
+    np.testing.assert_array_equal(dequantize(params["layers.1.attention.wv.weight"]),
+                                  held["layers.1.attention.wv.weight"])
