@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
+from ..quant import QuantMatrix
 
 
 class ReferenceBackend:
@@ -54,7 +55,10 @@ class ReferenceBackend:
 
     # helpers
     def asarray(self, a, dtype=None):
-        """Move/convert ``a`` to this backend's array type."""
+        """Move/convert ``a`` to this backend's array type (a :class:`QuantMatrix` stays as it
+        is: its blocks are the weight)."""
+        if isinstance(a, QuantMatrix):
+            return a
         return self.xp.asarray(a, dtype=dtype)
 
     def to_numpy(self, a) -> np.ndarray:

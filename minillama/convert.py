@@ -71,8 +71,10 @@ def add_cli(subparsers) -> None:
 def run_convert_gqa(args) -> int:
     from .checkpoint import save_checkpoint  # noqa: PLC0415
     from .formats import load_params  # noqa: PLC0415
+    from .quant import dequantize_params  # noqa: PLC0415
 
     _, cfg, params, tok = load_params(args.input)
+    params = dequantize_params(params)  # quantized GGUF matrices: converted as float32
     new_cfg, new_params = convert_gqa(cfg, params, args.n_kv_heads)
     path = save_checkpoint(args.output, new_cfg, new_params, tokenizer=tok)
     print(f"wrote {path}: {cfg.n_heads} query heads, KV heads {cfg.n_kv_heads} -> "

@@ -15,10 +15,12 @@ def export(checkpoint, out, fmt: str, gguf_type: str = "F32") -> Path:
     """Load ``checkpoint`` and write it to ``out`` in ``fmt`` (``hf``, ``llama2c`` or ``gguf``).
     Returns the written path."""
     from .formats import load_params, save_hf, save_llama2c  # noqa: PLC0415
+    from .quant import dequantize_params  # noqa: PLC0415
 
     if fmt not in FORMATS:
         raise MinillamaError(f"unknown export format {fmt!r} (formats: {', '.join(FORMATS)})")
     _, cfg, params, tok = load_params(checkpoint)
+    params = dequantize_params(params)  # the writers take float weights
     if fmt == "hf":
         return save_hf(out, cfg, params, tokenizer=tok)
     if fmt == "llama2c":

@@ -148,8 +148,8 @@ class Transformer:
         if params is None:
             params = init_params(cfg, seed=seed, dtype=np.dtype(dtype or np.float32))
         check_params(cfg, params)
-        if dtype is None:
-            dtype = params["tok_embeddings.weight"].dtype
+        if dtype is None:  # that of the embedding; float32 for a quantized one (a QuantMatrix)
+            dtype = getattr(params["tok_embeddings.weight"], "dtype", np.float32)
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float32, np.float64):
             raise MinillamaError(f"compute dtype must be float32 or float64, got {self.dtype}")
@@ -258,6 +258,7 @@ class Transformer:
         unit-amplitude P drowns embeddings of std 0.02). Returns (h_0, ctx)."""
         h, ctx = self.backend.embedding_forward(self.params["tok_embeddings.weight"],
                                                 self.backend.asarray(tok))
+        h = h.astype(self.dtype, copy=False)  # a quantized table's rows come as float32
         if self.cfg.pos_encoding == "sinusoidal":
             h = h * math.sqrt(self.cfg.dim) + self.pos_table[self._positions(start_pos,
                                                                                tok.shape[1])]
@@ -520,9 +521,10 @@ class Transformer:
         head adds its dW_out to the same matrix."""
         if self.cfg.pos_encoding == "sinusoidal":
             dx = dx * math.sqrt(self.cfg.dim)
-        d_emb = self.backend.embedding_backward(dx, ctx)
+        d_emb = self.backend.embedding_backward(dx, ctx)  # None for a quantized (frozen) table
         if self.cfg.tie_embeddings:
-            d_emb += dw_out  # the tied matrix collects both gradients
+            if d_emb is not None:
+                d_emb += dw_out  # the tied matrix collects both gradients
         else:
             grads["output.weight"] = dw_out
         grads["tok_embeddings.weight"] = d_emb
@@ -531,7 +533,8 @@ class Transformer:
         r"""Mean next-token cross-entropy L and \partial L / \partial \theta for every parameter.
 
         tokens, targets: (B, T) integers (targets equal to ``ignore_index`` do not count).
-        Returns (loss as a Python float, grads: dict name -> array shaped like the parameter).
+        Returns (loss as a Python float, grads: dict name -> array shaped like the parameter;
+        quantized weights (:class:`~minillama.quant.QuantMatrix`) are frozen and have none).
         The backward visits the ops in exactly the reverse order of the forward. Without a logit
         scale the head projection and the loss run as one backend op,
         ``linear_cross_entropy_forward`` (CPU backends never hold the logits and their gradient
@@ -559,7 +562,8 @@ class Transformer:
             dx = self._block_backward(layer, dx, tape.pop(), grads)
         (c_emb,) = tape
         self._embed_backward(dx, c_emb, dw_out, grads)
-        return float(be.to_numpy(loss)), {k: grads[k] for k in self.params}
+        return float(be.to_numpy(loss)), {k: grads[k] for k in self.params
+                                           if grads[k] is not None}
 
     def loss(self, tokens, targets, ignore_index: int = -1) -> float:
         """Mean next-token cross-entropy without gradients (no tape kept)."""

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from .quant import QuantMatrix, dequantize, dequantize_rows
+
 
 def array_module(x: Any):
     """The array module (``numpy`` or ``cupy``) that owns ``x``; never imports CuPy for NumPy input."""
@@ -42,8 +44,13 @@ def array_module(x: Any):
 def embedding_forward(weight, tokens):
     r"""Token embedding lookup: h_{b,t} = E[x_{b,t}].
 
-    weight: (V, D); tokens: (B, T) integers in [0, V). Returns h: (B, T, D).
+    weight: (V, D), or a :class:`~minillama.quant.QuantMatrix` (V, D) of which only the rows
+    read are dequantized (a frozen table: no gradient); tokens: (B, T) integers in [0, V).
+    Returns h: (B, T, D).
     """
+    if isinstance(weight, QuantMatrix):
+        rows = dequantize_rows(weight.qtype, weight.data[tokens.reshape(-1)], weight.shape[1])
+        return rows.reshape(*tokens.shape, weight.shape[1]), (tokens, None)
     return weight[tokens], (tokens, weight.shape)
 
 
@@ -51,9 +58,11 @@ def embedding_backward(dout, ctx):
     r"""Scatter-add of the output gradient into the rows that were read:
     \partial L / \partial E_v = \sum_{(b,t): x_{b,t} = v} \partial L / \partial h_{b,t}.
 
-    dout: (B, T, D). Returns dE: (V, D).
+    dout: (B, T, D). Returns dE: (V, D), or None for a quantized (frozen) table.
     """
     tokens, shape = ctx
+    if shape is None:
+        return None
     xp = array_module(dout)
     dw = xp.zeros(shape, dtype=dout.dtype)
     xp.add.at(dw, tokens.reshape(-1), dout.reshape(-1, shape[1]))  # repeated tokens add up
@@ -64,19 +73,25 @@ def embedding_backward(dout, ctx):
 # Linear (no bias)
 # ---------------------------------------------------------------------------------------------
 def linear_forward(x, w):
-    r"""Linear map without bias: y = x W^T.
+    r"""Linear map without bias: y = x W^T; for a block-quantized W (a
+    :class:`~minillama.quant.QuantMatrix`), y = x\, \mathrm{deq}(W)^T.
 
     x: (..., in); w: (out, in). Returns y: (..., out).
     """
+    if isinstance(w, QuantMatrix):
+        return x @ dequantize(w).T, (x, w)
     return x @ w.T, (x, w)
 
 
 def linear_backward(dy, ctx):
-    r"""Gradients of y = x W^T: dx = dy W, dW = dy^T x (summed over all leading axes).
+    r"""Gradients of y = x W^T: dx = dy W, dW = dy^T x (summed over all leading axes). A
+    quantized W is frozen: dx = dy\, \mathrm{deq}(W) and dW is None.
 
-    dy: (..., out). Returns (dx: (..., in), dW: (out, in)).
+    dy: (..., out). Returns (dx: (..., in), dW: (out, in) or None).
     """
     x, w = ctx
+    if isinstance(w, QuantMatrix):
+        return dy @ dequantize(w), None
     dx = dy @ w
     dw = dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1])  # (out, N) (N, in)
     return dx, dw

@@ -15,6 +15,7 @@ import numpy as np
 
 from .errors import MinillamaError
 from .ops import array_module
+from .quant import QuantMatrix
 
 
 def is_norm_gain(name: str) -> bool:
@@ -58,6 +59,11 @@ class AdamW:
                  decay_embeddings: bool = True, backend=None):
         if not params:
             raise MinillamaError("AdamW needs at least one parameter")
+        frozen = [k for k, p in params.items() if isinstance(p, QuantMatrix)]
+        if frozen:
+            raise MinillamaError(f"cannot train {frozen[0]}: it is a quantized "
+                                 f"{params[frozen[0]].qtype} matrix, which stays frozen; train "
+                                 f"from a float checkpoint")
         b1, b2 = (float(b) for b in betas)
         for label, val, lo, hi in (("lr", lr, 0.0, math.inf), ("beta1", b1, 0.0, 1.0),
                                    ("beta2", b2, 0.0, 1.0), ("eps", eps, 0.0, math.inf),

@@ -268,8 +268,9 @@ def _make_train_ckpt_target(root: Path, mk) -> Target:
 
 def _make_gguf_targets(mk, want) -> dict[str, Target]:
     """GGUF seeds written by :func:`minillama.formats.gguf.save_gguf` (needs the ``gguf``
-    package): ``gguf`` (llama, F32, with a SentencePiece tokenizer in the metadata) and
-    ``gguf_qwen2`` (q/k/v biases, F16 matrices)."""
+    package): ``gguf`` (llama, F32, with a SentencePiece tokenizer in the metadata),
+    ``gguf_qwen2`` (q/k/v biases, F16 matrices) and ``gguf_quant`` (block-quantized matrices,
+    written by :func:`_write_quant_gguf`)."""
     try:
         import gguf  # noqa: F401, PLC0415
 
@@ -287,7 +288,49 @@ def _make_gguf_targets(mk, want) -> dict[str, Target]:
         cfg = _small_cfg(tok.vocab_size, **extra)
         save_gguf(d / "model.gguf", cfg, _params(cfg), tokenizer=tok, matrix_type=mtype)
         out[name] = Target(name, d, ["model.gguf"], lambda p: _load_and_run(p / "model.gguf"))
+    if want("gguf_quant"):
+        d = mk("gguf_quant")
+        tok = Llama2cTokenizer(_write_tokenizer_bin(d.parent / "tokenizer.bin"))
+        _write_quant_gguf(d / "model.gguf", _small_cfg(tok.vocab_size, dim=32, hidden_dim=64),
+                          tok)
+        out["gguf_quant"] = Target("gguf_quant", d, ["model.gguf"],
+                                   lambda p: _load_and_run(p / "model.gguf"))
     return out
+
+
+def _write_quant_gguf(path, cfg, tok) -> None:
+    """A llama GGUF (seed ``gguf_quant``) whose matrices cycle through the block types the
+    ``gguf`` package quantizes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): they load as QuantMatrix."""
+    import gguf  # noqa: PLC0415
+
+    from .formats.gguf import _LAYER, _TOP, _write_tokenizer  # noqa: PLC0415
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("context_length", cfg.max_seq_len), ("embedding_length", cfg.dim),
+                       ("block_count", cfg.n_layers), ("feed_forward_length", cfg.hidden_dim),
+                       ("attention.head_count", cfg.n_heads),
+                       ("attention.head_count_kv", cfg.n_kv_heads)):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg.norm_eps)
+    _write_tokenizer(w, tok)
+    top, layer_names = {v: k for k, v in _TOP.items()}, {v: k for k, v in _LAYER.items()}
+    types = [gguf.GGMLQuantizationType[t] for t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")]
+    for i, (name, a) in enumerate(_params(cfg).items()):
+        if name in top:
+            gname = top[name]
+        else:
+            _, layer, rest = name.split(".", 2)
+            base, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{layer_names[base]}.{kind}"
+        if a.ndim == 2:
+            q = types[i % len(types)]
+            w.add_tensor(gname, gguf.quants.quantize(a, q), raw_dtype=q)
+        else:
+            w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def _to_toml(d: dict) -> str:

@@ -155,9 +155,9 @@ def test_qwen2_gguf_matches_transformers(tmp_path):
 
 def test_unsupported_and_corrupt_gguf_are_one_line(tmp_path):
     params = init_params(CFG, seed=0)
-    path = tmp_path / "q41.gguf"
-    write_gguf(path, CFG, params, Q.Q4_1)
-    with pytest.raises(MinillamaError, match="GGML type Q4_1, which is not supported") as e:
+    path = tmp_path / "mxfp4.gguf"
+    write_gguf(path, CFG, params, Q.MXFP4)
+    with pytest.raises(MinillamaError, match="GGML type MXFP4, which is not supported") as e:
         load_model(path)
     assert "\n" not in str(e.value)
     good = tmp_path / "good.gguf"

@@ -29,6 +29,7 @@ import numpy as np
 from ...errors import MinillamaError
 from ...decoding import ChunkDecoder
 from ...decoding import stream_greedy  # noqa: F401  (the loop that drives a GraphDecoder)
+from ...quant import QuantMatrix
 
 _STEP_SRC = r"""
 extern "C" __global__ void cache_write(float* __restrict__ kc, float* __restrict__ vc,
@@ -121,6 +122,10 @@ def unsupported_reason(model, batch_size: int = 1) -> str | None:
     if any(k.endswith(".bias") for k in model.params) or getattr(cfg, "sliding_window", None) \
             or sc.get("rope_type") == "dynamic":
         return "decodes plain LLaMA blocks (no biases, no sliding window, no dynamic RoPE scaling)"
+    quant = [k for k, v in model.params.items() if isinstance(v, QuantMatrix)]
+    if quant:
+        return (f"decodes float weights ({quant[0]} is a quantized {model.params[quant[0]].qtype} "
+                f"matrix, which the op-by-op path runs)")
     bad = [k for k, v in model.params.items() if v.ndim == 2 and v.shape[1] % 4]
     if bad:
         return f"needs weight input widths divisible by 4 ({bad[0]} is {model.params[bad[0]].shape})"

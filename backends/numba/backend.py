@@ -43,6 +43,7 @@ from ... import ops
 from ...errors import MinillamaError
 from ...decoding import ChunkDecoder, nonfinite_error
 from ...decoding import finite_logits as _finite
+from ...quant import QuantMatrix
 from ..numpy import threads as cpu_threads
 from ..numpy.backend import NumpyBackend
 
@@ -116,6 +117,8 @@ class NumbaBackend(NumpyBackend):
         GEMV of :mod:`.gemv`, which streams W at close to memory bandwidth; else BLAS."""
         K = x.shape[-1]
         rows = x.size // K if K else 0
+        if isinstance(w, QuantMatrix):  # the NumPy backend's tiles
+            return super().linear_forward(x, w)
         if (0 < rows <= self._gemv.GEMV_MAX_ROWS and x.dtype == w.dtype and x.dtype in _FLOATS
                 and w.flags.c_contiguous):
             y = self._gemv.gemv(x.reshape(rows, K), w)

@@ -12,7 +12,10 @@ them faster, none of which changes the math:
   heads of a group as one (G T, hd) matrix against their shared K/V, with Q pre-scaled;
 * RoPE as one complex product per pair, (x_{2i} + i x_{2i+1}) e^{i m \theta_i};
 * the embedding gradient by sorting the tokens and summing each run with one ``reduceat``;
-* glibc malloc tuned to keep freed activation buffers (:func:`tune_malloc`).
+* glibc malloc tuned to keep freed activation buffers (:func:`tune_malloc`);
+* a block-quantized weight (:class:`~minillama.quant.QuantMatrix`) dequantized by tiles of
+  :data:`QUANT_TILE_ROWS` rows into one reused buffer, one GEMM per tile: never a whole float
+  copy of W.
 
 ``NumpyBackend`` derives from the reference backend; Numba derives from it in turn.
 """
@@ -27,8 +30,10 @@ import numpy as np
 
 from ... import ops
 from ...errors import MinillamaError
+from ...quant import QuantMatrix, dequantize_rows
 from .threads import blas_for_rows, parallel_rows, split_gemm
-from ..reference import ReferenceBackend
+from ..reference import (ReferenceBackend, composed_linear_cross_entropy_backward,
+                         composed_linear_cross_entropy_forward)
 
 _MALLOC_TUNED: bool | None = None
 
@@ -73,7 +78,7 @@ def embedding_backward(dout, ctx):
     rows are sorted by token and each run summed with one ``reduceat``; else ``np.add.at``."""
     tokens, shape = ctx
     flat_tok = tokens.reshape(-1)
-    if flat_tok.size < shape[0]:
+    if shape is None or flat_tok.size < shape[0]:  # a quantized table (frozen), or few tokens
         return ops.embedding_backward(dout, ctx)
     flat_d = dout.reshape(-1, shape[1])
     dw = np.zeros(shape, dtype=dout.dtype)
@@ -107,6 +112,58 @@ def linear_backward(dy, ctx, gemm=split_gemm):
     dw = np.empty(w.shape, dtype=dt)
     gemm(dy2.T, x2, dw)  # rows of dW = output features
     return dx.reshape(*dy.shape[:-1], w.shape[1]), dw
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear with a block-quantized (frozen) weight: W dequantized tile by tile
+# ---------------------------------------------------------------------------------------------
+#: rows of a quantized W dequantized at a time (the float tile is QUANT_TILE_ROWS x K)
+QUANT_TILE_ROWS = 256
+
+
+def _quant_tiles(w, dtype, lo: int = 0, hi: int | None = None):
+    """(n0, n1, deq(W)[n0:n1]) for the row tiles of rows lo..hi of ``w``, each written into the
+    same buffer."""
+    N, K = w.shape
+    hi = N if hi is None else hi
+    buf = np.empty((min(hi - lo, QUANT_TILE_ROWS), K), dtype=dtype)
+    for n0 in range(lo, hi, QUANT_TILE_ROWS):
+        n1 = min(hi, n0 + QUANT_TILE_ROWS)
+        yield n0, n1, dequantize_rows(w.qtype, w.data[n0:n1], K, out=buf[:n1 - n0])
+
+
+def quant_linear_forward(x, w):
+    r"""y = x \mathrm{deq}(W)^T, W a :class:`QuantMatrix` (N, K): per tile of rows n0..n1,
+    y^T[n0:n1] = deq(W[n0:n1]) x^T (contiguous output rows). The rows of W are spread over the
+    threads, each dequantizing its tiles into its own buffer. x: (..., K). Returns
+    (y (..., N), ctx)."""
+    N, K = w.shape
+    x2 = x.reshape(-1, K)
+    dt = np.result_type(x.dtype, np.float32)
+    yt = np.empty((N, x2.shape[0]), dtype=dt)
+
+    def rows(lo, hi):
+        for n0, n1, t in _quant_tiles(w, dt, lo, hi):
+            np.matmul(t, x2.T, out=yt[n0:n1])
+
+    with blas_for_rows(N):
+        parallel_rows(rows, N, N * K)
+    return np.ascontiguousarray(yt.T).reshape(*x.shape[:-1], N), (x, w)
+
+
+def quant_linear_backward(dy, ctx, gemm=split_gemm):
+    r"""dx = dy \mathrm{deq}(W) = \sum_{tiles} dy[:, n0:n1] deq(W[n0:n1]); W is frozen (dW is
+    None). dy: (..., N). Returns (dx (..., K), None)."""
+    x, w = ctx
+    N, K = w.shape
+    dy2 = dy.reshape(-1, N)
+    dt = np.result_type(dy.dtype, np.float32)
+    dx = np.zeros((dy2.shape[0], K), dtype=dt)
+    part = np.empty_like(dx)
+    for n0, n1, t in _quant_tiles(w, dt):
+        gemm(dy2[:, n0:n1], t, part)
+        dx += part
+    return dx.reshape(*dy.shape[:-1], K), None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,11 +484,17 @@ class NumpyBackend(ReferenceBackend):
     _gemm = staticmethod(split_gemm)
 
     def linear_forward(self, x, w):
-        r"""y = x W^T (:func:`linear_forward`, its GEMM by :attr:`_gemm`)."""
+        r"""y = x W^T (:func:`linear_forward`, its GEMM by :attr:`_gemm`); a quantized W by
+        tiles (:func:`quant_linear_forward`)."""
+        if isinstance(w, QuantMatrix):
+            return quant_linear_forward(x, w)
         return linear_forward(x, w, self._gemm)
 
     def linear_backward(self, dy, ctx):
-        r"""dx = dy W, dW = dy^T x (:func:`linear_backward`, its GEMMs by :attr:`_gemm`)."""
+        r"""dx = dy W, dW = dy^T x (:func:`linear_backward`, its GEMMs by :attr:`_gemm`); a
+        quantized W by tiles, no dW (:func:`quant_linear_backward`)."""
+        if isinstance(ctx[1], QuantMatrix):
+            return quant_linear_backward(dy, ctx, self._gemm)
         return linear_backward(dy, ctx, self._gemm)
 
     # the loss head ------------------------------------------------------------------------
@@ -447,6 +510,8 @@ class NumpyBackend(ReferenceBackend):
         \bar{z} W follow at once; the backward adds dW = \bar{z}^T x and scales both by dloss.
         The logits and their gradient share that one buffer, reused from call to call.
         x: (N, D); w: (V, D); targets: (N,). Returns (0-d loss, ctx)."""
+        if isinstance(w, QuantMatrix):  # a frozen head: this backend's linear, then the loss
+            return composed_linear_cross_entropy_forward(self, x, w, targets, ignore_index)
         dt = np.result_type(x, w)
         if (dt not in (np.float32, np.float64) or x.dtype != dt or w.dtype != dt or x.ndim != 2
                 or w.ndim != 2 or x.shape[1] != w.shape[1] or 0 in x.shape or w.shape[0] == 0):
@@ -494,6 +559,8 @@ class NumpyBackend(ReferenceBackend):
         r"""dx = \bar{z} W (from the forward) and dW = \bar{z}^T x (one GEMM over the rows), both
         times dloss. Returns (dx (N, D), dW (V, D)). Once per forward."""
         if not isinstance(ctx, _LCECtx):  # the forward fell back to the composed ops
+            if isinstance(ctx[0][1], QuantMatrix):
+                return composed_linear_cross_entropy_backward(self, dloss, ctx)
             return super().linear_cross_entropy_backward(dloss, ctx)
         if ctx.dz is None:
             raise MinillamaError("linear_cross_entropy_backward: called twice for one forward")

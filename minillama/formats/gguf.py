@@ -1,15 +1,19 @@
 r"""GGUF files (llama.cpp) of the LLaMA family: ``general.architecture`` ``llama`` (Llama 1-3,
 Mistral, TinyLlama, SmolLM) or ``qwen2``.
 
-The container is parsed by the ``gguf`` package that llama.cpp's authors publish (optional extra
-``minillama[gguf]``); the tensors are dequantised here, to float32, on load:
+The container (GGUF versions 2 and 3) is parsed here (:class:`GGUFFile`): metadata, then the
+tensor table, every size checked against the file before a tensor is read, the tensor bytes
+viewed in place (the file is memory-mapped). Writing uses the ``gguf`` package that llama.cpp's
+authors publish (optional extra ``minillama[gguf]``). Tensor types:
 
-* F32, F16, BF16: reinterpreted (BF16 is the top half of a float32);
-* Q8_0: blocks of 32 values, a float16 scale d then 32 int8 q: x_j = d q_j;
-* Q4_0: blocks of 32 values, a float16 scale d then 16 bytes whose low nibbles are q_0..q_15
-  and high nibbles q_16..q_31: x_j = d (q_j - 8).
+* F32, F16, BF16: widened to float32 (BF16 is the top half of a float32);
+* the block types of :data:`minillama.quant.BLOCKS` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
+  Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS): a matrix (every linear weight, the token embedding, which
+  is also the head when tied) stays quantized, a :class:`~minillama.quant.QuantMatrix` over its
+  rows of blocks; the backends dequantize it as they multiply. A 1-D tensor stored so is
+  dequantized to float32.
 
-Any other tensor type is refused with one line naming it. Names map to Meta's:
+Any other tensor type is refused with one line naming the tensor and the type. Names map to Meta's:
 ``token_embd`` -> ``tok_embeddings``, ``blk.N.attn_{norm,q,k,v,output}`` ->
 ``layers.N.{attention_norm, attention.wq, wk, wv, wo}``, ``blk.N.ffn_{norm,gate,down,up}`` ->
 ``layers.N.{ffn_norm, feed_forward.w1, w2, w3}``, ``output_norm`` -> ``norm``, ``output``
@@ -25,16 +29,24 @@ allocated.
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
 
+from .. import quant
 from ..config import ModelConfig
 from ..errors import MinillamaError
 
 ARCHITECTURES = ("llama", "qwen2")
-#: GGML type name -> (values per block, bytes per block)
-BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18)}
+#: GGML float types: name -> type id
+FLOAT_TYPES = {"F32": 0, "F16": 1, "BF16": 30}
+#: every type the loader reads: name -> (values per block, bytes per block)
+BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
+          **{k: (per, size) for k, (_, per, size) in quant.BLOCKS.items()}}
+#: GGML type id -> name, for the types of :data:`BLOCKS`
+TYPE_NAMES = {**{i: k for k, i in FLOAT_TYPES.items()},
+              **{i: k for k, (i, _, _) in quant.BLOCKS.items()}}
 
 _LAYER = {"attn_norm": "attention_norm", "attn_q": "attention.wq", "attn_k": "attention.wk",
           "attn_v": "attention.wv", "attn_output": "attention.wo", "ffn_norm": "ffn_norm",
@@ -56,52 +68,127 @@ def is_gguf(path) -> bool:
 # dequantisation
 # ---------------------------------------------------------------------------------------------
 def dequantize(raw: np.ndarray, kind: str, n: int) -> np.ndarray:
-    r"""``n`` float32 values from the raw bytes (uint8) of a tensor of GGML type ``kind``.
-
-    Q8_0: x = d q (d float16, q int8, 32 per block). Q4_0: x = d (q - 8), q the 4-bit nibbles
-    (low nibbles first). The caller checked ``raw.size`` against :data:`BLOCKS`.
-    """
+    r"""``n`` float32 values from the raw bytes (uint8) of a tensor of GGML type ``kind``: the
+    float types reinterpreted and widened, the block types by :mod:`minillama.quant` (their
+    equations are there). The caller checked ``raw.size`` against :data:`BLOCKS`."""
     if kind == "F32":
         return raw.view("<f4").astype(np.float32)
     if kind == "F16":
         return raw.view("<f2").astype(np.float32)
     if kind == "BF16":
         return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-    blocks = raw.reshape(-1, BLOCKS[kind][1])
-    d = blocks[:, :2].copy().view("<f2").astype(np.float32)  # (nblocks, 1)
-    if kind == "Q8_0":
-        q = blocks[:, 2:].view(np.int8).astype(np.float32)
-    else:  # Q4_0
-        packed = blocks[:, 2:]
-        q = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.float32) - 8.0
-    return (d * q).reshape(n)
+    return quant.dequantize_rows(kind, raw.reshape(1, -1), n).reshape(n)
 
 
 # ---------------------------------------------------------------------------------------------
 # reading
 # ---------------------------------------------------------------------------------------------
-def _open(path: Path):
-    from ..extras import require  # noqa: PLC0415
+#: GGUF metadata value types: id -> struct format of a scalar (8: string, 9: array)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}
 
-    gguf = require("gguf", "reading GGUF files")
+
+class GGUFFile:
+    """The parsed header of a GGUF file (versions 2 and 3, little-endian): ``fields`` (metadata
+    key -> int, float, bool, bytes or list of them; strings stay bytes until :func:`_meta`
+    decodes them), ``tensor_infos`` [(name bytes, dims fastest first, type id, offset)],
+    ``tensor_start`` (where the offsets count from) and ``data``, the whole file as a uint8 view
+    of its memory map. Every read is bounds-checked; a malformed header raises
+    :class:`MinillamaError` naming the byte where it went wrong."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            try:
+                self.data = np.asarray(np.memmap(f, dtype=np.uint8, mode="r"))
+            except ValueError:  # an empty file cannot be mapped
+                self.data = np.zeros(0, np.uint8)
+        self._buf, self._off = memoryview(self.data), 0
+        if bytes(self._take(4)) != b"GGUF":
+            self._fail("no GGUF magic")
+        version = self._scalar("I")
+        if version not in (2, 3):
+            self._fail(f"GGUF version {version} (readable: 2, 3; big-endian files are not)")
+        n_tensors, n_kv = self._scalar("Q"), self._scalar("Q")
+        self._count(n_tensors, 24, "tensors")
+        self._count(n_kv, 12, "metadata entries")
+        self.fields = {}
+        for _ in range(n_kv):
+            key = self._string().decode("utf-8", errors="replace")
+            self.fields[key] = self._value(self._scalar("I"), depth=0)
+        self.tensor_infos = []
+        for _ in range(n_tensors):
+            name, n_dims = self._string(), self._scalar("I")
+            if not 1 <= n_dims <= 4:
+                self._fail(f"tensor {name[:80]!r} has {n_dims} dimensions")
+            dims = [self._scalar("Q") for _ in range(n_dims)]
+            self.tensor_infos.append((name, dims, self._scalar("I"), self._scalar("Q")))
+        align = self.fields.get("general.alignment", 32)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            self._fail(f"general.alignment {align!r} is not a power of two")
+        self.tensor_start = -(-self._off // align) * align
+
+    def _fail(self, what: str):
+        raise MinillamaError(f"corrupt GGUF file {self.path}: {what} (at byte {self._off})")
+
+    def _take(self, n: int) -> memoryview:
+        if n > len(self._buf) - self._off:
+            self._fail(f"{n} bytes needed, the file ends first")
+        self._off += n
+        return self._buf[self._off - n:self._off]
+
+    def _scalar(self, fmt: str):
+        size = struct.calcsize("<" + fmt)
+        return struct.unpack("<" + fmt, self._take(size))[0]
+
+    def _string(self) -> bytes:
+        return bytes(self._take(self._scalar("Q")))
+
+    def _count(self, n: int, least: int, what: str) -> None:
+        """n items of at least ``least`` bytes each must fit in the rest of the file."""
+        if n * least > len(self._buf) - self._off:
+            self._fail(f"{n} {what} cannot fit in the file")
+
+    def _value(self, vtype: int, depth: int):
+        if vtype in _SCALARS:
+            return self._scalar(_SCALARS[vtype])
+        if vtype == 8:
+            return self._string()
+        if vtype != 9 or depth > 2:
+            self._fail(f"metadata value type {vtype}")
+        itype, n = self._scalar("I"), self._scalar("Q")
+        if itype in _SCALARS:  # numbers: one read for the whole array
+            fmt = "<" + _SCALARS[itype]
+            self._count(n, struct.calcsize(fmt), "array items")
+            raw = self._take(n * struct.calcsize(fmt))
+            return np.frombuffer(raw, dtype=np.dtype(fmt if itype != 7 else "?")).tolist()
+        self._count(n, 8, "array items")
+        return [self._value(itype, depth + 1) for _ in range(n)]
+
+
+def _open(path: Path) -> GGUFFile:
     try:
-        return gguf.GGUFReader(str(path), "r")
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except Exception as e:  # noqa: BLE001 - the reader raises many kinds on a corrupt file
-        msg = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-        raise MinillamaError(f"corrupt GGUF file {path}: {msg}") from None
+        return GGUFFile(path)
+    except OSError as e:
+        raise MinillamaError(f"cannot read GGUF file {path}: {e.strerror or e}") from None
 
 
 def _meta(reader, key: str, default=None):
     """The value of metadata ``key`` (a number, a string or a list), else ``default``."""
-    field = reader.fields.get(key)
-    if field is None:
+    value = reader.fields.get(key)
+    if value is None:
         return default
+
+    def text(v):  # strings are UTF-8
+        if isinstance(v, bytes):
+            return v.decode("utf-8")
+        return [text(x) for x in v] if isinstance(v, list) and v and \
+            isinstance(v[0], (bytes, list)) else v
+
     try:
-        return field.contents()
-    except (IndexError, ValueError, UnicodeDecodeError, TypeError) as e:
-        raise MinillamaError(f"corrupt GGUF metadata {key}: {e}") from None
+        return text(value)
+    except UnicodeDecodeError as e:
+        raise MinillamaError(f"corrupt GGUF metadata {key}: {str(e)[:80]}") from None
 
 
 def config_from_gguf(reader, shapes: dict[str, tuple[int, ...]], where,
@@ -147,23 +234,62 @@ def config_from_gguf(reader, shapes: dict[str, tuple[int, ...]], where,
     return ModelConfig(**args)
 
 
-def _tensor_bytes(t, file_size: int, where) -> tuple[str, tuple[int, ...], np.ndarray]:
-    """(type name, NumPy shape, raw bytes) of one tensor, its sizes checked against the file."""
-    kind = getattr(t.tensor_type, "name", str(t.tensor_type))
-    if kind not in BLOCKS:
-        raise MinillamaError(f"{where}: tensor {t.name} has GGML type {kind}, which is not "
-                             f"supported (supported: {', '.join(BLOCKS)})")
-    shape = tuple(int(n) for n in reversed(list(t.shape)))  # GGUF lists the fastest axis first
-    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    per, size = BLOCKS[kind]
-    if n <= 0 or n % per or shape[-1] % per:
-        raise MinillamaError(f"{where}: tensor {t.name} of shape {list(shape)} does not fill "
-                             f"whole {kind} blocks of {per}")
-    nbytes = n // per * size
-    if t.data_offset < 0 or t.data_offset + nbytes > file_size or t.data.nbytes != nbytes:
-        raise MinillamaError(f"{where}: tensor {t.name} ({kind}, {list(shape)}) needs {nbytes} "
-                             f"bytes at offset {t.data_offset}, beyond the file or its record")
-    return kind, shape, np.asarray(t.data).reshape(-1).view(np.uint8)
+def _type_name(tid: int, name: str, where) -> str:
+    """The name of GGML type ``tid`` if the loader reads it; else a one-line refusal naming the
+    tensor and the type."""
+    if tid in TYPE_NAMES:
+        return TYPE_NAMES[tid]
+    try:
+        import gguf  # noqa: PLC0415 - optional: only to name a type minillama does not read
+
+        known = gguf.GGMLQuantizationType(tid).name
+    except (ImportError, ValueError):
+        raise MinillamaError(f"{where}: tensor {name} has unknown GGML type id {tid}") from None
+    raise MinillamaError(f"{where}: tensor {name} has GGML type {known}, which is not supported "
+                         f"(supported: {', '.join(BLOCKS)})")
+
+
+def _tensor_table(reader, file_size: int, where) -> dict[str, tuple[str, tuple, np.ndarray]]:
+    """name -> (type name, NumPy shape, raw bytes: a uint8 view of the mapped file) for every
+    tensor, each checked before any is read: a known type, positive sizes, rows of whole blocks,
+    its bytes inside the file and not overlapping the next tensor's."""
+    table, spans = {}, []
+    for name_b, dims, type_id, offset in reader.tensor_infos:
+        name = name_b.decode("utf-8", errors="replace")[:120]
+        if name in table:
+            raise MinillamaError(f"{where}: tensor {name} appears twice")
+        kind = _type_name(type_id, name, where)
+        shape = tuple(reversed(dims))  # GGUF lists the fastest axis first
+        if min(shape) <= 0 or max(shape) >= 1 << 40:
+            raise MinillamaError(f"{where}: tensor {name} ({kind}) has shape {list(shape)}")
+        per, size = BLOCKS[kind]
+        if shape[-1] % per:
+            raise MinillamaError(f"{where}: tensor {name} ({kind}) has rows of {shape[-1]} values, "
+                                 f"not a whole number of blocks of {per}")
+        nbytes = int(np.prod(shape, dtype=object)) // per * size
+        start = reader.tensor_start + offset
+        if start + nbytes > file_size:
+            raise MinillamaError(f"{where}: tensor {name} ({kind}, {list(shape)}) needs {nbytes} "
+                                 f"bytes at offset {start}, beyond the end of the file "
+                                 f"({file_size} bytes): truncated")
+        spans.append((start, nbytes, name, kind, shape))
+        table[name] = (kind, shape, start, nbytes)
+    spans.sort()
+    for (start, nbytes, name, kind, shape), nxt in zip(spans, spans[1:]):
+        if start + nbytes > nxt[0]:
+            raise MinillamaError(f"{where}: tensor {name} ({kind}, {list(shape)}) needs {nbytes} "
+                                 f"bytes, but tensor {nxt[2]} starts {nxt[0] - start} bytes "
+                                 f"after it")
+    return {name: (kind, shape, reader.data[start:start + nbytes])
+            for name, (kind, shape, start, nbytes) in table.items()}
+
+
+def _tensor_value(kind: str, shape: tuple, raw: np.ndarray):
+    """A matrix of a block type as a :class:`~minillama.quant.QuantMatrix` over the file's
+    bytes (rows of blocks, not widened); anything else as float32."""
+    if kind in quant.BLOCKS and len(shape) == 2:
+        return quant.QuantMatrix(kind, shape, raw.reshape(shape[0], -1))
+    return dequantize(raw, kind, int(np.prod(shape))).reshape(shape)
 
 
 def _our_name(name: str, where) -> str:
@@ -178,19 +304,15 @@ def _our_name(name: str, where) -> str:
 
 def load_gguf(path):
     """Read a LLaMA-family GGUF file: ``(cfg, params, tokenizer or None)`` with Meta names,
-    float32 weights and interleaved RoPE rows."""
+    interleaved RoPE rows, float32 vectors and float types, and the matrices of block types kept
+    as :class:`~minillama.quant.QuantMatrix` (over the memory-mapped file)."""
     from ..checkpoint import check_finite  # noqa: PLC0415
     from ..model import check_params, param_shapes  # noqa: PLC0415
     from .hf import hf_to_interleaved  # noqa: PLC0415
 
     path = Path(path)
     reader = _open(path)
-    size = path.stat().st_size
-    infos = {}
-    for t in reader.tensors:
-        if t.name in infos:
-            raise MinillamaError(f"{path}: tensor {t.name} appears twice")
-        infos[t.name] = _tensor_bytes(t, size, path)
+    infos = _tensor_table(reader, path.stat().st_size, path)
     factors = None
     if "rope_freqs.weight" in infos:
         kind, shape, raw = infos.pop("rope_freqs.weight")
@@ -205,13 +327,18 @@ def load_gguf(path):
         if expected.get(ours) != shape:
             raise MinillamaError(f"{path}: tensor {name} has shape {list(shape)}, expected "
                                  f"{list(expected.get(ours, ()))} for this config")
-        params[ours] = dequantize(raw, kind, int(np.prod(shape))).reshape(shape)
+        params[ours] = _tensor_value(kind, shape, raw)
     check_params(cfg, params)
-    check_finite(params, path)
+    check_finite({k: v for k, v in params.items() if not isinstance(v, quant.QuantMatrix)}, path)
+    for k, v in params.items():
+        if isinstance(v, quant.QuantMatrix) and quant.nonfinite_scales(v):
+            raise MinillamaError(f"{k.removesuffix('.weight')} ({v.qtype}) holds "
+                                 f"{quant.nonfinite_scales(v)} NaN/inf block scales (in {path})")
     if _meta(reader, "general.architecture") == "qwen2":  # half-split RoPE rows, as in HF
         for key in [k for k in params if ".attention.wq." in k or ".attention.wk." in k]:
-            params[key] = hf_to_interleaved(params[key], cfg.n_heads if ".wq." in key
-                                            else cfg.n_kv_heads)
+            v, heads = params[key], cfg.n_heads if ".wq." in key else cfg.n_kv_heads
+            params[key] = (quant.QuantMatrix(v.qtype, v.shape, hf_to_interleaved(v.data, heads))
+                           if isinstance(v, quant.QuantMatrix) else hf_to_interleaved(v, heads))
     return cfg, params, tokenizer_from_gguf(reader, cfg.vocab_size, path)
 
 
