@@ -292,11 +292,12 @@ def add_cli(subparsers) -> None:
                    help="tokenizer: llama2.c tokenizer.bin, Hugging Face tokenizer.json, or "
                         "'byte' (default: the one stored with the checkpoint)")
     p.add_argument("--prompt", "-p", default="",
-                   help="prompt text (default: empty: start at BOS; byte-level models start at "
-                        "BOS and a newline)")
+                   help="prompt text, with BOS in front where the tokenizer says so (default: "
+                        "empty: start at BOS; byte-level models start at BOS and a newline)")
     p.add_argument("--chat", action="store_true",
-                   help="send --prompt as a user message through the folder's chat template "
-                        "(tokenizer_config.json chat_template, rendered with jinja2)")
+                   help="send --prompt as a user message through the model's chat template "
+                        "(GGUF tokenizer.chat_template, tokenizer_config.json or "
+                        "chat_template.jinja; rendered with jinja2)")
     p.add_argument("-n", "--max-new-tokens", type=int, default=256,
                    help="most tokens to generate (default 256)")
     p.add_argument("--temperature", type=float, default=1.0,
@@ -415,16 +416,20 @@ def run_cli(args) -> int:
             # token right after BOS and sample noise there; start at the beginning of a line.
             text = "\n"
         if getattr(args, "chat", False):
-            if not hasattr(tok, "render_chat"):
-                raise MinillamaError("--chat needs a Hugging Face tokenizer folder with a "
-                                     "chat_template")
+            from .chat import encode_rendered, render_chat, stop_ids  # noqa: PLC0415
+
             # the template writes BOS itself (as bos_token) when the model wants it
-            prompt_ids = tok.encode(tok.render_chat([{"role": "user", "content": args.prompt}]))
+            prompt_ids = encode_rendered(tok, render_chat(
+                tok, [{"role": "user", "content": args.prompt}]))
+            stop = stop_ids(tok)
         else:
-            prompt_ids = tok.encode(text, bos=True)
-        stop = {tok.eos_id} | set(getattr(tok, "stop_ids", ()))
-        if tok.bos_id is not None:
-            stop.add(tok.bos_id)  # a new document starts: the text is over (llama2.c does this)
+            # BOS as the tokenizer's source says (add_bos)
+            prompt_ids = tok.encode(text, eos=False)  # a text to continue never ends in EOS
+            if not prompt_ids:  # an empty prompt of a model that wants no BOS
+                prompt_ids = [tok.bos_id if tok.bos_id is not None else tok.eos_id]
+            stop = {tok.eos_id} | set(getattr(tok, "stop_ids", ()))
+            if tok.bos_id is not None and tok.add_bos:
+                stop.add(tok.bos_id)  # a new document starts: the text is over (llama2.c)
         stop.discard(None)
     if len(prompt_ids) > cfg.max_seq_len:
         raise MinillamaError(f"prompt of {len(prompt_ids)} tokens is longer than the model "

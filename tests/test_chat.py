@@ -8,6 +8,7 @@ import json
 import pytest
 
 from minillama import cli
+from minillama.chat import render_chat, stop_ids
 from minillama.errors import MinillamaError
 from minillama.tokenizer import HFTokenizer
 
@@ -35,13 +36,13 @@ def test_chat_template_renders_as_transformers_does(chat_folder):
     tok = HFTokenizer(chat_folder)
     for gen in (True, False):
         want = ref.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=gen)
-        assert tok.render_chat(MESSAGES, add_generation_prompt=gen) == want
-    assert tok.stop_ids == {2, 0}
+        assert render_chat(tok, MESSAGES, add_generation_prompt=gen) == want
+    assert stop_ids(tok) == {2, 0}
 
 
 def test_no_template_is_one_clear_line(hf_tokenizer_json):
-    with pytest.raises(MinillamaError, match="no chat_template"):
-        HFTokenizer(hf_tokenizer_json.parent).render_chat(MESSAGES)
+    with pytest.raises(MinillamaError, match="no chat template"):
+        render_chat(HFTokenizer(hf_tokenizer_json.parent), MESSAGES)
 
 
 def test_generate_chat_command(chat_folder, capsys):
