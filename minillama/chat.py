@@ -12,10 +12,12 @@ r"""Chat: a model's own chat template, its end-of-turn tokens, and ``minillama c
 * :class:`ChatSession` keeps a conversation and the KV cache of its tokens. A turn renders the
   whole conversation again (templates are not prefix-stable in general: some rewrite earlier
   turns), keeps the cached positions of the longest common token prefix
-  :math:`n = \max\{k : c_{<k} = t_{<k}\}` of the cached ids c and the new ids t, and prefills
-  only :math:`t_{n:}` at positions n.. (later cached rows are overwritten; attention reads
-  positions < n + |t| - n only). When the conversation no longer fits the context, the oldest
-  turns are dropped (a system message stays).
+  :math:`n = \max\{k : c_{<k} = t_{<k}\}` of the cached ids c and the new ids t (at most
+  |t| - 1, so that one position is fed to get the next logits), and prefills only
+  :math:`t_{n:}` at positions n, n+1, ... (rows past them still hold the old turn's K/V but
+  are never read: attention reads positions below the one it feeds, and later writes overwrite
+  them). When the conversation no longer fits the context, the oldest turns are dropped (a
+  system message stays) and the command says so.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from .errors import MinillamaError
-from .sampling import check_sampling, sample
+from .sampling import add_sampling_flags, check_sampling, sample, sampling_kwargs
 
 #: spellings of end-of-turn / end-of-text tokens of the LLaMA family and its relatives
 STOP_NAMES = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>",
@@ -157,3 +159,210 @@ def encode_rendered(tok, text: str) -> list[int]:
     if start < len(text):
         ids += tok.encode(text[start:], bos=False, eos=False)
     return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# a conversation with its KV cache
+# ---------------------------------------------------------------------------------------------
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two id lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ChatSession:
+    """A conversation with a model: ``messages`` (a system message first if given) and the KV
+    cache of ``cached`` (the ids whose K/V rows the cache holds, positions 0..len-1).
+
+    :meth:`reply` adds a user turn and yields the reply's tokens as they are chosen; the reply
+    joins the history when the generator finishes (or is closed, e.g. after Ctrl-C: the text
+    so far is kept). ``sampling`` holds :func:`minillama.sampling.sample`'s keywords
+    (temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n); ``seed`` seeds it."""
+
+    def __init__(self, model, tok, system: str | None = None, max_new_tokens: int = 512,
+                 context: int | None = None, seed: int | None = None, **sampling):
+        cfg = model.cfg
+        self.model, self.tok = model, tok
+        self.context = int(min(context or cfg.max_seq_len, cfg.max_seq_len))
+        if self.context < 2:
+            raise MinillamaError(f"a chat needs a context of >= 2 positions, got {self.context}")
+        if max_new_tokens < 1:
+            raise MinillamaError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.max_new_tokens = int(max_new_tokens)
+        check_sampling(sampling.get("temperature", 0.0), sampling.get("top_k"),
+                       sampling.get("top_p"), sampling.get("min_p"),
+                       sampling.get("repeat_penalty", 1.0), sampling.get("repeat_last_n", 64))
+        self.sampling = sampling
+        self.rng = np.random.default_rng(seed)
+        self.system = system
+        self.stop = stop_ids(tok)
+        render_chat(tok, [{"role": "user", "content": "hi"}])  # a template that fails, now
+        self.cache = model.new_cache(1, self.context)
+        self.reset()
+        #: called with a message when old turns are dropped to fit the context
+        self.notice: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
+        #: prompt tokens prefilled by the last turn (the part not already cached)
+        self.last_prefill = 0
+
+    def reset(self) -> None:
+        """Forget the conversation (the system message stays)."""
+        self.messages: list[dict] = ([{"role": "system", "content": self.system}]
+                                     if self.system else [])
+        self.cached: list[int] = []
+
+    def _prompt(self) -> list[int]:
+        """The ids of the whole conversation and the generation prompt; drops the oldest turns
+        while it leaves less than a quarter of the context (or max_new_tokens) for the reply."""
+        room = min(self.max_new_tokens, self.context // 4)
+        dropped = 0
+        while True:
+            ids = encode_rendered(self.tok, render_chat(self.tok, self.messages))
+            if len(ids) + room <= self.context:
+                break
+            first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+            if len(self.messages) - first <= 1:  # only the new user message is left
+                if len(ids) >= self.context:
+                    self.messages.pop()
+                    raise MinillamaError(f"the message is {len(ids)} tokens, longer than the "
+                                         f"context of {self.context}")
+                break
+            # drop the oldest user turn and everything up to the next user turn
+            del self.messages[first]
+            while len(self.messages) > first + 1 and self.messages[first]["role"] != "user":
+                del self.messages[first]
+            dropped += 1
+        if dropped:
+            self.notice(f"[context full ({self.context} tokens): dropped the {dropped} oldest "
+                        f"turn{'s' if dropped > 1 else ''}]")
+        return ids
+
+    def _logits(self, ids: list[int], start: int) -> np.ndarray:
+        from .decoding import finite_logits  # noqa: PLC0415
+
+        block = np.asarray([ids], dtype=np.int64)
+        out = self.model.forward(block, start_pos=start, cache=self.cache, last_only=True)
+        return finite_logits(self.model.backend.to_numpy(out)[0], f"position {start}")
+
+    def reply(self, text: str):
+        """Add the user message ``text`` and yield the reply's token ids (stop tokens are not
+        yielded). Only the ids past the cached common prefix are prefilled."""
+        self.messages.append({"role": "user", "content": text})
+        ids = self._prompt()
+        n = min(common_prefix(self.cached, ids), len(ids) - 1)
+        self.last_prefill = len(ids) - n
+        self.cached = self.cached[:n]  # positions n.. are rewritten now
+        out: list[int] = []
+        full = False
+        try:  # an interrupted turn still gets its (maybe empty) reply: roles keep alternating
+            z = self._logits(ids[n:], n)
+            self.cached = list(ids)
+            while len(out) < self.max_new_tokens:
+                t = sample(z, self.rng, history=self.cached, **self.sampling)
+                if t in self.stop:
+                    break
+                out.append(t)
+                yield t
+                if len(self.cached) >= self.context:
+                    full = True
+                    break
+                z = self._logits([t], len(self.cached))
+                self.cached.append(t)
+        finally:
+            self.messages.append({"role": "assistant", "content": self.tok.decode(out)})
+        if full:
+            self.notice(f"[context full ({self.context} tokens): the reply is cut; older turns "
+                        f"are dropped next turn]")
+
+
+# ---------------------------------------------------------------------------------------------
+# the `minillama chat` command
+# ---------------------------------------------------------------------------------------------
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "chat", help="talk with a chat model (multi-turn, streams each reply)",
+        description="An interactive conversation through the model's own chat template. Each "
+                    "line you type is a user turn; the reply streams to stdout. The KV cache "
+                    "is kept between turns, so a turn prefills only its new tokens. /reset "
+                    "starts over, /exit (or Ctrl-D) quits, Ctrl-C stops a reply. Reads one "
+                    "user turn per line from a pipe too.")
+    p.add_argument("--checkpoint", "-c", required=True,
+                   help="model file or folder with a chat template (GGUF or Hugging Face)")
+    p.add_argument("--tokenizer", "-t", default=None,
+                   help="tokenizer folder or file (default: the checkpoint's own)")
+    p.add_argument("--system", "-s", default=None, help="system message")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=512,
+                   help="most tokens per reply (default 512)")
+    p.add_argument("--context", type=int, default=4096,
+                   help="KV cache positions for the conversation, capped at the model's "
+                        "context (default 4096)")
+    add_sampling_flags(p, temperature=0.8, top_p=0.95, min_p=0.05)
+    p.add_argument("--backend", default=None,
+                   help="numpy, numba or cupy (default: $MINILLAMA_BACKEND or numpy)")
+    p.add_argument("--dtype", default=None, choices=("float32", "float64"),
+                   help="compute precision (default float32)")
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args, stdin=None, stdout=None) -> int:
+    from .formats import detect_format, load_model  # noqa: PLC0415
+    from .generate import TextStreamer, resolve_tokenizer  # noqa: PLC0415
+
+    stdin = stdin if stdin is not None else sys.stdin
+    out = stdout if stdout is not None else sys.stdout
+    sampling = sampling_kwargs(args)
+    if args.max_new_tokens < 1:
+        raise MinillamaError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.context < 2:
+        raise MinillamaError(f"--context must be >= 2, got {args.context}")
+    from pathlib import Path  # noqa: PLC0415
+
+    checkpoint = Path(args.checkpoint)
+    fmt = detect_format(checkpoint)
+    model, model_tok = load_model(checkpoint, backend=args.backend, dtype=args.dtype)
+    tok = resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt)
+    if tok is None:
+        raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer")
+    session = ChatSession(model, tok, system=args.system, max_new_tokens=args.max_new_tokens,
+                          context=args.context, seed=args.seed, **sampling)
+    interactive = stdin.isatty() if hasattr(stdin, "isatty") else False
+    if interactive:
+        print("chat: /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops a reply",
+              file=sys.stderr)
+    while True:
+        if interactive:
+            out.write("> ")
+            out.flush()
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:
+            out.write("\n")
+            continue
+        if not line:
+            break
+        text = line.rstrip("\r\n")
+        if text.strip() == "/exit":
+            break
+        if text.strip() == "/reset":
+            session.reset()
+            print("[conversation reset]", file=sys.stderr)
+            continue
+        if not text.strip():
+            continue
+        streamer = TextStreamer(tok)
+        steps = session.reply(text)
+        try:
+            for t in steps:
+                out.write(streamer.put(t))
+                out.flush()
+        except KeyboardInterrupt:
+            steps.close()
+            out.write(streamer.flush() + "\n")
+            print("[reply stopped]", file=sys.stderr)
+            continue
+        out.write(streamer.flush() + "\n")
+        out.flush()
+    return 0
+
