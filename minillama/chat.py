@@ -218,16 +218,18 @@ class ChatSession:
         while it leaves less than a quarter of the context (or max_new_tokens) for the reply."""
         room = min(self.max_new_tokens, self.context // 4)
         dropped = 0
+        first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
         while True:
             ids = encode_rendered(self.tok, render_chat(self.tok, self.messages))
             if len(ids) + room <= self.context:
                 break
-            first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+            alone = self.messages[:first] + self.messages[-1:]
+            n = len(encode_rendered(self.tok, render_chat(self.tok, alone))) if not dropped else 0
+            if n >= self.context:
+                self.messages.pop()  # refused: the conversation stays as it was
+                raise MinillamaError(f"the message makes a prompt of {n} tokens, longer than "
+                                     f"the context of {self.context}")
             if len(self.messages) - first <= 1:  # only the new user message is left
-                if len(ids) >= self.context:
-                    self.messages.pop()
-                    raise MinillamaError(f"the message is {len(ids)} tokens, longer than the "
-                                         f"context of {self.context}")
                 break
             # drop the oldest user turn and everything up to the next user turn
             del self.messages[first]
