@@ -159,12 +159,14 @@ def add_sampling_flags(p, temperature: float, top_p: float | None, min_p: float 
 
 def sampling_kwargs(args) -> dict:
     """:func:`minillama.sampling.sample`'s keywords from the shared flags, checked."""
-    top_p = None if args.top_p is None or args.top_p >= 1.0 else args.top_p
-    min_p = None if not args.min_p else args.min_p
-    kw = {"temperature": args.temperature, "top_k": args.top_k, "top_p": top_p,
-          "min_p": min_p, "repeat_penalty": args.repeat_penalty,
+    kw = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+          "min_p": args.min_p, "repeat_penalty": args.repeat_penalty,
           "repeat_last_n": args.repeat_last_n}
     check_sampling(**kw)
+    if kw["top_p"] is not None and kw["top_p"] >= 1.0:
+        kw["top_p"] = None  # keeps everything
+    if not kw["min_p"]:
+        kw["min_p"] = None
     if args.seed is not None and args.seed < 0:
         raise MinillamaError(f"--seed must be a non-negative integer, got {args.seed}")
     return kw
