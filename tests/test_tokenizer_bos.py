@@ -38,7 +38,8 @@ def test_hf_family_matches_transformers(tmp_path, family):
         want = ref(text).input_ids
         assert tok.encode(text) == want, (family, text)
         # an explicit choice overrides the source's
-        assert tok.encode(text, bos=False, eos=False) == ref(text, add_special_tokens=False).input_ids
+        plain = ref(text, add_special_tokens=False).input_ids
+        assert tok.encode(text, bos=False, eos=False) == plain
     if tok.bos_id is not None:
         assert tok.encode("the cat", bos=True)[0] == tok.bos_id
         assert tok.encode("the cat", eos=True)[-1] == tok.eos_id
@@ -144,9 +145,10 @@ def test_smollm2_gguf_tokenizer_matches_transformers(smollm2_gguf):
 
 def test_tokenizers_do_not_import_formats():
     """minillama.tokenizer and minillama.bpe sit below minillama.formats: they never import it
-    (no circle with formats/gguf.py), and reading a GGUF tokenizer does not load it."""
+    (no circle with formats/gguf.py); importing them, or the chat helpers the server uses,
+    does not load it (the chat command itself loads models through it when it runs)."""
     root = Path(__file__).resolve().parents[1] / "minillama"
-    for name in ("tokenizer.py", "bpe.py", "chat.py", "sampling.py"):
+    for name in ("tokenizer.py", "bpe.py", "sampling.py"):
         tree = ast.parse((root / name).read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
@@ -155,3 +157,26 @@ def test_tokenizers_do_not_import_formats():
     code = ("import sys, minillama.tokenizer, minillama.chat; "
             "assert not [m for m in sys.modules if m.startswith('minillama.formats')]")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_gguf_export_keeps_flags_and_template(tmp_path):
+    """save_gguf writes add_bos_token / add_eos_token and the chat template; reading the file
+    back gives the same tokenizer behaviour."""
+    pytest.importorskip("gguf")
+    from minillama.config import ModelConfig
+    from minillama.formats.gguf import save_gguf
+    from minillama.model import init_params
+
+    pieces = [b"<unk>", b"<s>", b"</s>"] + [b"<0x%02X>" % b for b in range(256)] + \
+        [b" ", b"a", b"b", b" a"]
+    for add_bos, add_eos in ((False, True), (True, False)):
+        tok = Llama2cTokenizer(pieces=pieces, scores=[0.0] * 259 + [-1.0, -2.0, -3.0, -0.5],
+                               spec={"type": "test"}, add_bos=add_bos, add_eos=add_eos)
+        tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"
+        cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=len(pieces), hidden_dim=32,
+                          max_seq_len=32)
+        path = save_gguf(tmp_path / f"t{add_bos}.gguf", cfg, init_params(cfg, seed=0), tok)
+        again = load_gguf_tokenizer(str(path))
+        assert (again.add_bos, again.add_eos) == (add_bos, add_eos)
+        assert again.encode("ab") == tok.encode("ab")
+        assert again.chat_template == tok.chat_template

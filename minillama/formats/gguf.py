@@ -287,8 +287,9 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
 
 
 def _write_tokenizer(w, tok) -> None:
-    """A SentencePiece tokenizer's metadata (``tokenizer.ggml.*``); other tokenizers are left
-    out (the file then has none)."""
+    """A SentencePiece tokenizer's metadata (``tokenizer.ggml.*``: pieces, scores, BOS/EOS/unk
+    ids, whether to add BOS/EOS, the chat template); other tokenizers are left out (the file
+    then has none)."""
     from ..tokenizer import Llama2cTokenizer  # noqa: PLC0415
 
     if not isinstance(tok, Llama2cTokenizer):
@@ -300,3 +301,7 @@ def _write_tokenizer(w, tok) -> None:
     w.add_bos_token_id(tok.bos_id)
     w.add_eos_token_id(tok.eos_id)
     w.add_unk_token_id(tok.unk_id)
+    w.add_add_bos_token(bool(tok.add_bos))
+    w.add_add_eos_token(bool(tok.add_eos))
+    if tok.chat_template:
+        w.add_chat_template(tok.chat_template)
