@@ -225,8 +225,7 @@ class ChatSession:
                 break
             alone = self.messages[:first] + self.messages[-1:]
             n = len(encode_rendered(self.tok, render_chat(self.tok, alone))) if not dropped else 0
-            if n >= self.context:
-                self.messages.pop()  # refused: the conversation stays as it was
+            if n >= self.context:  # refused before anything is dropped
                 raise MinillamaError(f"the message makes a prompt of {n} tokens, longer than "
                                      f"the context of {self.context}")
             if len(self.messages) - first <= 1:  # only the new user message is left
@@ -252,7 +251,11 @@ class ChatSession:
         """Add the user message ``text`` and yield the reply's token ids (stop tokens are not
         yielded). Only the ids past the cached common prefix are prefilled."""
         self.messages.append({"role": "user", "content": text})
-        ids = self._prompt()
+        try:
+            ids = self._prompt()
+        except MinillamaError:
+            self.messages.pop()  # refused: the conversation stays as it was
+            raise
         n = min(common_prefix(self.cached, ids), len(ids) - 1)
         self.last_prefill = len(ids) - n
         self.cached = self.cached[:n]  # positions n.. are rewritten now
@@ -289,7 +292,9 @@ def add_cli(subparsers) -> None:
                     "line you type is a user turn; the reply streams to stdout. The KV cache "
                     "is kept between turns, so a turn prefills only its new tokens. /reset "
                     "starts over, /exit (or Ctrl-D) quits, Ctrl-C stops a reply. Reads one "
-                    "user turn per line from a pipe too.")
+                    "user turn per line from a pipe too. A turn that cannot be sent (longer "
+                    "than the context, refused by the template) is one error line; the chat "
+                    "goes on and exits with status 2 at the end.")
     p.add_argument("--checkpoint", "-c", required=True,
                    help="model file or folder with a chat template (GGUF or Hugging Face)")
     p.add_argument("--tokenizer", "-t", default=None,
@@ -333,6 +338,7 @@ def run_cli(args, stdin=None, stdout=None) -> int:
     if interactive:
         print("chat: /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops a reply",
               file=sys.stderr)
+    failed = False
     while True:
         if interactive:
             out.write("> ")
@@ -359,6 +365,10 @@ def run_cli(args, stdin=None, stdout=None) -> int:
             for t in steps:
                 out.write(streamer.put(t))
                 out.flush()
+        except MinillamaError as e:  # this turn is refused (too long, the template objects)
+            print(f"minillama: error: {e}", file=sys.stderr)
+            failed = True
+            continue
         except KeyboardInterrupt:
             steps.close()
             out.write(streamer.flush() + "\n")
@@ -366,5 +376,5 @@ def run_cli(args, stdin=None, stdout=None) -> int:
             continue
         out.write(streamer.flush() + "\n")
         out.flush()
-    return 0
+    return 2 if failed else 0  # a refused turn: the chat went on, the exit status tells
 

@@ -143,6 +143,16 @@ def test_ctrl_c_stops_the_reply_not_the_chat(tiny_chat, capsys):
     assert out.n > 3  # the second turn was answered after the first was stopped
 
 
+def test_a_refused_turn_is_one_line_and_the_chat_goes_on(tiny_chat, capsys):
+    folder, model, tok = tiny_chat
+    rc, out = _chat(["-c", str(folder), "--temperature", "0", "-n", "4", "--context", "40"],
+                    "the cat " * 30 + "\nthe cat\n")
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("minillama: error:") == 1 and "longer than" in err
+    one = ChatSession(model, tok, max_new_tokens=4, context=40, temperature=0.0)
+    assert out == tok.decode(list(one.reply("the cat"))) + "\n"  # as if it never came
+
+
 def test_bad_flags_are_one_line(tiny_chat, capsys):
     folder, _, _ = tiny_chat
     for flags, msg in ((["--min-p", "2"], "min_p"), (["--repeat-penalty", "0"], "repeat_penalty"),
