@@ -199,9 +199,10 @@ class ChatSession:
         self.rng = np.random.default_rng(seed)
         self.system = system
         self.stop = stop_ids(tok)
-        render_chat(tok, [{"role": "user", "content": "hi"}])  # a template that fails, now
-        self.cache = model.new_cache(1, self.context)
         self.reset()
+        # a template that refuses (e.g. no system role) fails now, not at the first turn
+        render_chat(tok, self.messages + [{"role": "user", "content": "hi"}])
+        self.cache = model.new_cache(1, self.context)
         #: called with a message when old turns are dropped to fit the context
         self.notice: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
         #: prompt tokens prefilled by the last turn (the part not already cached)
