@@ -297,19 +297,35 @@ def byte_level_json(tokens: list[str], merges: list[str], special: Iterable[int]
 
 class TextBPE:
     """A :class:`BPETokenizer` with the project's tokenizer interface (``encode(text, bos, eos)``,
-    ``decode``, ``decode_bytes``, ``vocab_size``, ``bos_id``, ``eos_id``, ``spec``)."""
+    ``decode``, ``decode_bytes``, ``vocab_size``, ``bos_id``, ``eos_id``, ``add_bos``,
+    ``add_eos``, ``token_id``, ``chat_template``, ``spec``)."""
 
-    def __init__(self, bpe: BPETokenizer, bos_id, eos_id, spec: dict):
+    chat_template = None
+
+    def __init__(self, bpe: BPETokenizer, bos_id, eos_id, spec: dict, add_bos: bool = False,
+                 add_eos: bool = False):
         self.bpe, self.bos_id, self.eos_id, self._spec = bpe, bos_id, eos_id, spec
+        self.add_bos = bool(add_bos) and bos_id is not None
+        self.add_eos = bool(add_eos) and eos_id is not None
 
     @property
     def vocab_size(self) -> int:
         return max(self.bpe.pieces) + 1
 
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+    def encode(self, text: str, bos: bool | None = None, eos: bool | None = None) -> list[int]:
+        bos = self.add_bos if bos is None else bos
+        eos = self.add_eos if eos is None else eos
         pre = [self.bos_id] if bos and self.bos_id is not None else []
         post = [self.eos_id] if eos and self.eos_id is not None else []
         return pre + self.bpe.encode(text) + post
+
+    def token_id(self, piece: str) -> int | None:
+        """The id of a token by its text (an added/special token, or a vocabulary piece)."""
+        i = self.bpe.added.get(piece)
+        return i if i is not None else self.bpe.vocab.get(piece)
+
+    def token_text(self, i) -> str:
+        return self.bpe.pieces.get(int(i), "")
 
     def decode_bytes(self, ids) -> bytes:
         return self.bpe.decode_bytes(ids)

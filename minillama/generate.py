@@ -28,7 +28,7 @@ import numpy as np
 from .decoding import ChunkDecoder, nonfinite_error, stream_greedy  # noqa: F401 (re-exported)
 from .decoding import finite_logits as _finite
 from .errors import MinillamaError
-from .sampling import check_sampling, sample
+from .sampling import add_sampling_flags, check_sampling, sample, sampling_kwargs
 from .tokenizer import ByteTokenizer
 
 #: where the default model ships (own format, byte tokenizer in the metadata)
@@ -81,11 +81,15 @@ def _as_prompts(prompts) -> tuple[list[list[int]], bool]:
 def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float = 0.0,
                    top_k: int | None = None, top_p: float | None = None,
                    seed: int | None = None, stop_ids: Iterable[int] = (),
-                   stats: GenerationStats | None = None) -> Iterator[list[tuple[int, int]]]:
+                   stats: GenerationStats | None = None, min_p: float | None = None,
+                   repeat_penalty: float = 1.0,
+                   repeat_last_n: int = 64) -> Iterator[list[tuple[int, int]]]:
     """Generate, yielding after every model call the list of ``(sequence index, token)`` pairs
     produced by it (stop tokens are not yielded). ``prompts`` is a list of token-id lists (or one
-    list). ``stats`` (optional) is filled in as the generation runs."""
-    check_sampling(temperature, top_k, top_p)
+    list). ``stats`` (optional) is filled in as the generation runs. ``min_p``,
+    ``repeat_penalty`` and ``repeat_last_n`` as :func:`minillama.sampling.sample` (the penalty
+    looks at each sequence's prompt and new tokens)."""
+    check_sampling(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
     seqs, _ = _as_prompts(prompts)
     if max_new_tokens < 0:
         raise MinillamaError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -113,7 +117,14 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
     # token k of sequence b lands at position n_b + k - 1 and is sampled after feeding position
     # n_b + k - 2, which must lie inside the context: k <= S - n_b + 1
     budget = np.minimum(max_new_tokens, cfg.max_seq_len - lens + 1)
-    if B == 1 and temperature == 0:  # greedy: a backend may decode many steps per call
+    penalised = repeat_penalty != 1.0 and repeat_last_n != 0
+    hist = [list(s) for s in seqs] if penalised else None  # each sequence's context so far
+
+    def pick(b, z):
+        return sample(z, rngs[b], temperature, top_k, top_p, min_p, repeat_penalty,
+                      repeat_last_n, hist[b] if penalised else ())
+
+    if B == 1 and temperature == 0 and not penalised:  # a backend may decode many steps/call
         make = getattr(be, "greedy_decoder", None)
         dec = make(model, cache_len, stop) if make is not None else None
         if dec is not None:
@@ -138,8 +149,7 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
     pos = lens.copy()  # where each sequence's next token goes
     last = np.zeros(B, dtype=np.int64)
     emitted = np.zeros(B, dtype=np.int64)
-    step_out = _choose(lambda b: sample(z[b], rngs[b], temperature, top_k, top_p), alive, stop,
-                       last, emitted, budget)
+    step_out = _choose(lambda b: pick(b, z[b]), alive, stop, last, emitted, budget, hist)
     stats.prefill_s = time.perf_counter() - t0
     stats.new_tokens += len(step_out)
     if step_out:
@@ -147,7 +157,8 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
     # -- decode (the time the caller spends between our yields is not counted) ---------------
     # greedy with several sequences: a backend may run up to 16 steps per call (the ids of
     # every sequence at each step), replayed below step by step exactly as the loop does
-    many = getattr(be, "greedy_steps", None) if temperature == 0 and B > 1 else None
+    many = getattr(be, "greedy_steps", None) if temperature == 0 and B > 1 \
+        and not penalised else None
     ids, j = None, 0  # the steps of the last such call, and the next one to replay
     while True:
         t0 = time.perf_counter()
@@ -168,14 +179,15 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
             if bad.any():
                 raise nonfinite_error(f"position {int(feed_pos[bad].max())}")
             pos = pos + alive
-            step_out = _choose(lambda b: int(picked[b]), alive, stop, last, emitted, budget)
+            step_out = _choose(lambda b: int(picked[b]), alive, stop, last, emitted, budget,
+                               hist)
         else:
             sp = int(feed_pos[0]) if B == 1 else feed_pos
             logits = model.forward(last[:, None], start_pos=sp, cache=cache, last_only=True)
             z = _finite(be.to_numpy(logits), f"position {int(np.max(feed_pos))}")
             pos = pos + alive
-            step_out = _choose(lambda b: sample(z[b], rngs[b], temperature, top_k, top_p),
-                               alive, stop, last, emitted, budget)
+            step_out = _choose(lambda b: pick(b, z[b]), alive, stop, last, emitted, budget,
+                               hist)
         stats.decode_steps += 1
         stats.new_tokens += len(step_out)
         stats.decode_s += time.perf_counter() - t0
@@ -183,9 +195,10 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
             yield step_out
 
 
-def _choose(pick, alive, stop, last, emitted, budget):
+def _choose(pick, alive, stop, last, emitted, budget, hist=None):
     """Take the next token ``pick(b)`` of every running sequence b; update ``alive``/``last``/
-    ``emitted``; the (b, token) pairs emitted."""
+    ``emitted`` (and ``hist``, each sequence's ids, when given); the (b, token) pairs
+    emitted."""
     out = []
     for b in np.flatnonzero(alive):
         if emitted[b] >= budget[b]:
@@ -196,6 +209,8 @@ def _choose(pick, alive, stop, last, emitted, budget):
             alive[b] = False
             continue
         last[b] = tok
+        if hist is not None:
+            hist[b].append(tok)
         emitted[b] += 1
         if emitted[b] >= budget[b]:
             alive[b] = False
@@ -206,14 +221,15 @@ def _choose(pick, alive, stop, last, emitted, budget):
 def generate(model, prompts, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              stop_ids: Iterable[int] = (), callback: Callable[[int, int], None] | None = None,
-             stats: GenerationStats | None = None):
+             stats: GenerationStats | None = None, **sampling):
     """Generate continuations. One prompt (list of ints) -> its new tokens (list of ints);
     several prompts -> a list of lists. ``callback(seq_index, token)`` is called for each token as
-    it is produced (streaming). Stop tokens end a sequence and are not included."""
+    it is produced (streaming). Stop tokens end a sequence and are not included. ``sampling``:
+    ``min_p``, ``repeat_penalty``, ``repeat_last_n`` (see :func:`generate_steps`)."""
     seqs, single = _as_prompts(prompts)
     outs: list[list[int]] = [[] for _ in seqs]
     for step in generate_steps(model, seqs, max_new_tokens, temperature, top_k, top_p, seed,
-                               stop_ids, stats):
+                               stop_ids, stats, **sampling):
         for b, tok in step:
             outs[b].append(tok)
             if callback is not None:
@@ -300,22 +316,16 @@ def add_cli(subparsers) -> None:
                    help="tokenizer: llama2.c tokenizer.bin, Hugging Face tokenizer.json, or "
                         "'byte' (default: the one stored with the checkpoint)")
     p.add_argument("--prompt", "-p", default="",
-                   help="prompt text (default: empty: start at BOS; byte-level models start at "
-                        "BOS and a newline)")
+                   help="prompt text, with BOS in front where the tokenizer says so (default: "
+                        "empty: start at BOS; byte-level models start at BOS and a newline)")
     p.add_argument("--chat", action="store_true",
-                   help="send --prompt as a user message through the folder's chat template "
-                        "(tokenizer_config.json chat_template, rendered with jinja2)")
+                   help="send --prompt as a user message through the model's chat template "
+                        "(GGUF tokenizer.chat_template, tokenizer_config.json or "
+                        "chat_template.jinja; rendered with jinja2)")
     p.add_argument("-n", "--max-new-tokens", type=int, default=256,
                    help="most tokens to generate (default 256; the model's context may cut it, "
                         "which is noted on stderr)")
-    p.add_argument("--temperature", type=float, default=1.0,
-                   help="sampling temperature, 0 = greedy (default 1.0)")
-    p.add_argument("--top-k", type=int, default=None,
-                   help="keep only the k most likely tokens (default: all)")
-    p.add_argument("--top-p", type=float, default=0.9,
-                   help="nucleus sampling mass, 1 disables it (default 0.9)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="random seed (reproducible sampling; default: a fresh one)")
+    add_sampling_flags(p, temperature=1.0, top_p=0.9, min_p=None)
     p.add_argument("--backend", default=None, help=backend_help())
     p.add_argument("--dtype", default=None, choices=("float32", "float64"),
                    help="compute precision (default float32)")
@@ -425,9 +435,7 @@ def resolve_tokenizer(spec: str | None, model_tokenizer, cfg, checkpoint: Path, 
 def run_cli(args) -> int:
     from .formats import detect_format, load_model  # noqa: PLC0415
 
-    check_sampling(args.temperature, args.top_k, args.top_p)
-    if args.seed is not None and args.seed < 0:
-        raise MinillamaError(f"--seed must be a non-negative integer, got {args.seed}")
+    sampling = sampling_kwargs(args)
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
@@ -467,16 +475,20 @@ def run_cli(args) -> int:
             # token right after BOS and sample noise there; start at the beginning of a line.
             text = "\n"
         if getattr(args, "chat", False):
-            if not hasattr(tok, "render_chat"):
-                raise MinillamaError("--chat needs a Hugging Face tokenizer folder with a "
-                                     "chat_template")
+            from .chat import encode_rendered, render_chat, stop_ids  # noqa: PLC0415
+
             # the template writes BOS itself (as bos_token) when the model wants it
-            prompt_ids = tok.encode(tok.render_chat([{"role": "user", "content": args.prompt}]))
+            prompt_ids = encode_rendered(tok, render_chat(
+                tok, [{"role": "user", "content": args.prompt}]))
+            stop = stop_ids(tok)
         else:
-            prompt_ids = tok.encode(text, bos=True)
-        stop = {tok.eos_id} | set(getattr(tok, "stop_ids", ()))
-        if tok.bos_id is not None:
-            stop.add(tok.bos_id)  # a new document starts: the text is over (llama2.c does this)
+            # BOS as the tokenizer's source says (add_bos)
+            prompt_ids = tok.encode(text, eos=False)  # a text to continue never ends in EOS
+            if not prompt_ids:  # an empty prompt of a model that wants no BOS
+                prompt_ids = [tok.bos_id if tok.bos_id is not None else tok.eos_id]
+            stop = {tok.eos_id} | set(getattr(tok, "stop_ids", ()))
+            if tok.bos_id is not None and tok.add_bos:
+                stop.add(tok.bos_id)  # a new document starts: the text is over (llama2.c)
         stop.discard(None)
     if len(prompt_ids) > cfg.max_seq_len:
         raise MinillamaError(f"prompt of {len(prompt_ids)} tokens is longer than the model "
@@ -488,23 +500,23 @@ def run_cli(args) -> int:
               f"{len(prompt_ids)}", file=sys.stderr)
     out = sys.stdout
     stats = GenerationStats()
-    top_p = None if args.top_p is None or args.top_p >= 1.0 else args.top_p
     if tok is not None:
         streamer = TextStreamer(tok, prompt_ids)
         out.write(streamer.start())
         out.flush()
     cache_len = int(min(cfg.max_seq_len, len(prompt_ids) + args.max_new_tokens))
+    penalised = sampling["repeat_penalty"] != 1.0 and sampling["repeat_last_n"] != 0
     decoder = graph_decoder_for(model, graph_mode, args.temperature, cache_len) \
-        if args.max_new_tokens > 0 else None
+        if args.max_new_tokens > 0 and not penalised else None
     if decoder is not None:
         stats.cache_bytes = decoder.cache.nbytes
         stats.cache_shape = (2, cfg.n_layers, 1, decoder.S, cfg.n_kv_heads, cfg.head_dim)
         steps = stream_greedy(decoder, prompt_ids, args.max_new_tokens, cfg.max_seq_len, stop,
                               stats)
     else:
-        warm_up(model, prompt_ids, args.temperature, args.top_k, top_p)
-        steps = generate_steps(model, [prompt_ids], args.max_new_tokens, args.temperature,
-                               args.top_k, top_p, args.seed, stop, stats)
+        warm_up(model, prompt_ids, sampling["temperature"], sampling["top_k"], sampling["top_p"])
+        steps = generate_steps(model, [prompt_ids], args.max_new_tokens, seed=args.seed,
+                               stop_ids=stop, stats=stats, **sampling)
     for step in steps:
         for _, t in step:
             out.write(streamer.put(t) if tok is not None else f"{t} ")

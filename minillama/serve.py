@@ -28,23 +28,26 @@ _TEXT_PREFIX = 16
 
 
 # ---------------------------------------------------------------------------------------------
-# chat rendering: the two places that switch to minillama.chat (render_chat / stop_ids) once it
-# lands; until then the tokenizer's own chat template and its EOS / end-of-turn ids
+# chat rendering: the model's own template (minillama.chat), its errors as 400s
 # ---------------------------------------------------------------------------------------------
-def _render(tok, messages: list[dict]) -> str:
-    """The chat prompt text for ``messages`` (to switch to ``minillama.chat.render_chat``)."""
-    if not getattr(tok, "chat_template", None) or not hasattr(tok, "render_chat"):
+def _render(tok, messages: list[dict]) -> list[int]:
+    """The prompt ids of ``messages`` through the model's chat template."""
+    from .chat import encode_rendered, render_chat  # noqa: PLC0415
+
+    if not getattr(tok, "chat_template", None):
         raise APIError(400, "the model has no chat template; use /v1/completions with a prompt",
                        code="no_chat_template")
-    return tok.render_chat(messages, add_generation_prompt=True)
+    try:
+        return encode_rendered(tok, render_chat(tok, messages, add_generation_prompt=True))
+    except MinillamaError as e:
+        raise APIError(400, str(e), param="messages", code="invalid_value") from None
 
 
 def _stops(tok) -> set[int]:
-    """The ids that end a reply (to switch to ``minillama.chat.stop_ids``): EOS, the end-of-turn
-    ids of generation_config.json and BOS (a new document starts), as ``minillama generate``."""
-    ids = {tok.eos_id, tok.bos_id} | set(getattr(tok, "stop_ids", ()))
-    ids.discard(None)
-    return {int(i) for i in ids}
+    """The ids that end a reply: EOS and the model's end-of-turn ids (minillama.chat.stop_ids)."""
+    from .chat import stop_ids  # noqa: PLC0415
+
+    return stop_ids(tok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,7 +187,7 @@ def completion_prompt(body: dict, tok) -> list[int]:
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
         p = p[0]
     if isinstance(p, str):
-        return tok.encode(p, bos=True)
+        return tok.encode(p)  # BOS where the tokenizer says so, as `minillama generate`
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
                                          for t in p):
         return list(p)
@@ -376,8 +379,7 @@ def build_app(engine, tok, model_name: str, api_key: str | None = None):
             body = parse_body(await request.body())
             fields = sampling_fields(body, model_name)
             if chat:
-                text = _render(tok, chat_messages(body))
-                prompt_ids = tok.encode(text)
+                prompt_ids = _render(tok, chat_messages(body))
                 if not prompt_ids:
                     raise APIError(400, "the rendered chat prompt is empty", param="messages",
                                    code="invalid_value")

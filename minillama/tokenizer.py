@@ -1,6 +1,25 @@
-"""Tokenizers. Every tokenizer has ``encode(text, bos=..., eos=...) -> list[int]``,
-``decode(ids) -> str``, ``vocab_size``, ``bos_id``, ``eos_id`` and ``spec()`` (a JSON-able dict
-stored in checkpoints so :func:`tokenizer_from_spec` can rebuild it)."""
+"""Tokenizers. Every tokenizer has ``encode(text, bos=None, eos=None) -> list[int]``,
+``decode(ids) -> str``, ``vocab_size``, ``bos_id``, ``eos_id``, ``add_bos``/``add_eos`` (whether
+the model's authors want BOS in front of / EOS after a text: ``encode`` follows them unless ``bos``
+or ``eos`` says otherwise), ``token_id(piece)`` (a special token's id by its text, or None),
+``chat_template`` (None where the source has none) and ``spec()`` (a JSON-able dict stored in
+checkpoints so :func:`tokenizer_from_spec` can rebuild it).
+
+Where BOS/EOS come from:
+
+* llama2.c ``tokenizer.bin``: always BOS, never EOS (as llama2.c's ``run.c``);
+* GGUF metadata: ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` when present, else
+  llama.cpp's defaults per tokenizer model: ``llama`` (SentencePiece) BOS, ``gpt2`` (byte-level
+  BPE) BOS only for the Llama 3 family of pre-tokenizers (``llama3``, ``llama-bpe``...);
+* Hugging Face folders: the ``TemplateProcessing`` post-processor of ``tokenizer.json`` (the
+  special tokens before and after ``$A`` in its ``single`` template) when it has one, else
+  ``add_bos_token`` / ``add_eos_token`` of ``tokenizer_config.json``, else neither;
+* the byte tokenizer: BOS (its models are trained on BOS-prefixed documents).
+
+Nothing here imports :mod:`minillama.formats`: the GGUF metadata is read with the ``gguf``
+package directly, and :mod:`minillama.formats.gguf` imports :func:`tokenizer_from_gguf` from
+here.
+"""
 
 from __future__ import annotations
 
@@ -18,10 +37,20 @@ class ByteTokenizer:
     vocab_size = 258
     bos_id = 256
     eos_id = 257
+    add_bos = True
+    add_eos = False
+    chat_template = None
 
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+    def encode(self, text: str, bos: bool | None = None, eos: bool | None = None) -> list[int]:
+        bos, eos = _flags(self, bos, eos)
         ids = list(text.encode("utf-8"))
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def token_id(self, piece: str) -> int | None:
+        return {"<s>": self.bos_id, "</s>": self.eos_id}.get(piece)
+
+    def token_text(self, i) -> str:
+        return {self.bos_id: "<s>", self.eos_id: "</s>"}.get(i, "")
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
@@ -90,6 +119,11 @@ class ByteTokenizer:
         return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
 
 
+def _flags(tok, bos, eos) -> tuple[bool, bool]:
+    """``encode``'s ``bos``/``eos``: None follows the tokenizer's ``add_bos``/``add_eos``."""
+    return (tok.add_bos if bos is None else bool(bos)), (tok.add_eos if eos is None else bool(eos))
+
+
 def tokenizer_from_spec(spec: dict[str, Any] | None):
     """Rebuild the tokenizer a checkpoint names (``{"type": "byte"}``, ...)."""
     if not spec:
@@ -100,8 +134,6 @@ def tokenizer_from_spec(spec: dict[str, Any] | None):
     if kind == "byte":
         return ByteTokenizer()
     if kind == "gguf":
-        from .formats.gguf import load_gguf_tokenizer  # noqa: PLC0415
-
         return load_gguf_tokenizer(spec.get("path"))
     if kind in ("llama2c", "hf"):
         path = spec.get("path")
@@ -143,15 +175,19 @@ class Llama2cTokenizer:
     unk_id = 0
     bos_id = 1
     eos_id = 2
+    chat_template = None
 
     def __init__(self, path=None, pieces: list[bytes] | None = None,
-                 scores: list[float] | None = None, spec: dict[str, Any] | None = None):
+                 scores: list[float] | None = None, spec: dict[str, Any] | None = None,
+                 add_bos: bool = True, add_eos: bool = False):
         """Read ``path`` (a tokenizer.bin), or take ``pieces`` and ``scores`` as they are (the
-        same vocabulary from elsewhere, e.g. a GGUF file's metadata, whose ``spec`` names it)."""
+        same vocabulary from elsewhere, e.g. a GGUF file's metadata, whose ``spec`` names it).
+        ``add_bos``/``add_eos``: what ``encode`` adds by default (llama2.c: BOS only)."""
         from pathlib import Path  # noqa: PLC0415
 
         self.path = Path(path) if path is not None else None
         self._spec = spec
+        self.add_bos, self.add_eos = bool(add_bos), bool(add_eos)
         if pieces is None:
             pieces, scores = self._read_file(self.path)
         if scores is None or len(scores) != len(pieces) or len(pieces) < 3:
@@ -296,9 +332,22 @@ class Llama2cTokenizer:
             push(i)
         return [t for t in ids if t >= 0]
 
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+    def encode(self, text: str, bos: bool | None = None, eos: bool | None = None) -> list[int]:
+        bos, eos = _flags(self, bos, eos)
         ids = self._merge(*self._initial_symbols(text))
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def token_id(self, piece: str) -> int | None:
+        """The id of the piece spelled ``piece`` (a control piece like ``<s>`` included)."""
+        if not hasattr(self, "_by_text"):
+            self._by_text = {}
+            for i, p in enumerate(self.pieces):
+                self._by_text.setdefault(p.decode("utf-8", errors="replace").strip("\n"), i)
+        return self._by_text.get(piece)
+
+    def token_text(self, i) -> str:
+        """The spelling of token ``i`` (``<s>`` for BOS), as a chat template writes it."""
+        return self.pieces[int(i)].decode("utf-8", errors="replace").strip("\n")
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """The bytes of ``ids`` (control tokens dropped, the dummy-prefix space of the first
@@ -344,8 +393,11 @@ class HFTokenizer:
     BOS/EOS come from ``tokenizer_config.json`` beside the file when it names them, else from the
     usual spellings (``<s>``/``</s>``, ``<|begin_of_text|>``/``<|end_of_text|>``...);
     ``generation_config.json`` may add end-of-turn ids (``eos_token_id`` as a list, e.g. Llama 3's
-    ``<|eot_id|>``), kept in ``stop_ids``. ``chat_template`` (from ``tokenizer_config.json``) is
-    rendered by :meth:`render_chat`."""
+    ``<|eot_id|>``), kept in ``stop_ids``. Whether ``encode`` adds BOS/EOS: the post-processor's
+    ``TemplateProcessing`` when ``tokenizer.json`` has one (what the fast tokenizer does), else
+    ``add_bos_token``/``add_eos_token`` of ``tokenizer_config.json``, else neither.
+    ``chat_template``: ``chat_template.jinja`` beside the file, else ``tokenizer_config.json``'s
+    (rendered by :func:`minillama.chat.render_chat`)."""
 
     def __init__(self, path):
         from pathlib import Path  # noqa: PLC0415
@@ -371,19 +423,31 @@ class HFTokenizer:
         names = {}
         cfg_path = self.path.parent / "tokenizer_config.json"
         self.chat_template = None
+        conf = {}
         if cfg_path.is_file():
             conf = _read_json_object(cfg_path)
             self.chat_template = _pick_chat_template(conf.get("chat_template"), cfg_path)
             if conf.get("split_special_tokens") is True:  # "<s>" in a text is text
                 self._tok.encode_special_tokens = True
-            for key in ("bos_token", "eos_token"):
+            for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
                 v = conf.get(key)
                 if isinstance(v, dict):
                     v = v.get("content")
                 if isinstance(v, str):
                     names[key] = v
-        self.bos_id = self._find(names.get("bos_token"), _BOS_NAMES)
+        jinja = self.path.parent / "chat_template.jinja"
+        if jinja.is_file():
+            try:
+                self.chat_template = jinja.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise MinillamaError(f"{jinja} is not UTF-8 text") from None
+        # a config that names bos_token null (Qwen2) has none: no fallback spelling then
+        self.bos_id = self._find(names.get("bos_token"), () if "bos_token" in conf
+                                 and conf["bos_token"] is None else _BOS_NAMES)
         self.eos_id = self._find(names.get("eos_token"), _EOS_NAMES)
+        self.special_names = {k: v for k, v in names.items()
+                              if self._tok.token_to_id(v) is not None}
+        self.add_bos, self.add_eos = self._special_flags(conf)
         self.stop_ids = {i for i in (self.eos_id,) if i is not None}
         gen_path = self.path.parent / "generation_config.json"
         if gen_path.is_file():
@@ -392,31 +456,38 @@ class HFTokenizer:
                 if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size:
                     self.stop_ids.add(i)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The folder's chat template rendered for ``messages`` (``[{"role", "content"}]``) by
-        jinja2 in a sandbox, with ``bos_token``/``eos_token`` and ``add_generation_prompt`` as
-        transformers passes them. A folder without a template is a clear error."""
-        if not self.chat_template:
-            raise MinillamaError(f"{self.path.parent} has no chat_template in "
-                                 f"tokenizer_config.json; drop --chat")
-        from .extras import require  # noqa: PLC0415
+    def _special_flags(self, conf: dict) -> tuple[bool, bool]:
+        """(add_bos, add_eos): the ``single`` template of a ``TemplateProcessing`` post-processor
+        (also inside a ``Sequence``) when there is one, else the config's flags."""
+        import json  # noqa: PLC0415
 
-        jinja2 = require("jinja2", "--chat (rendering the chat template)")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
-
-        def raise_exception(message):
-            raise MinillamaError(f"chat template: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        tok = self._tok
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=tok.id_to_token(self.bos_id) if self.bos_id is not None else "",
-                eos_token=tok.id_to_token(self.eos_id) if self.eos_id is not None else "")
-        except jinja2.TemplateError as e:
-            raise MinillamaError(f"chat template of {self.path.parent}: {e}") from None
+            post = json.loads(self.path.read_text(encoding="utf-8")).get("post_processor")
+        except (ValueError, UnicodeDecodeError, AttributeError, RecursionError):
+            post = None
+        steps = post.get("processors", [post]) if isinstance(post, dict) else []
+        for step in steps:
+            if not isinstance(step, dict) or step.get("type") != "TemplateProcessing":
+                continue
+            single = step.get("single") or []
+            where = [i for i, part in enumerate(single)
+                     if isinstance(part, dict) and "Sequence" in part]
+            if not where:
+                continue
+            specials = [i for i, part in enumerate(single)
+                        if isinstance(part, dict) and "SpecialToken" in part]
+            return (any(i < where[0] for i in specials), any(i > where[-1] for i in specials))
+        flags = []
+        for key, default in (("add_bos_token", False), ("add_eos_token", False)):
+            v = conf.get(key, default)
+            flags.append(bool(v) if isinstance(v, bool) else default)
+        return flags[0] and self.bos_id is not None, flags[1] and self.eos_id is not None
+
+    def token_id(self, piece: str) -> int | None:
+        return self._tok.token_to_id(piece)
+
+    def token_text(self, i) -> str:
+        return self._tok.id_to_token(int(i)) or ""
 
     def _find(self, name, fallbacks):
         for n in ([name] if name else []) + list(fallbacks):
@@ -429,7 +500,8 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+    def encode(self, text: str, bos: bool | None = None, eos: bool | None = None) -> list[int]:
+        bos, eos = _flags(self, bos, eos)
         ids = self._guard("encode", lambda: self._tok.encode(text, add_special_tokens=False).ids)
         pre = [self.bos_id] if bos and self.bos_id is not None else []
         post = [self.eos_id] if eos and self.eos_id is not None else []
@@ -506,3 +578,151 @@ def load_tokenizer(spec: str):
         raise MinillamaError(f"{p}: SentencePiece .model files are not read; use the llama2.c "
                              f"tokenizer.bin or a Hugging Face tokenizer.json")
     return Llama2cTokenizer(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF metadata (``tokenizer.ggml.*``), read with the `gguf` package
+# ---------------------------------------------------------------------------------------------
+#: pre-tokenizers of byte-level GGUF tokenizers after which llama.cpp adds BOS by default
+GGUF_BOS_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+                "lfm2", "tekken", "chameleon")
+
+
+def gguf_reader(path):
+    """A ``gguf.GGUFReader`` of ``path``; a missing package or a corrupt file is one clear
+    error."""
+    try:
+        import gguf  # noqa: PLC0415
+    except ImportError:
+        raise MinillamaError("reading GGUF files needs the optional `gguf` package: "
+                             "pip install 'minillama[gguf]'") from None
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # noqa: BLE001 - the reader raises many kinds on a corrupt file
+        msg = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise MinillamaError(f"corrupt GGUF file {path}: {msg}") from None
+
+
+def gguf_meta(reader, key: str, default=None):
+    """The value of GGUF metadata ``key`` (a number, a string or a list), else ``default``."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except (IndexError, ValueError, UnicodeDecodeError, TypeError) as e:
+        raise MinillamaError(f"corrupt GGUF metadata {key}: {e}") from None
+
+
+def _gguf_id(reader, key: str, n: int, where) -> int | None:
+    v = gguf_meta(reader, f"tokenizer.ggml.{key}")
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n:
+        raise MinillamaError(f"{where}: GGUF tokenizer.ggml.{key} {v} is outside its {n} tokens")
+    return int(v)
+
+
+def _gguf_flag(reader, key: str, default: bool, where) -> bool:
+    v = gguf_meta(reader, f"tokenizer.ggml.{key}")
+    if v is None:
+        return default
+    if not isinstance(v, (bool, int)):
+        raise MinillamaError(f"{where}: GGUF tokenizer.ggml.{key} is not a boolean: {v!r}")
+    return bool(v)
+
+
+def tokenizer_from_gguf(reader, vocab_size: int, where):
+    """The tokenizer of a GGUF file's metadata, or None when it has none.
+
+    ``tokenizer.ggml.model`` ``llama``: SentencePiece pieces and scores (a
+    :class:`Llama2cTokenizer`); ``gpt2``: byte-level BPE (tokens, merges, control tokens, the
+    ``tokenizer.ggml.pre`` split pattern; a :class:`~minillama.bpe.TextBPE`). BOS/EOS ids, the
+    add-BOS/EOS flags (with llama.cpp's defaults), end-of-turn ids (``eot_token_id``,
+    ``eom_token_id``, kept in ``stop_ids``) and ``tokenizer.chat_template`` come along.
+    Another tokenizer model is refused with one line."""
+    from pathlib import Path  # noqa: PLC0415
+
+    model = gguf_meta(reader, "tokenizer.ggml.model")
+    if model is None:
+        return None
+    spec = {"type": "gguf", "path": str(Path(where).resolve())}
+    if model == "gpt2":
+        tok = _gguf_byte_level(reader, vocab_size, where, spec)
+    elif model == "llama":
+        tokens = gguf_meta(reader, "tokenizer.ggml.tokens")
+        scores = gguf_meta(reader, "tokenizer.ggml.scores")
+        if not isinstance(tokens, list) or not isinstance(scores, list) \
+                or len(tokens) != len(scores) or len(tokens) > vocab_size:
+            raise MinillamaError(f"{where}: GGUF tokenizer needs tokens and scores of equal "
+                                 f"length <= the vocabulary of {vocab_size}")
+        special = [_gguf_id(reader, f"{k}_token_id", len(tokens), where) for k in ("bos", "eos")]
+        if ByteTokenizer.matches(tokens, *special, space="\u2581"):
+            return ByteTokenizer()  # minillama's byte tokenizer, as save_gguf writes it
+        pieces = [str(t).replace("\u2581", " ").encode("utf-8") for t in tokens]
+        tok = Llama2cTokenizer(pieces=pieces, scores=[float(s) for s in scores], spec=spec,
+                               add_bos=_gguf_flag(reader, "add_bos_token", True, where),
+                               add_eos=_gguf_flag(reader, "add_eos_token", False, where))
+        for attr, key in (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id"),
+                          ("unk_id", "unknown_token_id")):
+            v = _gguf_id(reader, key, len(pieces), where)
+            if v is not None:
+                setattr(tok, attr, v)
+    else:
+        raise MinillamaError(f"{where}: GGUF tokenizer model {str(model)[:40]!r} is not supported "
+                             f"(supported: llama, gpt2); pass --tokenizer")
+    n = tok.vocab_size
+    tok.stop_ids = {i for i in (_gguf_id(reader, k, n, where) for k in
+                                ("eos_token_id", "eot_token_id", "eom_token_id")) if i is not None}
+    template = gguf_meta(reader, "tokenizer.chat_template")
+    tok.chat_template = template if isinstance(template, str) and template else None
+    return tok
+
+
+#: ``tokenizer.ggml.pre`` -> (split pattern, ignore_merges) of byte-level tokenizers
+def _pre_patterns():
+    from .bpe import GPT2_PATTERN, LLAMA3_PATTERN  # noqa: PLC0415
+
+    return {"default": (GPT2_PATTERN, False), "gpt-2": (GPT2_PATTERN, False),
+            "llama-bpe": (LLAMA3_PATTERN, True), "llama3": (LLAMA3_PATTERN, True),
+            "smollm": (GPT2_PATTERN, False),
+            "qwen2": (LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}"), False)}
+
+
+def _gguf_byte_level(reader, vocab_size: int, where, spec):
+    """A GPT-2-style (``tokenizer.ggml.model`` ``gpt2``) tokenizer: tokens, merges, token types
+    (3 = control: special) and the pre-tokenizer named by ``tokenizer.ggml.pre``."""
+    from .bpe import BPETokenizer, TextBPE, byte_level_json  # noqa: PLC0415
+
+    tokens = gguf_meta(reader, "tokenizer.ggml.tokens")
+    merges = gguf_meta(reader, "tokenizer.ggml.merges")
+    types = gguf_meta(reader, "tokenizer.ggml.token_type") or []
+    if not isinstance(tokens, list) or not isinstance(merges, list) or len(tokens) > vocab_size:
+        raise MinillamaError(f"{where}: GGUF gpt2 tokenizer needs tokens (<= the vocabulary of "
+                             f"{vocab_size}) and merges")
+    pre = gguf_meta(reader, "tokenizer.ggml.pre", "default")
+    if pre not in _pre_patterns():
+        raise MinillamaError(f"{where}: GGUF pre-tokenizer {str(pre)[:40]!r} is not supported "
+                             f"(supported: {', '.join(_pre_patterns())})")
+    pattern, ignore = _pre_patterns()[pre]
+    special = [i for i, t in enumerate(types) if t == 3 and i < len(tokens)]
+    bpe = BPETokenizer(where, byte_level_json([str(t) for t in tokens], [str(m) for m in merges],
+                                              special, pattern, ignore))
+    bos = _gguf_id(reader, "bos_token_id", len(tokens), where)
+    eos = _gguf_id(reader, "eos_token_id", len(tokens), where)
+    return TextBPE(bpe, bos, eos, spec,
+                   add_bos=_gguf_flag(reader, "add_bos_token", pre in GGUF_BOS_PRE, where),
+                   add_eos=_gguf_flag(reader, "add_eos_token", False, where))
+
+
+def load_gguf_tokenizer(path):
+    """The tokenizer stored in the metadata of the GGUF file at ``path`` (None if it has none)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    if not isinstance(path, str) or not Path(path).is_file():
+        raise MinillamaError(f"GGUF tokenizer file not found: {str(path)[:200]}")
+    reader = gguf_reader(Path(path))
+    vocab = gguf_meta(reader, "tokenizer.ggml.tokens")
+    return tokenizer_from_gguf(reader, len(vocab) if isinstance(vocab, list) else 0, path)

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import json
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from minillama import cli
+from minillama.chat import render_chat, stop_ids
 from minillama.errors import MinillamaError
 from minillama.tokenizer import HFTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
             "[SYS] {{ m['content'] | trim }}\n{% else %}<{{ m['role'] }}> {{ m['content'] }}"
@@ -35,13 +41,13 @@ def test_chat_template_renders_as_transformers_does(chat_folder):
     tok = HFTokenizer(chat_folder)
     for gen in (True, False):
         want = ref.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=gen)
-        assert tok.render_chat(MESSAGES, add_generation_prompt=gen) == want
-    assert tok.stop_ids == {2, 0}
+        assert render_chat(tok, MESSAGES, add_generation_prompt=gen) == want
+    assert stop_ids(tok) == {2, 0}
 
 
 def test_no_template_is_one_clear_line(hf_tokenizer_json):
-    with pytest.raises(MinillamaError, match="no chat_template"):
-        HFTokenizer(hf_tokenizer_json.parent).render_chat(MESSAGES)
+    with pytest.raises(MinillamaError, match="no chat template"):
+        render_chat(HFTokenizer(hf_tokenizer_json.parent), MESSAGES)
 
 
 def test_generate_chat_command(chat_folder, capsys):
@@ -60,3 +66,108 @@ def test_generate_chat_command(chat_folder, capsys):
     out, err = capsys.readouterr()
     assert rc == 0 and "Traceback" not in err
     assert out.startswith("<user> the cat?")  # the rendered prompt is echoed, then the reply
+
+
+# ---------------------------------------------------------------------------------------------
+# real templates of several families, rendered as transformers renders them
+# ---------------------------------------------------------------------------------------------
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | "
+    "trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+    "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ "
+    "'<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+    "supported') }}{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != "
+    "(loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}{% endif %}{% if (message['role'] == 'assistant') %}"
+    "{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ "
+    "'<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+#: Qwen2.5's shape: whitespace control, `tools` (None when not given), tojson, a loop variable
+QWEN2_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- '<|im_end|>\\n' }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant") %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+TURNS = [{"role": "user", "content": "  What is 2+2? "}, {"role": "assistant", "content": "4."},
+         {"role": "user", "content": "And in caf\u00e9 \U0001f999 terms?"}]
+
+
+@pytest.mark.parametrize("family,template,messages,stops", [
+    ("llama3", LLAMA3_TEMPLATE, [{"role": "system", "content": "Be brief."}] + TURNS,
+     {"<|eot_id|>", "<|end_of_text|>"}),
+    ("gemma", GEMMA_TEMPLATE, TURNS, {"<eos>", "<end_of_turn>"}),
+    ("qwen2", QWEN2_TEMPLATE, TURNS, {"<|im_end|>", "<|endoftext|>"}),
+    ("qwen2", QWEN2_TEMPLATE, [{"role": "system", "content": "S"}] + TURNS,
+     {"<|im_end|>", "<|endoftext|>"}),
+])
+def test_family_templates_render_as_transformers(tmp_path, family, template, messages, stops):
+    transformers = pytest.importorskip("transformers")
+    from tokenizer_families import build_family
+
+    from minillama.chat import encode_rendered
+
+    folder = build_family(tmp_path / family, family, chat_template=template)
+    ref = transformers.AutoTokenizer.from_pretrained(str(folder))
+    tok = HFTokenizer(folder)
+    for gen in (True, False):
+        want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        got = render_chat(tok, messages, add_generation_prompt=gen)
+        assert got == want
+        assert encode_rendered(tok, got) == ref(want, add_special_tokens=False).input_ids
+    assert stop_ids(tok) == {tok.token_id(s) for s in stops}
+
+
+def test_template_errors_are_one_line(tmp_path):
+    pytest.importorskip("tokenizers")
+    from tokenizer_families import build_family
+
+    tok = HFTokenizer(build_family(tmp_path / "g", "gemma", chat_template=GEMMA_TEMPLATE))
+    with pytest.raises(MinillamaError, match="System role not supported"):
+        render_chat(tok, [{"role": "system", "content": "x"}] + TURNS)
+    tok.chat_template = "{% for m in messages %}{{ m.content"
+    with pytest.raises(MinillamaError, match="does not parse"):
+        render_chat(tok, TURNS)
+
+
+def test_chat_template_jinja_file_wins(chat_folder):
+    """transformers reads chat_template.jinja beside the tokenizer before the config's."""
+    transformers = pytest.importorskip("transformers")
+    (chat_folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m.role }}] {{ m.content | tojson }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}", encoding="utf-8")
+    ref = transformers.AutoTokenizer.from_pretrained(str(chat_folder))
+    want = ref.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert render_chat(HFTokenizer(chat_folder), MESSAGES) == want
+    assert "\u00e9t\u00e9" in want  # tojson keeps non-ASCII text
+
+
+def test_sentencepiece_control_pieces_in_rendered_text(shared_data):
+    """A SentencePiece vocabulary (tokenizer.bin, GGUF llama) does not split <s> out of text
+    itself: encode_rendered does, and encodes the pieces between on their own."""
+    from minillama.chat import encode_rendered
+    from minillama.tokenizer import Llama2cTokenizer
+
+    tok = Llama2cTokenizer(shared_data / "tokenizer.bin")
+    ids = encode_rendered(tok, "<s>[INST] Once upon [/INST] a time</s>")
+    assert ids == [1] + tok.encode("[INST] Once upon [/INST] a time", bos=False) + [2]

@@ -63,7 +63,7 @@ def test_vocab_and_specials(llama_tok, spm):
 
 @pytest.mark.parametrize("text", FIXED + _random_strings(300))
 def test_encode_matches_sentencepiece_and_round_trips(llama_tok, spm, text):
-    ids = llama_tok.encode(text)
+    ids = llama_tok.encode(text, bos=False)
     assert ids == spm.encode(text)
     # U+2581 is SentencePiece's space mark: it reads as a space (sentencepiece does the same)
     assert llama_tok.decode(ids) == text.replace("\u2581", " ")
@@ -73,7 +73,7 @@ def test_encode_matches_sentencepiece_and_round_trips(llama_tok, spm, text):
 @settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=30))
 def test_encode_matches_sentencepiece_on_any_text(llama_tok, spm, text):
-    ids = llama_tok.encode(text)
+    ids = llama_tok.encode(text, bos=False)
     assert ids == spm.encode(text)
     assert llama_tok.decode(ids) == text.replace("\u2581", " ")
 
@@ -91,7 +91,7 @@ def test_decode_keeps_every_character(llama_tok):
 
 def test_byte_fallback_and_streaming(llama_tok):
     text = " 🦙 ok"
-    ids = llama_tok.encode(text)
+    ids = llama_tok.encode(text, bos=False)
     pieces = [llama_tok.pieces[i] for i in ids]
     j = pieces.index(b"<0xF0>")  # the llama is not in the vocabulary: its 4 UTF-8 bytes are
     assert pieces[j:j + 4] == [b"<0xF0>", b"<0x9F>", b"<0xA6>", b"<0x99>"]
@@ -119,9 +119,9 @@ def test_small_tokenizer_merges_by_score(tmp_path):
     tok = Llama2cTokenizer(tmp_path / "t.bin")
     idx = {p: i for i, p in enumerate(pieces)}
     # " aba": pairs " a"(-1.5) "ab"(-5) "ba"(-4): merge " a" -> [" a", "b", "a"]; then "ba" -> ...
-    assert tok.encode("aba") == [idx[b" a"], idx[b"ba"]]
+    assert tok.encode("aba", bos=False) == [idx[b" a"], idx[b"ba"]]
     # "c" is not in the vocabulary: byte fallback
-    assert tok.encode("c") == [idx[b" "], 3 + ord("c")]
+    assert tok.encode("c", bos=False) == [idx[b" "], 3 + ord("c")]
     assert tok.decode(tok.encode("abc ab")) == "abc ab"
 
 
@@ -157,7 +157,7 @@ def test_hf_tokenizer_round_trip(hf_tokenizer_json):
         assert tok.decode(ids) == text
     assert tokenizer_from_spec(tok.spec()).encode("the cat") == tok.encode("the cat")
     s = TextStreamer(tok, tok.encode("the", bos=True))
-    ids = tok.encode(" cat 🦙 sat")
+    ids = tok.encode(" cat 🦙 sat", bos=False)
     assert s.start() + "".join(s.put(i) for i in ids) + s.flush() == "the cat 🦙 sat"
 
 
@@ -189,6 +189,6 @@ def test_long_text_matches_sentencepiece(llama_tok, spm):
     """A few thousand characters (the heap-based merge must agree with SentencePiece's order)."""
     text = "\n".join(FIXED + _random_strings(60, seed=7)) * 2
     assert len(text) > 3000
-    ids = llama_tok.encode(text)
+    ids = llama_tok.encode(text, bos=False)
     assert ids == spm.encode(text)
     assert llama_tok.decode(ids) == text.replace("\u2581", " ")

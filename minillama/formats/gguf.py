@@ -20,11 +20,9 @@ Any other tensor type is refused with one line naming the tensor and the type. N
 (absent: tied). llama.cpp's converter already put the ``llama`` q/k rows in the interleaved RoPE
 order minillama uses; ``qwen2`` files keep the half-split order and are permuted on load.
 
-The tokenizer comes from the metadata: ``tokenizer.ggml.model`` ``llama`` (SentencePiece pieces
-and scores, byte fallback) as a :class:`~minillama.tokenizer.Llama2cTokenizer`, or ``gpt2``
-(byte-level BPE: tokens, merges, control tokens, the ``tokenizer.ggml.pre`` split pattern) as a
-:class:`~minillama.bpe.BPETokenizer`, with BOS/EOS from ``tokenizer.ggml.{bos,eos}_token_id``. Every size is checked against the file before anything is
-allocated.
+The tokenizer comes from the metadata (:func:`minillama.tokenizer.tokenizer_from_gguf`:
+``tokenizer.ggml.model`` ``llama`` or ``gpt2``, BOS/EOS and whether to add them, the chat
+template). Every size is checked against the file before anything is allocated.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ import numpy as np
 from .. import quant
 from ..config import ModelConfig
 from ..errors import MinillamaError
+from ..tokenizer import load_gguf_tokenizer, tokenizer_from_gguf  # noqa: F401 (re-exported)
 
 ARCHITECTURES = ("llama", "qwen2")
 #: GGML float types: name -> type id
@@ -342,89 +341,6 @@ def load_gguf(path):
     return cfg, params, tokenizer_from_gguf(reader, cfg.vocab_size, path)
 
 
-def tokenizer_from_gguf(reader, vocab_size: int, where):
-    """The tokenizer of the metadata (``tokenizer.ggml.model`` ``llama``), or None when the file
-    has none; another tokenizer model is refused with one line."""
-    from ..tokenizer import ByteTokenizer, Llama2cTokenizer  # noqa: PLC0415
-
-    model = _meta(reader, "tokenizer.ggml.model")
-    if model is None:
-        return None
-    if model == "gpt2":
-        return _byte_level_tokenizer(reader, vocab_size, where)
-    if model != "llama":
-        raise MinillamaError(f"{where}: GGUF tokenizer model {str(model)[:40]!r} is not supported "
-                             f"(supported: llama, gpt2); pass --tokenizer")
-    tokens, scores = _meta(reader, "tokenizer.ggml.tokens"), _meta(reader, "tokenizer.ggml.scores")
-    if not isinstance(tokens, list) or not isinstance(scores, list) \
-            or len(tokens) != len(scores) or len(tokens) > vocab_size:
-        raise MinillamaError(f"{where}: GGUF tokenizer needs tokens and scores of equal length "
-                             f"<= the vocabulary of {vocab_size}")
-    ids = {k: _meta(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos")}
-    if ByteTokenizer.matches(tokens, ids["bos"], ids["eos"], space="\u2581"):
-        return ByteTokenizer()  # minillama's byte tokenizer, as save_gguf writes it
-    pieces = [str(t).replace("\u2581", " ").encode("utf-8") for t in tokens]
-    tok = Llama2cTokenizer(pieces=pieces, scores=[float(s) for s in scores],
-                           spec={"type": "gguf", "path": str(Path(where).resolve())})
-    for attr, key in (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id"),
-                      ("unk_id", "unknown_token_id")):
-        v = _meta(reader, f"tokenizer.ggml.{key}")
-        if v is not None:
-            if not 0 <= int(v) < len(pieces):
-                raise MinillamaError(f"{where}: GGUF tokenizer.ggml.{key} {v} is outside its "
-                                     f"{len(pieces)} tokens")
-            setattr(tok, attr, int(v))
-    return tok
-
-
-#: ``tokenizer.ggml.pre`` -> (split pattern, ignore_merges) of byte-level tokenizers
-def _pre_patterns():
-    from ..bpe import GPT2_PATTERN, LLAMA3_PATTERN  # noqa: PLC0415
-
-    return {"default": (GPT2_PATTERN, False), "gpt-2": (GPT2_PATTERN, False),
-            "llama-bpe": (LLAMA3_PATTERN, True), "llama3": (LLAMA3_PATTERN, True),
-            "smollm": (GPT2_PATTERN, False),
-            "qwen2": (LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}"), False)}
-
-
-def _byte_level_tokenizer(reader, vocab_size: int, where):
-    """A GPT-2-style (``tokenizer.ggml.model`` ``gpt2``) tokenizer: tokens, merges, token types
-    (3 = control: special) and the pre-tokenizer named by ``tokenizer.ggml.pre``."""
-    from ..bpe import BPETokenizer, TextBPE, byte_level_json  # noqa: PLC0415
-
-    tokens = _meta(reader, "tokenizer.ggml.tokens")
-    merges = _meta(reader, "tokenizer.ggml.merges")
-    types = _meta(reader, "tokenizer.ggml.token_type") or []
-    if not isinstance(tokens, list) or not isinstance(merges, list) or len(tokens) > vocab_size:
-        raise MinillamaError(f"{where}: GGUF gpt2 tokenizer needs tokens (<= the vocabulary of "
-                             f"{vocab_size}) and merges")
-    pre = _meta(reader, "tokenizer.ggml.pre", "default")
-    if pre not in _pre_patterns():
-        raise MinillamaError(f"{where}: GGUF pre-tokenizer {str(pre)[:40]!r} is not supported "
-                             f"(supported: {', '.join(_pre_patterns())})")
-    pattern, ignore = _pre_patterns()[pre]
-    special = [i for i, t in enumerate(types) if t == 3 and i < len(tokens)]
-    bpe = BPETokenizer(where, byte_level_json([str(t) for t in tokens], [str(m) for m in merges],
-                                              special, pattern, ignore))
-    ids = []
-    for key in ("bos_token_id", "eos_token_id"):
-        v = _meta(reader, f"tokenizer.ggml.{key}")
-        if v is not None and not 0 <= int(v) < len(tokens):
-            raise MinillamaError(f"{where}: GGUF tokenizer.ggml.{key} {v} is outside its "
-                                 f"{len(tokens)} tokens")
-        ids.append(None if v is None else int(v))
-    return TextBPE(bpe, ids[0], ids[1], {"type": "gguf", "path": str(Path(where).resolve())})
-
-
-def load_gguf_tokenizer(path):
-    """The tokenizer stored in the metadata of the GGUF file at ``path`` (None if it has none)."""
-    if not isinstance(path, str) or not Path(path).is_file():
-        raise MinillamaError(f"GGUF tokenizer file not found: {str(path)[:200]}")
-    reader = _open(Path(path))
-    vocab = _meta(reader, "tokenizer.ggml.tokens")
-    return tokenizer_from_gguf(reader, len(vocab) if isinstance(vocab, list) else 0, path)
-
-
 # ---------------------------------------------------------------------------------------------
 # writing
 # ---------------------------------------------------------------------------------------------
@@ -497,9 +413,10 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
 
 
 def _write_tokenizer(w, tok) -> None:
-    """A SentencePiece tokenizer's metadata (``tokenizer.ggml.*``), the byte tokenizer as one (its
-    bytes as BYTE pieces, :meth:`~minillama.tokenizer.ByteTokenizer.gguf_pieces`); other
-    tokenizers are left out (the file then has none)."""
+    """A SentencePiece tokenizer's metadata (``tokenizer.ggml.*``: pieces, scores, BOS/EOS/unk
+    ids, whether to add BOS/EOS, the chat template), the byte tokenizer as one (its bytes as BYTE
+    pieces, :meth:`~minillama.tokenizer.ByteTokenizer.gguf_pieces`); other tokenizers are left
+    out (the file then has none)."""
     from ..tokenizer import ByteTokenizer, Llama2cTokenizer  # noqa: PLC0415
 
     if isinstance(tok, ByteTokenizer):
@@ -514,6 +431,8 @@ def _write_tokenizer(w, tok) -> None:
                            for i, p in enumerate(pieces)])
         w.add_bos_token_id(tok.bos_id)
         w.add_eos_token_id(tok.eos_id)
+        w.add_add_bos_token(bool(tok.add_bos))
+        w.add_add_eos_token(bool(tok.add_eos))
         w.add_add_space_prefix(False)
         return
     if not isinstance(tok, Llama2cTokenizer):
@@ -525,3 +444,7 @@ def _write_tokenizer(w, tok) -> None:
     w.add_bos_token_id(tok.bos_id)
     w.add_eos_token_id(tok.eos_id)
     w.add_unk_token_id(tok.unk_id)
+    w.add_add_bos_token(bool(tok.add_bos))
+    w.add_add_eos_token(bool(tok.add_eos))
+    if tok.chat_template:
+        w.add_chat_template(tok.chat_template)
