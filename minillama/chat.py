@@ -287,6 +287,8 @@ class ChatSession:
 # the `minillama chat` command
 # ---------------------------------------------------------------------------------------------
 def add_cli(subparsers) -> None:
+    from .generate import backend_help  # noqa: PLC0415
+
     p = subparsers.add_parser(
         "chat", help="talk with a chat model (multi-turn, streams each reply)",
         description="An interactive conversation through the model's own chat template. Each "
@@ -307,8 +309,7 @@ def add_cli(subparsers) -> None:
                    help="KV cache positions for the conversation, capped at the model's "
                         "context (default 4096)")
     add_sampling_flags(p, temperature=0.8, top_p=0.95, min_p=0.05)
-    p.add_argument("--backend", default=None,
-                   help="numpy, numba or cupy (default: $MINILLAMA_BACKEND or numpy)")
+    p.add_argument("--backend", default=None, help=backend_help())
     p.add_argument("--dtype", default=None, choices=("float32", "float64"),
                    help="compute precision (default float32)")
     p.set_defaults(func=run_cli)

@@ -588,32 +588,8 @@ GGUF_BOS_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixt
                 "lfm2", "tekken", "chameleon")
 
 
-def gguf_reader(path):
-    """A ``gguf.GGUFReader`` of ``path``; a missing package or a corrupt file is one clear
-    error."""
-    try:
-        import gguf  # noqa: PLC0415
-    except ImportError:
-        raise MinillamaError("reading GGUF files needs the optional `gguf` package: "
-                             "pip install 'minillama[gguf]'") from None
-    try:
-        return gguf.GGUFReader(str(path), "r")
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except Exception as e:  # noqa: BLE001 - the reader raises many kinds on a corrupt file
-        msg = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-        raise MinillamaError(f"corrupt GGUF file {path}: {msg}") from None
-
-
-def gguf_meta(reader, key: str, default=None):
-    """The value of GGUF metadata ``key`` (a number, a string or a list), else ``default``."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    try:
-        return field.contents()
-    except (IndexError, ValueError, UnicodeDecodeError, TypeError) as e:
-        raise MinillamaError(f"corrupt GGUF metadata {key}: {e}") from None
+from .gguf_file import meta as gguf_meta  # noqa: E402
+from .gguf_file import open_gguf as gguf_reader  # noqa: E402
 
 
 def _gguf_id(reader, key: str, n: int, where) -> int | None:

@@ -303,7 +303,7 @@ def _write_quant_gguf(path, cfg, tok) -> None:
     ``gguf`` package quantizes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): they load as QuantMatrix."""
     import gguf  # noqa: PLC0415
 
-    from .formats.gguf import _LAYER, _TOP, _write_tokenizer  # noqa: PLC0415
+    from minillama.formats.gguf import _LAYER, _TOP, _write_tokenizer  # noqa: PLC0415
 
     w = gguf.GGUFWriter(str(path), "llama")
     for key, value in (("context_length", cfg.max_seq_len), ("embedding_length", cfg.dim),

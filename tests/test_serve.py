@@ -25,7 +25,9 @@ from minillama import cli  # noqa: E402
 from minillama.engine import Engine  # noqa: E402
 from minillama.formats import load_model  # noqa: E402
 from minillama.generate import DEFAULT_CHECKPOINT, generate  # noqa: E402
-from minillama.serve import _render, _stops, build_app  # noqa: E402
+from minillama.chat import encode_rendered, render_chat  # noqa: E402
+from minillama.chat import stop_ids as _stops  # noqa: E402
+from minillama.serve import build_app  # noqa: E402
 
 KEY = "sekret"
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
@@ -163,7 +165,7 @@ def test_completions_equal_generate_and_the_engine(shakespeare, capsys):
 
 def test_chat_equals_the_engine_greedy_decode(chat):
     tok, engine = chat.tok, chat.engine
-    prompt = tok.encode(_render(tok, MESSAGES))
+    prompt = encode_rendered(tok, render_chat(tok, MESSAGES))
     assert prompt[0] == tok._tok.token_to_id("<|im_start|>")
     ids, reason = engine.generate(prompt, max_tokens=30, stop_ids=_stops(tok))
     want = _text_of(tok, prompt, ids)
