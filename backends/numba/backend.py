@@ -41,10 +41,13 @@ import numpy as np
 
 from ... import ops
 from ...errors import MinillamaError
+from ...quant import QuantMatrix
 from ...decoding import ChunkDecoder, nonfinite_error
 from ...decoding import finite_logits as _finite
 from ..numpy import threads as cpu_threads
 from ..numpy.backend import NumpyBackend
+from ..reference import (composed_linear_cross_entropy_backward,
+                         composed_linear_cross_entropy_forward)
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -113,7 +116,13 @@ class NumbaBackend(NumpyBackend):
     # -----------------------------------------------------------------------------------------
     def linear_forward(self, x, w):
         r"""y = x W^T (x: (..., in), W: (out, in)); up to four rows (decoding) take the Numba
-        GEMV of :mod:`.gemv`, which streams W at close to memory bandwidth; else BLAS."""
+        GEMV of :mod:`.gemv`, which streams W at close to memory bandwidth; else BLAS. A
+        :class:`~minillama.quant.QuantMatrix` W is multiplied from its GGML blocks
+        (:func:`.quant.qmatmul`, float32)."""
+        if isinstance(w, QuantMatrix):
+            K = w.shape[1]
+            y = self._quant().qmatmul(x.reshape(-1, K), w)
+            return y.astype(x.dtype, copy=False).reshape(*x.shape[:-1], w.shape[0]), (x, w)
         K = x.shape[-1]
         rows = x.size // K if K else 0
         if (0 < rows <= self._gemv.GEMV_MAX_ROWS and x.dtype == w.dtype and x.dtype in _FLOATS
@@ -121,6 +130,39 @@ class NumbaBackend(NumpyBackend):
             y = self._gemv.gemv(x.reshape(rows, K), w)
             return y.reshape(*x.shape[:-1], w.shape[0]), (x, w)
         return super().linear_forward(x, w)
+
+    def linear_backward(self, dy, ctx):
+        r"""dx = dy W, dW = dy^T x; for a :class:`~minillama.quant.QuantMatrix` W (frozen)
+        dx = dy W from its blocks (:func:`.quant.qmatmul_t`) and dW is None."""
+        x, w = ctx
+        if isinstance(w, QuantMatrix):
+            N, K = w.shape
+            dx = self._quant().qmatmul_t(dy.reshape(-1, N), w)
+            return dx.astype(dy.dtype, copy=False).reshape(*dy.shape[:-1], K), None
+        return super().linear_backward(dy, ctx)
+
+    def linear_cross_entropy_forward(self, x, w, targets, ignore_index: int = -1):
+        r"""The loss head z = x W^T, L = CE(z, y); a :class:`~minillama.quant.QuantMatrix` W
+        takes the composed ops (:meth:`linear_forward` from its blocks, then the cross-entropy)."""
+        if isinstance(w, QuantMatrix):
+            return composed_linear_cross_entropy_forward(self, x, w, targets, ignore_index)
+        return super().linear_cross_entropy_forward(x, w, targets, ignore_index)
+
+    def linear_cross_entropy_backward(self, dloss, ctx):
+        r"""Gradients of the loss head; (dx, None) for a quantized (frozen) W."""
+        if isinstance(ctx, tuple) and isinstance(ctx[0][1], QuantMatrix):
+            return composed_linear_cross_entropy_backward(self, dloss, ctx)
+        return super().linear_cross_entropy_backward(dloss, ctx)
+
+    _quant_module = None
+
+    def _quant(self):
+        """:mod:`.quant` (imported on first use: it compiles nothing until called)."""
+        if self._quant_module is None:
+            from . import quant as numba_quant  # noqa: PLC0415
+
+            NumbaBackend._quant_module = numba_quant
+        return self._quant_module
 
     def _gemm(self, a, b, out):
         """out = a b for every linear GEMM (forward and backward, see

@@ -29,7 +29,7 @@ from numba import njit, prange
 
 from minillama.quant import BLOCKS, QuantMatrix
 
-from . import blas
+from . import blas, qsimd
 
 _opts = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 
@@ -91,86 +91,18 @@ def _scale_q3k(w, n, o, i):
 
 
 # ---------------------------------------------------------------------------------------------
-# dot of row n of W with row m of x. xs[m, i] = sum of x[m, 16 i : 16 i + 16]
+# dot of row n of W with row m of x: vector code of .qsimd for every type but the IQ4 ones
 # ---------------------------------------------------------------------------------------------
+# IQ4_NL / IQ4_XS (a 16-entry table of values): Numba loops. L = 16 always, passed at run time:
+# with a constant trip count LLVM unrolls the loop over a block and vectorises the loop over the
+# blocks instead, gathering single bytes
 @njit(**_opts)
-def _dot_q8_0(w, n, x, m, xs, lut):
-    acc = np.float32(0)
-    for b in range(x.shape[1] // 32):
-        o, p = b * 34, b * 32
-        s = np.float32(0)
-        for j in range(32):
-            v = np.int32(w[n, o + 2 + j])
-            s += np.float32(v - ((v & 128) << 1)) * x[m, p + j]
-        acc += _h(w, n, o, lut) * s
-    return acc
-
-
-@njit(**_opts)
-def _dot_q4_0(w, n, x, m, xs, lut):
+def _dot_iq4_nl(w, n, x, m, lut, kv, L):
     acc = np.float32(0)
     for b in range(x.shape[1] // 32):
         o, p = b * 18, b * 32
         s = np.float32(0)
-        for j in range(16):
-            v = w[n, o + 2 + j]
-            s += np.float32(v & 15) * x[m, p + j] + np.float32(v >> 4) * x[m, p + 16 + j]
-        acc += _h(w, n, o, lut) * (s - np.float32(8) * (xs[m, 2 * b] + xs[m, 2 * b + 1]))
-    return acc
-
-
-@njit(**_opts)
-def _dot_q4_1(w, n, x, m, xs, lut):
-    acc = np.float32(0)
-    for b in range(x.shape[1] // 32):
-        o, p = b * 20, b * 32
-        s = np.float32(0)
-        for j in range(16):
-            v = w[n, o + 4 + j]
-            s += np.float32(v & 15) * x[m, p + j] + np.float32(v >> 4) * x[m, p + 16 + j]
-        acc += _h(w, n, o, lut) * s + _h(w, n, o + 2, lut) * (xs[m, 2 * b] + xs[m, 2 * b + 1])
-    return acc
-
-
-@njit(**_opts)
-def _dot_q5_0(w, n, x, m, xs, lut):
-    acc = np.float32(0)
-    for b in range(x.shape[1] // 32):
-        o, p = b * 22, b * 32
-        qh = _u32(w, n, o + 2)
-        s = np.float32(0)
-        for j in range(16):
-            v = np.uint32(w[n, o + 6 + j])
-            lo = (v & 15) | (((qh >> j) & 1) << 4)
-            hi = (v >> 4) | (((qh >> (j + 16)) & 1) << 4)
-            s += np.float32(lo) * x[m, p + j] + np.float32(hi) * x[m, p + 16 + j]
-        acc += _h(w, n, o, lut) * (s - np.float32(16) * (xs[m, 2 * b] + xs[m, 2 * b + 1]))
-    return acc
-
-
-@njit(**_opts)
-def _dot_q5_1(w, n, x, m, xs, lut):
-    acc = np.float32(0)
-    for b in range(x.shape[1] // 32):
-        o, p = b * 24, b * 32
-        qh = _u32(w, n, o + 4)
-        s = np.float32(0)
-        for j in range(16):
-            v = np.uint32(w[n, o + 8 + j])
-            lo = (v & 15) | (((qh >> j) & 1) << 4)
-            hi = (v >> 4) | (((qh >> (j + 16)) & 1) << 4)
-            s += np.float32(lo) * x[m, p + j] + np.float32(hi) * x[m, p + 16 + j]
-        acc += _h(w, n, o, lut) * s + _h(w, n, o + 2, lut) * (xs[m, 2 * b] + xs[m, 2 * b + 1])
-    return acc
-
-
-@njit(**_opts)
-def _dot_iq4_nl(w, n, x, m, xs, lut, kv):
-    acc = np.float32(0)
-    for b in range(x.shape[1] // 32):
-        o, p = b * 18, b * 32
-        s = np.float32(0)
-        for j in range(16):
+        for j in range(L):
             v = w[n, o + 2 + j]
             s += kv[v & 15] * x[m, p + j] + kv[v >> 4] * x[m, p + 16 + j]
         acc += _h(w, n, o, lut) * s
@@ -178,7 +110,7 @@ def _dot_iq4_nl(w, n, x, m, xs, lut, kv):
 
 
 @njit(**_opts)
-def _dot_iq4_xs(w, n, x, m, xs, lut, kv):
+def _dot_iq4_xs(w, n, x, m, lut, kv, L):
     acc = np.float32(0)
     for b in range(x.shape[1] // 256):
         o, p = b * 136, b * 256
@@ -188,176 +120,98 @@ def _dot_iq4_xs(w, n, x, m, xs, lut, kv):
             ls = ((w[n, o + 4 + ib // 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4)
             q = o + 8 + 16 * ib
             s = np.float32(0)
-            for j in range(16):
+            for j in range(L):
                 v = w[n, q + j]
                 s += kv[v & 15] * x[m, p + 32 * ib + j] + kv[v >> 4] * x[m, p + 32 * ib + 16 + j]
             acc += d * np.float32(np.int64(ls) - 32) * s
     return acc
 
 
-@njit(**_opts)
-def _dot_q4_k(w, n, x, m, xs, lut):
-    acc = np.float32(0)
-    for b in range(x.shape[1] // 256):
-        o, p = b * 144, b * 256
+@njit(inline="always", **_opts)
+def _ksuper_scales(qt, w, n, o, lut, A, B):
+    """The sub-block scales of the K-quant super-block at byte o of row n: w = A[i] q - B[i]
+    (i: 32-run for Q4_K / Q5_K, 16-run for Q6_K, Q3_K, Q2_K)."""
+    if qt == Q4_K or qt == Q5_K:
         d, dmin = _h(w, n, o, lut), _h(w, n, o + 2, lut)
-        for c in range(4):  # 64 values: low nibbles sub-block 2c, high nibbles 2c + 1
-            q = o + 16 + 32 * c
-            s1 = np.float32(0)
-            s2 = np.float32(0)
-            for j in range(32):
-                v = w[n, q + j]
-                s1 += np.float32(v & 15) * x[m, p + 64 * c + j]
-                s2 += np.float32(v >> 4) * x[m, p + 64 * c + 32 + j]
-            sc1, m1 = _scale_min_k4(w, n, o + 4, 2 * c)
-            sc2, m2 = _scale_min_k4(w, n, o + 4, 2 * c + 1)
-            t = 16 * b + 4 * c  # index of the first 16-run of sub-block 2c in xs
-            acc += d * (np.float32(sc1) * s1 + np.float32(sc2) * s2) - dmin * (
-                np.float32(m1) * (xs[m, t] + xs[m, t + 1]) + np.float32(m2) * (xs[m, t + 2] + xs[m, t + 3]))
-    return acc
-
-
-@njit(**_opts)
-def _dot_q5_k(w, n, x, m, xs, lut):
-    acc = np.float32(0)
-    for b in range(x.shape[1] // 256):
-        o, p = b * 176, b * 256
-        d, dmin = _h(w, n, o, lut), _h(w, n, o + 2, lut)
-        for c in range(4):
-            q = o + 48 + 32 * c
-            s1 = np.float32(0)
-            s2 = np.float32(0)
-            for j in range(32):
-                v = w[n, q + j]
-                h = w[n, o + 16 + j] >> (2 * c)
-                s1 += np.float32((v & 15) | ((h & 1) << 4)) * x[m, p + 64 * c + j]
-                s2 += np.float32((v >> 4) | ((h & 2) << 3)) * x[m, p + 64 * c + 32 + j]
-            sc1, m1 = _scale_min_k4(w, n, o + 4, 2 * c)
-            sc2, m2 = _scale_min_k4(w, n, o + 4, 2 * c + 1)
-            t = 16 * b + 4 * c
-            acc += d * (np.float32(sc1) * s1 + np.float32(sc2) * s2) - dmin * (
-                np.float32(m1) * (xs[m, t] + xs[m, t + 1]) + np.float32(m2) * (xs[m, t + 2] + xs[m, t + 3]))
-    return acc
-
-
-@njit(**_opts)
-def _dot_q6_k(w, n, x, m, xs, lut):
-    acc = np.float32(0)
-    for b in range(x.shape[1] // 256):
-        o, p = b * 210, b * 256
+        for j in range(8):
+            sc, mn = _scale_min_k4(w, n, o + 4, j)
+            A[j] = d * np.float32(sc)
+            B[j] = dmin * np.float32(mn)
+    elif qt == Q6_K:
         d = _h(w, n, o + 208, lut)
-        for c in range(2):  # 128 values: ql[64c: 64c + 64], qh[32c: 32c + 32]
-            ql, qh, xp = o + 64 * c, o + 128 + 32 * c, p + 128 * c
-            for g in range(2):  # 16-runs: l in [16g, 16g + 16) of each of the 4 groups of 32
-                s0 = np.float32(0)
-                s1 = np.float32(0)
-                s2 = np.float32(0)
-                s3 = np.float32(0)
-                for l in range(16 * g, 16 * g + 16):
-                    a = w[n, ql + l]
-                    e = w[n, ql + 32 + l]
-                    h = w[n, qh + l]
-                    s0 += np.float32((a & 15) | ((h & 3) << 4)) * x[m, xp + l]
-                    s1 += np.float32((e & 15) | ((h & 12) << 2)) * x[m, xp + 32 + l]
-                    s2 += np.float32((a >> 4) | (h & 48)) * x[m, xp + 64 + l]
-                    s3 += np.float32((e >> 4) | ((h & 192) >> 2)) * x[m, xp + 96 + l]
-                sc = o + 192 + 8 * c + g
-                t = 16 * b + 8 * c + g  # 16-run of s0; s1, s2, s3 at t + 2, 4, 6
-                acc += d * (_i8(w, n, sc) * (s0 - np.float32(32) * xs[m, t])
-                            + _i8(w, n, sc + 2) * (s1 - np.float32(32) * xs[m, t + 2])
-                            + _i8(w, n, sc + 4) * (s2 - np.float32(32) * xs[m, t + 4])
-                            + _i8(w, n, sc + 6) * (s3 - np.float32(32) * xs[m, t + 6]))
-    return acc
-
-
-@njit(**_opts)
-def _dot_q3_k(w, n, x, m, xs, lut):
-    acc = np.float32(0)
-    for b in range(x.shape[1] // 256):
-        o, p = b * 110, b * 256
+        for i in range(16):
+            A[i] = d * _i8(w, n, o + 192 + i)
+    elif qt == Q3_K:
         d = _h(w, n, o + 108, lut)
-        for c in range(2):
-            for g in range(4):
-                bit = 4 * c + g
-                for half in range(2):
-                    s = np.float32(0)
-                    for l in range(16 * half, 16 * half + 16):
-                        q = (w[n, o + 32 + 32 * c + l] >> (2 * g)) & 3
-                        hb = (w[n, o + l] >> bit) & 1
-                        s += np.float32(np.int64(q) - 4 + 4 * np.int64(hb)) * x[m, p + 128 * c + 32 * g + l]
-                    i = 8 * c + 2 * g + half
-                    acc += d * np.float32(_scale_q3k(w, n, o + 96, i)) * s
-    return acc
-
-
-@njit(**_opts)
-def _dot_q2_k(w, n, x, m, xs, lut):
-    acc = np.float32(0)
-    for b in range(x.shape[1] // 256):
-        o, p = b * 84, b * 256
+        for i in range(16):
+            A[i] = d * np.float32(_scale_q3k(w, n, o + 96, i))
+    else:  # Q2_K
         d, dmin = _h(w, n, o + 80, lut), _h(w, n, o + 82, lut)
-        for c in range(2):
-            for g in range(4):
-                for half in range(2):
-                    s = np.float32(0)
-                    for l in range(16 * half, 16 * half + 16):
-                        q = (w[n, o + 16 + 32 * c + l] >> (2 * g)) & 3
-                        s += np.float32(q) * x[m, p + 128 * c + 32 * g + l]
-                    i = 8 * c + 2 * g + half
-                    sc = w[n, o + i]
-                    acc += d * np.float32(sc & 15) * s - dmin * np.float32(sc >> 4) * xs[m, 16 * b + i]
-    return acc
+        for i in range(16):
+            A[i] = d * np.float32(w[n, o + i] & 15)
+            B[i] = dmin * np.float32(w[n, o + i] >> 4)
 
 
 @njit(inline="always", **_opts)
-def _dot(qt, w, n, x, m, xs, lut, kv):
+def _dot(qt, w, n, x, m, lut, kv, A, B, L):
+    K = x.shape[1]
+    pw = w.ctypes.data + n * w.shape[1]
+    px = x.ctypes.data + m * K * 4
     if qt == Q8_0:
-        return _dot_q8_0(w, n, x, m, xs, lut)
+        return qsimd.row_q8_0(pw, px, K // 32)
     if qt == Q4_0:
-        return _dot_q4_0(w, n, x, m, xs, lut)
+        return qsimd.row_q4_0(pw, px, K // 32)
     if qt == Q4_1:
-        return _dot_q4_1(w, n, x, m, xs, lut)
+        return qsimd.row_q4_1(pw, px, K // 32)
     if qt == Q5_0:
-        return _dot_q5_0(w, n, x, m, xs, lut)
+        return qsimd.row_q5_0(pw, px, K // 32)
     if qt == Q5_1:
-        return _dot_q5_1(w, n, x, m, xs, lut)
+        return qsimd.row_q5_1(pw, px, K // 32)
     if qt == IQ4_NL:
-        return _dot_iq4_nl(w, n, x, m, xs, lut, kv)
+        return _dot_iq4_nl(w, n, x, m, lut, kv, L)
     if qt == IQ4_XS:
-        return _dot_iq4_xs(w, n, x, m, xs, lut, kv)
-    if qt == Q4_K:
-        return _dot_q4_k(w, n, x, m, xs, lut)
-    if qt == Q5_K:
-        return _dot_q5_k(w, n, x, m, xs, lut)
-    if qt == Q6_K:
-        return _dot_q6_k(w, n, x, m, xs, lut)
-    if qt == Q3_K:
-        return _dot_q3_k(w, n, x, m, xs, lut)
-    return _dot_q2_k(w, n, x, m, xs, lut)
+        return _dot_iq4_xs(w, n, x, m, lut, kv, L)
+    size = (144 if qt == Q4_K else 176 if qt == Q5_K else 210 if qt == Q6_K
+            else 110 if qt == Q3_K else 84)
+    pa, pb = A.ctypes.data, B.ctypes.data
+    acc = np.float32(0)
+    for b in range(K // 256):
+        _ksuper_scales(qt, w, n, b * size, lut, A, B)
+        pwb, pxb = pw + b * size, px + b * 1024
+        if qt == Q4_K:
+            acc += qsimd.sb_q4_k(pwb, pxb, pa, pb)
+        elif qt == Q5_K:
+            acc += qsimd.sb_q5_k(pwb, pxb, pa, pb)
+        elif qt == Q6_K:
+            acc += qsimd.sb_q6_k(pwb, pxb, pa, pb)
+        elif qt == Q3_K:
+            acc += qsimd.sb_q3_k(pwb, pxb, pa, pb)
+        else:
+            acc += qsimd.sb_q2_k(pwb, pxb, pa, pb)
+    return acc
 
 
 @njit(parallel=True, **_opts)
-def _gemv_parallel(qt, x, w, xs, y, lut, kv):  # pragma: no cover - compiled
-    for n in prange(w.shape[0]):
-        for m in range(x.shape[0]):
-            y[m, n] = _dot(qt, w, n, x, m, xs, lut, kv)
+def _gemv_parallel(qt, x, w, y, lut, kv, L, parts):  # pragma: no cover - compiled
+    N = w.shape[0]
+    step = (N + parts - 1) // parts
+    for t in prange(parts):
+        A = np.zeros(16, dtype=np.float32)
+        B = np.zeros(16, dtype=np.float32)
+        for n in range(t * step, min(N, t * step + step)):
+            for m in range(x.shape[0]):
+                y[m, n] = _dot(qt, w, n, x, m, lut, kv, A, B, L)
+        A[0] = B[0]  # keeps the scratch alive past the last kernel call
 
 
 @njit(**_opts)
-def _gemv_serial(qt, x, w, xs, y, lut, kv):  # pragma: no cover - compiled
+def _gemv_serial(qt, x, w, y, lut, kv, L):  # pragma: no cover - compiled
+    A = np.zeros(16, dtype=np.float32)
+    B = np.zeros(16, dtype=np.float32)
     for n in range(w.shape[0]):
         for m in range(x.shape[0]):
-            y[m, n] = _dot(qt, w, n, x, m, xs, lut, kv)
-
-
-@njit(**_opts)
-def _run_sums(x, xs):  # pragma: no cover - compiled
-    for m in range(x.shape[0]):
-        for i in range(xs.shape[1]):
-            s = np.float32(0)
-            for j in range(16):
-                s += x[m, 16 * i + j]
-            xs[m, i] = s
+            y[m, n] = _dot(qt, w, n, x, m, lut, kv, A, B, L)
+    A[0] = B[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -564,10 +418,12 @@ def qmatmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
                 n1 = min(N, n0 + 4 * TILE_N)
                 np.matmul(x, dequantize_rows(w, n0, n1).T, out=y[:, n0:n1])
             return y
-        xs = np.empty((M, K // 16), dtype=np.float32)
-        _run_sums(x, xs)
-        kern = _gemv_parallel if _parallel() and N >= 64 else _gemv_serial
-        kern(qt, x, w.data, xs, y, _F16, _KVALUES)
+        if _parallel() and N >= 64:
+            import numba  # noqa: PLC0415
+
+            _gemv_parallel(qt, x, w.data, y, _F16, _KVALUES, 16, numba.get_num_threads())
+        else:
+            _gemv_serial(qt, x, w.data, y, _F16, _KVALUES, 16)
         return y
     fn, ilp64 = blas.gemm_address(np.float32)
     from ..numpy import threads as cpu_threads  # noqa: PLC0415
