@@ -7,7 +7,7 @@ LLVM unrolls a constant-length inner loop and vectorises the loop over the block
 interleaves four 16-lane vectors (64 values) and runs blocks of 32 in scalar code. Here each
 block is decoded with explicit vector instructions (load its bytes, unpack the bit fields,
 convert to float32, apply the scales) and multiplied into a vector accumulator that is reduced
-to a scalar once per row (blocks of 32) or once per 256-value super-block (K-quants).
+to a scalar once per row. The K-quants' sub-block scales are unpacked with vector shuffles.
 
 Every intrinsic takes byte addresses (``array.ctypes.data`` plus an offset) and computes
 \sum_l w_l x_l over its values, w the dequantized weights, in float32 with fused
@@ -147,69 +147,117 @@ row_q5_1 = _make_row32("Q5_1", 24)
 
 
 # ---------------------------------------------------------------------------------------------
-# K-quants: one call per 256-value super-block. The caller unpacks the sub-block scales:
-# A[i] (and B[i]) float32 at address pa (pb), i = index of the 32-run (Q4_K, Q5_K) or of the
-# 16-run (Q6_K, Q3_K, Q2_K); then w = A[i] q - B[i].
+# K-quants (super-blocks of 256 values): one call per row of W. The sub-block scales are
+# unpacked with vector shuffles into A (and the mins into B), per 32-run of values (Q4_K, Q5_K)
+# or per 16-run (Q6_K, Q3_K, Q2_K); then w = A q - B, and the products go into one vector
+# accumulator.
 # ---------------------------------------------------------------------------------------------
-def _scales(builder, pa, i, per16):
-    """<32 x float> of the scales of 32 consecutive values starting at 32-run i (per16: two
-    16-runs, 2i and 2i+1) from the float32 array at address pa."""
-    if not per16:
-        return _splat(builder, _load(builder, pa, 4 * i, _F32, 4), 32)
-    a = _load(builder, pa, 8 * i, _vec(_F32, 2), 4)
-    return builder.shuffle_vector(a, a, _const(_I32, 32, [0] * 16 + [1] * 16))
+def _shuf(builder, v, idx):
+    return builder.shuffle_vector(v, v, _const(_I32, len(idx), idx))
 
 
-def _make_superblock(kind):
-    has_min = kind in ("Q4_K", "Q5_K", "Q2_K")
+def _kscales(kind, builder, blk):
+    """(A, B) of the super-block at address blk: float vectors of 8 (per 32-run) or 16 (per
+    16-run) entries; B None for the types without mins."""
+    def bytes_at(off, n):
+        return builder.zext(_load(builder, blk, off, _vec(_I8, n)), _vec(_I32, n))
 
+    def fl(v, d):
+        return builder.fmul(builder.sitofp(v, _vec(_F32, v.type.count)), _splat(builder, d, v.type.count))
+
+    c8 = lambda vals: _const(_I32, 8, vals)  # noqa: E731
+    if kind in ("Q4_K", "Q5_K"):  # 12 bytes of 6-bit (scale, min) pairs at byte 4
+        q = bytes_at(4, 12)
+        top = builder.and_(builder.shl(builder.lshr(q, _const(_I32, 12, 6)), _const(_I32, 12, 4)),
+                           _const(_I32, 12, 48))  # (q[j] >> 6) << 4
+        low = c8([63] * 4 + [15] * 4)
+        sc = builder.or_(builder.and_(_shuf(builder, q, [0, 1, 2, 3, 8, 9, 10, 11]), low),
+                         builder.and_(_shuf(builder, top, [0] * 4 + [0, 1, 2, 3]), c8([0] * 4 + [48] * 4)))
+        mn = builder.or_(builder.and_(builder.lshr(_shuf(builder, q, [4, 5, 6, 7, 8, 9, 10, 11]),
+                                                   c8([0] * 4 + [4] * 4)), low),
+                         builder.and_(_shuf(builder, top, [0] * 4 + [4, 5, 6, 7]), c8([0] * 4 + [48] * 4)))
+        return fl(sc, _half(builder, blk, 0)), fl(mn, _half(builder, blk, 2))
+    if kind == "Q6_K":  # 16 int8 scales at byte 192, d at 208
+        sc = builder.sext(_load(builder, blk, 192, _vec(_I8, 16)), _vec(_I32, 16))
+        return fl(sc, _half(builder, blk, 208)), None
+    if kind == "Q2_K":  # 16 bytes (min << 4 | scale) at byte 0, d at 80, dmin at 82
+        q = bytes_at(0, 16)
+        return (fl(builder.and_(q, _const(_I32, 16, 15)), _half(builder, blk, 80)),
+                fl(builder.lshr(q, _const(_I32, 16, 4)), _half(builder, blk, 82)))
+    # Q3_K: 16 6-bit scales in 12 bytes at byte 96 (low 4 bits in bytes 0-7, high 2 in 8-11)
+    q = bytes_at(96, 12)
+    i = range(16)
+    lo = builder.and_(builder.lshr(_shuf(builder, q, [k & 7 for k in i]),
+                                   _const(_I32, 16, [4 * (k >> 3) for k in i])), _const(_I32, 16, 15))
+    hi = builder.and_(builder.lshr(_shuf(builder, q, [8 + (k & 3) for k in i]),
+                                   _const(_I32, 16, [2 * (k >> 2) for k in i])), _const(_I32, 16, 3))
+    sc = builder.sub(builder.or_(lo, builder.shl(hi, _const(_I32, 16, 4))), _const(_I32, 16, 32))
+    return fl(sc, _half(builder, blk, 108)), None
+
+
+def _run_scale(builder, A, r):
+    """<32 x float> of the scales of the 32-run r of values."""
+    if A.type.count == 8:
+        return _shuf(builder, A, [r] * 32)
+    return _shuf(builder, A, [2 * r] * 16 + [2 * r + 1] * 16)
+
+
+def _kcodes(kind, builder, blk, r):
+    """The integer codes q of the 32-run r of the super-block at blk, <32 x i32>."""
+    if kind in ("Q4_K", "Q5_K"):
+        c, hi = divmod(r, 2)
+        q = _fields(builder, blk, (16 if kind == "Q4_K" else 48) + 32 * c, 32, 4 * hi, 15)
+        if kind == "Q5_K":  # the fifth bit: bit r of the 32 bytes at 16
+            h = _fields(builder, blk, 16, 32, r, 1)
+            q = builder.or_(q, builder.shl(h, _const(_I32, 32, 4)))
+        return q
+    if kind == "Q6_K":
+        c, k = divmod(r, 4)  # half c, group k: ql bytes at 64c + 32 (k & 1), nibble k >> 1
+        lo = _fields(builder, blk, 64 * c + 32 * (k & 1), 32, 4 * (k >> 1), 15)
+        h = _fields(builder, blk, 128 + 32 * c, 32, 2 * k, 3)
+        return builder.sub(builder.or_(lo, builder.shl(h, _const(_I32, 32, 4))), _const(_I32, 32, 32))
+    c, g = divmod(r, 4)  # Q3_K, Q2_K: 2-bit fields, values 128c + 32g + l
+    q = _fields(builder, blk, (32 if kind == "Q3_K" else 16) + 32 * c, 32, 2 * g, 3)
+    if kind == "Q3_K":  # minus 4 where bit r of the hmask byte l is clear
+        h = _fields(builder, blk, 0, 32, r, 1)
+        q = builder.sub(q, builder.shl(builder.xor(h, _const(_I32, 32, 1)), _const(_I32, 32, 2)))
+    return q
+
+
+def _make_krow(kind, size):
     @intrinsic
-    def sbdot(typingctx, pw, px, pa, pb):
-        r"""\sum_k w_k x_k over the 256 values of the super-block at byte address pw."""
-        sig = types.float32(types.int64, types.int64, types.int64, types.int64)
+    def rowdot(typingctx, pw, px, nsuper):
+        r"""\sum_k W_k x_k over the ``nsuper`` super-blocks at byte address pw and the float32
+        values at px."""
+        sig = types.float32(types.int64, types.int64, types.int64)
 
         def codegen(context, builder, signature, args):
-            pw_, px_, pa_, pb_ = args
-            acc = _const(_F32, 32, 0.0)
-            for r in range(8):  # 32-runs of values
-                if kind in ("Q4_K", "Q5_K"):
-                    c, hi = divmod(r, 2)
-                    q = _fields(builder, pw_, (16 if kind == "Q4_K" else 48) + 32 * c, 32,
-                                4 * hi, 15)
-                    if kind == "Q5_K":
-                        h = _fields(builder, pw_, 16, 32, r, 1)
-                        q = builder.or_(q, builder.shl(h, _const(_I32, 32, 4)))
-                elif kind == "Q6_K":
-                    c, k = divmod(r, 4)  # half c, group k: ql bytes [64c + 32 (k & 1)], nibble k >> 1
-                    lo = _fields(builder, pw_, 64 * c + 32 * (k & 1), 32, 4 * (k >> 1), 15)
-                    h = _fields(builder, pw_, 128 + 32 * c, 32, 2 * k, 3)
-                    q = builder.sub(builder.or_(lo, builder.shl(h, _const(_I32, 32, 4))),
-                                    _const(_I32, 32, 32))
-                else:  # Q3_K, Q2_K: 2-bit fields, value 128c + 32g + l
-                    c, g = divmod(r, 4)
-                    q0 = 32 if kind == "Q3_K" else 16
-                    q = _fields(builder, pw_, q0 + 32 * c, 32, 2 * g, 3)
-                    if kind == "Q3_K":  # minus 4 where the hmask bit 4c + g is clear
-                        h = _fields(builder, pw_, 0, 32, r, 1)
-                        q = builder.sub(q, builder.shl(builder.xor(h, _const(_I32, 32, 1)),
-                                                       _const(_I32, 32, 2)))
-                x = _load(builder, px_, 128 * r, _vec(_F32, 32), 4)
-                a = _scales(builder, pa_, r, kind not in ("Q4_K", "Q5_K"))
-                if has_min:
-                    w = _fma(builder, _tofloat(builder, q), a,
-                             builder.fneg(_scales(builder, pb_, r, kind == "Q2_K")))
-                else:
-                    w = builder.fmul(_tofloat(builder, q), a)
-                acc = _fma(builder, w, x, acc)
-            return _reduce(builder, acc)
+            pw_, px_, nb = args
+            acc = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 32), None))
+            builder.store(_const(_F32, 32, 0.0), acc)
+            with cgutils.for_range(builder, nb) as loop:
+                blk = builder.add(pw_, builder.mul(loop.index, ir.Constant(_I64, size)))
+                xb = builder.add(px_, builder.mul(loop.index, ir.Constant(_I64, 1024)))
+                A, B = _kscales(kind, builder, blk)
+                a = builder.load(acc)
+                for r in range(8):
+                    q = _tofloat(builder, _kcodes(kind, builder, blk, r))
+                    if B is None:
+                        w = builder.fmul(q, _run_scale(builder, A, r))
+                    else:
+                        w = _fma(builder, q, _run_scale(builder, A, r),
+                                 builder.fneg(_run_scale(builder, B, r)))
+                    a = _fma(builder, w, _load(builder, xb, 128 * r, _vec(_F32, 32), 4), a)
+                builder.store(a, acc)
+            return _reduce(builder, builder.load(acc))
 
         return sig, codegen
 
-    return sbdot
+    return rowdot
 
 
-sb_q4_k = _make_superblock("Q4_K")
-sb_q5_k = _make_superblock("Q5_K")
-sb_q6_k = _make_superblock("Q6_K")
-sb_q3_k = _make_superblock("Q3_K")
-sb_q2_k = _make_superblock("Q2_K")
+row_q4_k = _make_krow("Q4_K", 144)
+row_q5_k = _make_krow("Q5_K", 176)
+row_q6_k = _make_krow("Q6_K", 210)
+row_q3_k = _make_krow("Q3_K", 110)
+row_q2_k = _make_krow("Q2_K", 84)

@@ -128,32 +128,7 @@ def _dot_iq4_xs(w, n, x, m, lut, kv, L):
 
 
 @njit(inline="always", **_opts)
-def _ksuper_scales(qt, w, n, o, lut, A, B):
-    """The sub-block scales of the K-quant super-block at byte o of row n: w = A[i] q - B[i]
-    (i: 32-run for Q4_K / Q5_K, 16-run for Q6_K, Q3_K, Q2_K)."""
-    if qt == Q4_K or qt == Q5_K:
-        d, dmin = _h(w, n, o, lut), _h(w, n, o + 2, lut)
-        for j in range(8):
-            sc, mn = _scale_min_k4(w, n, o + 4, j)
-            A[j] = d * np.float32(sc)
-            B[j] = dmin * np.float32(mn)
-    elif qt == Q6_K:
-        d = _h(w, n, o + 208, lut)
-        for i in range(16):
-            A[i] = d * _i8(w, n, o + 192 + i)
-    elif qt == Q3_K:
-        d = _h(w, n, o + 108, lut)
-        for i in range(16):
-            A[i] = d * np.float32(_scale_q3k(w, n, o + 96, i))
-    else:  # Q2_K
-        d, dmin = _h(w, n, o + 80, lut), _h(w, n, o + 82, lut)
-        for i in range(16):
-            A[i] = d * np.float32(w[n, o + i] & 15)
-            B[i] = dmin * np.float32(w[n, o + i] >> 4)
-
-
-@njit(inline="always", **_opts)
-def _dot(qt, w, n, x, m, lut, kv, A, B, L):
+def _dot(qt, w, n, x, m, lut, kv, L):
     K = x.shape[1]
     pw = w.ctypes.data + n * w.shape[1]
     px = x.ctypes.data + m * K * 4
@@ -171,24 +146,15 @@ def _dot(qt, w, n, x, m, lut, kv, A, B, L):
         return _dot_iq4_nl(w, n, x, m, lut, kv, L)
     if qt == IQ4_XS:
         return _dot_iq4_xs(w, n, x, m, lut, kv, L)
-    size = (144 if qt == Q4_K else 176 if qt == Q5_K else 210 if qt == Q6_K
-            else 110 if qt == Q3_K else 84)
-    pa, pb = A.ctypes.data, B.ctypes.data
-    acc = np.float32(0)
-    for b in range(K // 256):
-        _ksuper_scales(qt, w, n, b * size, lut, A, B)
-        pwb, pxb = pw + b * size, px + b * 1024
-        if qt == Q4_K:
-            acc += qsimd.sb_q4_k(pwb, pxb, pa, pb)
-        elif qt == Q5_K:
-            acc += qsimd.sb_q5_k(pwb, pxb, pa, pb)
-        elif qt == Q6_K:
-            acc += qsimd.sb_q6_k(pwb, pxb, pa, pb)
-        elif qt == Q3_K:
-            acc += qsimd.sb_q3_k(pwb, pxb, pa, pb)
-        else:
-            acc += qsimd.sb_q2_k(pwb, pxb, pa, pb)
-    return acc
+    if qt == Q4_K:
+        return qsimd.row_q4_k(pw, px, K // 256)
+    if qt == Q5_K:
+        return qsimd.row_q5_k(pw, px, K // 256)
+    if qt == Q6_K:
+        return qsimd.row_q6_k(pw, px, K // 256)
+    if qt == Q3_K:
+        return qsimd.row_q3_k(pw, px, K // 256)
+    return qsimd.row_q2_k(pw, px, K // 256)
 
 
 @njit(parallel=True, **_opts)
@@ -196,22 +162,16 @@ def _gemv_parallel(qt, x, w, y, lut, kv, L, parts):  # pragma: no cover - compil
     N = w.shape[0]
     step = (N + parts - 1) // parts
     for t in prange(parts):
-        A = np.zeros(16, dtype=np.float32)
-        B = np.zeros(16, dtype=np.float32)
         for n in range(t * step, min(N, t * step + step)):
             for m in range(x.shape[0]):
-                y[m, n] = _dot(qt, w, n, x, m, lut, kv, A, B, L)
-        A[0] = B[0]  # keeps the scratch alive past the last kernel call
+                y[m, n] = _dot(qt, w, n, x, m, lut, kv, L)
 
 
 @njit(**_opts)
 def _gemv_serial(qt, x, w, y, lut, kv, L):  # pragma: no cover - compiled
-    A = np.zeros(16, dtype=np.float32)
-    B = np.zeros(16, dtype=np.float32)
     for n in range(w.shape[0]):
         for m in range(x.shape[0]):
-            y[m, n] = _dot(qt, w, n, x, m, lut, kv, A, B, L)
-    A[0] = B[0]
+            y[m, n] = _dot(qt, w, n, x, m, lut, kv, L)
 
 
 # ---------------------------------------------------------------------------------------------
