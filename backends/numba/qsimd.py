@@ -61,6 +61,11 @@ def _fn(builder, name, ret, args):
     return fn
 
 
+def _shuf(builder, v, idx):
+    idx = list(idx)
+    return builder.shuffle_vector(v, v, _const(_I32, len(idx), idx))
+
+
 def _fma(builder, a, b, c):
     n = a.type.count
     return builder.call(_fn(builder, f"llvm.fma.v{n}f32", a.type, [a.type] * 3), [a, b, c])
@@ -92,6 +97,37 @@ def _tofloat(builder, q):
     return builder.sitofp(q, _vec(_F32, q.type.count))
 
 
+def _host_has_avx512() -> bool:
+    try:
+        from llvmlite import binding  # noqa: PLC0415
+
+        return "+avx512f" in binding.get_host_cpu_features().flatten()
+    except Exception:  # noqa: BLE001 - no feature string: the portable code
+        return False
+
+
+#: 4-bit codes are looked up in a 16-float table per block (``vpermps``: the table holds the
+#: block's dequantized values d q - m for q = 0..15, so one instruction turns 16 codes into 16
+#: weights); without AVX-512 the codes are converted and scaled instead
+LOOKUP = _host_has_avx512()
+
+
+def _lookup(builder, table, idx):
+    """table[idx] lane by lane: table <16 x float>, idx <32 x i32> in 0..15 -> <32 x float>."""
+    fn = _fn(builder, "llvm.x86.avx512.permvar.sf.512", _vec(_F32, 16),
+             [_vec(_F32, 16), _vec(_I32, 16)])
+    halves = [builder.call(fn, [table, _shuf(builder, idx, range(h, h + 16))]) for h in (0, 16)]
+    return builder.shuffle_vector(halves[0], halves[1], _const(_I32, 32, range(32)))
+
+
+def _iota16():
+    return _const(_F32, 16, [float(v) for v in range(16)])
+
+
+#: the 16 values of an IQ4_NL / IQ4_XS code
+KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
 # ---------------------------------------------------------------------------------------------
 # blocks of 32 values: one call per row of W, the loop over the blocks in IR
 # ---------------------------------------------------------------------------------------------
@@ -100,6 +136,15 @@ def _decode32(kind, builder, blk):
     if kind == "Q8_0":
         q = builder.sext(_load(builder, blk, 2, _vec(_I8, 32)), _vec(_I32, 32))
         return builder.fmul(_tofloat(builder, q), _splat(builder, _half(builder, blk, 0), 32))
+    if kind == "IQ4_NL" or (LOOKUP and kind in ("Q4_0", "Q4_1")):
+        d = _splat(builder, _half(builder, blk, 0), 16)
+        if kind == "IQ4_NL":
+            table = builder.fmul(_const(_F32, 16, [float(v) for v in KVALUES]), d)
+        elif kind == "Q4_0":
+            table = builder.fmul(_const(_F32, 16, [float(v - 8) for v in range(16)]), d)
+        else:
+            table = _fma(builder, _iota16(), d, _splat(builder, _half(builder, blk, 2), 16))
+        return _lookup(builder, table, _nibbles(builder, blk, 4 if kind == "Q4_1" else 2))
     if kind in ("Q4_0", "Q4_1"):
         q = _nibbles(builder, blk, 2 if kind == "Q4_0" else 4)
     else:  # Q5_0 / Q5_1: the fifth bits are bit l of the little-endian u32 qh
@@ -144,6 +189,7 @@ row_q4_0 = _make_row32("Q4_0", 18)
 row_q4_1 = _make_row32("Q4_1", 20)
 row_q5_0 = _make_row32("Q5_0", 22)
 row_q5_1 = _make_row32("Q5_1", 24)
+row_iq4_nl = _make_row32("IQ4_NL", 18) if LOOKUP else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,10 +198,6 @@ row_q5_1 = _make_row32("Q5_1", 24)
 # or per 16-run (Q6_K, Q3_K, Q2_K); then w = A q - B, and the products go into one vector
 # accumulator.
 # ---------------------------------------------------------------------------------------------
-def _shuf(builder, v, idx):
-    return builder.shuffle_vector(v, v, _const(_I32, len(idx), idx))
-
-
 def _kscales(kind, builder, blk):
     """(A, B) of the super-block at address blk: float vectors of 8 (per 32-run) or 16 (per
     16-run) entries; B None for the types without mins."""
@@ -241,6 +283,12 @@ def _make_krow(kind, size):
                 A, B = _kscales(kind, builder, blk)
                 a = builder.load(acc)
                 for r in range(8):
+                    if LOOKUP and kind == "Q4_K":
+                        table = _fma(builder, _iota16(), _shuf(builder, A, [r] * 16),
+                                     builder.fneg(_shuf(builder, B, [r] * 16)))
+                        w = _lookup(builder, table, _kcodes(kind, builder, blk, r))
+                        a = _fma(builder, w, _load(builder, xb, 128 * r, _vec(_F32, 32), 4), a)
+                        continue
                     q = _tofloat(builder, _kcodes(kind, builder, blk, r))
                     if B is None:
                         w = builder.fmul(q, _run_scale(builder, A, r))

@@ -143,6 +143,8 @@ def _dot(qt, w, n, x, m, lut, kv, L):
     if qt == Q5_1:
         return qsimd.row_q5_1(pw, px, K // 32)
     if qt == IQ4_NL:
+        if qsimd.LOOKUP:
+            return qsimd.row_iq4_nl(pw, px, K // 32)
         return _dot_iq4_nl(w, n, x, m, lut, kv, L)
     if qt == IQ4_XS:
         return _dot_iq4_xs(w, n, x, m, lut, kv, L)
