@@ -266,6 +266,18 @@ def _kcodes(kind, builder, blk, r):
     return q
 
 
+def _kweights(kind, builder, blk, A, B, r):
+    """The dequantized weights of the 32-run r of the super-block at blk, <32 x float>."""
+    if LOOKUP and kind == "Q4_K":
+        table = _fma(builder, _iota16(), _shuf(builder, A, [r] * 16),
+                     builder.fneg(_shuf(builder, B, [r] * 16)))
+        return _lookup(builder, table, _kcodes(kind, builder, blk, r))
+    q = _tofloat(builder, _kcodes(kind, builder, blk, r))
+    if B is None:
+        return builder.fmul(q, _run_scale(builder, A, r))
+    return _fma(builder, q, _run_scale(builder, A, r), builder.fneg(_run_scale(builder, B, r)))
+
+
 def _make_krow(kind, size):
     @intrinsic
     def rowdot(typingctx, pw, px, nsuper):
@@ -283,18 +295,7 @@ def _make_krow(kind, size):
                 A, B = _kscales(kind, builder, blk)
                 a = builder.load(acc)
                 for r in range(8):
-                    if LOOKUP and kind == "Q4_K":
-                        table = _fma(builder, _iota16(), _shuf(builder, A, [r] * 16),
-                                     builder.fneg(_shuf(builder, B, [r] * 16)))
-                        w = _lookup(builder, table, _kcodes(kind, builder, blk, r))
-                        a = _fma(builder, w, _load(builder, xb, 128 * r, _vec(_F32, 32), 4), a)
-                        continue
-                    q = _tofloat(builder, _kcodes(kind, builder, blk, r))
-                    if B is None:
-                        w = builder.fmul(q, _run_scale(builder, A, r))
-                    else:
-                        w = _fma(builder, q, _run_scale(builder, A, r),
-                                 builder.fneg(_run_scale(builder, B, r)))
+                    w = _kweights(kind, builder, blk, A, B, r)
                     a = _fma(builder, w, _load(builder, xb, 128 * r, _vec(_F32, 32), 4), a)
                 builder.store(a, acc)
             return _reduce(builder, builder.load(acc))
@@ -309,3 +310,47 @@ row_q5_k = _make_krow("Q5_K", 176)
 row_q6_k = _make_krow("Q6_K", 210)
 row_q3_k = _make_krow("Q3_K", 110)
 row_q2_k = _make_krow("Q2_K", 84)
+
+
+# ---------------------------------------------------------------------------------------------
+# dequantization of a row into float32 (the tiles of the many-row products): the same decoding,
+# stored instead of multiplied
+# ---------------------------------------------------------------------------------------------
+def _make_deq(kind, size):
+    per = 256 if kind.endswith("_K") else 32
+
+    @intrinsic
+    def deq(typingctx, pw, pout, nblocks):
+        """Writes the ``nblocks`` blocks at byte address pw, dequantized, as float32 at pout."""
+        sig = types.void(types.int64, types.int64, types.int64)
+
+        def codegen(context, builder, signature, args):
+            pw_, po_, nb = args
+            with cgutils.for_range(builder, nb) as loop:
+                blk = builder.add(pw_, builder.mul(loop.index, ir.Constant(_I64, size)))
+                ob = builder.add(po_, builder.mul(loop.index, ir.Constant(_I64, 4 * per)))
+                if per == 32:
+                    runs = [_decode32(kind, builder, blk)]
+                else:
+                    A, B = _kscales(kind, builder, blk)
+                    runs = [_kweights(kind, builder, blk, A, B, r) for r in range(8)]
+                for r, w in enumerate(runs):
+                    builder.store(w, _at(builder, ob, 128 * r, _vec(_F32, 32)), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return deq
+
+
+deq_q8_0 = _make_deq("Q8_0", 34)
+deq_q4_0 = _make_deq("Q4_0", 18)
+deq_q4_1 = _make_deq("Q4_1", 20)
+deq_q5_0 = _make_deq("Q5_0", 22)
+deq_q5_1 = _make_deq("Q5_1", 24)
+deq_iq4_nl = _make_deq("IQ4_NL", 18) if LOOKUP else None
+deq_q4_k = _make_deq("Q4_K", 144)
+deq_q5_k = _make_deq("Q5_K", 176)
+deq_q6_k = _make_deq("Q6_K", 210)
+deq_q3_k = _make_deq("Q3_K", 110)
+deq_q2_k = _make_deq("Q2_K", 84)

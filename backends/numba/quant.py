@@ -182,6 +182,38 @@ def _gemv_serial(qt, x, w, y, lut, kv, L):  # pragma: no cover - compiled
 @njit(**_opts)
 def _dequant_row(qt, w, n, out, r, lut, kv):  # pragma: no cover - compiled
     K = out.shape[1]
+    pw = w.ctypes.data + n * w.shape[1]
+    po = out.ctypes.data + r * K * 4
+    if qt == Q8_0:
+        qsimd.deq_q8_0(pw, po, K // 32)
+    elif qt == Q4_0:
+        qsimd.deq_q4_0(pw, po, K // 32)
+    elif qt == Q4_1:
+        qsimd.deq_q4_1(pw, po, K // 32)
+    elif qt == Q5_0:
+        qsimd.deq_q5_0(pw, po, K // 32)
+    elif qt == Q5_1:
+        qsimd.deq_q5_1(pw, po, K // 32)
+    elif qt == IQ4_NL and qsimd.LOOKUP:
+        qsimd.deq_iq4_nl(pw, po, K // 32)
+    elif qt == Q4_K:
+        qsimd.deq_q4_k(pw, po, K // 256)
+    elif qt == Q5_K:
+        qsimd.deq_q5_k(pw, po, K // 256)
+    elif qt == Q6_K:
+        qsimd.deq_q6_k(pw, po, K // 256)
+    elif qt == Q3_K:
+        qsimd.deq_q3_k(pw, po, K // 256)
+    elif qt == Q2_K:
+        qsimd.deq_q2_k(pw, po, K // 256)
+    else:
+        _dequant_row_loops(qt, w, n, out, r, lut, kv)
+
+
+@njit(**_opts)
+def _dequant_row_loops(qt, w, n, out, r, lut, kv):  # pragma: no cover - compiled
+    """The same in Numba loops (the IQ4 types; IQ4_NL without AVX-512)."""
+    K = out.shape[1]
     if qt == Q8_0:
         for b in range(K // 32):
             o, p = b * 34, b * 32
