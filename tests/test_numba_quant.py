@@ -204,3 +204,92 @@ def test_real_gguf_tensors(smollm2_gguf, rng):
         assert_within(Q.qmatmul_t(dy, w), d64 @ W, np.abs(d64) @ np.abs(W), N)
         seen.add(qtype)
     assert {"Q4_1", "Q8_0"} <= seen
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused decode step with block matrices
+# ---------------------------------------------------------------------------------------------
+LINEAR = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
+          "attention.wo.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
+          "feed_forward.w3.weight")
+
+
+def _quant_model(types_, rng, n_kv_heads=2):
+    """A small LLaMA whose embedding (tied classifier) and linear weights are random blocks of
+    the given types (cycled), plus the float model of their gguf-py dequantization."""
+    from minillama.config import ModelConfig
+    from minillama.model import Transformer, init_params
+
+    cfg = ModelConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, vocab_size=67,
+                      hidden_dim=512, multiple_of=256, max_seq_len=20)
+    params = init_params(cfg, seed=0, dtype=np.float32)
+    quant, k = {}, 0
+    for name, v in params.items():
+        if v.ndim == 2:
+            qt = types_[k % len(types_)]
+            k += 1
+            quant[name] = random_matrix(qt, v.shape[0], v.shape[1], rng)
+            params[name] = oracle(quant[name]).astype(np.float32)
+        else:
+            params[name] = rng.normal(1.0, 0.2, v.shape).astype(np.float32)
+    return cfg, quant, params, Transformer(cfg, params, backend="numpy", dtype=np.float32)
+
+
+@pytest.mark.parametrize("types_", [("Q8_0",), ("Q4_K", "Q6_K"), ("Q4_0", "Q4_1", "Q5_K")])
+def test_fused_quant_decode_step(types_, rng):
+    """decode_step_one_q fed the blocks, position after position (single steps, then greedy
+    steps in one call): the logits, cache rows and greedy tokens of the per-op float model on
+    the dequantized weights."""
+    import numba
+
+    from minillama.backends.numba import qdecode
+
+    cfg, quant, params, ref = _quant_model(types_, rng)
+    L, S = cfg.n_layers, cfg.max_seq_len
+    lst = numba.typed.List
+
+    def mats(name):
+        return lst([quant[f"layers.{i}.{name}"].data for i in range(L)])
+
+    codes = np.array([[Q.CODES[quant[f"layers.{i}.{n}"].qtype] for n in LINEAR]
+                      for i in range(L)], dtype=np.int64)
+    emb = quant["tok_embeddings.weight"]
+    out = quant.get("output.weight", emb)
+    norms = (lst([params[f"layers.{i}.attention_norm.weight"] for i in range(L)]),
+             lst([params[f"layers.{i}.ffn_norm.weight"] for i in range(L)]))
+    c_ref = ref.new_cache(1, S)
+    c_q = ref.new_cache(1, S)
+    kc, vc = lst(c_q.k), lst(c_q.v)
+    threads = numba.get_num_threads()
+
+    def call(tok, p, ids):
+        logits = np.empty((1, cfg.vocab_size), dtype=np.float32)
+        n = qdecode.decode_step_one_q(
+            np.array([tok]), np.array([p]), emb.data, Q.CODES[emb.qtype], out.data,
+            Q.CODES[out.qtype], codes, params["norm.weight"], norms[0], mats(LINEAR[0]),
+            mats(LINEAR[1]), mats(LINEAR[2]), mats(LINEAR[3]), norms[1], mats(LINEAR[4]),
+            mats(LINEAR[5]), mats(LINEAR[6]), kc, vc, ref.cos, ref.sin, float(cfg.norm_eps),
+            cfg.n_heads, logits, threads, np.zeros(0, np.int64), ids, Q._F16, Q._KVALUES)
+        return n, logits
+
+    toks = rng.integers(0, cfg.vocab_size, 6)
+    for p, t in enumerate(toks):
+        want = ref.forward(np.array([[t]]), start_pos=p, cache=c_ref, last_only=True)
+        n, got = call(int(t), p, np.zeros(0, np.int64))
+        assert n == 1
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    for layer in range(L):
+        np.testing.assert_allclose(c_q.k[layer][:, :6], c_ref.k[layer][:, :6], rtol=1e-4,
+                                   atol=1e-4 * np.abs(c_ref.k[layer]).max())
+        np.testing.assert_allclose(c_q.v[layer][:, :6], c_ref.v[layer][:, :6], rtol=1e-4,
+                                   atol=1e-4 * np.abs(c_ref.v[layer]).max())
+    # greedy: 5 steps in one call from position 6, against the reference's argmax loop
+    ids = np.zeros(5, np.int64)
+    n, _ = call(int(toks[-1]), 6, ids)
+    assert n == 5
+    t, want_ids = int(toks[-1]), []
+    for p in range(6, 11):
+        z = ref.forward(np.array([[t]]), start_pos=p, cache=c_ref, last_only=True)
+        t = int(np.argmax(z[0]))
+        want_ids.append(t)
+    assert ids.tolist() == want_ids
