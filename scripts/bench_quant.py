@@ -32,6 +32,10 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--prefill", type=int, default=512, help="rows of x of the prefill product "
                     "(0: skip)")
+    ap.add_argument("--cold", type=int, default=0, metavar="MB",
+                    help="M = 1: cycle through copies of each matrix totalling at least MB "
+                         "megabytes per side, so that W comes from memory as in a model's decode "
+                         "step rather than from the cache (default 0: one copy, cache-hot)")
     return ap.parse_args(argv)
 
 
@@ -60,6 +64,11 @@ def random_matrix(qtype, N, K, rng):
     return QuantMatrix(qtype, (N, K), data.reshape(N, nb * size))
 
 
+def copies(nbytes):
+    """How many copies of a matrix of nbytes make --cold megabytes."""
+    return max(1, -(-ARGS.cold * 2**20 // nbytes))
+
+
 def best(fns, reps):
     """Best time of each function, the sides interleaved."""
     for f in fns:
@@ -79,15 +88,28 @@ def main():
     shapes = [tuple(int(v) for v in s.split("x")) for s in ARGS.shapes.split(",")]
     print(f"threads={ARGS.threads}; times in microseconds (best of {ARGS.reps}); GB/s = bytes "
           "of W / time; ratio = float32 time / quantized time")
-    print("\nM = 1 (decode): qmatmul vs float32 Numba GEMV")
+    print(f"\nM = 1 (decode): qmatmul vs float32 Numba GEMV "
+          f"({'cache-hot' if not ARGS.cold else f'cycling through {ARGS.cold} MB per side'})")
     print(f"{'N x K':>11} {'type':>7} {'quant us':>9} {'GB/s':>6} {'f32 us':>8} {'f32 GB/s':>8} "
           f"{'ratio':>6}")
     for N, K in shapes:
         wf = rng.standard_normal((N, K)).astype(np.float32)
         x = rng.standard_normal((1, K)).astype(np.float32)
+        wfs = [wf] + [wf.copy() for _ in range(copies(wf.nbytes) - 1)]
         for qt in types:
             w = random_matrix(qt, N, K, rng)
-            tq, tf = best([lambda: Q.qmatmul(x, w), lambda: gemv.gemv(x, wf)], ARGS.reps)
+            ws = [w] + [QuantMatrix(qt, w.shape, w.data.copy()) for _ in range(copies(w.nbytes) - 1)]
+            it = {"q": 0, "f": 0}
+
+            def quant():
+                it["q"] += 1
+                Q.qmatmul(x, ws[it["q"] % len(ws)])
+
+            def f32():
+                it["f"] += 1
+                gemv.gemv(x, wfs[it["f"] % len(wfs)])
+
+            tq, tf = best([quant, f32], ARGS.reps)
             print(f"{N:>5} x {K:<4} {qt:>7} {tq * 1e6:9.1f} {w.nbytes / tq / 1e9:6.1f} "
                   f"{tf * 1e6:8.1f} {wf.nbytes / tf / 1e9:8.1f} {tf / tq:6.2f}", flush=True)
     if not ARGS.prefill:

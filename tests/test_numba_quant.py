@@ -209,6 +209,7 @@ def test_real_gguf_tensors(smollm2_gguf, rng):
 # ---------------------------------------------------------------------------------------------
 # the fused decode step with block matrices
 # ---------------------------------------------------------------------------------------------
+NO_F = np.zeros((1, 1), np.float32)
 LINEAR = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
           "attention.wo.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
           "feed_forward.w3.weight")
@@ -265,8 +266,8 @@ def test_fused_quant_decode_step(types_, rng):
     def call(tok, p, ids):
         logits = np.empty((1, cfg.vocab_size), dtype=np.float32)
         n = qdecode.decode_step_one_q(
-            np.array([tok]), np.array([p]), emb.data, Q.CODES[emb.qtype], out.data,
-            Q.CODES[out.qtype], codes, params["norm.weight"], norms[0], mats(LINEAR[0]),
+            np.array([tok]), np.array([p]), emb.data, Q.CODES[emb.qtype], NO_F, out.data,
+            Q.CODES[out.qtype], NO_F, codes, params["norm.weight"], norms[0], mats(LINEAR[0]),
             mats(LINEAR[1]), mats(LINEAR[2]), mats(LINEAR[3]), norms[1], mats(LINEAR[4]),
             mats(LINEAR[5]), mats(LINEAR[6]), kc, vc, ref.cos, ref.sin, float(cfg.norm_eps),
             cfg.n_heads, logits, threads, np.zeros(0, np.int64), ids, Q._F16, Q._KVALUES)
@@ -293,3 +294,44 @@ def test_fused_quant_decode_step(types_, rng):
         t = int(np.argmax(z[0]))
         want_ids.append(t)
     assert ids.tolist() == want_ids
+
+
+def test_backend_fused_decode_with_quantized_linears(rng, monkeypatch):
+    """A model on the numba backend whose linear weights are QuantMatrix (float embedding):
+    forward with a cache takes the fused quantized step for one sequence (counted), several
+    sequences decline to the per-op path; both give the logits of the float model on the
+    dequantized weights, and greedy generation its tokens."""
+    from minillama.generate import generate
+    from minillama.model import Transformer
+
+    from minillama.backends.numba import qdecode
+
+    cfg, quant, params, ref = _quant_model(("Q4_K", "Q8_0"), rng)
+    fast = Transformer(cfg, params, backend="numba", dtype=np.float32)
+    for name, w in quant.items():
+        if name != "tok_embeddings.weight":
+            fast.params[name] = w  # the blocks themselves (the loader keeps files so)
+    calls = {"n": 0}
+    kernel = qdecode.decode_step_one_q
+
+    def counting(*args):
+        calls["n"] += 1
+        return kernel(*args)
+
+    monkeypatch.setattr(qdecode, "decode_step_one_q", counting)
+    S = cfg.max_seq_len
+    for B in (1, 2):
+        c_ref, c_fast = ref.new_cache(B, S), fast.new_cache(B, S)
+        prompts = rng.integers(0, cfg.vocab_size, (B, 4))
+        ref.forward(prompts, cache=c_ref, last_only=True)
+        fast.forward(prompts, cache=c_fast, last_only=True)
+        before = calls["n"]
+        tok = rng.integers(0, cfg.vocab_size, (B, 1))
+        want = ref.forward(tok, start_pos=4, cache=c_ref, last_only=True)
+        got = fast.forward(tok, start_pos=4, cache=c_fast, last_only=True)
+        assert calls["n"] == before + (B == 1)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    before = calls["n"]
+    assert generate(fast, [3, 1, 4], max_new_tokens=12) == generate(ref, [3, 1, 4],
+                                                                   max_new_tokens=12)
+    assert calls["n"] > before

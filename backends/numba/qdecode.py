@@ -28,17 +28,29 @@ def _qd(qt, W, i, x, lut, kv):  # pragma: no cover - compiled
     return _dot(qt, W, i, x, 0, lut, kv, 16)
 
 
+@njit(fastmath=True, cache=True, nogil=True, inline="always")
+def _out(qt, W, Wf, v, x, lut, kv):  # pragma: no cover - compiled
+    """Classifier row v: from blocks (qt > 0) or from the float matrix Wf (qt == 0)."""
+    if qt == 0:
+        s = np.float32(0)
+        for k in range(x.shape[1]):
+            s += x[0, k] * Wf[v, k]
+        return s
+    return _qd(qt, W, v, x, lut, kv)
+
+
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
-def decode_step_one_q(tok, pos, emb, emb_qt, wout, out_qt, codes, g_final, g_att, wq, wk, wv,
+def decode_step_one_q(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, codes, g_final, g_att, wq, wk, wv,
                       wo, g_ffn, w1, w2, w3, kc, vc, cos, sin, eps, n_heads, logits, threads,
                       stop, ids, lut, kv):  # pragma: no cover - compiled
     r""":func:`.decode.decode_step_one` with block-quantized matrices: emb and wout uint8
     (V, row bytes) of GGML types emb_qt and out_qt; wq ... w3 typed lists of uint8 block
-    matrices; codes (L, 7) int64 their types; kc, vc the float32 caches (1, S, KVH, hd);
+    matrices; codes (L, 7) int64 their types; a type 0 for the embedding (classifier) means a
+    float32 matrix, emb_f (out_f), instead; kc, vc the float32 caches (1, S, KVH, hd);
     lut, kv the fp16 and IQ4 tables of :mod:`.quant`. Returns how many entries of ``ids`` it
     wrote (1 for the single step, ``ids`` empty); ``logits`` (1, V) holds the last step's."""
     D = g_final.shape[0]
-    V = emb.shape[0]
+    V = logits.shape[1]
     L = len(wq)
     qd = wq[0].shape[0]
     kvd = wk[0].shape[0]
@@ -64,7 +76,10 @@ def decode_step_one_q(tok, pos, emb, emb_qt, wout, out_qt, codes, g_final, g_att
         p = pos[0] + step
         n = p + 1
         P = max(1, min(threads, n // 8))
-        _dequant_row(emb_qt, emb, t, x, 0, lut, kv)
+        if emb_qt == 0:
+            x[0, :] = emb_f[t]
+        else:
+            _dequant_row(emb_qt, emb, t, x, 0, lut, kv)
         for layer in range(L):
             Wq = wq[layer]
             Wk = wk[layer]
@@ -121,13 +136,13 @@ def decode_step_one_q(tok, pos, emb, emb_qt, wout, out_qt, codes, g_final, g_att
         _rmsnorm_rows(x, g_final, eps, xn)
         if ids.shape[0] == 0:
             for v in prange(V):
-                logits[0, v] = _qd(out_qt, wout, v, xn, lut, kv)
+                logits[0, v] = _out(out_qt, wout, out_f, v, xn, lut, kv)
             return 1
         for u in prange(threads):
             lo = u * V // threads
             hi = (u + 1) * V // threads
             for v in range(lo, hi):
-                logits[0, v] = _qd(out_qt, wout, v, xn, lut, kv)
+                logits[0, v] = _out(out_qt, wout, out_f, v, xn, lut, kv)
             best[u], finite[u] = _argmax_finite(logits[0], lo, hi)
         t = best[0]
         for u in range(threads):
