@@ -32,6 +32,12 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--prefill", type=int, default=512, help="rows of x of the prefill product "
                     "(0: skip)")
+    ap.add_argument("--decode", default="", metavar="TYPES",
+                    help="comma list of weight types (Q8_0, Q4_0, Q4_K_M = Q4_K with Q6_K for "
+                         "the embedding, W_v and W_2) for a whole-model decode of the s110 shape "
+                         "(the fused step, one sequence) next to the float32 model; skips the "
+                         "matrix tables")
+    ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per repeat")
     ap.add_argument("--cold", type=int, default=0, metavar="MB",
                     help="M = 1: cycle through copies of each matrix totalling at least MB "
                          "megabytes per side, so that W comes from memory as in a model's decode "
@@ -82,7 +88,53 @@ def best(fns, reps):
     return t
 
 
+def decode_models(types):
+    """(name, model) pairs: the float32 s110 model, then one per type with random blocks in
+    place of its matrices (tied embedding and classifier)."""
+    from minillama.config import ModelConfig
+    from minillama.model import Transformer, init_params
+
+    rng = np.random.default_rng(0)
+    cfg = ModelConfig(**_bench_common.shape("s110", max_seq_len=256))
+    params = init_params(cfg, seed=0, dtype=np.float32)
+    yield "float32", Transformer(cfg, params, backend="numba", dtype=np.float32)
+    for t in types:
+        m = Transformer(cfg, params, backend="numba", dtype=np.float32)
+        for name, v in params.items():
+            if v.ndim != 2:
+                continue
+            qt = t
+            if t == "Q4_K_M":
+                six = name == "tok_embeddings.weight" or name.endswith(
+                    ("attention.wv.weight", "feed_forward.w2.weight"))
+                qt = "Q6_K" if six else "Q4_K"
+            m.params[name] = random_matrix(qt, v.shape[0], v.shape[1], rng)
+        yield t, m
+
+
+def decode_table(types):
+    print(f"threads={ARGS.threads}; s110 shape (dim 768, 12 layers, hidden 2048, vocab 32000); "
+          f"{ARGS.tokens} decode steps from position 8, best of {ARGS.reps}; ratio = tokens/s "
+          "over float32's")
+    rows = []
+    for name, m in decode_models(types):
+        cache = m.new_cache(1, 256)
+
+        def run():
+            for p in range(8, 8 + ARGS.tokens):
+                m.forward(np.array([[p % 100]]), start_pos=p, cache=cache, last_only=True)
+
+        run()
+        t = best([run], ARGS.reps)[0]
+        nbytes = sum(w.nbytes for w in m.params.values())
+        rows.append((name, ARGS.tokens / t, nbytes))
+        print(f"{name:>8} {ARGS.tokens / t:8.1f} tokens/s  weights {nbytes / 2**20:7.1f} MiB  "
+              f"ratio {ARGS.tokens / t / rows[0][1]:5.2f}", flush=True)
+
+
 def main():
+    if ARGS.decode:
+        return decode_table(ARGS.decode.split(","))
     rng = np.random.default_rng(0)
     types = ARGS.types.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in ARGS.shapes.split(",")]
