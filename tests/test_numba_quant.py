@@ -104,8 +104,9 @@ def test_qmatmul_t(qtype, M, rng):
 def test_qmatmul_serial_and_parallel_agree(qtype, rng, monkeypatch):
     """The decode kernel split over the threads and on one thread: the same rows, the same
     sums (each output entry is computed by one thread in one order)."""
-    w = random_matrix(qtype, 300, 768, rng)
+    w = random_matrix(qtype, 600, 768, rng)
     x = rng.standard_normal((3, 768)).astype(np.float32)
+    assert 3 * 600 * 768 >= Q.PARALLEL_MIN_WORK  # the split path, given two threads
     y_par = Q.qmatmul(x, w)
     monkeypatch.setattr(Q, "_parallel", lambda: False)
     np.testing.assert_array_equal(Q.qmatmul(x, w), y_par)

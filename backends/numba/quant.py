@@ -37,6 +37,9 @@ _opts = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 GEMV_MAX_ROWS = 8
 #: rows of W per dequantized tile of the GEMM path
 TILE_N = 64
+#: the few-row kernel splits W's rows over the threads from this many weights x rows on
+#: (about 0.1 ms of one core); below, one thread (waking the pool costs more)
+PARALLEL_MIN_WORK = 1 << 20
 
 #: integer codes of the GGML types inside the kernels (their GGML type ids)
 CODES = {k: v[0] for k, v in BLOCKS.items()}
@@ -412,7 +415,7 @@ def qmatmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
                 n1 = min(N, n0 + 4 * TILE_N)
                 np.matmul(x, dequantize_rows(w, n0, n1).T, out=y[:, n0:n1])
             return y
-        if _parallel() and N >= 64:
+        if _parallel() and M * N * K >= PARALLEL_MIN_WORK:
             import numba  # noqa: PLC0415
 
             _gemv_parallel(qt, x, w.data, y, _F16, _KVALUES, 16, numba.get_num_threads())
