@@ -150,7 +150,8 @@ def main():
         wfs = [wf] + [wf.copy() for _ in range(copies(wf.nbytes) - 1)]
         for qt in types:
             w = random_matrix(qt, N, K, rng)
-            ws = [w] + [QuantMatrix(qt, w.shape, w.data.copy()) for _ in range(copies(w.nbytes) - 1)]
+            ws = [w] + [QuantMatrix(qt, w.shape, w.data.copy())
+                        for _ in range(copies(w.nbytes) - 1)]
             it = {"q": 0, "f": 0}
 
             def quant():

@@ -40,9 +40,9 @@ def _out(qt, W, Wf, v, x, lut, kv):  # pragma: no cover - compiled
 
 
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
-def decode_step_one_q(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, codes, g_final, g_att, wq, wk, wv,
-                      wo, g_ffn, w1, w2, w3, kc, vc, cos, sin, eps, n_heads, logits, threads,
-                      stop, ids, lut, kv):  # pragma: no cover - compiled
+def decode_step_one_q(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, codes, g_final, g_att,
+                      wq, wk, wv, wo, g_ffn, w1, w2, w3, kc, vc, cos, sin, eps, n_heads, logits,
+                      threads, stop, ids, lut, kv):  # pragma: no cover - compiled
     r""":func:`.decode.decode_step_one` with block-quantized matrices: emb and wout uint8
     (V, row bytes) of GGML types emb_qt and out_qt; wq ... w3 typed lists of uint8 block
     matrices; codes (L, 7) int64 their types; a type 0 for the embedding (classifier) means a

@@ -78,7 +78,8 @@ def _reduce(builder, v):
 
 
 def _nibbles(builder, addr, off):
-    """The 32 4-bit values of 16 bytes: low nibbles (values 0..15) then high nibbles, as <32 x i32>."""
+    """The 32 4-bit values of 16 bytes: low nibbles (values 0..15) then high nibbles,
+    as <32 x i32>."""
     a = _load(builder, addr, off, _vec(_I8, 16))
     lo = builder.and_(a, _const(_I8, 16, 15))
     hi = builder.lshr(a, _const(_I8, 16, 4))
@@ -205,19 +206,20 @@ def _kscales(kind, builder, blk):
         return builder.zext(_load(builder, blk, off, _vec(_I8, n)), _vec(_I32, n))
 
     def fl(v, d):
-        return builder.fmul(builder.sitofp(v, _vec(_F32, v.type.count)), _splat(builder, d, v.type.count))
+        n = v.type.count
+        return builder.fmul(builder.sitofp(v, _vec(_F32, n)), _splat(builder, d, n))
 
     c8 = lambda vals: _const(_I32, 8, vals)  # noqa: E731
     if kind in ("Q4_K", "Q5_K"):  # 12 bytes of 6-bit (scale, min) pairs at byte 4
         q = bytes_at(4, 12)
         top = builder.and_(builder.shl(builder.lshr(q, _const(_I32, 12, 6)), _const(_I32, 12, 4)),
                            _const(_I32, 12, 48))  # (q[j] >> 6) << 4
-        low = c8([63] * 4 + [15] * 4)
+        low, hi8 = c8([63] * 4 + [15] * 4), c8([0] * 4 + [48] * 4)
         sc = builder.or_(builder.and_(_shuf(builder, q, [0, 1, 2, 3, 8, 9, 10, 11]), low),
-                         builder.and_(_shuf(builder, top, [0] * 4 + [0, 1, 2, 3]), c8([0] * 4 + [48] * 4)))
+                         builder.and_(_shuf(builder, top, [0] * 4 + [0, 1, 2, 3]), hi8))
         mn = builder.or_(builder.and_(builder.lshr(_shuf(builder, q, [4, 5, 6, 7, 8, 9, 10, 11]),
                                                    c8([0] * 4 + [4] * 4)), low),
-                         builder.and_(_shuf(builder, top, [0] * 4 + [4, 5, 6, 7]), c8([0] * 4 + [48] * 4)))
+                         builder.and_(_shuf(builder, top, [0] * 4 + [4, 5, 6, 7]), hi8))
         return fl(sc, _half(builder, blk, 0)), fl(mn, _half(builder, blk, 2))
     if kind == "Q6_K":  # 16 int8 scales at byte 192, d at 208
         sc = builder.sext(_load(builder, blk, 192, _vec(_I8, 16)), _vec(_I32, 16))
@@ -230,9 +232,11 @@ def _kscales(kind, builder, blk):
     q = bytes_at(96, 12)
     i = range(16)
     lo = builder.and_(builder.lshr(_shuf(builder, q, [k & 7 for k in i]),
-                                   _const(_I32, 16, [4 * (k >> 3) for k in i])), _const(_I32, 16, 15))
+                                   _const(_I32, 16, [4 * (k >> 3) for k in i])),
+                      _const(_I32, 16, 15))
     hi = builder.and_(builder.lshr(_shuf(builder, q, [8 + (k & 3) for k in i]),
-                                   _const(_I32, 16, [2 * (k >> 2) for k in i])), _const(_I32, 16, 3))
+                                   _const(_I32, 16, [2 * (k >> 2) for k in i])),
+                      _const(_I32, 16, 3))
     sc = builder.sub(builder.or_(lo, builder.shl(hi, _const(_I32, 16, 4))), _const(_I32, 16, 32))
     return fl(sc, _half(builder, blk, 108)), None
 
@@ -257,7 +261,8 @@ def _kcodes(kind, builder, blk, r):
         c, k = divmod(r, 4)  # half c, group k: ql bytes at 64c + 32 (k & 1), nibble k >> 1
         lo = _fields(builder, blk, 64 * c + 32 * (k & 1), 32, 4 * (k >> 1), 15)
         h = _fields(builder, blk, 128 + 32 * c, 32, 2 * k, 3)
-        return builder.sub(builder.or_(lo, builder.shl(h, _const(_I32, 32, 4))), _const(_I32, 32, 32))
+        q = builder.or_(lo, builder.shl(h, _const(_I32, 32, 4)))
+        return builder.sub(q, _const(_I32, 32, 32))
     c, g = divmod(r, 4)  # Q3_K, Q2_K: 2-bit fields, values 128c + 32g + l
     q = _fields(builder, blk, (32 if kind == "Q3_K" else 16) + 32 * c, 32, 2 * g, 3)
     if kind == "Q3_K":  # minus 4 where bit r of the hmask byte l is clear

@@ -3,23 +3,22 @@ r"""Products with a weight kept in its GGML blocks (:class:`minillama.quant.Quan
 y = x W^T (:func:`qmatmul`) and dx = dy W (:func:`qmatmul_t`, for training through a frozen
 quantized weight) read W's blocks directly; W is never held dequantized as a whole.
 
-Method: each block is decoded into float32 values in registers (w = d * q or w = d * q - m with
-the block's scale d, min m and small integer q) and dotted with float32 activations, summed in
-float32. Activations are not quantized (llama.cpp quantizes them to 8-bit blocks and takes
-integer dots): the product is the exact product with the dequantized matrix up to float32
-rounding. The affine parts are folded: \sum_j (d q_j - m) x_j = d \sum_j q_j x_j - m \sum_j x_j,
-with the sums of x over each run of 16 values computed once per call, so the inner loops are
-integer unpacking, an int-to-float conversion and a fused multiply-add, which LLVM vectorises.
+Method: each block is decoded into float32 values in registers (w = d q or w = d q - m with the
+block's scales and small integer codes q) and dotted with float32 activations, summed in float32
+(activations are not quantized, unlike llama.cpp's integer dots): the result is the product with
+the dequantized matrix up to float32 rounding (docs/MATH.md, "Quantized products").
 
-* few rows in x (decoding, M <= :data:`GEMV_MAX_ROWS`): one fused dot per (row of x, row of W),
-  the rows of W split over the Numba threads (``prange``); the time is that of streaming the
-  blocks once;
+* few rows in x (decoding, M <= :data:`GEMV_MAX_ROWS`): one call per (row of W, row of x) of a
+  row kernel of :mod:`.qsimd` (explicit LLVM vector code: unpack, convert, scale, FMA into a
+  vector accumulator, one horizontal sum per row), the rows of W split over the Numba threads
+  from :data:`PARALLEL_MIN_WORK` on;
 * more rows (prefill, training): each thread dequantizes a tile of :data:`TILE_N` rows of W into
-  its own float32 buffer and multiplies it by x with OpenBLAS's GEMM (:mod:`.blas`), or with
-  NumPy's matmul when no OpenBLAS was found.
+  its own float32 buffer (the same vector decoding, stored) and multiplies it by x with
+  OpenBLAS's GEMM (:mod:`.blas`), or NumPy's matmul when no OpenBLAS was found.
 
-Supported types: every key of :data:`minillama.quant.BLOCKS`. fp16 fields are read through a
-65536-entry float32 table (one lookup per block). Imported only by the numba backend.
+Every key of :data:`minillama.quant.BLOCKS` is supported; IQ4_XS (and IQ4_NL without AVX-512)
+runs plain Numba loops, whose fp16 fields are read through a 65536-entry float32 table.
+Imported only by the numba backend.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from minillama.quant import BLOCKS, QuantMatrix
+from ...quant import BLOCKS, QuantMatrix
 
 from . import blas, qsimd
 
@@ -319,7 +318,8 @@ def _dequant_row_loops(qt, w, n, out, r, lut, kv):  # pragma: no cover - compile
             d = _h(w, n, o, lut)
             sh = np.int64(w[n, o + 2]) | (np.int64(w[n, o + 3]) << 8)
             for ib in range(8):
-                ls = ((w[n, o + 4 + ib // 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4)
+                ls = (((w[n, o + 4 + ib // 2] >> (4 * (ib % 2))) & 15)
+                      | (((sh >> (2 * ib)) & 3) << 4))
                 dl = d * np.float32(np.int64(ls) - 32)
                 for j in range(16):
                     v = w[n, o + 8 + 16 * ib + j]
