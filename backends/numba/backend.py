@@ -41,11 +41,14 @@ import numpy as np
 
 from ... import ops
 from ...errors import MinillamaError
+from ...quant import QuantMatrix
 from ...decoding import ChunkDecoder, nonfinite_error
 from ...decoding import finite_logits as _finite
 from ...quant import QuantMatrix
 from ..numpy import threads as cpu_threads
 from ..numpy.backend import NumpyBackend
+from ..reference import (composed_linear_cross_entropy_backward,
+                         composed_linear_cross_entropy_forward)
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -114,7 +117,13 @@ class NumbaBackend(NumpyBackend):
     # -----------------------------------------------------------------------------------------
     def linear_forward(self, x, w):
         r"""y = x W^T (x: (..., in), W: (out, in)); up to four rows (decoding) take the Numba
-        GEMV of :mod:`.gemv`, which streams W at close to memory bandwidth; else BLAS."""
+        GEMV of :mod:`.gemv`, which streams W at close to memory bandwidth; else BLAS. A
+        :class:`~minillama.quant.QuantMatrix` W is multiplied from its GGML blocks
+        (:func:`.quant.qmatmul`, float32)."""
+        if isinstance(w, QuantMatrix):
+            K = w.shape[1]
+            y = self._quant().qmatmul(x.reshape(-1, K), w)
+            return y.astype(x.dtype, copy=False).reshape(*x.shape[:-1], w.shape[0]), (x, w)
         K = x.shape[-1]
         rows = x.size // K if K else 0
         if isinstance(w, QuantMatrix):  # the NumPy backend's tiles
@@ -124,6 +133,39 @@ class NumbaBackend(NumpyBackend):
             y = self._gemv.gemv(x.reshape(rows, K), w)
             return y.reshape(*x.shape[:-1], w.shape[0]), (x, w)
         return super().linear_forward(x, w)
+
+    def linear_backward(self, dy, ctx):
+        r"""dx = dy W, dW = dy^T x; for a :class:`~minillama.quant.QuantMatrix` W (frozen)
+        dx = dy W from its blocks (:func:`.quant.qmatmul_t`) and dW is None."""
+        x, w = ctx
+        if isinstance(w, QuantMatrix):
+            N, K = w.shape
+            dx = self._quant().qmatmul_t(dy.reshape(-1, N), w)
+            return dx.astype(dy.dtype, copy=False).reshape(*dy.shape[:-1], K), None
+        return super().linear_backward(dy, ctx)
+
+    def linear_cross_entropy_forward(self, x, w, targets, ignore_index: int = -1):
+        r"""The loss head z = x W^T, L = CE(z, y); a :class:`~minillama.quant.QuantMatrix` W
+        takes the composed ops (:meth:`linear_forward` from its blocks, then the cross-entropy)."""
+        if isinstance(w, QuantMatrix):
+            return composed_linear_cross_entropy_forward(self, x, w, targets, ignore_index)
+        return super().linear_cross_entropy_forward(x, w, targets, ignore_index)
+
+    def linear_cross_entropy_backward(self, dloss, ctx):
+        r"""Gradients of the loss head; (dx, None) for a quantized (frozen) W."""
+        if isinstance(ctx, tuple) and isinstance(ctx[0][1], QuantMatrix):
+            return composed_linear_cross_entropy_backward(self, dloss, ctx)
+        return super().linear_cross_entropy_backward(dloss, ctx)
+
+    _quant_module = None
+
+    def _quant(self):
+        """:mod:`.quant` (imported on first use: it compiles nothing until called)."""
+        if self._quant_module is None:
+            from . import quant as numba_quant  # noqa: PLC0415
+
+            NumbaBackend._quant_module = numba_quant
+        return self._quant_module
 
     def _gemm(self, a, b, out):
         """out = a b for every linear GEMM (forward and backward, see
@@ -201,7 +243,14 @@ class NumbaBackend(NumpyBackend):
         from ...model import param_shapes  # noqa: PLC0415
 
         shapes = param_shapes(cfg)
-        if set(p) != set(shapes) or any(not isinstance(a, np.ndarray) for a in p.values()):
+        if set(p) != set(shapes):
+            return None
+        if any(isinstance(a, QuantMatrix) for a in p.values()):
+            plan = self._quant_plan(model, shapes)
+            if plan is not None:
+                self._decode_plans[model] = plan
+            return plan
+        if any(not isinstance(a, np.ndarray) for a in p.values()):
             return None
         dt = model.dtype
 
@@ -233,6 +282,70 @@ class NumbaBackend(NumpyBackend):
         return plan
 
     _decode = None
+    _qdecode = None
+
+    #: the linear weights of a layer in the order of :func:`.qdecode.decode_step_one_q`
+    _QUANT_LINEAR = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
+                     "attention.wo.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
+                     "feed_forward.w3.weight")
+
+    def _quant_plan(self, model, shapes):
+        """The decode plan of a float32 model whose linear weights are all GGML block matrices
+        (:class:`~minillama.quant.QuantMatrix`; the embedding and the classifier may be either):
+        the block arrays as typed lists and each matrix's type id. None otherwise."""
+        p, cfg = model.params, model.cfg
+        L = cfg.n_layers
+        names = [f"layers.{i}.{n}" for i in range(L) for n in self._QUANT_LINEAR]
+        if model.dtype != np.float32 or not all(isinstance(p[k], QuantMatrix) for k in names):
+            return None
+        q = self._quant()
+
+        def side(w):  # (block data, type id, float matrix); type 0 for a float matrix
+            if isinstance(w, QuantMatrix):
+                return w.data, q.CODES[w.qtype], np.zeros((1, 1), np.float32)
+            return np.zeros((1, 1), np.uint8), 0, np.require(w, np.float32, ("C", "W"))
+
+        rest = [k for k in shapes if k not in names and k not in (
+            "tok_embeddings.weight", "output.weight")]
+        if any(not isinstance(p[k], np.ndarray) for k in rest):
+            return None
+
+        def arr(a):
+            return np.require(a, dtype=np.float32, requirements=("C", "W"))
+
+        lst = self._numba.typed.List
+        mats = tuple(lst([p[f"layers.{i}.{n}"].data for i in range(L)])
+                     for n in self._QUANT_LINEAR)
+        if self._qdecode is None:
+            from . import qdecode as numba_qdecode  # noqa: PLC0415
+
+            NumbaBackend._qdecode = numba_qdecode
+        return {
+            "keys": list(shapes), "arrays": [p[k] for k in shapes], "quant": True,
+            "V": cfg.vocab_size, "emb": side(p["tok_embeddings.weight"]),
+            "out": side(model.output_weight),
+            "codes": np.array([[q.CODES[p[f"layers.{i}.{n}"].qtype] for n in self._QUANT_LINEAR]
+                               for i in range(L)], dtype=np.int64),
+            "norm": arr(p["norm.weight"]),
+            "g_att": lst([arr(p[f"layers.{i}.attention_norm.weight"]) for i in range(L)]),
+            "g_ffn": lst([arr(p[f"layers.{i}.ffn_norm.weight"]) for i in range(L)]),
+            "mats": mats, "cos": arr(model.cos), "sin": arr(model.sin),
+            "eps": float(cfg.norm_eps), "heads": int(cfg.n_heads),
+        }
+
+    def _step_one(self, plan, tok, pos, kc, vc, logits, stop, ids):
+        """One sequence's fused step(s): :func:`.decode.decode_step_one`, or
+        :func:`.qdecode.decode_step_one_q` for a quantized plan. Returns its count."""
+        if not plan.get("quant"):
+            return self._decode.decode_step_one(tok, pos, *_model_args(plan, kc, vc), logits,
+                                                self.num_threads, stop, ids)
+        q = self._quant()
+        wq, wk, wv, wo, w1, w2, w3 = plan["mats"]
+        return self._qdecode.decode_step_one_q(
+            tok, pos, *plan["emb"], *plan["out"], plan["codes"], plan["norm"], plan["g_att"],
+            wq, wk, wv, wo, plan["g_ffn"], w1, w2, w3, kc, vc, plan["cos"], plan["sin"],
+            plan["eps"], plan["heads"], logits, self.num_threads, stop, ids, q._F16,
+            q._KVALUES)
 
     def _cache_lists(self, cache, dt):
         """The cache's per-layer K and V arrays as typed lists (built once per cache), or None
@@ -265,7 +378,7 @@ class NumbaBackend(NumpyBackend):
         if T != 1 or cache.batch_size != B:
             return None
         plan = self._decode_plan(model)
-        if plan is None:
+        if plan is None or (B > 1 and plan.get("quant")):  # quantized: one sequence only
             return None
         kv = self._cache_lists(cache, model.dtype)
         if kv is None:
@@ -284,12 +397,13 @@ class NumbaBackend(NumpyBackend):
         if hi >= cache.max_seq_len:
             raise MinillamaError(f"sequence of {hi + 1} positions exceeds the KV cache length "
                                  f"{cache.max_seq_len}")
-        logits = np.empty((B, plan["emb"].shape[0]), dtype=model.dtype)
-        args = (np.ascontiguousarray(tok[:, 0], dtype=np.int64), pos,
-                *_model_args(plan, kc, vc), logits, self.num_threads)
+        logits = np.empty((B, _vocab(plan)), dtype=model.dtype)
         if B == 1:
-            self._decode.decode_step_one(*args, _NO_IDS, _NO_IDS)
+            self._step_one(plan, np.ascontiguousarray(tok[:, 0], dtype=np.int64), pos, kc, vc,
+                           logits, _NO_IDS, _NO_IDS)
         else:
+            args = (np.ascontiguousarray(tok[:, 0], dtype=np.int64), pos,
+                    *_model_args(plan, kc, vc), logits, self.num_threads)
             self._decode.decode_step(*args, _NO_IDS, _NO_IDS_2D)
         return logits
 
@@ -302,14 +416,14 @@ class NumbaBackend(NumpyBackend):
         B = len(tok)
         plan = self._decode_plan(model)
         kv = self._cache_lists(cache, model.dtype) if plan is not None else None
-        if B < 2 or kv is None or cache.batch_size != B or k < 1:
+        if B < 2 or kv is None or cache.batch_size != B or k < 1 or plan.get("quant"):
             return None
         pos = np.ascontiguousarray(start_pos, dtype=np.int64).reshape(B)
         if pos.min() < 0 or pos.max() >= cache.max_seq_len:
             raise MinillamaError(f"positions up to {int(pos.max())} exceed the KV cache length "
                                  f"{cache.max_seq_len}")
         ids = np.empty((B, int(k)), dtype=np.int64)
-        logits = np.empty((B, plan["emb"].shape[0]), dtype=model.dtype)
+        logits = np.empty((B, _vocab(plan)), dtype=model.dtype)
         n = self._decode.decode_step(
             np.ascontiguousarray(tok, dtype=np.int64).reshape(B), pos, *_model_args(plan, *kv),
             logits, self.num_threads, _NO_IDS, ids)
@@ -635,6 +749,11 @@ _NO_IDS = np.zeros(0, dtype=np.int64)
 _NO_IDS_2D = np.zeros((0, 0), dtype=np.int64)
 
 
+def _vocab(plan) -> int:
+    """V of a decode plan (float or quantized)."""
+    return plan["V"] if plan.get("quant") else plan["emb"].shape[0]
+
+
 def _model_args(plan, kc, vc):
     """The arguments of the :mod:`.decode` kernels between the positions and the logits:
     the weights of ``plan`` (:meth:`NumbaBackend._decode_plan`), the cache lists kc, vc, the
@@ -689,10 +808,9 @@ class GreedyDecoder(ChunkDecoder):
         plan = be._decode_plan(m)
         kc, vc = be._cache_lists(self.cache, m.dtype)
         p0 = self._P + self._done - 1  # where the last id goes
-        logits = np.empty((1, plan["emb"].shape[0]), dtype=m.dtype)
-        n = be._decode.decode_step_one(
-            np.array([self._last], dtype=np.int64), np.array([p0], dtype=np.int64),
-            *_model_args(plan, kc, vc), logits, be.num_threads, self.stop, ids)
+        logits = np.empty((1, _vocab(plan)), dtype=m.dtype)
+        n = be._step_one(plan, np.array([self._last], dtype=np.int64),
+                         np.array([p0], dtype=np.int64), kc, vc, logits, self.stop, ids)
         ids = ids[:n]
         if n and ids[-1] < 0:
             raise nonfinite_error(f"position {p0 + n - 1}")

@@ -1,0 +1,158 @@
+r"""The fused decode step of :mod:`.decode` for a model whose matrices are GGML blocks
+(:class:`minillama.quant.QuantMatrix`): one compiled call runs a whole KV-cached decode step of
+one sequence (and, given an ``ids`` buffer, several greedy steps), every matrix-vector product
+computed from the blocks by the row kernels of :mod:`.quant` / :mod:`.qsimd`.
+
+The step is that of :func:`.decode.decode_step_one` (RMSNorm; q, k, v by RoPE pairs of rows,
+rotated as computed, k and v into the cache; attention over the cache rows in spans; W_o with
+the residual add; RMSNorm; SiLU(W_1 x) * W_3 x; W_2 with the residual add; final RMSNorm; the
+classifier rows and, greedy, their argmax), float32 activations. The embedding row of the token
+is dequantized from its blocks. Each matrix carries its own GGML type (a Q4_K_M file mixes Q4_K
+and Q6_K): ``codes[layer]`` holds the type ids of W_q, W_k, W_v, W_o, W_1, W_2, W_3.
+
+Imported only by the numba backend (importing it imports Numba).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .decode import _argmax_finite, _attend_span, _join_spans, _rmsnorm_rows
+from .quant import _dequant_row, _dot
+
+
+@njit(fastmath=True, cache=True, nogil=True, inline="always")
+def _qd(qt, W, i, x, lut, kv):  # pragma: no cover - compiled
+    """x_0 . W_i, W_i the dequantized row i of the block matrix W (N, row bytes)."""
+    return _dot(qt, W, i, x, 0, lut, kv, 16)
+
+
+@njit(fastmath=True, cache=True, nogil=True, inline="always")
+def _out(qt, W, Wf, v, x, lut, kv):  # pragma: no cover - compiled
+    """Classifier row v: from blocks (qt > 0) or from the float matrix Wf (qt == 0)."""
+    if qt == 0:
+        s = np.float32(0)
+        for k in range(x.shape[1]):
+            s += x[0, k] * Wf[v, k]
+        return s
+    return _qd(qt, W, v, x, lut, kv)
+
+
+@njit(fastmath=True, cache=True, nogil=True, parallel=True)
+def decode_step_one_q(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, codes, g_final, g_att,
+                      wq, wk, wv, wo, g_ffn, w1, w2, w3, kc, vc, cos, sin, eps, n_heads, logits,
+                      threads, stop, ids, lut, kv):  # pragma: no cover - compiled
+    r""":func:`.decode.decode_step_one` with block-quantized matrices: emb and wout uint8
+    (V, row bytes) of GGML types emb_qt and out_qt; wq ... w3 typed lists of uint8 block
+    matrices; codes (L, 7) int64 their types; a type 0 for the embedding (classifier) means a
+    float32 matrix, emb_f (out_f), instead; kc, vc the float32 caches (1, S, KVH, hd);
+    lut, kv the fp16 and IQ4 tables of :mod:`.quant`. Returns how many entries of ``ids`` it
+    wrote (1 for the single step, ``ids`` empty); ``logits`` (1, V) holds the last step's."""
+    D = g_final.shape[0]
+    V = logits.shape[1]
+    L = len(wq)
+    qd = wq[0].shape[0]
+    kvd = wk[0].shape[0]
+    H = n_heads
+    hd = qd // H
+    G = H // (kvd // hd)
+    F = w1[0].shape[0]
+    n_steps = max(1, ids.shape[0])
+    t = tok[0]
+    x = np.empty((1, D), dtype=np.float32)
+    xn = np.empty((1, D), dtype=np.float32)
+    qkv = np.empty((1, qd), dtype=np.float32)
+    att = np.empty((1, qd), dtype=np.float32)
+    h = np.empty((1, F), dtype=np.float32)
+    n_max = pos[0] + n_steps
+    scores = np.empty((threads, H, n_max), dtype=np.float32)
+    ml = np.empty((threads, H, 2), dtype=np.float32)
+    parts = np.empty((threads, qd), dtype=np.float32)
+    best = np.empty(threads, dtype=np.int64)
+    finite = np.empty(threads, dtype=np.bool_)
+    scale = np.float32(1.0 / np.sqrt(hd))
+    for step in range(n_steps):
+        p = pos[0] + step
+        n = p + 1
+        P = max(1, min(threads, n // 8))
+        if emb_qt == 0:
+            x[0, :] = emb_f[t]
+        else:
+            _dequant_row(emb_qt, emb, t, x, 0, lut, kv)
+        for layer in range(L):
+            Wq = wq[layer]
+            Wk = wk[layer]
+            Wv = wv[layer]
+            Wo = wo[layer]
+            W1 = w1[layer]
+            W2 = w2[layer]
+            W3 = w3[layer]
+            cq, ck, cv, co, c1, c2, c3 = (codes[layer, 0], codes[layer, 1], codes[layer, 2],
+                                          codes[layer, 3], codes[layer, 4], codes[layer, 5],
+                                          codes[layer, 6])
+            Kc = kc[layer]
+            Vc = vc[layer]
+            _rmsnorm_rows(x, g_att[layer], eps, xn)
+            for i in prange((qd + 2 * kvd) // 2):
+                r = 2 * i
+                if r < qd:
+                    a = _qd(cq, Wq, r, xn, lut, kv)
+                    c = _qd(cq, Wq, r + 1, xn, lut, kv)
+                    d0 = r % hd
+                elif r < qd + kvd:
+                    a = _qd(ck, Wk, r - qd, xn, lut, kv)
+                    c = _qd(ck, Wk, r - qd + 1, xn, lut, kv)
+                    d0 = (r - qd) % hd
+                else:
+                    a = _qd(cv, Wv, r - qd - kvd, xn, lut, kv)
+                    c = _qd(cv, Wv, r - qd - kvd + 1, xn, lut, kv)
+                    d0 = (r - qd - kvd) % hd
+                if r < qd + kvd:
+                    cs = cos[p, d0 // 2]
+                    sn = sin[p, d0 // 2]
+                    a, c = a * cs - c * sn, a * sn + c * cs
+                if r < qd:
+                    qkv[0, r] = a
+                    qkv[0, r + 1] = c
+                elif r < qd + kvd:
+                    Kc[0, p, (r - qd) // hd, d0] = a
+                    Kc[0, p, (r - qd) // hd, d0 + 1] = c
+                else:
+                    Vc[0, p, (r - qd - kvd) // hd, d0] = a
+                    Vc[0, p, (r - qd - kvd) // hd, d0 + 1] = c
+            for u in prange(P):
+                _attend_span(qkv[0], Kc[0], Vc[0], u * n // P, (u + 1) * n // P, G, scale,
+                             scores[u], ml[u], parts[u])
+            _join_spans(ml[:P], parts[:P], att[0])
+            for i in prange(D):
+                x[0, i] += _qd(co, Wo, i, att, lut, kv)
+            _rmsnorm_rows(x, g_ffn[layer], eps, xn)
+            for i in prange(F):
+                a = _qd(c1, W1, i, xn, lut, kv)
+                h[0, i] = a / (1.0 + np.exp(-a)) * _qd(c3, W3, i, xn, lut, kv)
+            for i in prange(D):
+                x[0, i] += _qd(c2, W2, i, h, lut, kv)
+        _rmsnorm_rows(x, g_final, eps, xn)
+        if ids.shape[0] == 0:
+            for v in prange(V):
+                logits[0, v] = _out(out_qt, wout, out_f, v, xn, lut, kv)
+            return 1
+        for u in prange(threads):
+            lo = u * V // threads
+            hi = (u + 1) * V // threads
+            for v in range(lo, hi):
+                logits[0, v] = _out(out_qt, wout, out_f, v, xn, lut, kv)
+            best[u], finite[u] = _argmax_finite(logits[0], lo, hi)
+        t = best[0]
+        for u in range(threads):
+            if not finite[u]:
+                ids[step] = -1
+                return step + 1
+            if logits[0, best[u]] > logits[0, t]:
+                t = best[u]
+        ids[step] = t
+        for s in stop:
+            if t == s:
+                return step + 1
+    return n_steps
