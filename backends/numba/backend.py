@@ -41,7 +41,6 @@ import numpy as np
 
 from ... import ops
 from ...errors import MinillamaError
-from ...quant import QuantMatrix
 from ...decoding import ChunkDecoder, nonfinite_error
 from ...decoding import finite_logits as _finite
 from ...quant import QuantMatrix
@@ -126,8 +125,6 @@ class NumbaBackend(NumpyBackend):
             return y.astype(x.dtype, copy=False).reshape(*x.shape[:-1], w.shape[0]), (x, w)
         K = x.shape[-1]
         rows = x.size // K if K else 0
-        if isinstance(w, QuantMatrix):  # the NumPy backend's tiles
-            return super().linear_forward(x, w)
         if (0 < rows <= self._gemv.GEMV_MAX_ROWS and x.dtype == w.dtype and x.dtype in _FLOATS
                 and w.flags.c_contiguous):
             y = self._gemv.gemv(x.reshape(rows, K), w)
