@@ -120,6 +120,8 @@ class NumbaBackend(NumpyBackend):
         :class:`~minillama.quant.QuantMatrix` W is multiplied from its GGML blocks
         (:func:`.quant.qmatmul`, float32)."""
         if isinstance(w, QuantMatrix):
+            if x.dtype != np.float32:  # the kernels dot in float32: float64 takes the exact tiles
+                return super().linear_forward(x, w)
             K = w.shape[1]
             y = self._quant().qmatmul(x.reshape(-1, K), w)
             return y.astype(x.dtype, copy=False).reshape(*x.shape[:-1], w.shape[0]), (x, w)
@@ -135,7 +137,7 @@ class NumbaBackend(NumpyBackend):
         r"""dx = dy W, dW = dy^T x; for a :class:`~minillama.quant.QuantMatrix` W (frozen)
         dx = dy W from its blocks (:func:`.quant.qmatmul_t`) and dW is None."""
         x, w = ctx
-        if isinstance(w, QuantMatrix):
+        if isinstance(w, QuantMatrix) and dy.dtype == np.float32:
             N, K = w.shape
             dx = self._quant().qmatmul_t(dy.reshape(-1, N), w)
             return dx.astype(dy.dtype, copy=False).reshape(*dy.shape[:-1], K), None
