@@ -310,6 +310,81 @@ QUANTIZERS = {"Q8_0": q8_0, "Q4_0": q4_0, "Q5_0": q5_0, "Q4_1": q4_1, "Q5_1": q5
               "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "IQ4_NL": iq4_nl}
 
 
+# ---------------------------------------------------------------------------------------------
+# which type each tensor gets
+# ---------------------------------------------------------------------------------------------
+FLOAT_TYPES = ("F32", "F16")
+#: llama.cpp's mixture presets: base type of the matrices (see :func:`plan_types`)
+PRESETS = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
+
+
+def supported_type(qtype: str, presets: bool = False) -> str:
+    """``qtype`` when it is a type a matrix can be written as (or a preset, if allowed)."""
+    ok = [*FLOAT_TYPES, *QUANTIZERS] + (list(PRESETS) if presets else [])
+    if qtype not in ok:
+        raise MinillamaError(f"unknown tensor type {str(qtype)[:20]!r} (supported: "
+                             f"{', '.join(ok)})")
+    return qtype
+
+
+def resolve_type(qtype: str, K: int, values=None) -> tuple[str, str | None]:
+    """The type a matrix with rows of ``K`` values is written as when ``qtype`` is asked for,
+    and a note when it differs: a K type whose rows are not whole super-blocks of 256 falls
+    back to llama.cpp's 32-block type (:data:`K_FALLBACK`), a row that is not whole blocks of
+    32 either stays F16 (F32 when ``values`` exceed the float16 range)."""
+    if qtype in FLOAT_TYPES:
+        return qtype, None
+    want = qtype
+    if K % BLOCKS[qtype][1] and qtype in K_FALLBACK:
+        qtype = K_FALLBACK[qtype]
+    if K % BLOCKS[qtype][1]:
+        big = values is not None and np.abs(np.asarray(values)).max() > 65504
+        qtype = "F32" if big else "F16"
+    note = None if qtype == want else f"rows of {K} are not whole {want} blocks: {qtype}"
+    return qtype, note
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v / ffn_down get more bits in the _M presets:
+    the first and last eighth, and every third layer in between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def plan_types(cfg, params, qtype: str, output_type: str | None = None,
+               embedding_type: str | None = None) -> dict[str, str]:
+    """The type asked for each matrix of ``params`` (before :func:`resolve_type`):
+
+    * the output head (``output.weight``, or the token embeddings when tied): ``output_type``,
+      else Q6_K for every quantized type below 6 bits (Q8_0 and Q6_K keep their own, floats
+      their own), as llama.cpp's presets do;
+    * the token embeddings (untied): ``embedding_type``, else the base type;
+    * Q4_K_M / Q5_K_M: Q4_K / Q5_K, except attention.wv and feed_forward.w2 of the layers
+      :func:`_more_bits` picks, which take Q6_K;
+    * every other matrix: ``qtype``."""
+    supported_type(qtype, presets=True)
+    for t in (output_type, embedding_type):
+        if t is not None:
+            supported_type(t)
+    base = PRESETS.get(qtype, qtype)
+    head = "output.weight" if "output.weight" in params else "tok_embeddings.weight"
+    plan = {}
+    for name, a in params.items():
+        if len(getattr(a, "shape", ())) != 2:
+            continue
+        kind = base
+        if qtype in PRESETS and name.startswith("layers."):
+            layer = int(name.split(".")[1])
+            if name.endswith(("attention.wv.weight", "feed_forward.w2.weight")) \
+                    and _more_bits(layer, cfg.n_layers):
+                kind = "Q6_K"
+        if name == "tok_embeddings.weight" and embedding_type:
+            kind = embedding_type
+        if name == head:
+            kind = output_type or (base if base in (*FLOAT_TYPES, "Q8_0", "Q6_K") else "Q6_K")
+        plan[name] = kind
+    return plan
+
+
 def quantize(w, qtype: str) -> QuantMatrix:
     """The float matrix ``w`` (N, K) as a :class:`QuantMatrix` of GGML type ``qtype``; K must be
     a whole number of blocks."""
@@ -329,3 +404,101 @@ def quantize(w, qtype: str) -> QuantMatrix:
     data = QUANTIZERS[qtype](w.reshape(-1, per))
     return QuantMatrix(qtype, (N, K), np.ascontiguousarray(data, dtype=np.uint8)
                        .reshape(N, K // per * size))
+
+
+def quantize_params(cfg, params, qtype: str, output_type: str | None = None,
+                    embedding_type: str | None = None):
+    """``(params, types, notes)``: the matrices of ``params`` quantized by
+    :func:`plan_types` and :func:`resolve_type` (QuantMatrix values), ``types`` the type of every
+    matrix left as floats (F16/F32) for :func:`~minillama.formats.gguf.save_gguf`, and one note
+    per kind of fallback. A matrix that already is a QuantMatrix of its planned type is kept as
+    it is; one of another type is dequantized first (requantizing loses more than quantizing
+    the float original)."""
+    from . import quant  # noqa: PLC0415
+
+    plan = plan_types(cfg, params, qtype, output_type, embedding_type)
+    out, types, notes = dict(params), {}, {}
+    for name, kind in plan.items():
+        a = params[name]
+        if isinstance(a, QuantMatrix):
+            if a.qtype == kind:
+                continue
+            deq = getattr(quant, "dequantize", None)
+            if deq is None:
+                raise MinillamaError(f"{name} is {a.qtype}; requantizing it to {kind} needs "
+                                     f"a float checkpoint")
+            a = np.asarray(deq(a), dtype=np.float32)
+        a = np.asarray(a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else a,
+                       dtype=np.float32)
+        kind, note = resolve_type(kind, a.shape[1], a)
+        if note:
+            notes.setdefault(note, []).append(name)
+        if kind in FLOAT_TYPES:
+            types[name] = kind
+            out[name] = a
+        else:
+            out[name] = quantize(a, kind)
+    lines = [f"{note} for {len(names)} matri{'x' if len(names) == 1 else 'ces'} "
+             f"({names[0]}{', ...' if len(names) > 1 else ''})" for note, names in notes.items()]
+    return out, types, lines
+
+
+# ---------------------------------------------------------------------------------------------
+# the `minillama quantize` command
+# ---------------------------------------------------------------------------------------------
+def add_cli(subparsers) -> None:
+    types = ", ".join([*QUANTIZERS, *PRESETS, *FLOAT_TYPES])
+    p = subparsers.add_parser(
+        "quantize", help="write a quantized GGUF file (llama.cpp's block types)",
+        description="Quantize any checkpoint minillama loads (the shipped model, a minillama "
+                    ".safetensors, a Hugging Face folder, a GGUF file) into a GGUF file that "
+                    "llama.cpp and transformers read. Norms stay F32; the output head takes "
+                    "Q6_K (or the base type if it has 6 bits or more) unless --output-type "
+                    f"says otherwise. Types: {types}. See docs/QUANTIZATION.md.")
+    p.add_argument("input", help="checkpoint file or folder")
+    p.add_argument("output", help="GGUF file to write (atomically)")
+    p.add_argument("--type", required=True, dest="qtype", metavar="TYPE",
+                   help="matrix type or preset (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
+                        "Q6_K, IQ4_NL, Q4_K_M, Q5_K_M, F16, F32)")
+    p.add_argument("--output-type", default=None, metavar="TYPE",
+                   help="type of the output head (default: Q6_K, or the base type if higher)")
+    p.add_argument("--embedding-type", default=None, metavar="TYPE",
+                   help="type of the token embeddings when not tied (default: the base type)")
+    p.set_defaults(func=run_quantize)
+
+
+def run_quantize(args) -> int:
+    import sys  # noqa: PLC0415
+    import time  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from .checkpoint import check_output_file  # noqa: PLC0415
+    from .formats import load_params  # noqa: PLC0415
+    from .formats.gguf import save_gguf  # noqa: PLC0415
+
+    qtype = args.qtype.upper()
+    supported_type(qtype, presets=True)
+    out_type = supported_type(args.output_type.upper()) if args.output_type else None
+    emb_type = supported_type(args.embedding_type.upper()) if args.embedding_type else None
+    out = check_output_file(Path(args.output), "GGUF file")
+    if Path(args.input).resolve() == out.resolve():
+        raise MinillamaError("the output file is the input checkpoint; choose another path")
+    t0 = time.perf_counter()
+    _, cfg, params, tok = load_params(args.input)
+    before = sum(int(np.prod(a.shape)) * 4 for a in params.values())
+    qparams, types, notes = quantize_params(cfg, params, qtype, out_type, emb_type)
+    notes_tok: list[str] = []
+    save_gguf(out, cfg, qparams, tokenizer=tok, types=types, notes=notes_tok)
+    secs = time.perf_counter() - t0
+    counts: dict[str, int] = {}
+    for name, a in qparams.items():
+        kind = a.qtype if isinstance(a, QuantMatrix) else types.get(name, "F32")
+        counts[kind] = counts.get(kind, 0) + 1
+    n_weights = sum(int(np.prod(a.shape)) for a in params.values())
+    size = out.stat().st_size
+    for note in notes + notes_tok:
+        print(f"minillama: note: {note}", file=sys.stderr)
+    print(f"wrote {out}: {size / 2**20:.2f} MiB ({8 * size / n_weights:.2f} bits per weight; "
+          f"float32 {before / 2**20:.2f} MiB), tensors "
+          + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + f", {secs:.1f} s")
+    return 0
