@@ -1,9 +1,9 @@
 r"""Perplexity of a model on a text, by llama.cpp's method (``llama-perplexity``), so that a
 quantized file and its float original can be compared, here and against llama.cpp.
 
-The text is tokenized once (no BOS added) and cut into C non-overlapping chunks of n_ctx tokens
-(the tail that does not fill a chunk is dropped). When the tokenizer's model starts sequences
-with BOS, the first token of each chunk is replaced by BOS. Each chunk is run from an empty
+The text is tokenized once (with a leading BOS when the tokenizer's model starts sequences with
+one) and cut into C non-overlapping chunks of n_ctx tokens (the tail that does not fill a chunk
+is dropped); with BOS, the first token of each chunk is also replaced by BOS. Each chunk is run from an empty
 context and only its second half is scored, so that every scored token sees at least n_ctx/2
 tokens of context: positions j = n_ctx/2 .. n_ctx - 2 predict tokens j + 1, giving
 N = C (n_ctx - 1 - n_ctx/2) scored tokens and
@@ -76,8 +76,9 @@ def token_bytes(tok, ids: np.ndarray) -> int:
 def perplexity(model, tokens, n_ctx: int, bos_id: int | None = None,
                max_chunks: int | None = None, batch_size: int = 4, tok=None,
                progress=None) -> Perplexity:
-    """llama.cpp's perplexity of ``model`` on the token ids ``tokens`` (see the module doc);
-    ``bos_id`` replaces the first token of each chunk when given; bytes are counted with
+    """llama.cpp's perplexity of ``model`` on the token ids ``tokens`` (see the module doc:
+    the text's ids, after a BOS when the model uses one); ``bos_id`` replaces the first token
+    of each chunk when given; bytes are counted with
     ``tok`` (one byte per token without one)."""
     tokens = np.asarray(tokens, dtype=np.int64)
     if n_ctx < 4 or n_ctx % 2:
@@ -188,7 +189,7 @@ def run_perplexity(args) -> int:
     if bos and tok.bos_id is None:
         raise MinillamaError("the tokenizer has no BOS token; pass --bos no")
     n_ctx = args.ctx or min(512, model.cfg.max_seq_len)
-    tokens = np.asarray(tok.encode(text), dtype=np.int64)
+    tokens = np.asarray(tok.encode(text, bos=bos), dtype=np.int64)
 
     def progress(done, total, ppl):
         print(f"\r[{done}/{total}] perplexity {ppl:.4f}", end="", file=sys.stderr, flush=True)

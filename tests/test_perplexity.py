@@ -38,7 +38,7 @@ def direct_nll(model, ids: list[int]) -> list[float]:
 
 def test_matches_direct_computation(shipped):
     model, tok = shipped
-    ids = tok.encode(TEXT)
+    ids = tok.encode(TEXT, bos=True)
     n_ctx = 32
     r = perplexity(model, ids, n_ctx, bos_id=tok.bos_id, max_chunks=3, batch_size=2, tok=tok)
     nll = []
@@ -54,7 +54,7 @@ def test_matches_direct_computation(shipped):
 
 def test_chunking_and_bos(shipped):
     model, tok = shipped
-    ids = tok.encode(TEXT)
+    ids = tok.encode(TEXT, bos=True)
     n = len(ids) // 32
     full = perplexity(model, ids, 32, bos_id=tok.bos_id, batch_size=3, tok=tok)
     assert full.chunks == n and full.tokens_scored == n * 15  # the tail chunk is dropped
@@ -78,7 +78,7 @@ def test_bits_per_byte_counts_token_bytes(shipped):
         def decode_bytes(self, ids):
             return b"".join(bytes([i % 256]) * 2 for i in ids)
 
-    ids = tok.encode(TEXT)
+    ids = tok.encode(TEXT, bos=True)
     a = perplexity(model, ids, 32, bos_id=tok.bos_id, tok=tok)
     b = perplexity(model, ids, 32, bos_id=tok.bos_id, tok=Pairs())
     assert b.bytes_scored == 2 * a.bytes_scored
@@ -92,7 +92,7 @@ def test_cli(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["ctx"] == 64 and out["bos"] is True
     model, tok = load_model(SHIPPED, backend="numpy")
-    r = perplexity(model, tok.encode(TEXT), 64, bos_id=tok.bos_id, tok=tok)
+    r = perplexity(model, tok.encode(TEXT, bos=True), 64, bos_id=tok.bos_id, tok=tok)
     assert out["ppl"] == round(r.ppl, 4) and out["tokens_scored"] == r.tokens_scored
     assert main(["perplexity", "--data", str(data), "--ctx", "64", "--bos", "no",
                  "--limit-chunks", "1"]) == 0
@@ -111,7 +111,7 @@ def test_quantized_gguf_costs_little(tmp_path):
     model; Q4_0 costs more than Q8_0."""
     gguf = pytest.importorskip("gguf")  # noqa: F841
     model, tok = load_model(SHIPPED, backend="numpy")
-    ids = tok.encode(TEXT * 2)
+    ids = tok.encode(TEXT * 2, bos=True)
     base = perplexity(model, ids, 64, bos_id=tok.bos_id, tok=tok)
     res = {}
     for qtype in ("Q8_0", "Q4_0"):
