@@ -19,6 +19,8 @@ small integer scales per sub-block):
 * Q4_K / Q5_K: x = d s_j q - dmin m_j, 8 sub-blocks of 32, s_j, m_j in [0, 63] (6 bits),
   q in [0, 15] / [0, 31];
 * Q6_K: x = d s_j (q - 32), 16 sub-blocks of 16, s_j in [-128, 127] (int8), q in [0, 63];
+* Q3_K: x = d s_j q, 16 sub-blocks of 16, s_j in [-32, 31] (6 bits), q in [-4, 3];
+* Q2_K: x = d s_j q - dmin m_j, 16 sub-blocks of 16, s_j, m_j in [0, 15], q in [0, 3];
 * IQ4_NL: blocks of 32, x = d v[q], v the 16 non-uniform levels of :data:`IQ4_LEVELS`.
 
 The K-type scales are searched the simple way: for each sub-block a few trial step sizes around
@@ -198,20 +200,20 @@ def fit_scale(x: np.ndarray, qmin: int, qmax: int, trials: int = 19) -> np.ndarr
     return best_s
 
 
-def _k_scales(x: np.ndarray, qmax: int, sub: int):
-    """Shared by Q4_K and Q5_K: (d, dmin as stored, 6-bit scales s (n, 8), mins m (n, 8),
-    q (n, 256))."""
-    n = x.shape[0]
-    xs = x.reshape(n * 8, sub)
+def _k_scales(x: np.ndarray, qmax: int, sub: int, smax: int = 63):
+    """Shared by Q2_K, Q4_K and Q5_K: (d, dmin as stored, scales s and mins m in [0, smax]
+    (n, 256 / sub), q (n, 256)) for x ~ d s_j q - dmin m_j."""
+    n, nsub = x.shape[0], 256 // sub
+    xs = x.reshape(n * nsub, sub)
     s, m = fit_scale_min(xs, qmax)
-    s, m = s.reshape(n, 8), m.reshape(n, 8)
-    d = _f16_round(s.max(axis=1) / 63)
-    dmin = _f16_round(m.max(axis=1) / 63)
-    sc = np.clip(np.rint(s / np.where(d > 0, d, 1)[:, None]), 0, 63)
-    mn = np.clip(np.rint(m / np.where(dmin > 0, dmin, 1)[:, None]), 0, 63)
+    s, m = s.reshape(n, nsub), m.reshape(n, nsub)
+    d = _f16_round(s.max(axis=1) / smax)
+    dmin = _f16_round(m.max(axis=1) / smax)
+    sc = np.clip(np.rint(s / np.where(d > 0, d, 1)[:, None]), 0, smax)
+    mn = np.clip(np.rint(m / np.where(dmin > 0, dmin, 1)[:, None]), 0, smax)
     step = (d[:, None] * sc).astype(np.float32)  # what the file's reader multiplies by
     off = (dmin[:, None] * mn).astype(np.float32)
-    q = np.rint((xs.reshape(n, 8, sub) + off[..., None]) /
+    q = np.rint((xs.reshape(n, nsub, sub) + off[..., None]) /
                 np.where(step > 0, step, 1)[..., None])
     q = np.where(step[..., None] > 0, np.clip(q, 0, qmax), 0)
     return d, dmin, sc.astype(np.uint8), mn.astype(np.uint8), q.reshape(n, 256).astype(np.uint8)
@@ -280,6 +282,50 @@ def q6_k(x: np.ndarray) -> np.ndarray:
                            sc.astype(np.int8).view(np.uint8), _f16(d)], axis=1)
 
 
+def _two_bit_planes(q: np.ndarray) -> np.ndarray:
+    """(n, 256) values in [0, 3] -> (n, 64): in each half of 128 values byte l holds values
+    l, 32 + l, 64 + l, 96 + l at bits 0, 2, 4, 6."""
+    q = q.reshape(-1, 2, 4, 32) & 3
+    shifts = np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]
+    return np.bitwise_or.reduce(q << shifts, axis=2).astype(np.uint8).reshape(-1, 64)
+
+
+def q2_k(x: np.ndarray) -> np.ndarray:
+    r"""Q2_K: x_i = d s_j q_i - dmin m_j for i in sub-block j (16 sub-blocks of 16), q_i in
+    [0, 3], s_j, m_j in [0, 15] (4 bits); (s, m) per sub-block from :func:`fit_scale_min`.
+
+    Block (84 bytes): 16 bytes s_j | m_j << 4, 64 bytes of 2-bit q (as :func:`_two_bit_planes`),
+    d, dmin float16."""
+    d, dmin, sc, mn, q = _k_scales(x, 3, 16, smax=15)
+    return np.concatenate([sc | (mn << 4), _two_bit_planes(q), _f16(d), _f16(dmin)], axis=1)
+
+
+def q3_k(x: np.ndarray) -> np.ndarray:
+    r"""Q3_K: x_i = d s_j q_i for i in sub-block j (16 sub-blocks of 16), q_i in [-4, 3],
+    s_j in [-32, 31] (6 bits, stored s_j + 32); s per sub-block from :func:`fit_scale`,
+    d = max|s| / 31.
+
+    Block (110 bytes): 32 bytes of high bits (bit j of byte l is set when value 32 j + l has
+    q >= 0), 64 bytes of the low 2 bits of q + 4 (as :func:`_two_bit_planes`), 12 bytes of
+    scales (bytes 0-7: low nibbles of u_0..u_7 and, high, of u_8..u_15; bytes 8-11: the top 2
+    bits of u_{4k+b} at bits 2k of byte 8 + b, u = s + 32), d float16."""
+    n = x.shape[0]
+    s = fit_scale(x.reshape(n * 16, 16), -4, 3).reshape(n, 16)
+    d = _f16_round(np.abs(s).max(axis=1) / 31)
+    sc = np.clip(np.rint(s / np.where(d > 0, d, 1)[:, None]), -32, 31)
+    step = (d[:, None] * sc).astype(np.float32)
+    q = np.rint(x.reshape(n, 16, 16) / np.where(step != 0, step, 1)[..., None])
+    u = (np.where(step[..., None] != 0, np.clip(q, -4, 3), 0) + 4).astype(np.uint8)
+    u = u.reshape(n, 256)
+    high = ((u.reshape(n, 8, 32) >> 2) & 1) << np.arange(8, dtype=np.uint8)[None, :, None]
+    us = (sc + 32).astype(np.uint8)
+    low = (us[:, :8] & 15) | ((us[:, 8:] & 15) << 4)
+    top = np.bitwise_or.reduce(((us.reshape(n, 4, 4) >> 4) & 3)
+                               << np.array([0, 2, 4, 6], np.uint8)[None, :, None], axis=1)
+    return np.concatenate([np.bitwise_or.reduce(high, axis=1).astype(np.uint8),
+                           _two_bit_planes(u), low, top.astype(np.uint8), _f16(d)], axis=1)
+
+
 def iq4_nl(x: np.ndarray) -> np.ndarray:
     r"""IQ4_NL: x_i = d v[q_i], v = :data:`IQ4_LEVELS`, q_i in [0, 15]: for a few trial d around
     m / v_0 (m the signed value of largest |x|), q_i = the level nearest x_i / d, then the
@@ -307,7 +353,8 @@ def iq4_nl(x: np.ndarray) -> np.ndarray:
 
 #: GGML type -> block quantizer (nblocks, B) float32 -> (nblocks, bytes) uint8
 QUANTIZERS = {"Q8_0": q8_0, "Q4_0": q4_0, "Q5_0": q5_0, "Q4_1": q4_1, "Q5_1": q5_1,
-              "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "IQ4_NL": iq4_nl}
+              "Q2_K": q2_k, "Q3_K": q3_k, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k,
+              "IQ4_NL": iq4_nl}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,10 +23,14 @@ gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
 LEGACY = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1")
-OTHERS = ("Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
-#: relative RMS error bound ||x^ - x|| / ||x|| on Gaussian rows (measured: 0.07, 0.036,
-#: 0.017, 0.075 on N(0, 1); the legacy types for scale: Q4_0 0.087, Q5_1 0.038)
-REL_BOUND = {"Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.02, "IQ4_NL": 0.085}
+OTHERS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
+#: relative RMS error bound ||x^ - x|| / ||x|| on Gaussian rows (measured: 0.27, 0.146, 0.07,
+#: 0.036, 0.017, 0.075 on N(0, 1); the legacy types for scale: Q4_0 0.087, Q5_1 0.038)
+REL_BOUND = {"Q2_K": 0.29, "Q3_K": 0.16, "Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.02,
+             "IQ4_NL": 0.085}
+#: a type with more bits per weight has less error than this one
+LESS_BITS = {"Q2_K": None, "Q3_K": "Q2_K", "Q4_K": "Q4_0", "Q5_K": "Q4_K", "Q6_K": "Q5_K",
+             "IQ4_NL": "Q4_0"}
 #: our K-type error may exceed llama-quantize's (no importance matrix, --pure) by this factor;
 #: measured 0.94 to 1.00 (our unweighted search minimises the plain squared error it reports)
 LLAMA_FACTOR = 1.05
@@ -91,8 +95,9 @@ def test_error_within_bound(qtype):
     x = gaussian(32, 512, seed=3)
     err = np.linalg.norm(decode(quantize(x, qtype)) - x) / np.linalg.norm(x)
     assert err < REL_BOUND[qtype], err
-    # and more bits mean less error: each type does better than the 4-bit legacy type
-    assert err < np.linalg.norm(decode(quantize(x, "Q4_0")) - x) / np.linalg.norm(x)
+    # and more bits mean less error
+    if LESS_BITS[qtype]:
+        assert err < np.linalg.norm(decode(quantize(x, LESS_BITS[qtype])) - x) / np.linalg.norm(x)
 
 
 @pytest.mark.parametrize("qtype", OTHERS)
@@ -100,7 +105,7 @@ def test_zero_and_constant_blocks(qtype):
     x = special_rows()
     y = decode(quantize(x, qtype))
     np.testing.assert_array_equal(y[0], 0.0)
-    assert np.abs(y - x).max() <= 0.1 * np.abs(x).max()
+    assert np.abs(y - x).max() <= (0.5 if qtype in ("Q2_K", "Q3_K") else 0.1) * np.abs(x).max()
 
 
 def test_k_types_beat_legacy_on_outliers():
@@ -202,7 +207,7 @@ def test_half_step(qtype, x):
 def test_idempotent(qtype, x):
     """quantize(dequantize(q)) == q: the values a file holds are fixed points of the quantizer,
     byte for byte for the legacy types, value for value for Q6_K and IQ4_NL (a block may have
-    several encodings of the same values). Q4_K and Q5_K do not have the property: the search of
+    several encodings of the same values). Q2_K, Q3_K, Q4_K and Q5_K do not have the property: the search of
     :func:`~minillama.quantize.fit_scale_min` does not always refit a sub-block to exactly its
     own (step, offset), and the 6-bit rounding of the new ones can move values by a step."""
     m = quantize(x, qtype)
