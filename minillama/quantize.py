@@ -505,8 +505,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("input", help="checkpoint file or folder")
     p.add_argument("output", help="GGUF file to write (atomically)")
     p.add_argument("--type", required=True, dest="qtype", metavar="TYPE",
-                   help="matrix type or preset (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
-                        "Q6_K, IQ4_NL, Q4_K_M, Q5_K_M, F16, F32)")
+                   help=f"matrix type or preset ({types})")
     p.add_argument("--output-type", default=None, metavar="TYPE",
                    help="type of the output head (default: Q6_K, or the base type if higher)")
     p.add_argument("--embedding-type", default=None, metavar="TYPE",

@@ -94,8 +94,8 @@ def test_every_type_round_trips_through_the_gguf_package(tmp_path):
     cfg = ModelConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
                       hidden_dim=512, max_seq_len=32, tie_embeddings=False)
     params = init_params(cfg, seed=1)
-    for qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
-                  "Q4_K_M", "F16"):
+    for qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                  "IQ4_NL", "Q4_K_M", "F16"):
         q, types, _ = quantize_params(cfg, params, qtype)
         path = save_gguf(tmp_path / f"{qtype}.gguf", cfg, q, types=types)
         reader = gguf.GGUFReader(str(path))
