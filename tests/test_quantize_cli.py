@@ -181,3 +181,27 @@ def test_transformers_loads_quantized_file(qtype, tmp_path, hf_tokenizer_json):
     text = "the cat sat on the mat, was it?"
     assert tok.encode(text, add_special_tokens=False) == ref.encode(text,
                                                                    add_special_tokens=False)
+
+
+def test_gguf_input_keeps_its_tokenizer(tmp_path, shared_data):
+    """A GGUF input's tokenizer.* metadata is copied as it is; the quantized file's tokenizer
+    encodes like the original SentencePiece tokenizer."""
+    from minillama.formats.gguf import load_gguf_tokenizer
+    from minillama.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(shared_data / "tokenizer.bin"))
+    cfg = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=32000,
+                      hidden_dim=96, max_seq_len=32, tie_embeddings=True)
+    src = save_gguf(tmp_path / "in.gguf", cfg, init_params(cfg, seed=3), tokenizer=tok)
+    out = tmp_path / "q.gguf"
+    assert main(["quantize", str(src), str(out), "--type", "Q4_0"]) == 0
+
+    def fields(path):
+        return {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()
+                if k.startswith("tokenizer.")}
+
+    a, b = fields(src), fields(out)
+    assert a == b and len(a["tokenizer.ggml.tokens"]) == 32000
+    text = "Once upon a time, a tiny robot dreamed of \u00e9clairs."
+    assert load_gguf_tokenizer(str(out)).encode(text, bos=True) == tok.encode(text, bos=True)
+    assert tensor_types(out)["token_embd.weight"] == "Q8_0"  # tied head, rows of 64: Q6_K->Q8_0
