@@ -104,13 +104,14 @@ def llama_perplexity(tool: str, model: Path, text_file: Path, ctx: int, chunks) 
     cmd = [tool, "-m", str(model), "-f", str(text_file), "-c", str(ctx), "-b", str(ctx),
            "-t", "2"] + (["--chunks", str(chunks)] if chunks else [])
     env = dict(os.environ, LD_LIBRARY_PATH=str(Path(tool).parent))
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    m = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
-    if not m:
-        print(f"llama-perplexity failed on {model.name}: {(run.stderr or run.stdout)[-400:]}",
-              file=sys.stderr)
-        return None
-    return float(m.group(1))
+    for _ in range(3):  # a run that dies (another process's signal) is tried again
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+        m = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
+        if m:
+            return float(m.group(1))
+        print(f"llama-perplexity exited {run.returncode} on {model.name}: "
+              f"{(run.stderr or run.stdout)[-200:]}", file=sys.stderr)
+    return None
 
 
 def main(argv=None) -> int:
