@@ -18,7 +18,7 @@ small integer scales per sub-block):
 
 * Q4_K / Q5_K: x = d s_j q - dmin m_j, 8 sub-blocks of 32, s_j, m_j in [0, 63] (6 bits),
   q in [0, 15] / [0, 31];
-* Q6_K: x = d s_j (q - 32), 16 sub-blocks of 16, s_j in [-128, 127] (int8), q in [0, 63];
+* Q6_K: x = d s_j (q - 32), 16 sub-blocks of 16, s_j in [-127, 127] (int8), q in [0, 63];
 * Q3_K: x = d s_j q, 16 sub-blocks of 16, s_j in [-32, 31] (6 bits), q in [-4, 3];
 * Q2_K: x = d s_j q - dmin m_j, 16 sub-blocks of 16, s_j, m_j in [0, 15], q in [0, 3];
 * IQ4_NL: blocks of 32, x = d v[q], v the 16 non-uniform levels of :data:`IQ4_LEVELS`.
@@ -26,7 +26,7 @@ small integer scales per sub-block):
 The K-type scales are searched the simple way: for each sub-block a few trial step sizes around
 (max - min) / qmax, each followed by the least-squares (scale, offset) for the integers it
 gives, keeping the one of least squared error; then the sub-block scales are themselves
-quantized to 6 (8) bits against the super-block's d, and q is recomputed with the scales the
+quantized to 4, 6 or 8 bits against the super-block's d, and q is recomputed with the scales the
 file will hold. The search is unweighted (ggml weights by |x|; the files are read the same way).
 """
 
@@ -361,6 +361,7 @@ QUANTIZERS = {"Q8_0": q8_0, "Q4_0": q4_0, "Q5_0": q5_0, "Q4_1": q4_1, "Q5_1": q5
 # which type each tensor gets
 # ---------------------------------------------------------------------------------------------
 FLOAT_TYPES = ("F32", "F16")
+F16_MAX = 65504.0
 #: llama.cpp's mixture presets: base type of the matrices (see :func:`plan_types`)
 PRESETS = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
 
@@ -378,15 +379,19 @@ def resolve_type(qtype: str, K: int, values=None) -> tuple[str, str | None]:
     """The type a matrix with rows of ``K`` values is written as when ``qtype`` is asked for,
     and a note when it differs: a K type whose rows are not whole super-blocks of 256 falls
     back to llama.cpp's 32-block type (:data:`K_FALLBACK`), a row that is not whole blocks of
-    32 either stays F16 (F32 when ``values`` exceed the float16 range)."""
-    if qtype in FLOAT_TYPES:
+    32 either stays F16; ``values`` beyond the float16 range (whose scales float16 cannot
+    hold) stay F32."""
+    if qtype == "F32":
+        return qtype, None
+    if values is not None and np.abs(np.asarray(values)).max() > F16_MAX:
+        return "F32", f"values beyond the float16 range: F32 instead of {qtype}"
+    if qtype == "F16":
         return qtype, None
     want = qtype
     if K % BLOCKS[qtype][1] and qtype in K_FALLBACK:
         qtype = K_FALLBACK[qtype]
     if K % BLOCKS[qtype][1]:
-        big = values is not None and np.abs(np.asarray(values)).max() > 65504
-        qtype = "F32" if big else "F16"
+        qtype = "F16"
     note = None if qtype == want else f"rows of {K} are not whole {want} blocks: {qtype}"
     return qtype, note
 
@@ -441,8 +446,8 @@ def quantize(w, qtype: str) -> QuantMatrix:
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2:
         raise MinillamaError(f"quantize needs a matrix, got shape {list(w.shape)}")
-    if not np.isfinite(w).all():
-        raise MinillamaError("quantize needs finite values")
+    if not np.isfinite(w).all() or (w.size and np.abs(w).max() > F16_MAX):
+        raise MinillamaError("quantize needs finite values within the float16 range")
     N, K = w.shape
     _, per, size = BLOCKS[qtype]
     if K % per:

@@ -123,6 +123,8 @@ def test_refuses_bad_input():
         quantize(np.zeros((2, 256), np.float32), "Q1_X")
     with pytest.raises(MinillamaError, match="finite"):
         quantize(np.full((1, 32), np.nan, np.float32), "Q8_0")
+    with pytest.raises(MinillamaError, match="float16 range"):
+        quantize(np.full((1, 32), 7e4, np.float32), "Q8_0")
 
 
 def _llama_quantize() -> Path | None:

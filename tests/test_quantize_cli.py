@@ -43,7 +43,8 @@ def test_resolve_type_falls_back_like_llama_cpp():
     assert resolve_type("Q6_K", 96)[0] == "Q8_0"
     kind, note = resolve_type("Q8_0", 48)
     assert kind == "F16" and "48" in note
-    assert resolve_type("Q4_0", 48, np.array([1e5]))[0] == "F32"  # beyond float16
+    assert resolve_type("Q4_K", 256, np.array([1e5]))[0] == "F32"  # beyond float16
+    assert resolve_type("F16", 256, np.array([-1e5]))[0] == "F32"
 
 
 def test_plan_presets():
