@@ -3,9 +3,9 @@ quantized file and its float original can be compared, here and against llama.cp
 
 The text is tokenized once (with a leading BOS when the tokenizer's model starts sequences with
 one) and cut into C non-overlapping chunks of n_ctx tokens (the tail that does not fill a chunk
-is dropped); with BOS, the first token of each chunk is also replaced by BOS. Each chunk is run from an empty
-context and only its second half is scored, so that every scored token sees at least n_ctx/2
-tokens of context: positions j = n_ctx/2 .. n_ctx - 2 predict tokens j + 1, giving
+is dropped); with BOS, the first token of each chunk is also replaced by BOS. Each chunk is run
+from an empty context and only its second half is scored, so that every scored token sees at
+least n_ctx/2 tokens of context: positions j = n_ctx/2 .. n_ctx - 2 predict tokens j + 1, giving
 N = C (n_ctx - 1 - n_ctx/2) scored tokens and
 
     NLL = -\frac{1}{N} \sum_{c, j} \ln p(x_{c, j+1} | x_{c, \le j}),    PPL = e^{NLL},

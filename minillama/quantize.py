@@ -1,5 +1,6 @@
-r"""Quantizers: a float matrix W (N, K) to the GGML blocks of a :class:`~minillama.quant.QuantMatrix`,
-and the ``minillama quantize`` command that writes a quantized GGUF file.
+r"""Quantizers: a float matrix W (N, K) to the GGML blocks of a
+:class:`~minillama.quant.QuantMatrix`, and the ``minillama quantize`` command that writes a
+quantized GGUF file.
 
 Every row is cut into blocks of B consecutive values (B = 32, or a super-block of 256 for the
 ``_K`` types); each block is stored as small integers q and one or two float16 numbers. One

@@ -209,9 +209,10 @@ def test_half_step(qtype, x):
 def test_idempotent(qtype, x):
     """quantize(dequantize(q)) == q: the values a file holds are fixed points of the quantizer,
     byte for byte for the legacy types, value for value for Q6_K and IQ4_NL (a block may have
-    several encodings of the same values). Q2_K, Q3_K, Q4_K and Q5_K do not have the property: the search of
-    :func:`~minillama.quantize.fit_scale_min` does not always refit a sub-block to exactly its
-    own (step, offset), and the 6-bit rounding of the new ones can move values by a step."""
+    several encodings of the same values). Q2_K, Q3_K, Q4_K and Q5_K do not have the property:
+    the searches of :func:`~minillama.quantize.fit_scale_min` / ``fit_scale`` do not always
+    refit a sub-block to exactly its own step (and offset), and the 4- or 6-bit rounding of the
+    new ones can move values by a step."""
     m = quantize(x, qtype)
     again = quantize(decode(m), qtype)
     if qtype in LEGACY:
