@@ -17,7 +17,8 @@ from .errors import MinillamaError
 
 #: modules that provide ``add_cli(subparsers)``
 COMMAND_MODULES = ("minillama.generate", "minillama.train_cli", "minillama.bench",
-                   "minillama.export", "minillama.convert", "minillama.chat", "minillama.serve")
+                   "minillama.export", "minillama.convert", "minillama.quantize",
+                   "minillama.perplexity", "minillama.chat", "minillama.serve")
 
 
 def positive_int(text: str) -> int:

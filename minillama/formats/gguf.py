@@ -236,30 +236,54 @@ def load_gguf(path):
 # ---------------------------------------------------------------------------------------------
 # writing
 # ---------------------------------------------------------------------------------------------
-def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str = "F32") -> Path:
+def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str = "F32",
+              types: dict[str, str] | None = None, notes: list[str] | None = None) -> Path:
     """Write a GGUF file (architecture ``llama``, or ``qwen2`` for q/k/v biases without the
-    others) that llama.cpp and :func:`load_gguf` read: matrices as ``matrix_type`` (F32 or F16),
-    norms and biases F32, and a SentencePiece tokenizer's pieces/scores/BOS/EOS in the metadata.
-    Configs GGUF cannot state (a RoPE scaling other than linear/yarn, MLP or output biases on
-    qwen2) are refused."""
+    others) that llama.cpp and :func:`load_gguf` read; norms and biases F32, and the tokenizer
+    in the metadata (see :func:`_write_tokenizer`).
+
+    A matrix that is a :class:`~minillama.quant.QuantMatrix` is written as its blocks, in its
+    GGML type. A float matrix is written as ``types[name]`` when given, else ``matrix_type``:
+    F32, F16 or a type of :data:`minillama.quantize.QUANTIZERS` (quantized here); a row length
+    that is not whole blocks of that type takes llama.cpp's fallback
+    (:func:`minillama.quantize.resolve_type`). What cannot be carried (a tokenizer without a GGUF
+    form) is appended to ``notes`` as one line each. Configs GGUF cannot state (a RoPE scaling other
+    than linear/yarn, MLP or output biases on qwen2) are refused. The write is atomic."""
     from ..extras import require  # noqa: PLC0415
 
     gguf = require("gguf", "writing GGUF files")
     from ..checkpoint import atomic_write, check_output_file  # noqa: PLC0415
+    from ..quant import QuantMatrix  # noqa: PLC0415
+    from ..quantize import quantize, resolve_type, supported_type  # noqa: PLC0415
     from .hf import interleaved_to_hf  # noqa: PLC0415
 
-    if matrix_type not in ("F32", "F16"):
-        raise MinillamaError(f"GGUF export writes F32 or F16 matrices, not {matrix_type}")
+    types = dict(types or {})
+    for t in [matrix_type, *types.values()]:
+        supported_type(t)
     cfg.require_llama("GGUF llama")
     arch = "qwen2" if cfg.qkv_bias and not (cfg.attn_out_bias or cfg.mlp_bias) else "llama"
     sc = cfg.rope_scaling
     if sc and sc["rope_type"] not in ("linear", "yarn", "freq_factors"):
         raise MinillamaError(f"GGUF has no field for rope scaling {sc['rope_type']!r}")
     path = check_output_file(path, "GGUF file")
-    host = {k: np.asarray(v.get() if hasattr(v, "get") and not isinstance(v, np.ndarray)
-                          else v, dtype=np.float32) for k, v in params.items()}
+    host = {k: v if isinstance(v, QuantMatrix) else
+            np.asarray(v.get() if hasattr(v, "get") and not isinstance(v, np.ndarray) else v,
+                       dtype=np.float32) for k, v in params.items()}
     inv_top = {v: k for k, v in _TOP.items()}
     inv_layer = {v: k for k, v in _LAYER.items()}
+
+    def tensor(name, a):
+        """(array to write, raw GGML type or None) of parameter ``name``."""
+        if isinstance(a, QuantMatrix):
+            return a.data, gguf.GGMLQuantizationType[a.qtype]
+        if a.ndim != 2:
+            return a, None
+        kind, _ = resolve_type(types.get(name, matrix_type), a.shape[1], a)
+        if kind == "F16":
+            return a.astype(np.float16), None
+        if kind == "F32":
+            return a, None
+        return quantize(a, kind).data, gguf.GGMLQuantizationType[kind]
 
     def write(tmp) -> None:
         w = gguf.GGUFWriter(str(tmp), arch)
@@ -282,7 +306,9 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
             if "original_max_position_embeddings" in sc:
                 w.add_uint32(f"{arch}.rope.scaling.original_context_length",
                              int(sc["original_max_position_embeddings"]))
-        _write_tokenizer(w, tokenizer)
+        note = _write_tokenizer(w, tokenizer, cfg.vocab_size)
+        if note and notes is not None:
+            notes.append(note)
         for name, a in host.items():
             if name in inv_top:
                 gname = inv_top[name]
@@ -291,11 +317,10 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
                 base, kind = rest.rsplit(".", 1)
                 gname = f"blk.{layer}.{inv_layer[base]}.{kind}"
                 if arch == "qwen2" and base in ("attention.wq", "attention.wk"):
-                    a = interleaved_to_hf(a, cfg.n_heads if base == "attention.wq"
-                                          else cfg.n_kv_heads)
-            if a.ndim == 2 and matrix_type == "F16":
-                a = a.astype(np.float16)
-            w.add_tensor(gname, np.ascontiguousarray(a))
+                    a = _to_half_split(a, cfg.n_heads if base == "attention.wq"
+                                       else cfg.n_kv_heads, interleaved_to_hf)
+            data, raw = tensor(name, a)
+            w.add_tensor(gname, np.ascontiguousarray(data), raw_dtype=raw)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
@@ -304,14 +329,58 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
     return atomic_write(path, write, "GGUF file")
 
 
-def _write_tokenizer(w, tok) -> None:
-    """A SentencePiece tokenizer's metadata (``tokenizer.ggml.*``: pieces, scores, BOS/EOS/unk
-    ids, whether to add BOS/EOS, the chat template), the byte tokenizer as one (its bytes as BYTE
-    pieces, :meth:`~minillama.tokenizer.ByteTokenizer.gguf_pieces`); other tokenizers are left
-    out (the file then has none)."""
-    from ..tokenizer import ByteTokenizer, Llama2cTokenizer  # noqa: PLC0415
+def _to_half_split(a, n_heads: int, interleaved_to_hf):
+    """The q/k rows of ``a`` (a float array or a QuantMatrix, whose rows are whole blocks) in
+    the half-split RoPE order of qwen2 files."""
+    from ..quant import QuantMatrix  # noqa: PLC0415
 
-    if isinstance(tok, ByteTokenizer):
+    if not isinstance(a, QuantMatrix):
+        return interleaved_to_hf(a, n_heads)
+    order = interleaved_to_hf(np.arange(a.shape[0])[:, None], n_heads)[:, 0]
+    return QuantMatrix(a.qtype, a.shape, np.ascontiguousarray(a.data[order]))
+
+
+def _write_tokenizer(w, tok, vocab_size: int) -> str | None:
+    """The tokenizer's metadata (``tokenizer.*``); returns a note when it cannot be carried.
+
+    * one read from a GGUF file (its spec names the file): that file's ``tokenizer.*`` fields,
+      copied as they are (chat template, pre-tokenizer name and flags included);
+    * a SentencePiece tokenizer (:class:`~minillama.tokenizer.Llama2cTokenizer`): pieces,
+      scores, BOS/EOS/UNK;
+    * a Hugging Face ``tokenizer.json`` with a byte-level BPE: model ``gpt2`` with its tokens,
+      merges, token types (3 = control for special added tokens), the pre-tokenizer named after
+      its split pattern, BOS/EOS and the chat template; the token list is padded to the model's
+      vocabulary;
+    * the byte tokenizer: a SentencePiece vocabulary of its 256 bytes as BYTE pieces (the space
+      spelled U+2581, :meth:`~minillama.tokenizer.ByteTokenizer.gguf_pieces`) and BOS/EOS."""
+    from ..tokenizer import ByteTokenizer, HFTokenizer, Llama2cTokenizer  # noqa: PLC0415
+
+    if tok is None:
+        return None
+    spec = tok.spec() if hasattr(tok, "spec") else {}
+    if spec.get("type") == "gguf" and is_gguf(spec.get("path", "")):
+        import gguf  # noqa: PLC0415 (writing GGUF already needs it)
+
+        reader = gguf.GGUFReader(spec["path"], "r")
+        for key, field in reader.fields.items():
+            if key.startswith("tokenizer."):
+                sub = field.types[1] if len(field.types) > 1 else None
+                w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+        return None
+    if isinstance(tok, Llama2cTokenizer):
+        w.add_tokenizer_model("llama")
+        w.add_token_list([p.decode("utf-8", errors="replace").replace(" ", "\u2581")
+                          for p in tok.pieces])
+        w.add_token_scores([float(s) for s in tok.scores])
+        w.add_bos_token_id(tok.bos_id)
+        w.add_eos_token_id(tok.eos_id)
+        w.add_unk_token_id(tok.unk_id)
+        w.add_add_bos_token(bool(tok.add_bos))
+        w.add_add_eos_token(bool(tok.add_eos))
+        if tok.chat_template:
+            w.add_chat_template(tok.chat_template)
+        return None
+    if isinstance(tok, ByteTokenizer):  # its bytes as BYTE pieces (llama.cpp reads them)
         import gguf  # noqa: PLC0415
 
         pieces = ByteTokenizer.gguf_pieces()
@@ -326,17 +395,42 @@ def _write_tokenizer(w, tok) -> None:
         w.add_add_bos_token(bool(tok.add_bos))
         w.add_add_eos_token(bool(tok.add_eos))
         w.add_add_space_prefix(False)
-        return
-    if not isinstance(tok, Llama2cTokenizer):
-        return
-    w.add_tokenizer_model("llama")
-    w.add_token_list([p.decode("utf-8", errors="replace").replace(" ", "\u2581")
-                      for p in tok.pieces])
-    w.add_token_scores([float(s) for s in tok.scores])
-    w.add_bos_token_id(tok.bos_id)
-    w.add_eos_token_id(tok.eos_id)
-    w.add_unk_token_id(tok.unk_id)
-    w.add_add_bos_token(bool(tok.add_bos))
-    w.add_add_eos_token(bool(tok.add_eos))
+        return None
+    if isinstance(tok, HFTokenizer):
+        return _write_byte_level(w, tok, vocab_size)
+    return f"a {type(tok).__name__} is not written to GGUF; the file has no tokenizer"
+
+
+def _write_byte_level(w, tok, vocab_size: int) -> str | None:
+    """A Hugging Face byte-level BPE ``tokenizer.json`` as ``tokenizer.ggml.model`` ``gpt2``."""
+    from ..bpe import BPETokenizer  # noqa: PLC0415
+    from ..tokenizer import _pre_patterns  # noqa: PLC0415
+
+    try:
+        bpe = BPETokenizer(tok.path)
+    except MinillamaError as e:
+        return f"tokenizer {tok.path} is not written to GGUF ({e})"
+    names = {pattern: name for name, (pattern, _) in _pre_patterns().items()
+             if name in ("gpt-2", "llama-bpe", "qwen2")}
+    pre = names.get(bpe.pattern.pattern) if bpe.byte_level else None
+    if pre is None:
+        return (f"tokenizer {tok.path} is not a byte-level BPE with a known split pattern; "
+                f"the file has no tokenizer")
+    n = max(vocab_size, max(bpe.pieces) + 1)
+    tokens = [bpe.pieces.get(i, f"[PAD{i}]") for i in range(n)]
+    kinds = [3 if i in bpe.special_ids else 4 if i in bpe.added.values() else
+             1 if i in bpe.pieces else 5 for i in range(n)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(kinds)
+    w.add_token_merges([" ".join(pair) for pair, _ in sorted(bpe.ranks.items(),
+                                                              key=lambda kv: kv[1])])
+    if tok.bos_id is not None:
+        w.add_bos_token_id(tok.bos_id)
+    if tok.eos_id is not None:
+        w.add_eos_token_id(tok.eos_id)
+    w.add_add_bos_token(bool(getattr(tok, "add_bos", False)))
     if tok.chat_template:
         w.add_chat_template(tok.chat_template)
+    return None
