@@ -143,6 +143,7 @@ def read_text(spec: str) -> str:
 # ---------------------------------------------------------------------------------------------
 def add_cli(subparsers) -> None:
     from .cli import positive_int  # noqa: PLC0415
+    from .generate import backend_help  # noqa: PLC0415
 
     p = subparsers.add_parser(
         "perplexity", help="perplexity and bits per byte of a checkpoint on a text file",
@@ -165,7 +166,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
                    help="replace each chunk's first token by BOS (auto: as the tokenizer's "
                         "model does)")
-    p.add_argument("--backend", default=None, help="compute backend (numpy, numba, cupy)")
+    p.add_argument("--backend", default=None, help=backend_help())
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.set_defaults(func=run_perplexity)
 
