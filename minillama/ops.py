@@ -82,6 +82,36 @@ def linear_backward(dy, ctx):
     return dx, dw
 
 
+def lora_forward(x, w, a, b, scale: float, drop=None):
+    r"""Linear map with a LoRA adapter (Hu et al., 2021), W frozen:
+    y = x W^T + s\, (\tilde{x} A^T) B^T, \tilde{x} = x \odot m (m: an optional dropout mask,
+    already divided by the keep probability; \tilde{x} = x without it).
+
+    x: (..., in); w: (out, in); a: (r, in); b: (out, r); s = ``scale`` (alpha / r, or
+    alpha / \sqrt{r} for rsLoRA); drop: None or (..., in). Returns y: (..., out).
+    """
+    xa = x if drop is None else x * drop
+    u = xa @ a.T  # (..., r)
+    y, _ = linear_forward(x, w)  # the frozen base term (W may be any matrix linear_forward takes)
+    return y + scale * (u @ b.T), (x, w, a, b, scale, drop, xa, u)
+
+
+def lora_backward(dy, ctx):
+    r"""Gradients of the LoRA linear for the input and the adapter only (\bar{W} is never formed):
+    \bar{u} = s\, \bar{y} B, \bar{B} = s\, \bar{y}^T u, \bar{A} = \bar{u}^T \tilde{x},
+    \bar{x} = \bar{y} W + m \odot (\bar{u} A)  (sums over all leading axes; u = \tilde{x} A^T).
+
+    dy: (..., out). Returns (dx: (..., in), dA: (r, in), dB: (out, r)).
+    """
+    x, w, a, b, scale, drop, xa, u = ctx
+    du = scale * (dy @ b)  # (..., r)
+    db = scale * (dy.reshape(-1, dy.shape[-1]).T @ u.reshape(-1, u.shape[-1]))
+    da = du.reshape(-1, du.shape[-1]).T @ xa.reshape(-1, xa.shape[-1])
+    dxa = du @ a
+    dx = dy @ w + (dxa if drop is None else dxa * drop)  # the base term: only dy W
+    return dx, da, db
+
+
 def bias_forward(y, b):
     r"""Bias of a linear layer (Qwen2's q/k/v, HF ``attention_bias``, ``mlp_bias``):
     y'_n = y_n + b for every row n.
