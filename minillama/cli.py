@@ -15,7 +15,7 @@ from .errors import MinillamaError
 
 #: modules that provide ``add_cli(subparsers)``
 COMMAND_MODULES = ("minillama.generate", "minillama.train", "minillama.bench",
-                   "minillama.export", "minillama.convert")
+                   "minillama.export", "minillama.convert", "minillama.finetune")
 
 
 def positive_int(text: str) -> int:

@@ -263,3 +263,13 @@ def load_peft(model, folder) -> LoRA:
     if not all(np.isfinite(v).all() for v in params.values()):
         raise MinillamaError(f"{d / ADAPTER_WEIGHTS} holds NaN/inf values")
     return LoRA(model, lc, params=params)
+
+
+def apply_adapter(model, folder) -> LoRA:
+    """Merge the PEFT adapter in ``folder`` into ``model``'s weights in place (W <- W + s B A):
+    the model then runs every backend's fast paths with the adapter's outputs."""
+    lora = load_peft(model, folder)
+    for key, w in lora.merged(model.params).items():
+        if key in lora.targets:
+            model.params[key] = model.backend.asarray(w, dtype=model.dtype)
+    return lora
