@@ -17,8 +17,11 @@ from minillama.formats import load_model
 from minillama.lora import LoRA, LoRAConfig, load_peft
 from minillama.tokenizer import HFTokenizer
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+try:
+    import torch
+    import transformers
+except ImportError:  # the tests on Hugging Face bases skip (through the `base` fixture)
+    torch = transformers = None
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>\n{{ m['content'] }}{{ eos_token }}\n"
             "{% endfor %}{% if add_generation_prompt %}<assistant>\n{% endif %}")
@@ -40,6 +43,9 @@ def conversation(i: int) -> list[dict]:
 def base(tmp_path_factory):
     """A random llama folder saved by transformers, with a byte-level BPE tokenizer and the chat
     template above."""
+    if transformers is None:
+        pytest.skip("needs torch and transformers")
+    pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     d = tmp_path_factory.mktemp("base")
@@ -219,3 +225,20 @@ def test_full_finetune_writes_a_loadable_checkpoint(base, chat_data, tmp_path, c
     base_model, _ = load_model(base)
     assert not np.array_equal(model.params["layers.0.attention.wq.weight"],
                               base_model.params["layers.0.attention.wq.weight"])
+
+
+def test_lora_on_the_projects_own_checkpoint_with_plain_text(tmp_path, capsys):
+    """The shipped byte-level Shakespeare model as a base, a plain text file as data."""
+    from minillama.generate import DEFAULT_CHECKPOINT
+
+    text = "".join(f"The {n} sat on the {c} mat.\n" for n in NAMES for c in COLORS)
+    (tmp_path / "notes.txt").write_text(text * 4)
+    rc = cli.main(["finetune", "-c", str(DEFAULT_CHECKPOINT), "--data", str(tmp_path / "notes.txt"),
+                   "--context", "64", "--steps", "12", "--lr", "5e-3", "--warmup", "2",
+                   "--eval-interval", "12", "--lora-targets", "q,v,down", "--no-progress",
+                   "--out", str(tmp_path / "o")])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["val_loss"] < summary["first_val_loss"]
+    conf = json.loads((tmp_path / "o" / "adapter_config.json").read_text())
+    assert conf["target_modules"] == ["down_proj", "q_proj", "v_proj"] and conf["r"] == 8
