@@ -295,7 +295,8 @@ class Transformer:
         if self.lora is not None:  # the base weights are frozen: no dW
             if key in self.lora.targets:
                 return self.lora.backward(key, dy, ctx, grads)
-            return dy @ self.params[key]
+            w = self.params[key]
+            return (dy.reshape(-1, dy.shape[-1]) @ w).reshape(*dy.shape[:-1], w.shape[1])
         dx, grads[key] = self.backend.linear_backward(dy, ctx)
         return dx
 

@@ -90,10 +90,12 @@ def lora_forward(x, w, a, b, scale: float, drop=None):
     x: (..., in); w: (out, in); a: (r, in); b: (out, r); s = ``scale`` (alpha / r, or
     alpha / \sqrt{r} for rsLoRA); drop: None or (..., in). Returns y: (..., out).
     """
-    xa = x if drop is None else x * drop
-    u = xa @ a.T  # (..., r)
-    y, _ = linear_forward(x, w)  # the frozen base term (W may be any matrix linear_forward takes)
-    return y + scale * (u @ b.T), (x, w, a, b, scale, drop, xa, u)
+    x2 = x.reshape(-1, x.shape[-1])  # (N, in): one 2-D product each, not one per leading index
+    xa = x2 if drop is None else x2 * drop.reshape(x2.shape)
+    u = xa @ a.T  # (N, r)
+    y, _ = linear_forward(x2, w)  # the frozen base term (W may be any matrix linear_forward takes)
+    y += scale * (u @ b.T)
+    return y.reshape(*x.shape[:-1], w.shape[0]), (x.shape, w, a, b, scale, drop, xa, u)
 
 
 def lora_backward(dy, ctx):
@@ -103,13 +105,15 @@ def lora_backward(dy, ctx):
 
     dy: (..., out). Returns (dx: (..., in), dA: (r, in), dB: (out, r)).
     """
-    x, w, a, b, scale, drop, xa, u = ctx
-    du = scale * (dy @ b)  # (..., r)
-    db = scale * (dy.reshape(-1, dy.shape[-1]).T @ u.reshape(-1, u.shape[-1]))
-    da = du.reshape(-1, du.shape[-1]).T @ xa.reshape(-1, xa.shape[-1])
+    shape, w, a, b, scale, drop, xa, u = ctx
+    dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
+    du = scale * (dy2 @ b)  # (N, r)
+    db = scale * (dy2.T @ u)
+    da = du.T @ xa
     dxa = du @ a
-    dx = dy @ w + (dxa if drop is None else dxa * drop)  # the base term: only dy W
-    return dx, da, db
+    dx = dy2 @ w  # the base term: only dy W
+    dx += dxa if drop is None else dxa * drop.reshape(dxa.shape)
+    return dx.reshape(shape), da, db
 
 
 def bias_forward(y, b):
