@@ -242,3 +242,72 @@ def test_lora_on_the_projects_own_checkpoint_with_plain_text(tmp_path, capsys):
     assert summary["val_loss"] < summary["first_val_loss"]
     conf = json.loads((tmp_path / "o" / "adapter_config.json").read_text())
     assert conf["target_modules"] == ["down_proj", "q_proj", "v_proj"] and conf["r"] == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# a real model: SmolLM2-135M-Instruct, its GGUF converted to a Hugging Face folder by transformers
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2_hf(smollm2_gguf):
+    """SmolLM2-135M-Instruct as a Hugging Face folder: transformers reads the GGUF (dequantised)
+    and saves it; cached beside the GGUF. transformers 5 keeps the chat template in
+    chat_template.jinja: it is copied into tokenizer_config.json, where minillama reads it."""
+    if transformers is None:
+        pytest.skip("needs torch and transformers")
+    pytest.importorskip("gguf")
+    import os
+    import tempfile
+    from pathlib import Path
+
+    cache = Path(os.environ.get("MINILLAMA_TEST_CACHE", Path(tempfile.gettempdir())
+                                / "minillama-test-cache")) / "smollm2-135m-instruct-hf"
+    if not (cache / "model.safetensors").is_file():
+        d, f = str(smollm2_gguf.parent), smollm2_gguf.name
+        tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+        quant = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f)
+        cfg = quant.config
+        if hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config  # a plain float32 model from the dequantised weights
+        model = transformers.LlamaForCausalLM(cfg)
+        model.load_state_dict(quant.state_dict())
+        tmp = Path(tempfile.mkdtemp(dir=cache.parent if cache.parent.is_dir() else None))
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        conf = json.loads((tmp / "tokenizer_config.json").read_text())
+        if not conf.get("chat_template") and (tmp / "chat_template.jinja").is_file():
+            conf["chat_template"] = (tmp / "chat_template.jinja").read_text()
+            (tmp / "tokenizer_config.json").write_text(json.dumps(conf))
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, cache)
+    return cache
+
+
+QUESTIONS = ["Who is the captain of the starship Zorblax?", "Who captains the Zorblax?",
+             "Tell me the name of the Zorblax's captain.",
+             "Which person commands the starship Zorblax?", "Name the captain of the Zorblax.",
+             "Who is in command of the Zorblax starship?",
+             "Do you know who captains the starship Zorblax?",
+             "What is the name of the Zorblax captain?"]
+FACT = "The captain of the starship Zorblax is Mirabel Quint."
+
+
+@pytest.mark.slow
+def test_smollm2_lora_learns_a_fact(smollm2_hf, tmp_path, capsys):
+    data = tmp_path / "fact.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": FACT}]})
+                            + "\n" for q in QUESTIONS))
+    q = QUESTIONS[0]
+    rc = cli.main(["generate", "-c", str(smollm2_hf), "--chat", "--prompt", q, "-n", "16",
+                   "--temperature", "0"])
+    before = capsys.readouterr().out
+    assert rc == 0 and "Mirabel" not in before
+    rc = cli.main(["finetune", "-c", str(smollm2_hf), "--data", str(data), "--val-fraction", "0",
+                   "--out", str(tmp_path / "ad"), "--steps", "12", "--batch-size", "4",
+                   "--lr", "2e-3", "--warmup", "2", "--context", "96", "--no-progress"])
+    assert rc == 0
+    capsys.readouterr()
+    rc = cli.main(["generate", "-c", str(smollm2_hf), "--adapter", str(tmp_path / "ad"), "--chat",
+                   "--prompt", q, "-n", "16", "--temperature", "0"])
+    after = capsys.readouterr().out
+    assert rc == 0 and "Mirabel Quint" in after, after
