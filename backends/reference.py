@@ -27,6 +27,8 @@ class ReferenceBackend:
     embedding_backward = staticmethod(ops.embedding_backward)
     linear_forward = staticmethod(ops.linear_forward)
     linear_backward = staticmethod(ops.linear_backward)
+    lora_forward = staticmethod(ops.lora_forward)
+    lora_backward = staticmethod(ops.lora_backward)
     bias_forward = staticmethod(ops.bias_forward)
     bias_backward = staticmethod(ops.bias_backward)
     rmsnorm_forward = staticmethod(ops.rmsnorm_forward)

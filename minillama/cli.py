@@ -16,8 +16,8 @@ import textwrap
 from .errors import MinillamaError
 
 #: modules that provide ``add_cli(subparsers)``
-COMMAND_MODULES = ("minillama.generate", "minillama.train_cli", "minillama.bench",
-                   "minillama.export", "minillama.convert", "minillama.quantize",
+COMMAND_MODULES = ("minillama.generate", "minillama.train_cli", "minillama.finetune",
+                   "minillama.bench", "minillama.export", "minillama.convert", "minillama.quantize",
                    "minillama.perplexity", "minillama.chat", "minillama.serve")
 
 

@@ -315,6 +315,10 @@ def add_cli(subparsers) -> None:
     p.add_argument("--tokenizer", "-t", default=None,
                    help="tokenizer: llama2.c tokenizer.bin, Hugging Face tokenizer.json, or "
                         "'byte' (default: the one stored with the checkpoint)")
+    p.add_argument("--adapter", default=None,
+                   help="a LoRA adapter folder (PEFT's adapter_config.json + "
+                        "adapter_model.safetensors, e.g. `minillama finetune --out`), merged "
+                        "into the weights on loading")
     p.add_argument("--prompt", "-p", default="",
                    help="prompt text, with BOS in front where the tokenizer says so (default: "
                         "empty: start at BOS; byte-level models start at BOS and a newline)")
@@ -457,6 +461,10 @@ def run_cli(args) -> int:
         checkpoint = Path(args.checkpoint)
     fmt = detect_format(checkpoint)
     model, model_tok = load_model(checkpoint, backend=args.backend, dtype=args.dtype)
+    if getattr(args, "adapter", None):
+        from .lora import apply_adapter  # noqa: PLC0415
+
+        apply_adapter(model, args.adapter)
     cfg = model.cfg
     tok = resolve_tokenizer(args.tokenizer, model_tok, cfg, checkpoint, fmt)
     if tok is None:

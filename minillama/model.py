@@ -154,6 +154,9 @@ class Transformer:
         if self.dtype not in (np.float32, np.float64):
             raise MinillamaError(f"compute dtype must be float32 or float64, got {self.dtype}")
         self.params = {k: self.backend.asarray(v, dtype=self.dtype) for k, v in params.items()}
+        #: LoRA adapters (:class:`minillama.lora.LoRA`): when set, the targeted linears add their
+        #: adapter and :meth:`loss_and_grads` returns the adapters' gradients only
+        self.lora = None
         if cfg.pos_encoding == "rope":
             self.cos, self.sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
                                              self.dtype, xp, cfg.rope_scaling)
@@ -275,8 +278,11 @@ class Transformer:
     def _proj(self, pre: str, name: str, x):
         """One linear layer ``pre + name`` of the block: y = x W^T (+ b when the config has that
         bias). Returns (y, ctx)."""
-        be, p = self.backend, self.params
-        y, c_w = be.linear_forward(x, p[pre + name + ".weight"])
+        be, p, key = self.backend, self.params, pre + name + ".weight"
+        if self.lora is not None and key in self.lora.targets:
+            y, c_w = self.lora.forward(key, x, p[key])
+        else:
+            y, c_w = be.linear_forward(x, p[key])
         if pre + name + ".bias" in p:
             y, _ = be.bias_forward(y, p[pre + name + ".bias"])
         return y, c_w
@@ -286,7 +292,13 @@ class Transformer:
         gradients."""
         if pre + name + ".bias" in self.params:
             grads[pre + name + ".bias"] = self.backend.bias_backward(dy, None)
-        dx, grads[pre + name + ".weight"] = self.backend.linear_backward(dy, ctx)
+        key = pre + name + ".weight"
+        if self.lora is not None:  # the base weights are frozen: no dW
+            if key in self.lora.targets:
+                return self.lora.backward(key, dy, ctx, grads)
+            w = self.params[key]
+            return (dy.reshape(-1, dy.shape[-1]) @ w).reshape(*dy.shape[:-1], w.shape[1])
+        dx, grads[key] = self.backend.linear_backward(dy, ctx)
         return dx
 
     def _window_keys(self, k, v, start_pos):
@@ -431,7 +443,8 @@ class Transformer:
         cached step in one fused call (same logits; None from it means the per-op path).
         """
         tok = self._tokens(tokens)
-        if cache is not None and tok.shape[1] == 1 and hasattr(self.backend, "decode_step"):
+        if cache is not None and tok.shape[1] == 1 and hasattr(self.backend, "decode_step") \
+                and self.lora is None:
             # a backend may run a whole one-token cached step in one fused call (numba does)
             logits = self.backend.decode_step(self, tok, start_pos, cache)
             if logits is not None:
@@ -545,6 +558,20 @@ class Transformer:
         be = self.backend
         B, T = tok.shape
         grads: dict[str, Any] = {}
+        if self.lora is not None:
+            self.lora.training = True  # adapter dropout (when configured) in this forward only
+            try:
+                loss, grads = self._loss_and_grads(tok, tgt, ignore_index, grads)
+            finally:
+                self.lora.training = False
+            return loss, {k: grads[k] for k in self.lora.params}
+        loss, grads = self._loss_and_grads(tok, tgt, ignore_index, grads)
+        return loss, {k: grads[k] for k in self.params if grads.get(k) is not None}
+
+    def _loss_and_grads(self, tok, tgt, ignore_index, grads):
+        """The forward and backward of :meth:`loss_and_grads`: (loss, every gradient formed)."""
+        be = self.backend
+        B, T = tok.shape
         if self.cfg.logit_scale == 1.0:
             hn, tape = self._run(tok, 0, None, train=True, head=False)
             loss, c_lce = be.linear_cross_entropy_forward(
@@ -561,9 +588,9 @@ class Transformer:
         for layer in reversed(range(self.cfg.n_layers)):
             dx = self._block_backward(layer, dx, tape.pop(), grads)
         (c_emb,) = tape
-        self._embed_backward(dx, c_emb, dw_out, grads)
-        return float(be.to_numpy(loss)), {k: grads[k] for k in self.params
-                                           if grads[k] is not None}
+        if self.lora is None:  # with adapters the embedding (and a tied head) stay frozen
+            self._embed_backward(dx, c_emb, dw_out, grads)
+        return float(be.to_numpy(loss)), grads
 
     def loss(self, tokens, targets, ignore_index: int = -1) -> float:
         """Mean next-token cross-entropy without gradients (no tape kept)."""

@@ -97,6 +97,40 @@ def linear_backward(dy, ctx):
     return dx, dw
 
 
+def lora_forward(x, w, a, b, scale: float, drop=None):
+    r"""Linear map with a LoRA adapter (Hu et al., 2021), W frozen:
+    y = x W^T + s\, (\tilde{x} A^T) B^T, \tilde{x} = x \odot m (m: an optional dropout mask,
+    already divided by the keep probability; \tilde{x} = x without it).
+
+    x: (..., in); w: (out, in); a: (r, in); b: (out, r); s = ``scale`` (alpha / r, or
+    alpha / \sqrt{r} for rsLoRA); drop: None or (..., in). Returns y: (..., out).
+    """
+    x2 = x.reshape(-1, x.shape[-1])  # (N, in): one 2-D product each, not one per leading index
+    xa = x2 if drop is None else x2 * drop.reshape(x2.shape)
+    u = xa @ a.T  # (N, r)
+    y, _ = linear_forward(x2, w)  # the frozen base term (W may be any matrix linear_forward takes)
+    y += scale * (u @ b.T)
+    return y.reshape(*x.shape[:-1], w.shape[0]), (x.shape, w, a, b, scale, drop, xa, u)
+
+
+def lora_backward(dy, ctx):
+    r"""Gradients of the LoRA linear for the input and the adapter only (\bar{W} is never formed):
+    \bar{u} = s\, \bar{y} B, \bar{B} = s\, \bar{y}^T u, \bar{A} = \bar{u}^T \tilde{x},
+    \bar{x} = \bar{y} W + m \odot (\bar{u} A)  (sums over all leading axes; u = \tilde{x} A^T).
+
+    dy: (..., out). Returns (dx: (..., in), dA: (r, in), dB: (out, r)).
+    """
+    shape, w, a, b, scale, drop, xa, u = ctx
+    dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
+    du = scale * (dy2 @ b)  # (N, r)
+    db = scale * (dy2.T @ u)
+    da = du.T @ xa
+    dxa = du @ a
+    dx = dy2 @ w  # the base term: only dy W
+    dx += dxa if drop is None else dxa * drop.reshape(dxa.shape)
+    return dx.reshape(shape), da, db
+
+
 def bias_forward(y, b):
     r"""Bias of a linear layer (Qwen2's q/k/v, HF ``attention_bias``, ``mlp_bias``):
     y'_n = y_n + b for every row n.
