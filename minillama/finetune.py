@@ -485,6 +485,7 @@ def saved_settings(out) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 def add_cli(subparsers) -> None:
     from .cli import positive_int  # noqa: PLC0415
+    from .generate import backend_help  # noqa: PLC0415
 
     p = subparsers.add_parser(
         "finetune", help="LoRA or full fine-tuning of a checkpoint (text, prompt/completion, chat)",
@@ -494,32 +495,38 @@ def add_cli(subparsers) -> None:
     p.add_argument("--data", help="training data: .jsonl records or a plain text file")
     p.add_argument("--out", required=True, help="output folder (checkpoint, adapter)")
     p.add_argument("--val-data", help="held-out data (default: --val-fraction of --data)")
-    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--val-fraction", type=float, default=0.1,
+                   help="share of --data held out for evaluation when there is no --val-data")
     p.add_argument("--full", action="store_true", help="train every weight instead of adapters")
-    p.add_argument("--lora-rank", type=positive_int, default=8)
-    p.add_argument("--lora-alpha", type=float, default=16.0)
+    p.add_argument("--lora-rank", type=positive_int, default=8, help="adapter rank r")
+    p.add_argument("--lora-alpha", type=float, default=16.0,
+                   help="adapter scale alpha (s = alpha / r)")
     p.add_argument("--lora-targets", default="q,k,v,o,gate,up,down",
                    help="comma-separated among q,k,v,o,gate,up,down (or all)")
-    p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="dropout on the adapters' input while training")
     p.add_argument("--rslora", action="store_true", help="scale alpha / sqrt(r) (rsLoRA)")
-    p.add_argument("--steps", type=positive_int, default=100)
-    p.add_argument("--batch-size", type=positive_int, default=4)
-    p.add_argument("--grad-accum", type=positive_int, default=1)
+    p.add_argument("--steps", type=positive_int, default=100, help="optimizer steps")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="examples per micro-batch")
+    p.add_argument("--grad-accum", type=positive_int, default=1,
+                   help="micro-batches summed per optimizer step")
     p.add_argument("--context", type=positive_int, default=None,
                    help="longest example in tokens (default: min(512, the model's))")
     p.add_argument("--lr", type=float, default=None, help="peak lr (2e-4 LoRA, 2e-5 full)")
     p.add_argument("--min-lr", type=float, default=None, help="final lr (default lr / 10)")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--eval-interval", type=positive_int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default=None)
+    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--grad-clip", type=float, default=1.0,
+                   help="clip the gradient norm to this (0: off)")
+    p.add_argument("--eval-interval", type=positive_int, default=50,
+                   help="steps between held-out evaluations")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data order and dropout")
+    p.add_argument("--backend", default=None, help=backend_help())
     p.add_argument("--skip-bad", action="store_true", help="skip bad records (with a warning)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--stop-at", type=positive_int, default=None,
                    help="stop (with a checkpoint) after this step; the schedule spans --steps")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_cli)
 
     m = subparsers.add_parser(

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from minillama import cli
+from minillama.chat import encode_rendered, render_chat
 from minillama.errors import MinillamaError
 from minillama.finetune import chat_example, load_examples, pad_batch, prompt_example
 from minillama.formats import load_model
@@ -205,7 +206,7 @@ def test_chat_finetune_lowers_held_out_loss_and_resumes_bit_for_bit(base, chat_d
     model, tok = load_model(base, backend="reference")
     lora = load_peft(model, tmp_path / "a").attach(model)
     from minillama.generate import generate
-    prompt = tok.encode(tok.render_chat([msgs[1]], add_generation_prompt=True))
+    prompt = encode_rendered(tok, render_chat(tok, [msgs[1]], add_generation_prompt=True))
     want = tok.decode(generate(model, prompt, max_new_tokens=4, temperature=0.0,
                                stop_ids=[tok.eos_id]))
     assert want.strip() and want.strip() in out
