@@ -126,7 +126,7 @@ def lora_backward(dy, ctx):
     db = scale * (dy2.T @ u)
     da = du.T @ xa
     dxa = du @ a
-    dx = dy2 @ w  # the base term: only dy W
+    dx = dy2 @ (dequantize(w) if isinstance(w, QuantMatrix) else w)  # the base term: only dy W
     dx += dxa if drop is None else dxa * drop.reshape(dxa.shape)
     return dx.reshape(shape), da, db
 

@@ -188,3 +188,25 @@ def test_adamw_over_the_adapters_only_changes_the_adapters():
     assert model.loss(tok[:, :-1], tok[:, 1:]) < loss0
     assert all(np.array_equal(model.params[k], base[k]) for k in base)
     assert all(not np.array_equal(lora.params[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_lora_on_a_quantized_base_equals_lora_on_its_dequantized_weights(qtype):
+    """QLoRA-style: W stays in its GGML blocks; y, dx, dA and dB are those of the float W =
+    deq(W) (the base term goes through the quantized product, dW is never formed)."""
+    from minillama.quant import BLOCKS, QuantMatrix, dequantize
+
+    from quantblocks import random_quant_rows
+
+    rng = np.random.default_rng(5)
+    N, K, r = 6, BLOCKS[qtype][1], 3
+    w = QuantMatrix(qtype, (N, K), random_quant_rows(qtype, N, K, rng, scale=0.01))
+    wf = dequantize(w).astype(np.float64)
+    x = rng.standard_normal((2, 3, K))
+    a, b = rng.standard_normal((r, K)), rng.standard_normal((N, r))
+    dy = rng.standard_normal((2, 3, N))
+    yq, cq = ops.lora_forward(x, w, a, b, 0.5)
+    yf, cf = ops.lora_forward(x, wf, a, b, 0.5)
+    np.testing.assert_allclose(yq, yf, rtol=1e-12, atol=1e-12)
+    for gq, gf in zip(ops.lora_backward(dy, cq), ops.lora_backward(dy, cf)):
+        np.testing.assert_allclose(gq, gf, rtol=1e-12, atol=1e-12)
