@@ -267,8 +267,14 @@ def load_peft(model, folder) -> LoRA:
 
 def apply_adapter(model, folder) -> LoRA:
     """Merge the PEFT adapter in ``folder`` into ``model``'s weights in place (W <- W + s B A):
-    the model then runs every backend's fast paths with the adapter's outputs."""
+    the model then runs every backend's fast paths with the adapter's outputs. Over weights kept
+    in GGML blocks (a quantized GGUF base) the adapter stays attached instead, so the base stays
+    quantized: each targeted layer adds s (x A^T) B^T to its quantized product."""
+    from .quant import QuantMatrix  # noqa: PLC0415
+
     lora = load_peft(model, folder)
+    if any(isinstance(model.params[k], QuantMatrix) for k in lora.targets):
+        return lora.attach(model)
     for key, w in lora.merged(model.params).items():
         if key in lora.targets:
             model.params[key] = model.backend.asarray(w, dtype=model.dtype)

@@ -30,6 +30,7 @@ from .errors import MinillamaError
 from .kvcache import KVCache
 from . import ops
 from .ops import rope_tables, sinusoidal_positions
+from .quant import QuantMatrix
 
 #: the names of one block's parameters (prefix ``layers.{l}.``), Meta / llama2.c naming
 LAYER_PARAMS = (
@@ -297,6 +298,8 @@ class Transformer:
             if key in self.lora.targets:
                 return self.lora.backward(key, dy, ctx, grads)
             w = self.params[key]
+            if isinstance(w, QuantMatrix):  # the backend's quantized dx = dy deq(W)
+                return self.backend.linear_backward(dy, ctx)[0]
             return (dy.reshape(-1, dy.shape[-1]) @ w).reshape(*dy.shape[:-1], w.shape[1])
         dx, grads[key] = self.backend.linear_backward(dy, ctx)
         return dx

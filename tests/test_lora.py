@@ -210,3 +210,34 @@ def test_lora_on_a_quantized_base_equals_lora_on_its_dequantized_weights(qtype):
     np.testing.assert_allclose(yq, yf, rtol=1e-12, atol=1e-12)
     for gq, gf in zip(ops.lora_backward(dy, cq), ops.lora_backward(dy, cf)):
         np.testing.assert_allclose(gq, gf, rtol=1e-12, atol=1e-12)
+
+
+def test_an_adapter_over_a_quantized_base_stays_attached(tmp_path):
+    """`generate --adapter` on a quantized base (apply_adapter) keeps W in its blocks and the
+    adapter attached; its logits equal the float base with the adapter merged in."""
+    from minillama.lora import apply_adapter
+    from minillama.model import init_params
+    from minillama.quant import QuantMatrix
+
+    from quantblocks import quantized_params
+
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=40, hidden_dim=64,
+                      max_seq_len=16)
+    qp, fp = quantized_params(init_params(cfg, seed=1), "Q8_0", np.random.default_rng(2),
+                              scale=0.01)
+    src = Transformer(cfg, fp, backend="reference")
+    lora = LoRA(src, LoRAConfig(rank=2), seed=3)
+    rng = np.random.default_rng(4)
+    for _, b in lora.targets.values():  # B = 0 at init: give the adapter an effect
+        lora.params[b] = rng.standard_normal(lora.params[b].shape).astype(np.float32)
+    lora.save_peft(tmp_path / "ad")
+    ids = np.array([[1, 5, 9, 2, 7]])
+    merged = Transformer(cfg, fp, backend="reference")
+    apply_adapter(merged, tmp_path / "ad")
+    quant = Transformer(cfg, qp, backend="reference")
+    apply_adapter(quant, tmp_path / "ad")
+    assert quant.lora is not None and isinstance(quant.params["layers.0.attention.wq.weight"],
+                                                 QuantMatrix)
+    want = merged.forward(ids)
+    assert np.abs(want - Transformer(cfg, fp, backend="reference").forward(ids)).max() > 1e-3
+    np.testing.assert_allclose(quant.forward(ids), want, rtol=1e-4, atol=1e-4)
