@@ -39,7 +39,9 @@ DEFAULT_TOKENIZER = HERE.parent.parent / "shared" / "data" / "tokenizer.bin"
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama-cpp", type=Path, help="folder holding llama-bench and llama-quantize")
+    ap.add_argument("--llama-cpp", type=Path,
+                    help="folder holding llama-bench and llama-quantize (without it: minillama "
+                         "alone, its files made by `minillama quantize`, e.g. on a GPU machine)")
     ap.add_argument("--gguf", nargs="*", type=Path, default=[],
                     help="GGUF files to measure (default: write s110 and quantize it)")
     ap.add_argument("--types", default="F32,Q8_0,Q4_K_M,Q4_0",
@@ -115,17 +117,26 @@ def make_files(args, work: Path) -> list[Path]:
     f32 = work / "s110-F32.gguf"
     if not f32.exists():
         cfg = ModelConfig(**_bench_common.shape("s110"))
-        save_gguf(f32, cfg, init_params(cfg, seed=0, dtype=np.float32),
-                  tokenizer=load_tokenizer(str(args.tokenizer)))
+        tok = load_tokenizer(str(args.tokenizer)) if args.tokenizer.is_file() else None
+        if tok is None:  # minillama times its decode from ids; llama.cpp needs a vocabulary
+            print(f"# {args.tokenizer} not found: the file gets no tokenizer")
+        save_gguf(f32, cfg, init_params(cfg, seed=0, dtype=np.float32), tokenizer=tok)
     files = []
     for t in args.types.split(","):
         if t == "F32":
             files.append(f32)
             continue
         out = work / f"s110-{t}.gguf"
-        if not out.exists():
+        if out.exists():
+            pass
+        elif args.llama_cpp is not None:
             subprocess.run([str(args.llama_cpp / "llama-quantize"), str(f32), str(out), t,
                             str(args.threads)], check=True, capture_output=True)
+        else:
+            from minillama.cli import main as minillama_main  # noqa: PLC0415
+
+            if minillama_main(["quantize", str(f32), str(out), "--type", t]) != 0:
+                sys.exit(f"bench_gguf: minillama quantize --type {t} failed")
         files.append(out)
     return files
 
@@ -136,7 +147,7 @@ def main(argv=None) -> int:
         child(args)
         return 0
     _bench_common.pin_threads(args.threads)
-    if args.llama_cpp is None or not (args.llama_cpp / "llama-bench").exists():
+    if args.llama_cpp is not None and not (args.llama_cpp / "llama-bench").exists():
         sys.exit("bench_gguf: --llama-cpp must name the folder holding llama-bench")
     tmp = tempfile.TemporaryDirectory() if args.workdir is None else None
     work = Path(tmp.name) if tmp else args.workdir
@@ -148,7 +159,8 @@ def main(argv=None) -> int:
     results = {f: {"ml": [], "cpp": []} for f in files}
     for rep in range(args.reps):
         for f in files:  # interleaved: llama.cpp then minillama, file by file, rep by rep
-            results[f]["cpp"].append(run_llama_bench(f, args))
+            if args.llama_cpp is not None:
+                results[f]["cpp"].append(run_llama_bench(f, args))
             results[f]["ml"].append(run_minillama(f, args))
     head = (f"{'file':<22} {'MB':>6} | {'tg llama.cpp':>12} {'minillama':>10} {'ratio':>6} | "
             f"{'pp llama.cpp':>12} {'minillama':>10} {'ratio':>6} | {'peak MB':>8} {'x file':>6}")
@@ -162,7 +174,7 @@ def main(argv=None) -> int:
             continue
         row = [f"{f.name:<22} {mb:6.0f}"]
         for key in ("tg", "pp"):
-            cpp = [r[key] for r in results[f]["cpp"]]
+            cpp = [r[key] for r in results[f]["cpp"]] or [float("nan")]
             ml = [r[key] for r in results[f]["ml"]]
             row.append(f"{max(cpp):8.1f} ({statistics.median(cpp):.0f}) "
                        f"{max(ml):6.1f} ({statistics.median(ml):.0f}) {max(ml) / max(cpp):6.2f}")

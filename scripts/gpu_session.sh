@@ -14,6 +14,7 @@
 #   scripts/gpu_session.sh setup tests              # ~6 min
 #   scripts/gpu_session.sh setup attention train    # ~8 min
 #   scripts/gpu_session.sh setup decode cli         # ~6 min
+#   scripts/gpu_session.sh setup quant              # ~4 min
 #
 #   setup      install this checkout (editable, no dependencies, no index); GPU and versions
 #   tests      the GPU tests: CuPy kernels, flash attention, CUDA-graph decoder and its CLI,
@@ -25,6 +26,10 @@
 #   cli        `minillama generate --cuda-graph on/off` tokens/s (shipped model, random s110), and
 #              300 steps of `minillama train --precision fp32/tf32/bf16` on Shakespeare: loss
 #              curves side by side
+#   quant      quantized GGUF decode on the GPU (quant.cu's Q8_0/Q4_K kernels): the s110 shape as
+#              F32, Q8_0 and Q4_K_M files made by `minillama quantize`, tokens/s and prompt
+#              tokens/s through scripts/bench_gguf.py (compare with the decode phase's fp32
+#              CUDA-graph rate; the goal is 1.5x it); also the quantized-kernel tests on the GPU
 #   retrain    (not in the default list; one call of its own, ~8 min) a larger Shakespeare model
 #              (D 256, L 8, hd 64, 5.9M parameters: 11.8 MB in float16) to replace
 #              the shipped model if its held-out bits/byte are 10% lower (2.11 today): trains on the
@@ -45,13 +50,13 @@ PHASES=()
 for a in "$@"; do
     case "$a" in
         --dry-run) DRY=1 ;;
-        setup|tests|attention|train|decode|cli|retrain) PHASES+=("$a") ;;
+        setup|tests|attention|train|decode|cli|quant|retrain) PHASES+=("$a") ;;
         -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
-        *) echo "gpu_session: unknown phase '$a' (setup tests attention train decode cli retrain)" >&2
+        *) echo "gpu_session: unknown phase '$a' (setup tests attention train decode cli quant retrain)" >&2
            exit 2 ;;
     esac
 done
-[ ${#PHASES[@]} -eq 0 ] && PHASES=(setup tests attention train decode cli)
+[ ${#PHASES[@]} -eq 0 ] && PHASES=(setup tests attention train decode cli quant)
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
@@ -129,6 +134,14 @@ phase_train() {
 
 phase_decode() {
     run decode "$PY" scripts/bench_gpu.py --no-train --decode-tokens 128
+}
+
+phase_quant() {
+    mkdir -p "$WORK/gguf"
+    run quant "$PY" scripts/bench_gguf.py --backend cupy --types F32,Q8_0,Q4_K_M --reps 3 \
+        --workdir "$WORK/gguf"
+    run quant "$PY" -m pytest -p no:cacheprovider -q -k "cupy and quant" tests/test_quant_ops.py \
+        tests/test_quant_load.py tests/test_lora.py
 }
 
 phase_cli() {

@@ -42,12 +42,13 @@ def test_unknown_phase_is_one_line_and_status_2(tmp_path):
 def test_dry_run_names_what_exists(tmp_path):
     default = _dry(tmp_path / "default")
     assert {p.name for p in (tmp_path / "default").iterdir()} == \
-        {f"{p}.log" for p in ("setup", "tests", "attention", "train", "decode", "cli")}
+        {f"{p}.log" for p in ("setup", "tests", "attention", "train", "decode", "cli", "quant")}
     cmds = _dry(tmp_path / "all", "setup", "tests", "attention", "train", "decode", "cli",
-                "retrain")
+                "quant", "retrain")
     assert cmds[:len(default)] == default
-    # the device tool returns at most 8 files: 7 logs and the retrained model
-    assert len(list((tmp_path / "all").iterdir())) == 7
+    # one log per phase (a device call runs a few phases and returns their logs)
+    assert len(list((tmp_path / "all").iterdir())) == 8
+    assert any("scripts/bench_gguf.py" in c and "cupy" in c for c in cmds)
     seen_scripts, seen_tests = set(), set()
     snippets = [c[c.index("-c") + 1] for c in cmds if len(c) > 2 and "-c" in c[1:2]]
     assert snippets
