@@ -20,8 +20,8 @@ Numba threads (``prange``) and reads W once, in memory order, for all B sequence
 :func:`decode_step` one W row at a time feeds groups of 8 sequences (:func:`_row`: eight running
 sums) when their x rows fit in L1 (:data:`ROW_X_BYTES`), else tiles of 4 W rows x 2 sequences
 (:func:`_tile`), and always by tiles for a model small enough to stay in cache
-(:data:`CACHED_WEIGHT_BYTES`: compute-bound); :func:`decode_step_one` takes one row at a time for its one sequence (bound by
-streaming W).
+(:data:`CACHED_WEIGHT_BYTES`: compute-bound); :func:`decode_step_one` takes one row at a
+time for its one sequence (bound by streaming W).
 The weights are the model's own arrays (no copy), passed as typed lists over the layers (whose
 type does not depend on L, so one compilation per dtype serves every depth), so a decode step
 is one dispatch with no Python work per op. Given an ``ids`` buffer of n columns, both kernels
