@@ -70,7 +70,7 @@ def _fused_step_matches(ref, fast, calls, lens, rng, tol):
     """Prefill random prompts of ``lens`` tokens on both models, then one decode step at
     per-sequence positions: the fast model takes one fused call, and its logits and every
     cache row equal the reference's within ``tol``. Returns the two caches."""
-    S, B = ref.cfg.max_seq_len, len(lens)
+    S, B, V = ref.cfg.max_seq_len, len(lens), ref.cfg.vocab_size
     prompts = [rng.integers(0, 61, n).tolist() for n in lens]
     c_ref, c_fast = _prefill(ref, prompts, S), _prefill(fast, prompts, S)
     tok = rng.integers(0, 61, (B, 1))
@@ -79,7 +79,7 @@ def _fused_step_matches(ref, fast, calls, lens, rng, tol):
     before = calls["calls"]
     got = fast.forward(tok, start_pos=pos, cache=c_fast, last_only=True)
     assert calls["calls"] == before + 1
-    assert got.shape == want.shape == (B, 61) and got.dtype == ref.dtype
+    assert got.shape == want.shape == (B, V) and got.dtype == ref.dtype
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
     for layer in range(ref.cfg.n_layers):
         for got_c, want_c in ((c_fast.k[layer], c_ref.k[layer]), (c_fast.v[layer], c_ref.v[layer])):
@@ -105,12 +105,42 @@ def test_fused_step_matches_reference_per_sequence_positions(calls, kvh):
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 2e-5), (np.float64, 1e-11)])
 def test_many_sequences_by_groups_of_rows_match_reference(calls, dtype, tol):
     """From 4 sequences on, decode_step multiplies by W row after row for groups of 8, then 4,
-    then single sequences (13 = 8 + 4 + 1 here); every sequence must get the reference's
-    logits and cache rows, whatever group it falls in."""
-    ref, fast = _pair(dtype=dtype)
+    then single sequences (13 = 8 + 4 + 1 here), for a model too large to stay in cache (a
+    vocabulary of 90000: over CACHED_WEIGHT_BYTES, else tiles are taken); every sequence must
+    get the reference's logits and cache rows, whatever group it falls in."""
+    from minillama.backends.numba import decode as numba_decode
+
+    ref, fast = _pair(dtype=dtype, vocab_size=90000)
+    assert 90000 * 48 * np.dtype(dtype).itemsize > numba_decode.CACHED_WEIGHT_BYTES
     rng = np.random.default_rng(2)
     lens = [int(n) for n in rng.integers(1, ref.cfg.max_seq_len - 1, 13)]
     _fused_step_matches(ref, fast, calls, lens, rng, tol)
+
+
+@pytest.mark.parametrize("vocab", [61, 90000])  # in cache (tiles) and not (rows of W)
+def test_batched_fused_step_equals_per_sequence_fused_steps(calls, vocab):
+    """One fused step of 16 sequences at their own positions gives each sequence the logits and
+    cache rows that the single-sequence kernel gives it alone: batching shares the reads of
+    the weights and nothing else."""
+    _, fast = _pair(vocab_size=vocab)
+    rng = np.random.default_rng(5)
+    S, B = fast.cfg.max_seq_len, 16
+    prompts = [rng.integers(0, 61, int(n)).tolist() for n in rng.integers(1, S - 1, B)]
+    pos = np.array([len(p) for p in prompts])
+    tok = rng.integers(0, 61, (B, 1))
+    cache = _prefill(fast, prompts, S)
+    before = calls["calls"]
+    got = fast.forward(tok, start_pos=pos, cache=cache, last_only=True)
+    assert calls["calls"] == before + 1
+    for b in range(B):
+        one = _prefill(fast, [prompts[b]], S)
+        before = calls["calls"]
+        want = fast.forward(tok[b:b + 1], start_pos=int(pos[b]), cache=one, last_only=True)
+        np.testing.assert_allclose(got[b], want[0], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        for layer in range(fast.cfg.n_layers):
+            np.testing.assert_allclose(cache.k[layer][b], one.k[layer][0], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(cache.v[layer][b], one.v[layer][0], rtol=1e-5, atol=1e-5)
+        assert calls["calls"] == before + 1
 
 
 def test_greedy_tokens_equal_reference_batch(calls):

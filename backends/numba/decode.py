@@ -19,8 +19,9 @@ then the final RMSNorm and the classifier rows. Every product spreads its output
 Numba threads (``prange``) and reads W once, in memory order, for all B sequences. In
 :func:`decode_step` one W row at a time feeds groups of 8 sequences (:func:`_row`: eight running
 sums) when their x rows fit in L1 (:data:`ROW_X_BYTES`), else tiles of 4 W rows x 2 sequences
-(:func:`_tile`); :func:`decode_step_one` takes one row at a time for its one sequence (bound by
-streaming W).
+(:func:`_tile`), and always by tiles for a model small enough to stay in cache
+(:data:`CACHED_WEIGHT_BYTES`: compute-bound); :func:`decode_step_one` takes one row at a
+time for its one sequence (bound by streaming W).
 The weights are the model's own arrays (no copy), passed as typed lists over the layers (whose
 type does not depend on L, so one compilation per dtype serves every depth), so a decode step
 is one dispatch with no Python work per op. Given an ``ids`` buffer of n columns, both kernels
@@ -46,6 +47,13 @@ TILE = 4
 #: otherwise by tiles (:func:`_tile`). Measured on s15/s110 shapes at B = 8: rows 1.2-1.75x
 #: faster for K <= 768 (x 24 KiB), tiles 1.1-1.3x faster for K = 2048 (x 64 KiB, read from L2).
 ROW_X_BYTES = 24 * 1024
+
+#: a model whose weights take at most this many bytes stays in the CPU caches from one decode
+#: step to the next, so its products are bound by the multiply-adds rather than by streaming W,
+#: and :func:`decode_step` takes them by tiles (:func:`_tile`: fewer loads per multiply-add)
+#: whatever the batch. Measured on the shipped model (6.4 MB of float32 weights, 2 MiB L2,
+#: 32 MiB L3) at B = 16: tiles 1.25-1.4x faster than rows on every product.
+CACHED_WEIGHT_BYTES = 16 * 1024 * 1024
 
 
 @njit(fastmath=True, cache=True, nogil=True)
@@ -364,9 +372,10 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
     C = min(KVH, max(1, 4 // B))  # KV-head chunks per sequence in attention
     # by tiles or row by row, for the products with K = D, H*hd and F inputs
     isz = x.itemsize
-    tile_d = B < 4 or B * D * isz > ROW_X_BYTES
-    tile_q = B < 4 or B * qd * isz > ROW_X_BYTES
-    tile_f = B < 4 or B * F * isz > ROW_X_BYTES
+    cached = (L * (2 * qd + 2 * kvd + 3 * F) + V) * D * isz <= CACHED_WEIGHT_BYTES
+    tile_d = B < 4 or cached or B * D * isz > ROW_X_BYTES
+    tile_q = B < 4 or cached or B * qd * isz > ROW_X_BYTES
+    tile_f = B < 4 or cached or B * F * isz > ROW_X_BYTES
     n_steps = max(1, ids.shape[1])
     ps = pos.copy()  # each sequence's position in the current step
     cur = tok.copy()  # and the token it feeds
