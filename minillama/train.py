@@ -23,7 +23,8 @@ Outputs in ``--out`` (default ``runs/default``):
 
 ``--export PATH`` also writes a weights-only model file (float16 by default) for shipping.
 
-The pieces: :class:`Trainer` (this module) builds the run and runs the loop;
+The pieces: :class:`Trainer` (this module) holds the run and runs the loop;
+:mod:`minillama.train_setup` opens its data and builds its model and optimizer;
 :mod:`minillama.train_step` computes the gradient of a step (data parallel or not) and keeps the
 time limit; :mod:`minillama.train_eval` the validation loss; :mod:`minillama.train_checkpoint`
 writes and restores the checkpoint; :mod:`minillama.train_plot` draws ``loss.png``.
@@ -37,20 +38,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .checkpoint import CKPT_NAME, check_output_dir
-from .data import TokenData, prepare_data
 from .distributed import Communicator, SingleProcess
 from .errors import MinillamaError
-from .model import Transformer
-from .optim import AdamW, clip_grad_norm, lr_at
+from .optim import clip_grad_norm, lr_at
 from .train_checkpoint import (export_model, restore_training_checkpoint,  # noqa: F401 (re-exported)
                                training_state, write_training_checkpoint)
 from .train_config import (MODEL_FIELDS, VARIANT_FIELDS, TrainConfig,  # noqa: F401 (re-exported)
                            grad_accum_for, read_config_file)
 from .train_eval import Evaluator
 from .train_plot import PLOT_NAME, plot_losses
+from .train_setup import (build_model, build_optimizer, check_share_of_data,
+                          check_weights_agree, open_data)
 from .train_step import DataParallelStep, TimeLimit
 
 # ---------------------------------------------------------------------------------------------
@@ -82,10 +81,10 @@ class Trainer:
         self.out = self.comm.agree(lambda: check_output_dir(tc.out, "output folder (--out)"),
                                    root_only=True)
         self.cfg = tc.model_config()
-        self.data = self._open_data(data_dir)
-        self.comm.agree(self._check_share_of_data)
-        self.model = self.comm.agree(self._build_model)
-        self.opt = self._build_optimizer()
+        self.data = open_data(tc, self.comm, self.out, self.cfg, data_dir)
+        self.comm.agree(lambda: check_share_of_data(tc, self.comm, self.data))
+        self.model = self.comm.agree(lambda: build_model(tc, self.cfg, self.out))
+        self.opt = build_optimizer(tc, self.model)
         self.step = 0
         self.history: dict[str, list] = {"train": [], "val": []}  # [step, loss] pairs
         self.tokens_seen = 0
@@ -95,56 +94,7 @@ class Trainer:
         self.time_limit = TimeLimit()
         self.grad_step = DataParallelStep(self.model, self.data, self.comm, tc.batch_size,
                                           tc.grad_accum, self.time_limit)
-        self._check_weights_agree()
-
-    # --- construction --------------------------------------------------------------------------
-    def _open_data(self, data_dir) -> TokenData:
-        """The token files: ``data_dir`` if given, else ``tc.data`` prepared under ``out/data``
-        (by rank 0 alone; the others open what it wrote)."""
-        if data_dir is not None:
-            folder = Path(data_dir)
-        else:
-            folder = self.comm.agree(lambda: prepare_data(self.tc.data, self.out / "data"),
-                                     root_only=True)
-        return self.comm.agree(lambda: TokenData(folder, self.tc.context, seed=self.tc.seed,
-                                                 vocab_size=self.cfg.vocab_size))
-
-    def _check_share_of_data(self) -> None:
-        """Several ranks need at least as many distinct training windows as one step uses."""
-        N, A, B, T = self.comm.size, self.tc.grad_accum, self.tc.batch_size, self.tc.context
-        windows = self.data.train.size - T
-        if N > 1 and N * A * B > windows:
-            raise MinillamaError(
-                f"{N} ranks x --grad-accum {A} x --batch-size {B} = {N * A * B} windows per step, "
-                f"but the training split has only {windows} windows of {T} + 1 tokens: launch "
-                f"fewer ranks or use a smaller batch")
-
-    def _build_model(self) -> Transformer:
-        """A freshly initialised model (weights from ``tc.seed``), or, with ``tc.init_from`` and
-        no checkpoint in ``out/`` yet, one that starts from that checkpoint's weights (its model
-        must be the one this run asks for)."""
-        params = None
-        if self.tc.init_from and not (self.out / CKPT_NAME).is_file():
-            from .formats import load_params  # noqa: PLC0415
-
-            _, cfg, params, _ = load_params(self.tc.init_from)
-            mine, theirs = self.cfg.to_dict(), cfg.to_dict()
-            diff = [k for k in MODEL_FIELDS + ("vocab_size",) if mine[k] != theirs[k]]
-            if diff:
-                raise MinillamaError(f"--init-from: {self.tc.init_from} has {diff[0]}="
-                                     f"{theirs[diff[0]]!r}, this run asks for {mine[diff[0]]!r}")
-        from .backends import get_backend  # noqa: PLC0415
-        from .backends.cupy.mixed_precision import with_precision  # noqa: PLC0415
-
-        backend = with_precision(get_backend(self.tc.backend), self.tc.precision)
-        return Transformer(self.cfg, params, backend=backend, dtype=np.dtype(self.tc.dtype),
-                           seed=self.tc.seed)
-
-    def _build_optimizer(self) -> AdamW:
-        tc = self.tc
-        return AdamW(self.model.params, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
-                     weight_decay=tc.weight_decay, decay_embeddings=tc.decay_embeddings,
-                     backend=self.model.backend)
+        check_weights_agree(self.comm, self.model)
 
     @property
     def ckpt_path(self) -> Path:
@@ -154,18 +104,6 @@ class Trainer:
     def tokens_per_step(self) -> int:
         """Tokens in one optimisation step: N ranks x A micro-batches of B windows of T tokens."""
         return self.comm.size * self.tc.grad_accum * self.tc.batch_size * self.tc.context
-
-    def _check_weights_agree(self) -> None:
-        """Every rank must hold bit-identical weights (same seed or checkpoint, same updates)."""
-        if self.comm.size > 1:
-            import hashlib  # noqa: PLC0415
-
-            h = hashlib.sha1()
-            for k in sorted(self.model.params):
-                h.update(np.ascontiguousarray(self.model.backend.to_numpy(
-                    self.model.params[k])).tobytes())
-            self.comm.agree_on("the model weights (SHA-1 of every parameter)",
-                               {"weights": h.hexdigest()})
 
     # --- checkpoints ---------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -191,7 +129,7 @@ class Trainer:
     def _save_on_root(self) -> None:
         """Rank 0 writes the checkpoint while the others wait to hear that it did."""
         self.comm.agree(self.save, root_only=True)
-        self._check_weights_agree()
+        check_weights_agree(self.comm, self.model)
 
     def resume(self, path=None) -> None:
         """Restore weights, optimizer moments, data position and history from a checkpoint
@@ -199,7 +137,7 @@ class Trainer:
         path = Path(path) if path is not None else self.ckpt_path
 
         self.comm.agree(lambda: restore_training_checkpoint(self, path))
-        self._check_weights_agree()
+        check_weights_agree(self.comm, self.model)
 
     # --- evaluation ----------------------------------------------------------------------------
     def evaluate(self) -> float:
