@@ -1,7 +1,8 @@
 r"""Continuous batching: many requests share one model through one batched KV cache.
 
-The :class:`Engine` owns a cache of ``max_batch`` slots (rows) of ``S`` positions and a scheduler
-thread. Each iteration of the scheduler
+The :class:`Engine` owns the queue of waiting requests and a scheduler thread; its
+:class:`SlotBatch` owns a cache of ``max_batch`` slots (rows) of ``S`` positions and the requests
+running in them. Each iteration of the scheduler (:meth:`SlotBatch.step`)
 
 1. drops the requests that were cancelled (a client that went away) and frees their slots;
 2. admits waiting requests while slots are free: their prompts are prefilled into free rows
@@ -132,16 +133,12 @@ class Engine:
         #: the most (padded) prompt tokens prefilled in one forward: new requests arriving
         #: together are prefilled together up to this size
         self.prefill_tokens = int(prefill_tokens)
-        self.cache = model.new_cache(self.max_batch, self.S)
-        self._views: dict[tuple[int, int], object] = {}
-        self._slots: list[_Slot] = []
+        self.batch = SlotBatch(model, self.max_batch, self.S, self.prefill_tokens)
+        self._slots = self.batch.slots
         self._pending: collections.deque[Request] = collections.deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.decode_steps = 0  #: batched decode steps run so far
-        self.prefills = 0  #: prefill forwards run so far (each may hold several prompts)
-        self.max_active = 0  #: the most requests that ever decoded in one step
         self.finished: collections.Counter = collections.Counter()  #: finish reason -> count
 
     # -- the caller's side ---------------------------------------------------------------------
@@ -230,7 +227,7 @@ class Engine:
                 while self._pending and len(self._slots) + len(new) < self.max_batch:
                     new.append(self._pending.popleft())
             try:
-                self._iteration(new)
+                self.batch.step(new)
             except Exception as e:  # noqa: BLE001 - an unexpected failure ends these requests,
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__  # not the server
                 for r in new + [s.req for s in self._slots]:
@@ -238,7 +235,49 @@ class Engine:
                         r._fail(f"generation failed: {msg}")
                 self._slots.clear()
 
-    def _iteration(self, new: list[Request]) -> None:
+    @property
+    def cache(self):
+        """The KV cache of the slots (rows 0..active-1 hold the running requests)."""
+        return self.batch.cache
+
+    @property
+    def decode_steps(self) -> int:
+        """Batched decode steps run so far."""
+        return self.batch.decode_steps
+
+    @property
+    def prefills(self) -> int:
+        """Prefill forwards run so far (each may hold several prompts)."""
+        return self.batch.prefills
+
+    @property
+    def max_active(self) -> int:
+        """The most requests that ever decoded in one step."""
+        return self.batch.max_active
+
+    @max_active.setter
+    def max_active(self, n: int) -> None:
+        self.batch.max_active = n
+
+
+class SlotBatch:
+    """The rows of the KV cache and the requests running in them: prefills new requests into
+    free rows, runs one batched decode step over all of them, samples and hands over each one's
+    token, and keeps the running requests in rows 0..n-1 as others finish."""
+
+    def __init__(self, model, max_batch: int, S: int, prefill_tokens: int):
+        self.model = model
+        self.S = S
+        self.prefill_tokens = prefill_tokens
+        self.cache = model.new_cache(max_batch, S)
+        self._views: dict[tuple[int, int], object] = {}
+        self._slots: list[_Slot] = []
+        self.slots = self._slots
+        self.decode_steps = 0
+        self.prefills = 0
+        self.max_active = 0
+
+    def step(self, new: list[Request]) -> None:
         for s in self._slots:
             if s.req.cancelled:
                 s.done = True
@@ -343,6 +382,8 @@ class Engine:
                     a[i, :p] = a[last, :p]
                 self._slots[i] = moved
             self._slots.pop()
+
+
 
 
 class StopText:

@@ -90,17 +90,18 @@ def test_threads_follow_numba_num_threads():
 
 def test_fastmath_keeps_inf_and_nan():
     _numba_backend()
-    from minillama.backends.numba import kernels as numba_kernels
+    from minillama.backends.numba.fastmath import FASTMATH, JIT_OPTS
 
-    assert "nnan" not in numba_kernels.FASTMATH and "ninf" not in numba_kernels.FASTMATH
-    assert "fast" not in numba_kernels.FASTMATH
+    assert "nnan" not in FASTMATH and "ninf" not in FASTMATH
+    assert "fast" not in FASTMATH
+    assert JIT_OPTS["fastmath"] is FASTMATH
 
 
 def test_fast_exp_float32():
     _numba_backend()
     from numba import njit
 
-    from minillama.backends.numba.kernels import fexp
+    from minillama.backends.numba.fastmath import fexp
 
     @njit
     def apply(x, y):

@@ -1,0 +1,286 @@
+"""Causal GQA attention forward kernels of the ``numba`` backend, all-Numba loops: the tiled
+online softmax (FlashAttention-style, one (b, kv head) per work item) for prefill and training
+(short T), and the decode shape (few queries against a long cache, split along the keys and
+combined). :data:`BR` and :data:`BC` are the tile sizes, shared with the backward.
+
+Every parallel kernel has a serial twin (same per-item body, plain ``range``) that the backend
+uses when the work is too small to pay for waking the thread pool (decode steps of small models).
+The thread count of the parallel kernels is Numba's: ``NUMBA_NUM_THREADS`` or the core count.
+
+Size letters: B batch, T query time, S key time, H query heads, KVH key/value heads,
+G = H / KVH, hd head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .fastmath import JIT_OPTS, fexp, rowmax
+
+#: query positions per tile of the attention kernels (each brings its G heads: BR*G rows)
+BR = 16
+#: keys per tile: a (hd, BC) slice of K^T and a (BC, hd) slice of V stay in L1 for a whole tile
+BC = 64
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention forward: tiled online softmax (FlashAttention-style), one (b, kv head) per work item
+# ---------------------------------------------------------------------------------------------
+@njit(**JIT_OPTS)
+def scores(qrow, k, b, kh, c0, n, scale, srow):
+    # srow[c] = (q . k_{c0+c}) * scale for c < n; four keys per pass share each load of q
+    zero = scale - scale
+    hd = qrow.shape[0]
+    c = 0
+    while c + 4 <= n:
+        k0 = k[b, c0 + c, kh]
+        k1 = k[b, c0 + c + 1, kh]
+        k2 = k[b, c0 + c + 2, kh]
+        k3 = k[b, c0 + c + 3, kh]
+        a0 = zero
+        a1 = zero
+        a2 = zero
+        a3 = zero
+        for d in range(hd):
+            qd = qrow[d]
+            a0 += qd * k0[d]
+            a1 += qd * k1[d]
+            a2 += qd * k2[d]
+            a3 += qd * k3[d]
+        srow[c] = a0 * scale
+        srow[c + 1] = a1 * scale
+        srow[c + 2] = a2 * scale
+        srow[c + 3] = a3 * scale
+        c += 4
+    while c < n:
+        k0 = k[b, c0 + c, kh]
+        a0 = zero
+        for d in range(hd):
+            a0 += qrow[d] * k0[d]
+        srow[c] = a0 * scale
+        c += 1
+
+
+@njit(**JIT_OPTS)
+def axpy_rows(w, x, b, kh, c0, n, acc):
+    # acc += sum_{c < n} w[c] x_{c0+c}  (rows of x: (B, S, KVH, hd)), four rows per pass
+    hd = acc.shape[0]
+    c = 0
+    while c + 4 <= n:
+        w0 = w[c]
+        w1 = w[c + 1]
+        w2 = w[c + 2]
+        w3 = w[c + 3]
+        x0 = x[b, c0 + c, kh]
+        x1 = x[b, c0 + c + 1, kh]
+        x2 = x[b, c0 + c + 2, kh]
+        x3 = x[b, c0 + c + 3, kh]
+        for d in range(hd):
+            acc[d] += w0 * x0[d] + w1 * x1[d] + w2 * x2[d] + w3 * x3[d]
+        c += 4
+    while c < n:
+        w0 = w[c]
+        x0 = x[b, c0 + c, kh]
+        for d in range(hd):
+            acc[d] += w0 * x0[d]
+        c += 1
+
+
+@njit(**JIT_OPTS)
+def _attn_fwd_item(q, k, v, starts, scale, out, lse, u):
+    B, T, H, hd = q.shape
+    S = k.shape[1]
+    KVH = k.shape[2]
+    G = H // KVH
+    b = u // KVH
+    kh = u - b * KVH
+    st = starts[b]
+    dt = q.dtype
+    zero = scale - scale
+    one = scale / scale
+    R = BR * G
+    s = np.empty((R, BC), dtype=dt)
+    acc = np.empty((R, hd), dtype=dt)
+    m = np.empty(R, dtype=dt)
+    l = np.empty(R, dtype=dt)
+    for t0 in range(0, T, BR):
+        t1 = min(t0 + BR, T)
+        nr = (t1 - t0) * G  # rows r = (t - t0) * G + g of this tile
+        for r in range(nr):
+            m[r] = -np.inf
+            l[r] = zero
+            for d in range(hd):
+                acc[r, d] = zero
+        kend = min(st + t1, S)
+        for c0 in range(0, kend, BC):
+            c1 = min(c0 + BC, kend)
+            for r in range(nr):
+                t = t0 + r // G
+                h = kh * G + (r - (r // G) * G)
+                n = min(st + t + 1, c1) - c0  # keys c0 .. c0+n-1 are visible to this row
+                if n <= 0:
+                    continue
+                srow = s[r]
+                scores(q[b, t, h], k, b, kh, c0, n, scale, srow)
+                mold = m[r]
+                mx = max(mold, rowmax(srow, n))
+                corr = fexp(mold - mx)  # 0 on the first tile (mold = -inf)
+                tot = zero
+                for c in range(n):
+                    e = fexp(srow[c] - mx)
+                    srow[c] = e
+                    tot += e
+                l[r] = l[r] * corr + tot
+                m[r] = mx
+                arow = acc[r]
+                for d in range(hd):
+                    arow[d] *= corr
+                axpy_rows(srow, v, b, kh, c0, n, arow)
+        for r in range(nr):
+            t = t0 + r // G
+            h = kh * G + (r - (r // G) * G)
+            inv = one / l[r]
+            for d in range(hd):
+                out[b, t, h, d] = acc[r, d] * inv
+            lse[b, h, t] = m[r] + math.log(l[r])
+
+
+@njit(parallel=True, **JIT_OPTS)
+def attn_fwd_parallel(q, k, v, starts, scale, out, lse):
+    r"""Causal GQA attention, streaming over key tiles with a running max m and sum l per row:
+
+    m' = \max(m, \max_j s_j),  l' = l e^{m - m'} + \sum_j e^{s_j - m'},
+    o' = o e^{m - m'} + \sum_j e^{s_j - m'} v_j;  finally o / l and lse = m + \log l.
+
+    q, out: (B, T, H, hd); k, v: (B, S, KVH, hd); starts: (B,) int64; lse: (B, H, T);
+    scale: 1/\sqrt{hd} in the dtype of q. Parallel over B*KVH work items; the G query heads of
+    a KV head are rows of the same tile, so each K/V tile is read once per group. Scratch per
+    item: O(BR G (BC + hd)), independent of T and S."""
+    for u in prange(k.shape[0] * k.shape[2]):
+        _attn_fwd_item(q, k, v, starts, scale, out, lse, u)
+
+
+@njit(**JIT_OPTS)
+def attn_fwd_serial(q, k, v, starts, scale, out, lse):
+    """Serial twin of :func:`attn_fwd_parallel`."""
+    for u in range(k.shape[0] * k.shape[2]):
+        _attn_fwd_item(q, k, v, starts, scale, out, lse, u)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention forward, decode shape: few queries against a long cache, split along the keys
+# ---------------------------------------------------------------------------------------------
+@njit(**JIT_OPTS)
+def _attn_dec_item(q, k, v, starts, scale, nsplit, pm, pl, pacc, w):
+    # work item w = (b, key chunk), all heads: the cache rows k[b, c] / v[b, c] (KVH*hd numbers,
+    # contiguous) are streamed once in memory order. Per row r = t*H + h it leaves the
+    # unnormalised partial softmax over its chunk: pm (max), pl (sum of e^{s - max}),
+    # pacc (sum of e^{s - max} v).
+    B, T, H, hd = q.shape
+    S = k.shape[1]
+    KVH = k.shape[2]
+    G = H // KVH
+    b = w // nsplit
+    sp = w - b * nsplit
+    st = starts[b]
+    dt = q.dtype
+    zero = scale - scale
+    nk = min(st + T, S)
+    chunk = (nk + nsplit - 1) // nsplit
+    cs = sp * chunk
+    ce = min(cs + chunk, nk)
+    p = np.empty((H, max(chunk, 1)), dtype=dt)
+    for t in range(T):
+        n = min(ce, st + t + 1) - cs  # keys cs .. cs+n-1 are visible to query t
+        for h in range(H):
+            r = t * H + h
+            for d in range(hd):
+                pacc[w, r, d] = zero
+            pm[w, r] = -np.inf
+            pl[w, r] = zero
+        if n <= 0:
+            continue
+        for c in range(n):
+            for kh in range(KVH):
+                krow = k[b, cs + c, kh]
+                for g in range(G):
+                    h = kh * G + g
+                    qrow = q[b, t, h]
+                    a = zero
+                    for d in range(hd):
+                        a += qrow[d] * krow[d]
+                    p[h, c] = a * scale
+        for h in range(H):
+            prow = p[h]
+            mx = rowmax(prow, n)
+            tot = zero
+            for c in range(n):
+                e = fexp(prow[c] - mx)
+                prow[c] = e
+                tot += e
+            pm[w, t * H + h] = mx
+            pl[w, t * H + h] = tot
+        for c in range(n):
+            for kh in range(KVH):
+                vrow = v[b, cs + c, kh]
+                for g in range(G):
+                    h = kh * G + g
+                    pc = p[h, c]
+                    arow = pacc[w, t * H + h]
+                    for d in range(hd):
+                        arow[d] += pc * vrow[d]
+
+
+@njit(**JIT_OPTS)
+def _attn_dec_combine(nsplit, pm, pl, pacc, out, lse):
+    # merge the chunks of each row: M = max_i m_i, L = sum_i l_i e^{m_i - M},
+    # o = sum_i acc_i e^{m_i - M} / L, lse = M + log L
+    B, T, H, hd = out.shape
+    zero = pl[0, 0] - pl[0, 0]
+    one = zero + 1
+    for b in range(B):
+        for r in range(T * H):
+            t = r // H
+            h = r - t * H
+            M = pm[b * nsplit, r]
+            for sp in range(1, nsplit):
+                M = max(M, pm[b * nsplit + sp, r])
+            L = zero
+            for d in range(hd):
+                out[b, t, h, d] = zero
+            for sp in range(nsplit):
+                w = b * nsplit + sp
+                f = fexp(pm[w, r] - M)  # 0 for an empty chunk (pm = -inf)
+                L += pl[w, r] * f
+                for d in range(hd):
+                    out[b, t, h, d] += pacc[w, r, d] * f
+            inv = one / L
+            for d in range(hd):
+                out[b, t, h, d] *= inv
+            lse[b, h, t] = M + math.log(L)
+
+
+@njit(parallel=True, **JIT_OPTS)
+def attn_dec_parallel(q, k, v, starts, scale, nsplit, pm, pl, pacc, out, lse):
+    r"""Decode-shaped attention (few queries, long KV cache): work items (b, key chunk) in
+    parallel, each streaming its cache rows once in memory order for all heads (no transpose),
+    a two-pass softmax over its chunk, then the exact merge of the chunks (flash-decoding):
+
+    M = \max_i m_i,  L = \sum_i l_i e^{m_i - M},  o = \sum_i a_i e^{m_i - M} / L.
+
+    pm, pl: (B*nsplit, T*H) and pacc: (B*nsplit, T*H, hd) scratch; O(H S / nsplit) scores per
+    item. Same outputs as :func:`attn_fwd_parallel`."""
+    for w in prange(k.shape[0] * nsplit):
+        _attn_dec_item(q, k, v, starts, scale, nsplit, pm, pl, pacc, w)
+    _attn_dec_combine(nsplit, pm, pl, pacc, out, lse)
+
+
+@njit(**JIT_OPTS)
+def attn_dec_serial(q, k, v, starts, scale, nsplit, pm, pl, pacc, out, lse):
+    """Serial twin of :func:`attn_dec_parallel`."""
+    for w in range(k.shape[0] * nsplit):
+        _attn_dec_item(q, k, v, starts, scale, nsplit, pm, pl, pacc, w)
+    _attn_dec_combine(nsplit, pm, pl, pacc, out, lse)
