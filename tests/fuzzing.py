@@ -312,7 +312,7 @@ def _write_quant_gguf(path, cfg, tok) -> None:
                        ("attention.head_count_kv", cfg.n_kv_heads)):
         w.add_uint32(f"llama.{key}", value)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg.norm_eps)
-    _write_tokenizer(w, tok)
+    _write_tokenizer(w, tok, cfg.vocab_size)
     top, layer_names = {v: k for k, v in _TOP.items()}, {v: k for k, v in _LAYER.items()}
     types = [gguf.GGMLQuantizationType[t] for t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")]
     for i, (name, a) in enumerate(_params(cfg).items()):
