@@ -266,3 +266,46 @@ def test_smollm2_generate_and_chat_commands(smollm2_gguf, smol_ref, smol_ours, c
     prompt = TextStreamer(tok, encode_rendered(tok, render_chat(tok, msg))).start()
     assert "Name a color." in prompt
     assert printed == prompt + reply + "\n"  # the rendered prompt is echoed, then the reply
+
+
+def test_smollm2_served_chat_equals_transformers(smol_ref, smol_ours):
+    """`minillama serve`'s app on the SmolLM2 file answers a chat through the `openai` client,
+    streamed and not, with transformers' greedy reply."""
+    pytest.importorskip("starlette")
+    uvicorn = pytest.importorskip("uvicorn")
+    openai = pytest.importorskip("openai")
+    import socket
+    import threading
+    import time
+
+    from minillama.engine import Engine
+    from minillama.serve import build_app
+
+    model, tok = smol_ours
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    want = tok.decode(_ref_reply(smol_ref, messages, 16, stop_ids(tok)))
+    engine = Engine(model, max_batch=2)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, tok, "smol"), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        t0 = time.time()
+        while not server.started:
+            assert time.time() - t0 < 30, "the server did not start"
+            time.sleep(0.02)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1",
+                               api_key="none", max_retries=0)
+        r = client.chat.completions.create(model="smol", messages=messages, max_tokens=16,
+                                           temperature=0)
+        assert r.choices[0].message.content == want and want
+        parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="smol", messages=messages, max_tokens=16, temperature=0, stream=True)
+            if c.choices]
+        assert "".join(parts) == want
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+        engine.close()
