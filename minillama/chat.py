@@ -300,6 +300,9 @@ def add_cli(subparsers) -> None:
                     "goes on and exits with status 2 at the end.")
     p.add_argument("--checkpoint", "-c", required=True,
                    help="model file or folder with a chat template (GGUF or Hugging Face)")
+    p.add_argument("--adapter", default=None,
+                   help="a LoRA adapter folder (PEFT's adapter_config.json + "
+                        "adapter_model.safetensors, e.g. `minillama finetune --out`)")
     p.add_argument("--tokenizer", "-t", default=None,
                    help="tokenizer folder or file (default: the checkpoint's own)")
     p.add_argument("--system", "-s", default=None, help="system message")
@@ -331,6 +334,10 @@ def run_cli(args, stdin=None, stdout=None) -> int:
     checkpoint = Path(args.checkpoint)
     fmt = detect_format(checkpoint)
     model, model_tok = load_model(checkpoint, backend=args.backend, dtype=args.dtype)
+    if getattr(args, "adapter", None):
+        from .lora import apply_adapter  # noqa: PLC0415
+
+        apply_adapter(model, args.adapter)
     tok = resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt)
     if tok is None:
         raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer")

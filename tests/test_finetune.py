@@ -293,7 +293,7 @@ FACT = "The captain of the starship Zorblax is Mirabel Quint."
 
 
 @pytest.mark.slow
-def test_smollm2_lora_learns_a_fact(smollm2_hf, tmp_path, capsys):
+def test_smollm2_lora_learns_a_fact(smollm2_hf, tmp_path, capsys, monkeypatch):
     data = tmp_path / "fact.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
                                                      {"role": "assistant", "content": FACT}]})
@@ -312,3 +312,10 @@ def test_smollm2_lora_learns_a_fact(smollm2_hf, tmp_path, capsys):
                    "--prompt", q, "-n", "16", "--temperature", "0"])
     after = capsys.readouterr().out
     assert rc == 0 and "Mirabel Quint" in after, after
+    import io  # noqa: PLC0415
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(q + "\n"))  # one piped user turn
+    rc = cli.main(["chat", "-c", str(smollm2_hf), "--adapter", str(tmp_path / "ad"), "-n", "16",
+                   "--temperature", "0"])
+    chat_out = capsys.readouterr().out
+    assert rc == 0 and "Mirabel Quint" in chat_out, chat_out
