@@ -51,6 +51,26 @@ def _is_id(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_ID
 
 
+def split_on(text: str, names) -> list[tuple[str, bool]]:
+    """``text`` cut into (segment, is one of ``names``), scanning left to right and taking the
+    longest name that starts at each position (how added tokens are split out of a text)."""
+    names = sorted(names, key=len, reverse=True)
+    out: list[tuple[str, bool]] = []
+    i = start = 0
+    while i < len(text):
+        hit = next((n for n in names if text.startswith(n, i)), None)
+        if hit is None:
+            i += 1
+            continue
+        if i > start:
+            out.append((text[start:i], False))
+        out.append((hit, True))
+        i = start = i + len(hit)
+    if start < len(text):
+        out.append((text[start:], False))
+    return out
+
+
 class BPETokenizer:
     """A ``tokenizer.json`` with a ``BPE`` model, byte-level or SentencePiece-style."""
 
@@ -147,23 +167,8 @@ class BPETokenizer:
     # --- encoding ------------------------------------------------------------------------------
     def _split_added(self, text: str) -> list[tuple[str, bool]]:
         """The text cut into (segment, is an added token), longest added token first."""
-        out: list[tuple[str, bool]] = []
-        names = sorted((n for n, i in self.added.items()
-                        if not (self.encode_special_tokens and i in self.special_ids)),
-                       key=len, reverse=True)
-        i = start = 0
-        while i < len(text):
-            hit = next((n for n in names if text.startswith(n, i)), None)
-            if hit is None:
-                i += 1
-                continue
-            if i > start:
-                out.append((text[start:i], False))
-            out.append((hit, True))
-            i = start = i + len(hit)
-        if start < len(text):
-            out.append((text[start:], False))
-        return out
+        return split_on(text, [n for n, i in self.added.items()
+                               if not (self.encode_special_tokens and i in self.special_ids)])
 
     def _merge(self, symbols: list[str]) -> list[str]:
         """Join the lowest-ranked adjacent pair (leftmost on ties) until none has a rank."""

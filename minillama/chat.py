@@ -144,20 +144,11 @@ def encode_rendered(tok, text: str) -> list[int]:
         name = tok.token_text(i)
         if name:
             specials[name] = i
+    from .bpe import split_on  # noqa: PLC0415
+
     ids: list[int] = []
-    start = i = 0
-    names = sorted(specials, key=len, reverse=True)
-    while i < len(text):
-        hit = next((n for n in names if text.startswith(n, i)), None)
-        if hit is None:
-            i += 1
-            continue
-        if i > start:
-            ids += tok.encode(text[start:i], bos=False, eos=False)
-        ids.append(specials[hit])
-        i = start = i + len(hit)
-    if start < len(text):
-        ids += tok.encode(text[start:], bos=False, eos=False)
+    for part, special in split_on(text, specials):
+        ids += [specials[part]] if special else tok.encode(part, bos=False, eos=False)
     return ids
 
 
