@@ -296,6 +296,26 @@ def _attend_span(q, Kc, Vc, j0, j1, G, scale, sc, ml, o):  # pragma: no cover - 
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline='always')
+def _rope_store(r, a, c, d0, p, qd, kvd, hd, cos, sin, qkv, Kc, Vc):  # pragma: no cover
+    """Rows r, r + 1 of the fused q|k|v product of one token at position p, (a, c): rotated by
+    RoPE (q and k rows) as the pair (d0, d0 + 1) of their head, then written to q or to the
+    K / V cache."""
+    if r < qd + kvd:
+        cs = cos[p, d0 // 2]
+        sn = sin[p, d0 // 2]
+        a, c = a * cs - c * sn, a * sn + c * cs
+    if r < qd:
+        qkv[0, r] = a
+        qkv[0, r + 1] = c
+    elif r < qd + kvd:
+        Kc[0, p, (r - qd) // hd, d0] = a
+        Kc[0, p, (r - qd) // hd, d0 + 1] = c
+    else:
+        Vc[0, p, (r - qd - kvd) // hd, d0] = a
+        Vc[0, p, (r - qd - kvd) // hd, d0 + 1] = c
+
+
+@njit(fastmath=True, cache=True, nogil=True, inline='always')
 def _join_spans(ml, o, out):  # pragma: no cover - compiled
     """out_h = sum_u e^{m_uh - M_h} o_uh / sum_u e^{m_uh - M_h} l_uh, M_h = max_u m_uh: the
     softmax-weighted sum over all positions from the P spans' (m, l, o) of
@@ -606,19 +626,7 @@ def decode_step_one(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, 
                     a = _dot(xn, Wv, r - qd - kvd, zero)
                     c = _dot(xn, Wv, r - qd - kvd + 1, zero)
                     d0 = (r - qd - kvd) % hd
-                if r < qd + kvd:
-                    cs = cos[p, d0 // 2]
-                    sn = sin[p, d0 // 2]
-                    a, c = a * cs - c * sn, a * sn + c * cs
-                if r < qd:
-                    qkv[0, r] = a
-                    qkv[0, r + 1] = c
-                elif r < qd + kvd:
-                    Kc[0, p, (r - qd) // hd, d0] = a
-                    Kc[0, p, (r - qd) // hd, d0 + 1] = c
-                else:
-                    Vc[0, p, (r - qd - kvd) // hd, d0] = a
-                    Vc[0, p, (r - qd - kvd) // hd, d0 + 1] = c
+                _rope_store(r, a, c, d0, p, qd, kvd, hd, cos, sin, qkv, Kc, Vc)
             # attention over cache rows 0..p in P spans of consecutive rows (each thread streams
             # its own part of the cache), then the spans joined
             for u in prange(P):

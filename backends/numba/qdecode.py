@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .decode import _argmax_finite, _attend_span, _join_spans, _rmsnorm_rows
+from .decode import _argmax_finite, _attend_span, _join_spans, _rmsnorm_rows, _rope_store
 from .quant import _dequant_row, _dot
 
 
@@ -108,19 +108,7 @@ def decode_step_one_q(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, codes, 
                     a = _qd(cv, Wv, r - qd - kvd, xn, lut, kv)
                     c = _qd(cv, Wv, r - qd - kvd + 1, xn, lut, kv)
                     d0 = (r - qd - kvd) % hd
-                if r < qd + kvd:
-                    cs = cos[p, d0 // 2]
-                    sn = sin[p, d0 // 2]
-                    a, c = a * cs - c * sn, a * sn + c * cs
-                if r < qd:
-                    qkv[0, r] = a
-                    qkv[0, r + 1] = c
-                elif r < qd + kvd:
-                    Kc[0, p, (r - qd) // hd, d0] = a
-                    Kc[0, p, (r - qd) // hd, d0 + 1] = c
-                else:
-                    Vc[0, p, (r - qd - kvd) // hd, d0] = a
-                    Vc[0, p, (r - qd - kvd) // hd, d0 + 1] = c
+                _rope_store(r, a, c, d0, p, qd, kvd, hd, cos, sin, qkv, Kc, Vc)
             for u in prange(P):
                 _attend_span(qkv[0], Kc[0], Vc[0], u * n // P, (u + 1) * n // P, G, scale,
                              scores[u], ml[u], parts[u])
