@@ -30,7 +30,6 @@ from .errors import MinillamaError
 from .kvcache import KVCache
 from . import ops
 from .ops import rope_tables, sinusoidal_positions
-from .quant import QuantMatrix
 
 #: the names of one block's parameters (prefix ``layers.{l}.``), Meta / llama2.c naming
 LAYER_PARAMS = (
@@ -297,10 +296,7 @@ class Transformer:
         if self.lora is not None:  # the base weights are frozen: no dW
             if key in self.lora.targets:
                 return self.lora.backward(key, dy, ctx, grads)
-            w = self.params[key]
-            if isinstance(w, QuantMatrix):  # the backend's quantized dx = dy deq(W)
-                return self.backend.linear_backward(dy, ctx)[0]
-            return (dy.reshape(-1, dy.shape[-1]) @ w).reshape(*dy.shape[:-1], w.shape[1])
+            return self.backend.linear_backward_input(dy, ctx)
         dx, grads[key] = self.backend.linear_backward(dy, ctx)
         return dx
 
@@ -476,7 +472,10 @@ class Transformer:
         c_n, c_out, c_s = ctx
         if c_s is not None:
             dlogits = self.backend.logit_scale_backward(dlogits, c_s)
-        dhn, dw_out = self.backend.linear_backward(dlogits, c_out)
+        if self.lora is not None:  # a frozen head
+            dhn, dw_out = self.backend.linear_backward_input(dlogits, c_out), None
+        else:
+            dhn, dw_out = self.backend.linear_backward(dlogits, c_out)
         return self._norm_backward(dhn, c_n, "norm", grads), dw_out
 
     def _ffn_sublayer_backward(self, layer: int, df, ctx, grads):
@@ -580,7 +579,10 @@ class Transformer:
             loss, c_lce = be.linear_cross_entropy_forward(
                 hn.reshape(B * T, -1), self.output_weight, be.asarray(tgt.reshape(-1)),
                 ignore_index)
-            dhn, dw_out = be.linear_cross_entropy_backward(1.0, c_lce)
+            if self.lora is not None:  # the head is frozen: no dW_out
+                dhn, dw_out = be.linear_cross_entropy_backward_input(1.0, c_lce), None
+            else:
+                dhn, dw_out = be.linear_cross_entropy_backward(1.0, c_lce)
             dx = self._norm_backward(dhn.reshape(B, T, -1), tape.pop(), "norm", grads)
         else:
             logits, tape = self._run(tok, 0, None, train=True)
