@@ -88,11 +88,11 @@ def _cblas_acc(a, b, out) -> bool:
         fn(_ROW_MAJOR, ta, tb, hi - lo, N, K, 1.0, pa + offa * isz, oa[1], pb, ob[1], 1.0,
            pc + lo * ldc * isz, ldc)
 
-    if M >= SPLIT_MIN_ROWS and num_threads() > 1 and M * N * K >= SPLIT_MIN_MACS:
-        with single_threaded_blas():
+    with single_threaded_blas():  # never OpenBLAS's own threads (they spin after each call)
+        if M >= SPLIT_MIN_ROWS and num_threads() > 1 and M * N * K >= SPLIT_MIN_MACS:
             parallel_rows(rows, M, M * N * 8)
-    else:
-        rows(0, M)
+        else:
+            rows(0, M)
     return True
 
 

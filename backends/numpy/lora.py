@@ -22,6 +22,7 @@ import numpy as np
 from ... import ops
 from ...quant import QuantMatrix
 from .cblas import gemm_acc
+from .threads import SPLIT_GEMM_MIN_MACS, SPLIT_GEMM_MIN_ROWS, single_threaded_blas
 
 
 class _LoRACtx:
@@ -48,6 +49,17 @@ class LoRAOps:
         """out += a b (2-D; :func:`.cblas.gemm_acc`)."""
         gemm_acc(a, b, out)
 
+    def _gemm_thin(self, a, b, out) -> None:
+        """out = a b for the rank-r products: by :attr:`_gemm` when large enough to split over
+        the threads, else on the calling thread with BLAS single-threaded (OpenBLAS's own
+        threads would spin after the call and take a core from the ops that follow)."""
+        M, K = a.shape
+        if M >= SPLIT_GEMM_MIN_ROWS and M * K * b.shape[1] >= SPLIT_GEMM_MIN_MACS:
+            self._gemm(a, b, out)
+        else:
+            with single_threaded_blas():
+                np.matmul(a, b, out=out)
+
     def lora_forward(self, x, w, a, b, scale: float, drop=None):
         r"""y = x W^T + s (\tilde{x} A^T) B^T (:func:`minillama.ops.lora_forward`); the base
         product by :meth:`linear_forward` (a quantized W by its tiles), the adapter's term added
@@ -59,7 +71,7 @@ class LoRAOps:
         x2 = x.reshape(-1, x.shape[-1])
         xa = x2 if drop is None else x2 * drop.reshape(x2.shape)
         su = np.empty((x2.shape[0], a.shape[0]), dtype=dt)
-        self._gemm(xa, a.T, su)
+        self._gemm_thin(xa, a.T, su)
         su *= dt.type(scale)
         y, _ = self.linear_forward(x2, w)
         self._gemm_acc(su, b.T, y)
@@ -77,17 +89,20 @@ class LoRAOps:
         dy2 = np.ascontiguousarray(dy.reshape(-1, dy.shape[-1]), dtype=dt)
         N, r = c.su.shape
         du = np.empty((N, r), dtype=dt)
-        self._gemm(dy2, c.b, du)
+        self._gemm_thin(dy2, c.b, du)
         du *= dt.type(c.scale)
         db = np.empty(c.b.shape, dtype=dt)
-        self._gemm(dy2.T, c.su, db)
+        self._gemm_thin(dy2.T, c.su, db)
         da = np.empty(c.a.shape, dtype=dt)
-        self._gemm(du.T, c.xa, da)
+        self._gemm_thin(du.T, c.xa, da)  # r rows: on the calling thread
         dx = self.linear_backward_input(dy2, (None, c.w))
         if c.drop is None:
             self._gemm_acc(du, c.a, dx)
         else:
-            dx += (du @ c.a) * c.drop.reshape(dx.shape)
+            dxa = np.empty_like(dx)
+            self._gemm_thin(du, c.a, dxa)
+            dxa *= c.drop.reshape(dx.shape)
+            dx += dxa
         return dx.reshape(c.shape), da, db
 
     def linear_backward_input(self, dy, ctx):
