@@ -25,10 +25,24 @@ def cpu(request):
     return get_backend(request.param)
 
 
+@pytest.fixture(params=["sizes", "split"])
+def split(request, monkeypatch):
+    """The GEMMs as the sizes choose, and with every product split over 3 row threads."""
+    if request.param == "split":
+        from minillama.backends.numpy import cblas, threads
+
+        monkeypatch.setattr(threads, "SPLIT_GEMM_MIN_MACS", 1)
+        monkeypatch.setattr(threads, "SPLIT_GEMM_MIN_ROWS", 2)
+        monkeypatch.setattr(cblas, "SPLIT_MIN_MACS", 1)
+        monkeypatch.setattr(cblas, "SPLIT_MIN_ROWS", 2)
+        monkeypatch.setenv("MINILLAMA_NUM_THREADS", "3")
+    return request.param
+
+
 # ---------------------------------------------------------------------------------------------
 # out += a b
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("M,K,N", [(5, 3, 4), (300, 16, 700), (700, 600, 16)])
+@pytest.mark.parametrize("M,K,N", [(5, 3, 4), (300, 16, 1000), (700, 600, 16)])
 @pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("dt", [np.float32, np.float64])
 def test_gemm_acc_adds_the_product(M, K, N, ta, tb, dt):
@@ -76,7 +90,7 @@ def test_gemm_acc_into_a_strided_output_falls_back():
 @pytest.mark.parametrize("dt", [np.float32, np.float64])
 @pytest.mark.parametrize("with_drop", [False, True])
 @pytest.mark.parametrize("shape", [(2, 3, 20, 12, 4), (4, 128, 96, 160, 16)])
-def test_lora_ops_match_the_reference(cpu, dt, with_drop, shape):
+def test_lora_ops_match_the_reference(cpu, dt, with_drop, shape, split):
     B, T, din, dout, r = shape
     rng = np.random.default_rng(din)
     x = rng.standard_normal((B, T, din)).astype(dt)

@@ -22,7 +22,8 @@ import numpy as np
 from ... import ops
 from ...quant import QuantMatrix
 from .cblas import gemm_acc
-from .threads import SPLIT_GEMM_MIN_MACS, SPLIT_GEMM_MIN_ROWS, single_threaded_blas
+from . import threads
+from .threads import single_threaded_blas
 
 
 class _LoRACtx:
@@ -54,7 +55,7 @@ class LoRAOps:
         the threads, else on the calling thread with BLAS single-threaded (OpenBLAS's own
         threads would spin after the call and take a core from the ops that follow)."""
         M, K = a.shape
-        if M >= SPLIT_GEMM_MIN_ROWS and M * K * b.shape[1] >= SPLIT_GEMM_MIN_MACS:
+        if M >= threads.SPLIT_GEMM_MIN_ROWS and M * K * b.shape[1] >= threads.SPLIT_GEMM_MIN_MACS:
             self._gemm(a, b, out)
         else:
             with single_threaded_blas():
