@@ -65,7 +65,7 @@ def _operand(x):
     return None
 
 
-def _cblas_acc(a, b, out) -> bool:
+def _cblas_acc(a, b, out, split: bool) -> bool:
     """out += a b by one or more CBLAS calls with beta 1; False when the arrays do not fit."""
     dt = out.dtype
     fn = _functions().get(dt)
@@ -89,18 +89,20 @@ def _cblas_acc(a, b, out) -> bool:
            pc + lo * ldc * isz, ldc)
 
     with single_threaded_blas():  # never OpenBLAS's own threads (they spin after each call)
-        if M >= SPLIT_MIN_ROWS and num_threads() > 1 and M * N * K >= SPLIT_MIN_MACS:
+        if split and M >= SPLIT_MIN_ROWS and num_threads() > 1 and M * N * K >= SPLIT_MIN_MACS:
             parallel_rows(rows, M, M * N * 8)
         else:
             rows(0, M)
     return True
 
 
-def gemm_acc(a, b, out) -> None:
+def gemm_acc(a, b, out, split: bool = True) -> None:
     """out += a @ b for 2-D NumPy arrays (a: (M, K), b: (K, N), out: (M, N)): one pass over
-    ``out`` by CBLAS with beta 1 where it fits, else a NumPy product and an add."""
+    ``out`` by CBLAS with beta 1 where it fits, else a NumPy product and an add. ``split``: a
+    large product's rows may go to the row threads (False: the calling thread only, e.g. inside
+    one of those threads)."""
     if a.shape[0] == 0 or b.shape[1] == 0:
         return
-    if a.shape[1] == 0 or _cblas_acc(a, b, out):
+    if a.shape[1] == 0 or _cblas_acc(a, b, out, split):
         return
     out += a @ b
