@@ -36,7 +36,6 @@ LONG_FUNCTIONS = {
 NOT_YET_SPLIT = {
     "minillama/chat.py:run_cli": "the chat command",
     "minillama/formats/gguf.py:save_gguf": "the GGUF writer",
-    "minillama/formats/hf.py:save_hf": "the Hugging Face folder writer",
     "minillama/generate.py:generate_steps": "the prefill and decode loop",
     "minillama/generate.py:run_cli": "the generate command",
     "minillama/serve.py:build_app": "the server's routes",
