@@ -409,7 +409,8 @@ class Finetuner:
             self.example_tokens += real
             if not (y >= 0).any():
                 continue
-            loss, g = self.model.loss_and_grads(x, y, segments=seg)
+            kw = {} if seg is None else {"segments": seg}
+            loss, g = self.model.loss_and_grads(x, y, **kw)
             loss_sum += loss
             if grads is None:
                 grads = g
