@@ -11,7 +11,7 @@ Five parts, in bytes:
 * **optimizer**: AdamW's two moments per trainable parameter;
 * **activations** for a (B, T) micro-batch: what the forward saves for the backward (the ops'
   ``ctx``), counted op by op from what each backend's forward keeps (:func:`block_saved`,
-  :func:`head_saved`), plus a backward workspace of about one block's saved set.
+  :func:`head_saved`), plus the backward's workspace (:func:`workspace_bytes`).
 
 With ``recompute`` (gradient checkpointing, :mod:`minillama.recompute`) the forward keeps only each
 block's input (B, T, D); the backward rebuilds one block's saved set at a time:
@@ -80,11 +80,26 @@ def head_saved(model, B: int, T: int) -> int:
     cfg, e = model.cfg, model.dtype.itemsize
     N, D, V = B * T, cfg.dim, cfg.vocab_size
     n = 2 * N * D + N + N * V
-    fused = model.backend.name in ("numpy", "numba") and not isinstance(model.output_weight,
-                                                                        QuantMatrix)
-    if fused:
+    if _fused_head(model):
         n += N * D
     return n * e + 17 * N  # ids, targets (int64), the valid mask
+
+
+def _fused_head(model) -> bool:
+    """Whether the loss head is the numpy/numba fused one (logits and their gradient in one
+    (N, V) buffer), not the composed linear + cross-entropy (the reference, a quantized head)."""
+    return model.backend.name in ("numpy", "numba") and not isinstance(model.output_weight,
+                                                                       QuantMatrix)
+
+
+def workspace_bytes(model, B: int, T: int) -> int:
+    """What the backward allocates beside the saved activations, at most: about one block's
+    saved set (its gradients), or the loss head's backward if larger: dW_out (V, D) of the fused
+    head, or the composed head's (N, V) gradient built from a copy of the probabilities."""
+    cfg, e = model.cfg, model.dtype.itemsize
+    N, V = B * T, cfg.vocab_size
+    head = V * cfg.dim * e if _fused_head(model) else 2 * N * V * e
+    return max(block_saved(model, B, T), head)
 
 
 @dataclass
@@ -147,7 +162,7 @@ def plan(model, trainable: dict, B: int, T: int, grad_accum: int = 1,
     grads = learn * (2 if grad_accum > 1 else 1)
     return MemoryPlan(weights=weights, adapters=adapters, gradients=grads, optimizer=2 * learn,
                       activations=activation_bytes(model, B, T, recompute),
-                      workspace=block_saved(model, B, T), B=B, T=T, recompute=recompute,
+                      workspace=workspace_bytes(model, B, T), B=B, T=T, recompute=recompute,
                       lora=lora)
 
 
