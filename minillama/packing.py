@@ -1,0 +1,79 @@
+r"""Packed rows in the model: several examples in one (B, T) row, each computing what it computes
+alone (``minillama finetune --pack``; docs/MATH.md 5).
+
+``segments`` (B, T) gives the example of every token (each example one contiguous run). While a
+forward (or a training step) runs with :func:`packed`, the model's ``segments`` is set and
+
+* positions restart at every example, m_{b,t} = t - (start of its run)
+  (:func:`minillama.ops.segment_positions`): RoPE takes its angles there (:func:`rope_rows`),
+  sinusoidal tables their rows (:func:`positions`);
+* attention reads only keys of the query's own example (the block-diagonal causal mask):
+  :func:`attention_ops` gives the backend's packed pair when it has one (``numpy``, and ``numba``
+  which inherits it) or the reference's (``reference``, ``cupy``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+
+from . import ops
+from .errors import MinillamaError
+
+
+@contextmanager
+def packed(model, segments, shape):
+    """Run the body with ``model.segments`` set to ``segments`` (checked against the tokens'
+    ``shape``); None leaves the model as it is."""
+    if segments is None:
+        yield
+        return
+    seg = np.asarray(model.backend.to_numpy(segments))
+    if seg.ndim == 1:
+        seg = seg[None, :]
+    if seg.shape != tuple(shape) or not np.issubdtype(seg.dtype, np.integer):
+        raise MinillamaError(f"segments must be (B, T) integers like the tokens {tuple(shape)}, "
+                             f"got {seg.dtype} {seg.shape}")
+    model.segments = seg
+    try:
+        yield
+    finally:
+        model.segments = None
+
+
+def positions(model):
+    """(B, T) positions restarting per example, on the model's backend, checked against the
+    context."""
+    pos = ops.segment_positions(model.segments)
+    if pos.size and pos.max() >= model.cfg.max_seq_len:
+        raise MinillamaError(f"a packed example of {pos.max() + 1} tokens exceeds the model "
+                             f"context of {model.cfg.max_seq_len}")
+    return model.backend.asarray(pos)
+
+
+def rope_rows(model, T: int):
+    """cos/sin (B, T, hd/2) at the restarting positions; (None, None) without RoPE."""
+    if model.segments.shape[1] != T:
+        raise MinillamaError(f"segments cover {model.segments.shape[1]} positions, not {T}")
+    pos = positions(model)
+    if model.cfg.pos_encoding != "rope":
+        return None, None
+    cos, sin = model._rope_table(int(pos.max()) + 1)
+    return cos[pos], sin[pos]
+
+
+def attention_ops(model, S: int, window=None):
+    """The attention (forward, backward) pair for packed rows: the backend's
+    ``attention_forward_packed`` when it has one, else the reference; a sliding ``window`` that
+    hides keys takes the reference with both masks."""
+    if S != model.segments.shape[1]:
+        raise MinillamaError("packed rows cannot read a KV cache")
+    seg = model.backend.asarray(model.segments)
+    be = model.backend
+    if window is None and hasattr(be, "attention_forward_packed"):
+        fwd, bwd = be.attention_forward_packed, be.attention_backward_packed
+        return (lambda q, k, v, start_pos: fwd(q, k, v, start_pos, segments=seg)), bwd
+    return (lambda q, k, v, start_pos: ops.attention_forward(q, k, v, start_pos, window=window,
+                                                             segments=seg),
+            ops.attention_backward)
