@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from . import packing, recompute
 from .backends import get_backend
 from .config import ModelConfig
 from .errors import MinillamaError
@@ -171,6 +172,9 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         #: LoRA adapters (:class:`minillama.lora.LoRA`): when set, the targeted linears add their
         #: adapter and :meth:`loss_and_grads` returns the adapters' gradients only
         self.lora = None
+        #: gradient checkpointing (:mod:`minillama.recompute`); packed rows while a call with
+        #: ``segments`` runs (:mod:`minillama.packing`)
+        self.recompute, self.segments = False, None
         if cfg.pos_encoding == "rope":
             self.cos, self.sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
                                              self.dtype, xp, cfg.rope_scaling)
@@ -213,9 +217,10 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         x, c_emb = self._embed(tok, start_pos)
         tape: list[Any] = [c_emb]
         for layer in range(self.cfg.n_layers):
+            kept = recompute.keep(self, x) if train and self.recompute else None
             x, c_block = self._block_forward(layer, x, cos, sin, cache, start_pos)
             if train:
-                tape.append(c_block)
+                tape.append(c_block if kept is None else kept)
         if output_index is not None:
             x = self._pick_positions(x, output_index)
         if not head:
@@ -229,7 +234,7 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         return logits, tape
 
     def forward(self, tokens, start_pos=0, cache: KVCache | None = None, last_only: bool = False,
-                output_index=None):
+                output_index=None, segments=None):
         r"""Logits z = f(x) for a (B, T) batch of token ids: (B, T, V).
 
         ``start_pos`` (int or (B,) ints) is the absolute position of the first token; with a
@@ -238,8 +243,14 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         for the others; ``output_index`` ((B,) ints) picks one position per sequence likewise.
         A backend with ``decode_step(model, tok, start_pos, cache)`` may compute a one-token
         cached step in one fused call (same logits; None from it means the per-op path).
+        ``segments`` ((B, T) example ids, no cache) runs packed rows (:mod:`minillama.packing`).
         """
         tok = self._tokens(tokens)
+        if segments is not None:
+            if cache is not None or np.ndim(start_pos) or start_pos:
+                raise MinillamaError("packed rows (segments) start at 0 and take no KV cache")
+            with packing.packed(self, segments, tok.shape):
+                return self.forward(tok, last_only=last_only, output_index=output_index)
         if cache is not None and tok.shape[1] == 1 and hasattr(self.backend, "decode_step") \
                 and self.lora is None:
             # a backend may run a whole one-token cached step in one fused call (numba does)
@@ -256,7 +267,7 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
     # ----------------------------------------------------------------------------------------
     # backward, the same pieces in reverse
     # ----------------------------------------------------------------------------------------
-    def loss_and_grads(self, tokens, targets, ignore_index: int = -1):
+    def loss_and_grads(self, tokens, targets, ignore_index: int = -1, segments=None):
         r"""Mean next-token cross-entropy L and \partial L / \partial \theta for every parameter.
 
         tokens, targets: (B, T) integers (targets equal to ``ignore_index`` do not count).
@@ -265,12 +276,14 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         The backward visits the ops in exactly the reverse order of the forward. Without a logit
         scale the head projection and the loss run as one backend op,
         ``linear_cross_entropy_forward`` (CPU backends never hold the logits and their gradient
-        as two (B T, V) arrays).
+        as two (B T, V) arrays). ``segments``: packed rows (:mod:`minillama.packing`); with
+        ``recompute`` set the forward keeps only block inputs (:mod:`minillama.recompute`).
         """
         tok = self._tokens(tokens)
         tgt = self._targets(targets, tok.shape)
-        be = self.backend
-        B, T = tok.shape
+        if segments is not None:
+            with packing.packed(self, segments, tok.shape):
+                return self.loss_and_grads(tok, tgt, ignore_index)
         grads: dict[str, Any] = {}
         if self.lora is not None:
             self.lora.training = True  # adapter dropout (when configured) in this forward only
@@ -299,16 +312,23 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
                                                   be.asarray(tgt.reshape(-1)), ignore_index)
             dlogits = be.cross_entropy_backward(1.0, c_ce).reshape(B, T, -1)
             dx, dw_out = self._head_backward(dlogits, tape.pop(), grads)
+        cos, sin = self._rope_at(0, T) if self.recompute else (None, None)
         for layer in reversed(range(self.cfg.n_layers)):
-            dx = self._block_backward(layer, dx, tape.pop(), grads)
+            ctx = tape.pop()
+            if self.recompute:  # rebuild the block's ctx from its kept input
+                ctx = recompute.rebuild(self, layer, ctx, cos, sin)
+            dx = self._block_backward(layer, dx, ctx, grads)
         (c_emb,) = tape
         if self.lora is None:  # with adapters the embedding (and a tied head) stay frozen
             self._embed_backward(dx, c_emb, dw_out, grads)
         return float(be.to_numpy(loss)), grads
 
-    def loss(self, tokens, targets, ignore_index: int = -1) -> float:
+    def loss(self, tokens, targets, ignore_index: int = -1, segments=None) -> float:
         """Mean next-token cross-entropy without gradients (no tape kept)."""
         tok = self._tokens(tokens)
+        if segments is not None:
+            with packing.packed(self, segments, tok.shape):
+                return self.loss(tok, targets, ignore_index)
         tgt = np.asarray(targets).reshape(tok.shape)
         be = self.backend
         logits, _ = self._run(tok, 0, None, train=False)
