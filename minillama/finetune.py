@@ -679,8 +679,11 @@ def run_cli(args) -> int:
     check_output_dir(args.out, "output folder (--out)")
     max_memory = parse_size(args.max_memory) if args.max_memory is not None else None
     s = settings_from_args(args)
-    if args.resume:  # these two may change on a resume: neither changes the gradients' math
-        s["recompute"] = bool(args.recompute)
+    if args.resume:
+        if args.pack and not s.get("pack"):
+            raise MinillamaError(f"--pack: the run in {args.out} pads its batches; packing "
+                                 f"cannot start on a resume (it changes the data order)")
+        s["recompute"] = bool(args.recompute)  # the same gradients either way
     ft = Finetuner(s, args.out, progress=not args.no_progress, say=say)
     n = sum(int(v.size) for v in ft.trainable.values())
     say(f"fine-tuning {s['checkpoint']}: {'every weight' if s['full'] else 'LoRA'} "

@@ -8,8 +8,8 @@ LoRA (rank 8 on all seven linears), one (B, T) micro-batch of random tokens. For
 arrays the forward keeps (measured on the tape), the peak of ``tracemalloc`` over one
 ``loss_and_grads`` (NumPy reports its buffers to it) and the step's time.
 
-Packing: a synthetic chat set (short question/answer conversations of varied lengths through the
-model's chat template, assistant-only loss), ``Finetuner`` train steps padded then packed (the
+Packing: a synthetic chat set (question/answer conversations of varied lengths as prompt and
+completion, the loss on the last answer), ``Finetuner`` train steps padded then packed (the
 same settings otherwise); example tokens (not padding) per second of training time.
 
     python scripts/bench_finetune_memory.py --threads 2 --batch 4 --seq 256
@@ -126,16 +126,23 @@ PLACES = [("france", "french", "cat"), ("japan", "japanese", "fox"), ("peru", "s
 
 
 def chat_set(path, n=96) -> None:
+    """Conversations of 1 to 3 question/answer turns, each written as a prompt (the turns as
+    ``role: text`` lines up to the last ``assistant:``) and its completion (the last answer):
+    the loss on the answer only. (Chat records through the GGUF tokenizer's template would need
+    token offsets it does not give.)"""
     rng = np.random.default_rng(0)
     with open(path, "w") as f:
         for i in range(n):
             c, lang, a = PLACES[i % len(PLACES)]
-            turns = [{"role": "system", "content": "you are brief."}]
-            for _ in range(1 + int(rng.integers(0, 3))):
+            lines = ["system: you are brief."]
+            for t in range(1 + int(rng.integers(0, 3))):
                 k = int(rng.integers(0, len(CHAT_Q)))
-                turns += [{"role": "user", "content": CHAT_Q[k].format(c=c, l=lang, a=a)},
-                          {"role": "assistant", "content": CHAT_A[k].format(c=c, l=lang, a=a)}]
-            f.write(json.dumps({"messages": turns}) + "\n")
+                q, ans = CHAT_Q[k].format(c=c, l=lang, a=a), CHAT_A[k].format(c=c, l=lang, a=a)
+                lines.append(f"user: {q}")
+                lines.append(f"assistant: {ans}")
+            last = lines.pop()[len("assistant: "):]
+            f.write(json.dumps({"prompt": "\n".join(lines) + "\nassistant:",
+                                "completion": " " + last}) + "\n")
 
 
 def pack() -> None:

@@ -133,3 +133,32 @@ def test_finetune_bad_max_memory_is_one_line(tmp_path, capsys):
     assert rc == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "minillama: error: --max-memory: cannot read '12Q' (e.g. 8G, 512M, 2.5GiB)"]
+
+
+def test_train_recompute_writes_the_same_weights(tmp_path, capsys):
+    from minillama.checkpoint import load_checkpoint
+
+    text = tmp_path / "t.txt"
+    text.write_text("to be or not to be, that is the question. " * 200)
+    common = ["train", "--data", str(text), "--dim", "32", "--n-layers", "2", "--n-heads", "2",
+              "--n-kv-heads", "1", "--context", "32", "--batch-size", "2", "--steps", "3",
+              "--eval-iters", "1", "--no-progress", "--plot", "false", "--backend", "numpy"]
+    assert cli.main(common + ["--out", str(tmp_path / "a")]) == 0
+    assert cli.main(common + ["--out", str(tmp_path / "b"), "--recompute"]) == 0
+    assert "(--recompute: block inputs + one block)" in capsys.readouterr().err
+    _, pa, _ = load_checkpoint(tmp_path / "a" / "ckpt.safetensors")
+    _, pb, _ = load_checkpoint(tmp_path / "b" / "ckpt.safetensors")
+    assert pa.keys() == pb.keys() and all(np.array_equal(pa[k], pb[k]) for k in pa)
+
+
+def test_finetune_pack_cannot_start_on_a_resume(tmp_path, capsys):
+    from minillama.generate import DEFAULT_CHECKPOINT
+
+    (tmp_path / "t.txt").write_text("the cat sat on the mat. " * 40)
+    assert cli.main(["finetune", "-c", str(DEFAULT_CHECKPOINT), "--data", str(tmp_path / "t.txt"),
+                     "--context", "32", "--steps", "2", "--stop-at", "1", "--no-progress",
+                     "--out", str(tmp_path / "o")]) == 0
+    capsys.readouterr()
+    assert cli.main(["finetune", "--out", str(tmp_path / "o"), "--resume", "--pack"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("minillama: error: --pack: the run in")
