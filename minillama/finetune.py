@@ -22,7 +22,7 @@ their line number (``--skip-bad`` skips them). Examples are padded to the longes
 With ``--pack`` each of the B rows of a micro-batch holds as many whole examples (in the sampler's
 order) as fit in ``--context`` tokens: a token attends only within its own example
 (block-diagonal causal mask) and RoPE positions restart at every example, so a packed example
-computes exactly what it computes alone (:func:`pack_batch`).
+computes exactly what it computes alone (:mod:`minillama.packing`).
 
 Each step: A = ``--grad-accum`` micro-batches, g = mean of their gradients, global-norm clipping,
 AdamW on the trainable parameters only (the adapters, or everything with ``--full``), the warmup
@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from .errors import MinillamaError
+from .packing import draw_packed, pack_batch  # noqa: F401 (the packed batches of --pack)
 
 CKPT_NAME = "ckpt.safetensors"
 FORMAT = "minillama-finetune"
@@ -243,43 +244,6 @@ def pad_batch(examples: list[Example], pad_id: int = 0) -> tuple[np.ndarray, np.
         x[i, :n] = e.ids[:-1]
         y[i, :n] = np.where(e.train[1:], e.ids[1:], -1)
     return x, y
-
-
-def pack_batch(rows: list[list[Example]], pad_id: int = 0):
-    """(tokens, targets, segments), each (B, T) with T = the fullest row: row b is its examples'
-    x = ids[:-1] one after the other (targets as :func:`pad_batch`), ``segments`` the index of
-    the example each token belongs to; the padding after the last example is one more segment,
-    its targets ignored."""
-    T = max(sum(len(e.ids) - 1 for e in row) for row in rows)
-    x = np.full((len(rows), T), pad_id, dtype=np.int64)
-    y = np.full((len(rows), T), -1, dtype=np.int64)
-    seg = np.empty((len(rows), T), dtype=np.int64)
-    for b, row in enumerate(rows):
-        at = 0
-        for k, e in enumerate(row):
-            n = len(e.ids) - 1
-            x[b, at:at + n] = e.ids[:-1]
-            y[b, at:at + n] = np.where(e.train[1:], e.ids[1:], -1)
-            seg[b, at:at + n] = k
-            at += n
-        seg[b, at:] = len(row)
-    return x, y, seg
-
-
-def draw_packed(examples: list[Example], sampler, B: int, T: int) -> list[list[Example]]:
-    """B rows of whole examples in the sampler's order, each row filled while the next example
-    fits in its T tokens (an example that fits no more starts the next row; one that fits no row
-    left stays first in the sampler)."""
-    rows, used = [[]], [0]
-    while True:
-        n = len(examples[sampler.peek()].ids) - 1
-        if rows[-1] and used[-1] + n > T:
-            if len(rows) == B:
-                return rows
-            rows.append([])
-            used.append(0)
-        rows[-1].append(examples[sampler.next(1)[0]])
-        used[-1] += n
 
 
 class Sampler:

@@ -1,5 +1,6 @@
-r"""Packed rows in the model: several examples in one (B, T) row, each computing what it computes
-alone (``minillama finetune --pack``; docs/MATH.md 5).
+r"""Packed rows: several examples in one (B, T) row, each computing what it computes alone
+(``minillama finetune --pack``; docs/MATH.md 5). :func:`draw_packed` fills the rows from the
+data order and :func:`pack_batch` lays them out with their ``segments``.
 
 ``segments`` (B, T) gives the example of every token (each example one contiguous run). While a
 forward (or a training step) runs with :func:`packed`, the model's ``segments`` is set and
@@ -77,3 +78,43 @@ def attention_ops(model, S: int, window=None):
     return (lambda q, k, v, start_pos: ops.attention_forward(q, k, v, start_pos, window=window,
                                                              segments=seg),
             ops.attention_backward)
+
+
+# ---------------------------------------------------------------------------------------------
+# the data side: examples laid end to end in rows
+# ---------------------------------------------------------------------------------------------
+def pack_batch(rows: list[list], pad_id: int = 0):
+    """(tokens, targets, segments), each (B, T) with T = the fullest row: row b is its examples'
+    (:class:`minillama.finetune.Example`) x = ids[:-1] one after the other, targets ids[1:] where
+    trained and -1 elsewhere, ``segments`` the index of the example each token belongs to; the
+    padding after the last example is one more segment, its targets ignored."""
+    T = max(sum(len(e.ids) - 1 for e in row) for row in rows)
+    x = np.full((len(rows), T), pad_id, dtype=np.int64)
+    y = np.full((len(rows), T), -1, dtype=np.int64)
+    seg = np.empty((len(rows), T), dtype=np.int64)
+    for b, row in enumerate(rows):
+        at = 0
+        for k, e in enumerate(row):
+            n = len(e.ids) - 1
+            x[b, at:at + n] = e.ids[:-1]
+            y[b, at:at + n] = np.where(e.train[1:], e.ids[1:], -1)
+            seg[b, at:at + n] = k
+            at += n
+        seg[b, at:] = len(row)
+    return x, y, seg
+
+
+def draw_packed(examples: list, sampler, B: int, T: int) -> list[list]:
+    """B rows of whole examples in the sampler's order, each row filled while the next example
+    fits in its T tokens (an example that fits no more starts the next row; one that fits no row
+    left stays first in the sampler)."""
+    rows, used = [[]], [0]
+    while True:
+        n = len(examples[sampler.peek()].ids) - 1
+        if rows[-1] and used[-1] + n > T:
+            if len(rows) == B:
+                return rows
+            rows.append([])
+            used.append(0)
+        rows[-1].append(examples[sampler.next(1)[0]])
+        used[-1] += n

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from minillama import ops
-from minillama.finetune import Example, Sampler, draw_packed, pack_batch, pad_batch
+from minillama.finetune import Example, Sampler, pad_batch
+from minillama.packing import draw_packed, pack_batch
 
 from gradcheck import central_differences, rel_err
 from test_finetune import base, chat_data  # noqa: F401 (fixtures)
