@@ -14,7 +14,7 @@ from .errors import MinillamaError
 
 class ChunkDecoder:
     """What the decoders driven by :func:`stream_greedy` share (the numba backend's
-    :class:`~minillama.backends.numba.backend.GreedyDecoder` and the CUDA-graph
+    :class:`~minillama.backends.numba.backend_decode.GreedyDecoder` and the CUDA-graph
     :class:`~minillama.backends.cupy.graph.GraphDecoder`): a cache of ``S`` positions, the prompt
     length ``_P`` (None before ``prefill``) and ``_done`` ids decoded so far, the prefill's
     included. Subclasses set those and provide ``prefill`` and ``more``."""
@@ -41,7 +41,7 @@ class ChunkDecoder:
 def stream_greedy(decoder, prompt_ids, max_new_tokens: int, max_seq_len: int,
                   stop_ids=(), stats=None, chunk: int = 16):
     """Greedy generation of one prompt through ``decoder`` (one that decodes several steps per
-    call: :class:`~minillama.backends.numba.backend.GreedyDecoder`, the CUDA-graph
+    call: :class:`~minillama.backends.numba.backend_decode.GreedyDecoder`, the CUDA-graph
     :class:`~minillama.backends.cupy.graph.GraphDecoder` with batch 1, or anything with their
     ``prefill`` / ``more`` / ``room`` methods), yielding lists of
     ``(0, token)`` pairs like :func:`minillama.generate.generate_steps`: the same tokens, the same

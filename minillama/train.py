@@ -203,7 +203,7 @@ class Trainer:
         finally:
             bar.close()
             self.time_limit.clear()
-        return self._summary(start_step, time.perf_counter() - t0, last_loss, stopped_early)
+        return _summary(self, start_step, time.perf_counter() - t0, last_loss, stopped_early)
 
     def _evaluate_at_start(self, bar) -> None:
         """The validation loss of the initial weights (a fresh run only; rank 0)."""
@@ -248,22 +248,24 @@ class Trainer:
             bar.write(f"time limit of {self.tc.time_limit} min reached at step {self.step}; "
                       f"checkpoint saved, continue with --resume")
 
-    def _summary(self, start_step: int, wall: float, last_loss: float,
-                 stopped_early: bool) -> dict[str, Any]:
-        steps_run = self.step - start_step
-        if steps_run == 0 and self.history["train"]:  # nothing ran: the last recorded loss
-            last_loss = self.history["train"][-1][1]
-        return {"steps": self.step, "steps_run": steps_run, "wall_seconds": wall,
-                "train_seconds": self.train_seconds, "tokens_seen": self.tokens_seen,
-                "tokens_per_second": steps_run * self.tokens_per_step / max(wall, 1e-9),
-                "final_train_loss": last_loss,
-                "final_val_loss": self.history["val"][-1][1] if self.history["val"] else None,
-                "stopped_early": stopped_early or self.step < self.tc.steps,
-                "checkpoint": str(self.ckpt_path)}
-
 
 def _progress(total: int, initial: int, enabled: bool):
     from tqdm import tqdm  # noqa: PLC0415
 
     return tqdm(total=total, initial=initial, disable=not enabled, unit="step",
                 dynamic_ncols=True, mininterval=2.0, file=sys.stderr)
+
+
+def _summary(tr: Trainer, start_step: int, wall: float, last_loss: float,
+             stopped_early: bool) -> dict[str, Any]:
+    """What :meth:`Trainer.train` returns: steps, losses, tokens/s and times of the run."""
+    steps_run = tr.step - start_step
+    if steps_run == 0 and tr.history["train"]:  # nothing ran: the last recorded loss
+        last_loss = tr.history["train"][-1][1]
+    return {"steps": tr.step, "steps_run": steps_run, "wall_seconds": wall,
+            "train_seconds": tr.train_seconds, "tokens_seen": tr.tokens_seen,
+            "tokens_per_second": steps_run * tr.tokens_per_step / max(wall, 1e-9),
+            "final_train_loss": last_loss,
+            "final_val_loss": tr.history["val"][-1][1] if tr.history["val"] else None,
+            "stopped_early": stopped_early or tr.step < tr.tc.steps,
+            "checkpoint": str(tr.ckpt_path)}

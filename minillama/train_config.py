@@ -113,6 +113,14 @@ class TrainConfig:
 
     # --- validation ----------------------------------------------------------------------------
     def validate(self) -> None:
+        """Raise a one-line :class:`MinillamaError` for the first bad setting: numbers in their
+        ranges, the choices and paths, then the sizes this trainer holds."""
+        self._check_numbers()
+        self._check_choices()
+        self._check_sizes()
+
+    def _check_numbers(self) -> None:
+        """Counts are positive integers, rates and factors finite numbers in their ranges."""
         def pos_int(name: str, allow_zero: bool = False) -> None:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
@@ -149,6 +157,10 @@ class TrainConfig:
         num("norm_eps", lo_open=True)
         if self.time_limit is not None:
             num("time_limit", lo_open=True)
+
+    def _check_choices(self) -> None:
+        """Switches are booleans; dtype, data, init_from, out, backend and precision are ones
+        this trainer knows (an unknown backend name, or $MINILLAMA_BACKEND, fails here)."""
         for name in ("tie_embeddings", "decay_embeddings", "plot"):
             if not isinstance(getattr(self, name), bool):
                 raise MinillamaError(f"train config: {name} must be true or false")
@@ -171,6 +183,10 @@ class TrainConfig:
             check_precision(self.precision, backend, self.dtype)
         except MinillamaError as e:
             raise MinillamaError(f"train config: {e}") from None
+
+    def _check_sizes(self) -> None:
+        """Batches, validation tokens and the model fit what this trainer holds; the model's
+        shape invariants (dim % n_heads, ...) hold."""
         for name, limit in (("batch_size", 1 << 16), ("grad_accum", 1 << 16),
                             ("eval_iters", 1 << 16), ("steps", 1 << 40)):
             if getattr(self, name) > limit:

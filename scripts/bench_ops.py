@@ -121,7 +121,7 @@ def numba_scratch_bytes(nb_threads: int, G: int, hd: int, itemsize: int = 4) -> 
     """Upper bound of the attention kernels' scratch: per running work item, for the loop
     kernels two (BR G, BC) tiles, a (BR G, hd) accumulator and a few (BR G) / (hd) vectors; for
     the BLAS-tiled kernels (T >= 16) two (TILE_BQ, TILE_BK) tiles and four TILE_BQ vectors."""
-    from minillama.backends.numba import backend as NB  # noqa: PLC0415
+    from minillama.backends.numba import backend_attention as NB  # noqa: PLC0415
     from minillama.backends.numba import attention as K  # noqa: PLC0415
 
     R = K.BR * G

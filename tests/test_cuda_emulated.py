@@ -233,7 +233,7 @@ def be(emu_lib, monkeypatch):
         fn(*(ctypes.c_uint(x) for x in g + b), ctypes.c_uint(shared_mem),
            *(_arg(a) for a in args))
 
-    monkeypatch.setattr(cbk, "cp", fake)
+    monkeypatch.setattr(cbk.cp, "module", fake)  # the cupy module of every backend file
     monkeypatch.setattr(cb, "get_kernel", get_kernel)
     monkeypatch.setattr(cb, "launch_expr", launch_expr)
     backend = object.__new__(cbk.CupyBackend)

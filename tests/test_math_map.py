@@ -24,6 +24,8 @@ from minillama import ops
 ROOT = Path(__file__).resolve().parents[1]
 MATH = ROOT / "docs" / "MATH.md"
 OPS = ROOT / "minillama" / "ops.py"
+#: the reference: ops.py and the RoPE table builders it re-exports (held to the same plainness)
+REFERENCE_FILES = (OPS, ROOT / "minillama" / "rope_scaling.py")
 
 #: `path/to/file.py:name` followed by any number of `, `name`` in the same run
 CITE = re.compile(r"`([\w./-]+\.py):([\w.]+)`((?:,\s*`[\w.]+`)*)")
@@ -115,25 +117,27 @@ def test_math_md_lists_every_reference_op():
     assert not missing, f"docs/MATH.md does not cite minillama/ops.py:{missing}"
 
 
-def _code_lines(fn: ast.FunctionDef) -> int:
+def _code_lines(fn: ast.FunctionDef, path: Path = OPS) -> int:
     """Lines of a function body that hold code (no docstring, blank or comment-only lines)."""
     body = fn.body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]
     if not body:
         return 0
-    lines = OPS.read_text(encoding="utf-8").splitlines()[body[0].lineno - 1:fn.end_lineno]
+    lines = path.read_text(encoding="utf-8").splitlines()[body[0].lineno - 1:fn.end_lineno]
     return sum(1 for ln in lines if ln.strip() and not ln.strip().startswith("#"))
 
 
-def test_reference_bodies_read_at_a_glance():
-    tree = ast.parse(OPS.read_text(encoding="utf-8"))
-    long = {node.name: _code_lines(node) for node in tree.body
-            if isinstance(node, ast.FunctionDef) and _code_lines(node) > MAX_BODY_LINES}
+@pytest.mark.parametrize("path", REFERENCE_FILES, ids=lambda p: p.name)
+def test_reference_bodies_read_at_a_glance(path):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    long = {node.name: _code_lines(node, path) for node in tree.body
+            if isinstance(node, ast.FunctionDef) and _code_lines(node, path) > MAX_BODY_LINES}
     assert not long, f"reference functions longer than {MAX_BODY_LINES} code lines: {long}"
 
 
-def test_reference_has_no_speed_machinery():
-    text = OPS.read_text(encoding="utf-8")
+@pytest.mark.parametrize("path", REFERENCE_FILES, ids=lambda p: p.name)
+def test_reference_has_no_speed_machinery(path):
+    text = path.read_text(encoding="utf-8")
     found = [word for word in FORBIDDEN if word in text]
-    assert not found, f"minillama/ops.py should be plain math; found {found} (move to backends/)"
+    assert not found, f"{path.name} should be plain math; found {found} (move to backends/)"

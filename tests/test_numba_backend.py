@@ -42,13 +42,14 @@ rel_err = max_rel_err  # max|got - ref| / max|ref|
 def parallel_threshold(value: int):
     """Force the parallel (0) or the serial (huge) twin of every kernel."""
     from minillama.backends.numba import backend as numba_backend
+    from minillama.backends.numba import backend_attention
 
-    old = (numba_backend.PARALLEL_MIN_WORK, numba_backend.ROPE_PARALLEL_MIN_SIZE)
-    numba_backend.PARALLEL_MIN_WORK = numba_backend.ROPE_PARALLEL_MIN_SIZE = value
+    old = (numba_backend.PARALLEL_MIN_WORK, backend_attention.ROPE_PARALLEL_MIN_SIZE)
+    numba_backend.PARALLEL_MIN_WORK = backend_attention.ROPE_PARALLEL_MIN_SIZE = value
     try:
         yield
     finally:
-        numba_backend.PARALLEL_MIN_WORK, numba_backend.ROPE_PARALLEL_MIN_SIZE = old
+        numba_backend.PARALLEL_MIN_WORK, backend_attention.ROPE_PARALLEL_MIN_SIZE = old
 
 
 def _run_py(code: str, env_extra: dict | None = None) -> str:
@@ -292,17 +293,17 @@ def test_attention_each_path(dtype, T, parallel, rng):
     """Each attention path on a GQA case with per-sequence offsets: decode kernel (T <= 4),
     loop kernels (short T) and the BLAS-tiled path (several query and key tiles)."""
     be = _numba_backend()
-    from minillama.backends.numba import backend as numba_backend
+    from minillama.backends.numba import backend_attention as tiles
 
     starts = np.array([5, 300, 0])
     q, k, v, dout = _attention_case(rng, dtype, 3, T, 2, 3, 16, starts, 3)
-    old = numba_backend.TILE_BQ, numba_backend.TILE_BK
-    numba_backend.TILE_BQ, numba_backend.TILE_BK = 16, 64  # many tiles, partial ones included
+    old = tiles.TILE_BQ, tiles.TILE_BK
+    tiles.TILE_BQ, tiles.TILE_BK = 16, 64  # many tiles, partial ones included
     try:
         with parallel_threshold(0 if parallel else 1 << 60):
             _check_attention(be, q, k, v, dout, starts, dtype)
     finally:
-        numba_backend.TILE_BQ, numba_backend.TILE_BK = old
+        tiles.TILE_BQ, tiles.TILE_BK = old
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -313,12 +314,12 @@ def test_attention_tiled_gqa_offsets(dtype, blas, rng, monkeypatch):
     sequence at its own start position; and the same case through the loop kernels, the
     fallback when no OpenBLAS GEMM is found."""
     be = _numba_backend()
-    from minillama.backends.numba import backend as numba_backend, blas as numba_blas
+    from minillama.backends.numba import backend_attention as tiles, blas as numba_blas
 
     if blas and not numba_blas.available():
         pytest.skip("NumPy's BLAS is not an OpenBLAS whose GEMM could be found")
-    monkeypatch.setattr(numba_backend, "TILE_BQ", 16)
-    monkeypatch.setattr(numba_backend, "TILE_BK", 32)
+    monkeypatch.setattr(tiles, "TILE_BQ", 16)
+    monkeypatch.setattr(tiles, "TILE_BK", 32)
     monkeypatch.setattr(numba_blas, "available", (lambda: True) if blas else (lambda: False))
     used = []
     real = be._tiled

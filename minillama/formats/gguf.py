@@ -254,8 +254,7 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
     gguf = require("gguf", "writing GGUF files")
     from ..checkpoint import atomic_write, check_output_file  # noqa: PLC0415
     from ..quant import QuantMatrix  # noqa: PLC0415
-    from ..quantize import quantize, resolve_type, supported_type  # noqa: PLC0415
-    from .hf import interleaved_to_hf  # noqa: PLC0415
+    from ..quantize import supported_type  # noqa: PLC0415
 
     types = dict(types or {})
     for t in [matrix_type, *types.values()]:
@@ -269,57 +268,16 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
     host = {k: v if isinstance(v, QuantMatrix) else
             np.asarray(v.get() if hasattr(v, "get") and not isinstance(v, np.ndarray) else v,
                        dtype=np.float32) for k, v in params.items()}
-    inv_top = {v: k for k, v in _TOP.items()}
-    inv_layer = {v: k for k, v in _LAYER.items()}
-
-    def tensor(name, a):
-        """(array to write, raw GGML type or None) of parameter ``name``."""
-        if isinstance(a, QuantMatrix):
-            return a.data, gguf.GGMLQuantizationType[a.qtype]
-        if a.ndim != 2:
-            return a, None
-        kind, _ = resolve_type(types.get(name, matrix_type), a.shape[1], a)
-        if kind == "F16":
-            return a.astype(np.float16), None
-        if kind == "F32":
-            return a, None
-        return quantize(a, kind).data, gguf.GGMLQuantizationType[kind]
 
     def write(tmp) -> None:
         w = gguf.GGUFWriter(str(tmp), arch)
-        for key, value in (("context_length", cfg.max_seq_len), ("embedding_length", cfg.dim),
-                           ("block_count", cfg.n_layers), ("feed_forward_length", cfg.hidden_dim),
-                           ("attention.head_count", cfg.n_heads),
-                           ("attention.head_count_kv", cfg.n_kv_heads),
-                           ("attention.key_length", cfg.head_dim),
-                           ("attention.value_length", cfg.head_dim)):
-            w.add_uint32(f"{arch}.{key}", int(value))
-        w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.norm_eps)
-        w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
-        if cfg.sliding_window is not None:
-            w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
-        if sc and sc["rope_type"] == "freq_factors":
-            w.add_tensor("rope_freqs.weight", np.asarray(sc["factors"], dtype=np.float32))
-        elif sc:
-            w.add_string(f"{arch}.rope.scaling.type", sc["rope_type"])
-            w.add_float32(f"{arch}.rope.scaling.factor", float(sc["factor"]))
-            if "original_max_position_embeddings" in sc:
-                w.add_uint32(f"{arch}.rope.scaling.original_context_length",
-                             int(sc["original_max_position_embeddings"]))
+        _write_hparams(w, cfg, arch)
         note = _write_tokenizer(w, tokenizer, cfg.vocab_size)
         if note and notes is not None:
             notes.append(note)
         for name, a in host.items():
-            if name in inv_top:
-                gname = inv_top[name]
-            else:
-                _, layer, rest = name.split(".", 2)
-                base, kind = rest.rsplit(".", 1)
-                gname = f"blk.{layer}.{inv_layer[base]}.{kind}"
-                if arch == "qwen2" and base in ("attention.wq", "attention.wk"):
-                    a = _to_half_split(a, cfg.n_heads if base == "attention.wq"
-                                       else cfg.n_kv_heads, interleaved_to_hf)
-            data, raw = tensor(name, a)
+            gname, a = _gguf_tensor_name(name, a, cfg, arch)
+            data, raw = _gguf_tensor_data(gguf, a, types.get(name, matrix_type))
             w.add_tensor(gname, np.ascontiguousarray(data), raw_dtype=raw)
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -327,6 +285,66 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
         w.close()
 
     return atomic_write(path, write, "GGUF file")
+
+
+def _write_hparams(w, cfg: ModelConfig, arch: str) -> None:
+    """The model's shape, norm epsilon, RoPE base and scaling (or its frequency factors as the
+    ``rope_freqs`` tensor) and sliding window as ``<arch>.*`` metadata."""
+    sc = cfg.rope_scaling
+    for key, value in (("context_length", cfg.max_seq_len), ("embedding_length", cfg.dim),
+                       ("block_count", cfg.n_layers), ("feed_forward_length", cfg.hidden_dim),
+                       ("attention.head_count", cfg.n_heads),
+                       ("attention.head_count_kv", cfg.n_kv_heads),
+                       ("attention.key_length", cfg.head_dim),
+                       ("attention.value_length", cfg.head_dim)):
+        w.add_uint32(f"{arch}.{key}", int(value))
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
+    if cfg.sliding_window is not None:
+        w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+    if sc and sc["rope_type"] == "freq_factors":
+        w.add_tensor("rope_freqs.weight", np.asarray(sc["factors"], dtype=np.float32))
+    elif sc:
+        w.add_string(f"{arch}.rope.scaling.type", sc["rope_type"])
+        w.add_float32(f"{arch}.rope.scaling.factor", float(sc["factor"]))
+        if "original_max_position_embeddings" in sc:
+            w.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                         int(sc["original_max_position_embeddings"]))
+
+
+def _gguf_tensor_name(name: str, a, cfg: ModelConfig, arch: str):
+    """(GGUF name, array) of parameter ``name``: ``blk.<l>.<tensor>.<weight|bias>`` for a block's,
+    with q and k rows in the half-split RoPE order for qwen2."""
+    from .hf import interleaved_to_hf  # noqa: PLC0415
+
+    inv_top = {v: k for k, v in _TOP.items()}
+    if name in inv_top:
+        return inv_top[name], a
+    inv_layer = {v: k for k, v in _LAYER.items()}
+    _, layer, rest = name.split(".", 2)
+    base, kind = rest.rsplit(".", 1)
+    if arch == "qwen2" and base in ("attention.wq", "attention.wk"):
+        a = _to_half_split(a, cfg.n_heads if base == "attention.wq"
+                           else cfg.n_kv_heads, interleaved_to_hf)
+    return f"blk.{layer}.{inv_layer[base]}.{kind}", a
+
+
+def _gguf_tensor_data(gguf, a, type_name: str):
+    """(array to write, raw GGML type or None) of one parameter: a QuantMatrix as its blocks,
+    a vector as it is, a matrix as ``type_name`` (or llama.cpp's fallback for its row length)."""
+    from ..quant import QuantMatrix  # noqa: PLC0415
+    from ..quantize import quantize, resolve_type  # noqa: PLC0415
+
+    if isinstance(a, QuantMatrix):
+        return a.data, gguf.GGMLQuantizationType[a.qtype]
+    if a.ndim != 2:
+        return a, None
+    kind, _ = resolve_type(type_name, a.shape[1], a)
+    if kind == "F16":
+        return a.astype(np.float16), None
+    if kind == "F32":
+        return a, None
+    return quantize(a, kind).data, gguf.GGMLQuantizationType[kind]
 
 
 def _to_half_split(a, n_heads: int, interleaved_to_hf):

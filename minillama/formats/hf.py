@@ -302,8 +302,6 @@ def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None,
     """Write a HF-style LLaMA directory (``config.json`` and float32 safetensors weights, sharded
     with an index when ``max_shard_bytes`` is given) and, with ``tokenizer``, its tokenizer files
     (:func:`save_hf_tokenizer`)."""
-    from safetensors.numpy import save_file  # noqa: PLC0415
-
     from ..checkpoint import atomic_write, check_output_dir  # noqa: PLC0415
 
     cfg.require_llama("HF llama")
@@ -312,6 +310,22 @@ def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None,
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise MinillamaError(f"cannot create {d}: {e.strerror or e}") from None
+    out = _hf_tensors(cfg, params)
+    hf_config = config_to_hf(cfg)
+    for key in ("bos_id", "eos_id"):
+        if getattr(tokenizer, key, None) is not None:
+            hf_config[f"{key[:3]}_token_id"] = int(getattr(tokenizer, key))
+    atomic_write(d / "config.json",
+                 lambda t: Path(t).write_text(json.dumps(hf_config, indent=2)))
+    if tokenizer is not None:  # without one, tokenizer files already in ``d`` are left as they are
+        save_hf_tokenizer(d, tokenizer, cfg.max_seq_len)
+    _save_hf_weights(d, out, max_shard_bytes)
+    return d
+
+
+def _hf_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
+    """The parameters as float32 host arrays under their HF names, q and k rows in HF's
+    half-split RoPE order."""
     host = {k: np.asarray(v.get() if hasattr(v, "get") and not isinstance(v, np.ndarray) else v)
             for k, v in params.items()}
     inv = {v: k for k, v in _LAYER_MAP.items()}
@@ -331,18 +345,20 @@ def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None,
             elif sub in ("attention.wk.weight", "attention.wk.bias"):
                 v = interleaved_to_hf(v, cfg.n_kv_heads)
             out[f"model.layers.{layer}.{inv[sub]}"] = v
-    hf_config = config_to_hf(cfg)
-    for key in ("bos_id", "eos_id"):
-        if getattr(tokenizer, key, None) is not None:
-            hf_config[f"{key[:3]}_token_id"] = int(getattr(tokenizer, key))
-    atomic_write(d / "config.json",
-                 lambda t: Path(t).write_text(json.dumps(hf_config, indent=2)))
-    if tokenizer is not None:  # without one, tokenizer files already in ``d`` are left as they are
-        save_hf_tokenizer(d, tokenizer, cfg.max_seq_len)
+    return out
+
+
+def _save_hf_weights(d: Path, out: dict[str, np.ndarray], max_shard_bytes: int | None) -> None:
+    """``model.safetensors``, or shards of at most ``max_shard_bytes`` with their index (and a
+    single-file weights file of an earlier export removed)."""
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    from ..checkpoint import atomic_write  # noqa: PLC0415
+
     if not max_shard_bytes:
         atomic_write(d / "model.safetensors",
                      lambda t: save_file(out, t, metadata={"format": "pt"}), "weights file")
-        return d
+        return
     shards: list[dict[str, np.ndarray]] = [{}]
     used = 0
     for k, v in out.items():
@@ -365,7 +381,6 @@ def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None,
     stale = d / "model.safetensors"
     if stale.exists():
         os.unlink(stale)
-    return d
 
 
 def save_hf_tokenizer(d: Path, tokenizer, model_max_length: int) -> None:

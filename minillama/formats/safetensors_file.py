@@ -44,6 +44,16 @@ def read_header(path) -> tuple[dict[str, tuple[str, tuple[int, ...], int, int]],
     """Parse and check the header: ``(entries, metadata, data start, file size)``, entries mapping
     a name to ``(dtype, shape, begin, end)``. Any inconsistency is a :class:`MinillamaError`."""
     path = Path(path)
+    raw, size = _header_bytes(path)
+    header, meta = _header_json(raw, path)
+    base = 8 + len(raw)
+    entries = {name: _header_entry(name, info, path, base, size) for name, info in header.items()}
+    _check_no_overlap(entries, path)
+    return entries, {str(k): v for k, v in meta.items()}, base, size
+
+
+def _header_bytes(path: Path) -> tuple[bytes, int]:
+    """The header's n bytes (after its 8-byte length, which must fit the file) and the file size."""
     if not path.exists():
         raise MinillamaError(f"checkpoint not found: {path}")
     if not path.is_file():
@@ -61,6 +71,11 @@ def read_header(path) -> tuple[dict[str, tuple[str, tuple[int, ...], int, int]],
             raw = f.read(n)
     except OSError as e:
         raise MinillamaError(f"cannot read {path}: {e.strerror or e}") from None
+    return raw, size
+
+
+def _header_json(raw: bytes, path: Path) -> tuple[dict, dict]:
+    """The header as a JSON object without ``__metadata__``, and that metadata (str -> str)."""
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -74,43 +89,49 @@ def read_header(path) -> tuple[dict[str, tuple[str, tuple[int, ...], int, int]],
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise MinillamaError(f"corrupt safetensors header in {path}: __metadata__ must map "
                              f"strings to strings")
-    base = 8 + n
-    data_size = size - base
-    entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
-    for name, info in header.items():
-        where = f"safetensors file {path}: tensor {name[:80]!r}"
-        if not isinstance(info, dict) or set(info) != _ENTRY_KEYS:
-            raise MinillamaError(f"corrupt {where}: an entry needs exactly dtype, shape and "
-                                 f"data_offsets")
-        dt, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if not isinstance(dt, str) or dt not in DTYPES:
-            raise MinillamaError(f"{where} has unsupported dtype {str(dt)[:20]} (supported: "
-                                 f"{', '.join(DTYPES)})")
-        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-                or not all(_is_int(d) and d >= 0 for d in shape)):
-            raise MinillamaError(f"corrupt {where}: shape must be a list of at most {MAX_NDIM} "
-                                 f"non-negative integers")
-        if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(_is_int(o) for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
-            raise MinillamaError(f"corrupt {where}: data_offsets must be two integers "
-                                 f"0 <= begin <= end")
-        begin, end = offsets
-        count = 1
-        for d in shape:
-            count *= d
-        if end - begin != count * DTYPES[dt].itemsize:
-            raise MinillamaError(f"corrupt {where}: byte range {begin}..{end} does not fit its "
-                                 f"shape {shape} and dtype {dt}")
-        if end > data_size:
-            raise MinillamaError(f"corrupt or truncated {where} ends at byte {base + end}, "
-                                 f"the file has {size}")
-        entries[name] = (dt, tuple(shape), begin, end)
+    return header, meta
+
+
+def _header_entry(name: str, info, path: Path, base: int,
+                  size: int) -> tuple[str, tuple[int, ...], int, int]:
+    """One tensor's checked ``(dtype, shape, begin, end)``: a known dtype, a shape of at most
+    MAX_NDIM sizes, a byte range that fits the shape and lies inside the file."""
+    where = f"safetensors file {path}: tensor {name[:80]!r}"
+    if not isinstance(info, dict) or set(info) != _ENTRY_KEYS:
+        raise MinillamaError(f"corrupt {where}: an entry needs exactly dtype, shape and "
+                             f"data_offsets")
+    dt, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dt, str) or dt not in DTYPES:
+        raise MinillamaError(f"{where} has unsupported dtype {str(dt)[:20]} (supported: "
+                             f"{', '.join(DTYPES)})")
+    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+            or not all(_is_int(d) and d >= 0 for d in shape)):
+        raise MinillamaError(f"corrupt {where}: shape must be a list of at most {MAX_NDIM} "
+                             f"non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(_is_int(o) for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
+        raise MinillamaError(f"corrupt {where}: data_offsets must be two integers "
+                             f"0 <= begin <= end")
+    begin, end = offsets
+    count = 1
+    for d in shape:
+        count *= d
+    if end - begin != count * DTYPES[dt].itemsize:
+        raise MinillamaError(f"corrupt {where}: byte range {begin}..{end} does not fit its "
+                             f"shape {shape} and dtype {dt}")
+    if end > size - base:
+        raise MinillamaError(f"corrupt or truncated {where} ends at byte {base + end}, "
+                             f"the file has {size}")
+    return dt, tuple(shape), begin, end
+
+
+def _check_no_overlap(entries, path: Path) -> None:
+    """No two tensors' non-empty byte ranges overlap."""
     spans = sorted((b, e, k) for k, (_, _, b, e) in entries.items() if e > b)
     for (_, e0, k0), (b1, _, k1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise MinillamaError(f"corrupt safetensors file {path}: tensors {k0[:80]!r} and "
                                  f"{k1[:80]!r} overlap")
-    return entries, {str(k): v for k, v in meta.items()}, base, size
 
 
 def read_safetensors_file(path, native: bool = False

@@ -1,0 +1,323 @@
+"""The fused decode step of the ``numba`` backend, a mixin of
+:class:`~minillama.backends.numba.backend.NumbaBackend`: a whole KV-cached step (one new token per
+sequence) in one compiled call (:mod:`.decode`, :mod:`.qdecode` for GGML block weights), and
+greedy decoding of many steps per call (:class:`GreedyDecoder`, :meth:`FusedDecode.greedy_steps`).
+:class:`DecodePlans` turns a model and a cache into the typed lists those kernels take."""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import numpy as np
+
+from ...errors import MinillamaError
+from ...decoding import ChunkDecoder, nonfinite_error
+from ...decoding import finite_logits as _finite
+from ...quant import QuantMatrix
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+#: config fields the fused decode step understands; any other field must keep its default
+#: (a model variant with, e.g., biases or another norm falls back to the per-op path)
+FUSED_DECODE_FIELDS = frozenset({"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
+                                 "hidden_dim", "multiple_of", "ffn_dim_multiplier", "norm_eps",
+                                 "rope_theta", "max_seq_len", "tie_embeddings", "head_dim"})
+
+_NO_IDS = np.zeros(0, dtype=np.int64)
+_NO_IDS_2D = np.zeros((0, 0), dtype=np.int64)
+
+
+def _vocab(plan) -> int:
+    """V of a decode plan (float or quantized)."""
+    return plan["V"] if plan.get("quant") else plan["emb"].shape[0]
+
+
+def _model_args(plan, kc, vc):
+    """The arguments of the :mod:`.decode` kernels between the positions and the logits:
+    the weights of ``plan`` (:meth:`DecodePlans._decode_plan`), the cache lists kc, vc, the
+    RoPE tables and the constants."""
+    return (plan["emb"], plan["out"], plan["norm"], *plan["layers"], kc, vc, plan["cos"],
+            plan["sin"], plan["eps"], plan["heads"], plan["zero"])
+
+
+class DecodePlans:
+    """The weights of a model and the arrays of a cache as the fused kernels take them, built
+    once per model and per cache (weak references) and rebuilt when an array is replaced."""
+
+    def _decode_plan(self, model):
+        """The model's weights as the lists :func:`.decode.decode_step` takes, built once
+        per model (the arrays themselves, so in-place updates are seen; rebuilt when a parameter
+        array is replaced). None when the model is not a plain LLaMA this step implements."""
+        plan = self._decode_plans.get(model)
+        p = model.params
+        if plan is not None and all(map(operator.is_, map(p.get, plan["keys"]), plan["arrays"])):
+            return plan
+        cfg = model.cfg
+        if model.dtype not in _FLOATS or not dataclasses.is_dataclass(cfg):
+            return None
+        for f in dataclasses.fields(cfg):
+            if f.name not in FUSED_DECODE_FIELDS and (
+                    f.default is dataclasses.MISSING or getattr(cfg, f.name) != f.default):
+                return None
+        from ...model import param_shapes  # noqa: PLC0415
+
+        shapes = param_shapes(cfg)
+        if set(p) != set(shapes):
+            return None
+        if any(isinstance(a, QuantMatrix) for a in p.values()):
+            plan = self._quant_plan(model, shapes)
+            if plan is not None:
+                self._decode_plans[model] = plan
+            return plan
+        if any(not isinstance(a, np.ndarray) for a in p.values()):
+            return None
+        dt = model.dtype
+
+        def arr(a):  # C-contiguous and writeable: one array type for every list entry
+            return np.require(a, dtype=dt, requirements=("C", "W"))
+
+        typed_list = self._numba.typed.List
+
+        def stack(name):  # a typed list: its type does not depend on L (one compilation)
+            return typed_list([arr(p[f"layers.{i}.{name}"]) for i in range(cfg.n_layers)])
+
+        plan = {
+            "keys": list(shapes), "arrays": [p[k] for k in shapes],
+            "emb": arr(p["tok_embeddings.weight"]),
+            "out": arr(model.output_weight),
+            "norm": arr(p["norm.weight"]),
+            "layers": tuple(stack(n) for n in (
+                "attention_norm.weight", "attention.wq.weight", "attention.wk.weight",
+                "attention.wv.weight", "attention.wo.weight", "ffn_norm.weight",
+                "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")),
+            "cos": arr(model.cos), "sin": arr(model.sin),
+            "eps": float(cfg.norm_eps), "heads": int(cfg.n_heads), "zero": dt.type(0),
+        }
+        if self._decode is None:
+            from . import decode as numba_decode  # noqa: PLC0415
+
+            self._decode = numba_decode
+        self._decode_plans[model] = plan
+        return plan
+
+    _decode = None
+    _qdecode = None
+
+    #: the linear weights of a layer in the order of :func:`.qdecode.decode_step_one_q`
+    _QUANT_LINEAR = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
+                     "attention.wo.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
+                     "feed_forward.w3.weight")
+
+    def _quant_plan(self, model, shapes):
+        """The decode plan of a float32 model whose linear weights are all GGML block matrices
+        (:class:`~minillama.quant.QuantMatrix`; the embedding and the classifier may be either):
+        the block arrays as typed lists and each matrix's type id. None otherwise."""
+        p, cfg = model.params, model.cfg
+        L = cfg.n_layers
+        names = [f"layers.{i}.{n}" for i in range(L) for n in self._QUANT_LINEAR]
+        if model.dtype != np.float32 or not all(isinstance(p[k], QuantMatrix) for k in names):
+            return None
+        q = self._quant()
+
+        def side(w):  # (block data, type id, float matrix); type 0 for a float matrix
+            if isinstance(w, QuantMatrix):
+                return w.data, q.CODES[w.qtype], np.zeros((1, 1), np.float32)
+            return np.zeros((1, 1), np.uint8), 0, np.require(w, np.float32, ("C", "W"))
+
+        rest = [k for k in shapes if k not in names and k not in (
+            "tok_embeddings.weight", "output.weight")]
+        if any(not isinstance(p[k], np.ndarray) for k in rest):
+            return None
+
+        def arr(a):
+            return np.require(a, dtype=np.float32, requirements=("C", "W"))
+
+        lst = self._numba.typed.List
+        mats = tuple(lst([p[f"layers.{i}.{n}"].data for i in range(L)])
+                     for n in self._QUANT_LINEAR)
+        if self._qdecode is None:
+            from . import qdecode as numba_qdecode  # noqa: PLC0415
+
+            DecodePlans._qdecode = numba_qdecode
+        return {
+            "keys": list(shapes), "arrays": [p[k] for k in shapes], "quant": True,
+            "V": cfg.vocab_size, "emb": side(p["tok_embeddings.weight"]),
+            "out": side(model.output_weight),
+            "codes": np.array([[q.CODES[p[f"layers.{i}.{n}"].qtype] for n in self._QUANT_LINEAR]
+                               for i in range(L)], dtype=np.int64),
+            "norm": arr(p["norm.weight"]),
+            "g_att": lst([arr(p[f"layers.{i}.attention_norm.weight"]) for i in range(L)]),
+            "g_ffn": lst([arr(p[f"layers.{i}.ffn_norm.weight"]) for i in range(L)]),
+            "mats": mats, "cos": arr(model.cos), "sin": arr(model.sin),
+            "eps": float(cfg.norm_eps), "heads": int(cfg.n_heads),
+        }
+
+    def _cache_lists(self, cache, dt):
+        """The cache's per-layer K and V arrays as typed lists (built once per cache), or None
+        when they are not C-contiguous writeable NumPy arrays of the model dtype."""
+        got = self._cache_plans.get(cache)
+        if got is not None and all(map(operator.is_, got[2], cache.k + cache.v)):
+            return got[:2]
+        arrays = list(cache.k) + list(cache.v)
+        for a in arrays:
+            if not (isinstance(a, np.ndarray) and a.dtype == dt and a.flags.c_contiguous
+                    and a.flags.writeable):
+                return None
+        lst = self._numba.typed.List
+        got = (lst(cache.k), lst(cache.v), arrays)
+        self._cache_plans[cache] = got
+        return got[:2]
+
+
+class FusedDecode(DecodePlans):
+    """The fused decode entry points: :meth:`decode_step` (taken by
+    :meth:`minillama.model.Transformer.forward` at T = 1), :meth:`greedy_steps` and
+    :meth:`greedy_decoder`."""
+
+    def _step_one(self, plan, tok, pos, kc, vc, logits, stop, ids):
+        """One sequence's fused step(s): :func:`.decode.decode_step_one`, or
+        :func:`.qdecode.decode_step_one_q` for a quantized plan. Returns its count."""
+        if not plan.get("quant"):
+            return self._decode.decode_step_one(tok, pos, *_model_args(plan, kc, vc), logits,
+                                                self.num_threads, stop, ids)
+        q = self._quant()
+        wq, wk, wv, wo, w1, w2, w3 = plan["mats"]
+        return self._qdecode.decode_step_one_q(
+            tok, pos, *plan["emb"], *plan["out"], plan["codes"], plan["norm"], plan["g_att"],
+            wq, wk, wv, wo, plan["g_ffn"], w1, w2, w3, kc, vc, plan["cos"], plan["sin"],
+            plan["eps"], plan["heads"], logits, self.num_threads, stop, ids, q._F16,
+            q._KVALUES)
+
+    def decode_step(self, model, tok, start_pos, cache):
+        r"""One KV-cached decode step of ``model`` in one compiled call, or None to decline.
+
+        tok: (B, 1) token ids (checked by the model); start_pos: int or (B,) ints, the position
+        p_b each token is written at; cache: the model's :class:`~minillama.kvcache.KVCache`.
+        Computes exactly :meth:`minillama.model.Transformer.forward` at T = 1 with
+        ``last_only`` (rmsnorm, linear, rope, attention over positions 0..p_b, swiglu, head;
+        see :mod:`.decode`) and writes k, v at p_b. Returns logits (B, V). Declines
+        (None: the model runs its per-op path) for model variants it does not implement, T > 1
+        and caches it cannot write in place.
+        """
+        B, T = tok.shape
+        if T != 1 or cache.batch_size != B:
+            return None
+        plan = self._decode_plan(model)
+        if plan is None or (B > 1 and plan.get("quant")):  # quantized: one sequence only
+            return None
+        kv = self._cache_lists(cache, model.dtype)
+        if kv is None:
+            return None
+        kc, vc = kv
+        if isinstance(start_pos, (int, np.integer)):
+            lo = hi = int(start_pos)
+            pos = np.full(B, lo, dtype=np.int64)
+        else:
+            pos = np.ascontiguousarray(
+                np.broadcast_to(np.asarray(start_pos, dtype=np.int64).reshape(-1), (B,)))
+            lo, hi = int(pos.min()), int(pos.max())
+        if lo < 0 or hi >= model.cfg.max_seq_len:
+            raise MinillamaError(f"positions up to {hi} exceed the model context of "
+                                 f"{model.cfg.max_seq_len}")
+        if hi >= cache.max_seq_len:
+            raise MinillamaError(f"sequence of {hi + 1} positions exceeds the KV cache length "
+                                 f"{cache.max_seq_len}")
+        logits = np.empty((B, _vocab(plan)), dtype=model.dtype)
+        if B == 1:
+            self._step_one(plan, np.ascontiguousarray(tok[:, 0], dtype=np.int64), pos, kc, vc,
+                           logits, _NO_IDS, _NO_IDS)
+        else:
+            args = (np.ascontiguousarray(tok[:, 0], dtype=np.int64), pos,
+                    *_model_args(plan, kc, vc), logits, self.num_threads)
+            self._decode.decode_step(*args, _NO_IDS, _NO_IDS_2D)
+        return logits
+
+    def greedy_steps(self, model, tok, start_pos, cache, k: int):
+        """Up to ``k`` greedy decode steps of B > 1 sequences in one compiled call, or None to
+        decline (the caller steps one token at a time). tok: (B,) the tokens to feed; start_pos:
+        (B,) their positions (each sequence then advances by one per step, capped at the cache's
+        last slot). Returns ids (B, k'), k' <= k: the argmax of each step's logits per sequence;
+        -1 where a row held NaN/inf (the call ended after that step)."""
+        B = len(tok)
+        plan = self._decode_plan(model)
+        kv = self._cache_lists(cache, model.dtype) if plan is not None else None
+        if B < 2 or kv is None or cache.batch_size != B or k < 1 or plan.get("quant"):
+            return None
+        pos = np.ascontiguousarray(start_pos, dtype=np.int64).reshape(B)
+        if pos.min() < 0 or pos.max() >= cache.max_seq_len:
+            raise MinillamaError(f"positions up to {int(pos.max())} exceed the KV cache length "
+                                 f"{cache.max_seq_len}")
+        ids = np.empty((B, int(k)), dtype=np.int64)
+        logits = np.empty((B, _vocab(plan)), dtype=model.dtype)
+        n = self._decode.decode_step(
+            np.ascontiguousarray(tok, dtype=np.int64).reshape(B), pos, *_model_args(plan, *kv),
+            logits, self.num_threads, _NO_IDS, ids)
+        return ids[:, :n]
+
+    def greedy_decoder(self, model, max_seq_len: int, stop_ids=()):
+        """A :class:`GreedyDecoder` for one sequence of ``model`` and a cache of ``max_seq_len``
+        positions (greedy decoding, several steps per compiled call, ending a call at a token
+        of ``stop_ids``), or None where the fused step does not apply."""
+        if self._decode_plan(model) is None:
+            return None
+        dec = GreedyDecoder(self, model, max_seq_len, stop_ids)
+        return dec if self._cache_lists(dec.cache, model.dtype) is not None else None
+
+
+
+class GreedyDecoder(ChunkDecoder):
+    """Greedy decoding of one sequence on the numba backend, many steps per compiled call.
+
+    :func:`.decode.decode_step_one` with an ``ids`` buffer of k entries runs k greedy
+    steps (each token is the argmax of the previous step's logits) without returning to Python,
+    so the per-token Python work of the eager loop (the model call, checks, the argmax and the
+    bookkeeping, about 0.1 ms a token) is paid once per call. The interface is that of the
+    CUDA-graph decoder (``prefill``, ``room``, ``more``, ``cache``, ``S``), driven by
+    :func:`minillama.generate.stream_greedy`; ``stop`` ends a call early (the stop id is the
+    last one returned)."""
+
+    def __init__(self, backend, model, max_seq_len: int, stop_ids=()):
+        self.backend = backend
+        self.model = model
+        self.cache = model.new_cache(1, max_seq_len)
+        self.S = self.cache.max_seq_len
+        self.stop = np.array(sorted({int(t) for t in stop_ids}), dtype=np.int64)
+        self._P = None  # prompt length
+        self._done = 0  # ids decoded so far, the prefill's included
+        self._last = 0  # the last id decoded (fed at the next step)
+
+    def prefill(self, prompt) -> np.ndarray:
+        """Run the (1, P) prompt through the model (per-op path, BLAS), filling the cache; the
+        first new id (argmax of the last position's logits), shape (1,)."""
+        prompt = np.asarray(prompt, dtype=np.int64)
+        if prompt.ndim != 2 or prompt.shape[0] != 1:
+            raise MinillamaError(f"prompt must be (1, P) token ids, got {prompt.shape}")
+        P = prompt.shape[1]
+        if not 1 <= P <= self.S:
+            raise MinillamaError(f"a prompt of {P} tokens does not fit the cache of {self.S}")
+        z = _finite(self.model.forward(prompt, 0, self.cache, last_only=True), "the prompt")
+        self._last = int(z[0].argmax())
+        self._P, self._done = P, 1
+        return np.array([self._last], dtype=np.int64)
+
+    def more(self, k: int) -> np.ndarray:
+        """Up to ``k`` more greedy ids, (1, k') with k' = k unless a stop id came first (then it
+        is the last id). Raises on logits holding NaN/inf."""
+        k = self._check_more(k)
+        ids = np.empty(k, dtype=np.int64)
+        if k == 0:
+            return ids[None]
+        be, m = self.backend, self.model
+        plan = be._decode_plan(m)
+        kc, vc = be._cache_lists(self.cache, m.dtype)
+        p0 = self._P + self._done - 1  # where the last id goes
+        logits = np.empty((1, _vocab(plan)), dtype=m.dtype)
+        n = be._step_one(plan, np.array([self._last], dtype=np.int64),
+                         np.array([p0], dtype=np.int64), kc, vc, logits, self.stop, ids)
+        ids = ids[:n]
+        if n and ids[-1] < 0:
+            raise nonfinite_error(f"position {p0 + n - 1}")
+        self._done += n
+        self._last = int(ids[-1])
+        return ids[None]
