@@ -10,7 +10,8 @@ arrays the forward keeps (measured on the tape), the peak of ``tracemalloc`` ove
 
 Packing: a synthetic chat set (question/answer conversations of varied lengths as prompt and
 completion, the loss on the last answer), ``Finetuner`` train steps padded then packed (the
-same settings otherwise); example tokens (not padding) per second of training time.
+same settings otherwise), their steps interleaved; example tokens (not padding) per second of
+training time.
 
     python scripts/bench_finetune_memory.py --threads 2 --batch 4 --seq 256
 """
@@ -151,10 +152,12 @@ def pack() -> None:
     chat_set(data)
     print(f"## padded vs packed: {os.path.basename(ARGS.checkpoint)}, LoRA rank 8, synthetic "
           f"chat set (96 conversations), --batch-size {ARGS.batch} --context "
-          f"{ARGS.pack_context}, backend {ARGS.backend}, {ARGS.pack_steps} timed steps after one")
+          f"{ARGS.pack_context}, backend {ARGS.backend}, {ARGS.pack_steps} interleaved timed steps "
+          f"each after one")
     print()
     print("| mode | examples / step | positions / step | example tokens / s | step (s) |")
     print("|---|---:|---:|---:|---:|")
+    runs = {}
     for packed in (False, True):
         s = {"checkpoint": ARGS.checkpoint, "data": data, "val_data": None, "val_fraction": 0.0,
              "full": False, "lora_rank": 8, "lora_alpha": 16.0,
@@ -166,16 +169,22 @@ def pack() -> None:
         ft = Finetuner(s, os.path.join(d, f"out{int(packed)}"), progress=False,
                        say=lambda m: None)
         ft.train_step()  # warm
-        n_ex0, pos0, ex_tok0 = ft.sampler.epoch * len(ft.train_ex) + ft.sampler.pos, \
-            ft.tokens_seen, ft.example_tokens
-        t0 = time.perf_counter()
-        for _ in range(ARGS.pack_steps):
+        runs[packed] = (ft, ft.sampler.epoch * len(ft.train_ex) + ft.sampler.pos,
+                        ft.tokens_seen, ft.example_tokens, [])
+    for _ in range(ARGS.pack_steps):  # interleaved: padded, packed, padded, ...
+        for ft, *_, times in runs.values():
+            t0 = time.perf_counter()
             ft.train_step()
-        dt = time.perf_counter() - t0
+            times.append(time.perf_counter() - t0)
+    rate = {}
+    for packed, (ft, n_ex0, pos0, ex_tok0, times) in runs.items():
+        dt, n = sum(times), ARGS.pack_steps
         n_ex = ft.sampler.epoch * len(ft.train_ex) + ft.sampler.pos - n_ex0
-        print(f"| {'--pack' if packed else 'padded'} | {n_ex / ARGS.pack_steps:.1f} | "
-              f"{(ft.tokens_seen - pos0) / ARGS.pack_steps:.0f} | "
-              f"{(ft.example_tokens - ex_tok0) / dt:.0f} | {dt / ARGS.pack_steps:.2f} |")
+        rate[packed] = (ft.example_tokens - ex_tok0) / dt
+        print(f"| {'--pack' if packed else 'padded'} | {n_ex / n:.1f} | "
+              f"{(ft.tokens_seen - pos0) / n:.0f} | {rate[packed]:.1f} | {dt / n:.2f} |")
+    print(f"\npacked / padded example tokens per second: {rate[True] / rate[False]:.2f}; "
+          f"load {os.getloadavg()[0]:.2f} at the end")
     print()
 
 
