@@ -325,26 +325,6 @@ class Finetuner:
         self.step, self.history = 0, {"train": [], "val": []}
         self.train_seconds, self.tokens_seen, self.example_tokens = 0.0, 0, 0
 
-    def memory_plan(self):
-        """The :class:`~minillama.memplan.MemoryPlan` of a step of this run (T = ``--context``,
-        the longest a micro-batch can be)."""
-        from .memplan import plan  # noqa: PLC0415
-
-        s = self.s
-        return plan(self.model, self.trainable, s["batch_size"], s["context"], s["grad_accum"],
-                    bool(s.get("recompute")))
-
-    def next_batch(self):
-        """One micro-batch: (tokens, targets, segments, example tokens), segments None unless
-        ``--pack``; the last the number of positions that are not padding."""
-        s = self.s
-        if s.get("pack"):
-            rows = draw_packed(self.train_ex, self.sampler, s["batch_size"], s["context"])
-            real = sum(len(e.ids) - 1 for row in rows for e in row)
-            return (*pack_batch(rows, self.pad_id), real)
-        ex = [self.train_ex[i] for i in self.sampler.next(s["batch_size"])]
-        return (*pad_batch(ex, self.pad_id), None, sum(len(e.ids) - 1 for e in ex))
-
     def _load_data(self, say) -> None:
         s = self.s
         warn = (lambda m: say(f"minillama: warning: {m}"))
@@ -368,7 +348,7 @@ class Finetuner:
         lr = lr_at(self.step, s["lr"], s["warmup"], s["steps"], s["min_lr"])
         A, loss_sum, grads, ntok = s["grad_accum"], 0.0, None, 0
         for _ in range(A):
-            x, y, seg, real = self.next_batch()
+            x, y, seg, real = next_batch(self)
             ntok += x.size
             self.example_tokens += real
             if not (y >= 0).any():
@@ -505,6 +485,28 @@ class Finetuner:
             self.lora.rng.bit_generator.state = st["dropout_rng"]
 
 
+def memory_plan(ft: Finetuner):
+    """The :class:`~minillama.memplan.MemoryPlan` of a step of the run ``ft`` (T = ``--context``,
+    the longest a micro-batch can be)."""
+    from .memplan import plan  # noqa: PLC0415
+
+    s = ft.s
+    return plan(ft.model, ft.trainable, s["batch_size"], s["context"], s["grad_accum"],
+                bool(s.get("recompute")))
+
+
+def next_batch(ft: Finetuner):
+    """One micro-batch of the run ``ft``: (tokens, targets, segments, example tokens), segments
+    None unless ``--pack``; the last the number of positions that are not padding."""
+    s = ft.s
+    if s.get("pack"):
+        rows = draw_packed(ft.train_ex, ft.sampler, s["batch_size"], s["context"])
+        real = sum(len(e.ids) - 1 for row in rows for e in row)
+        return (*pack_batch(rows, ft.pad_id), real)
+    ex = [ft.train_ex[i] for i in ft.sampler.next(s["batch_size"])]
+    return (*pad_batch(ex, ft.pad_id), None, sum(len(e.ids) - 1 for e in ex))
+
+
 def saved_settings(out) -> dict[str, Any]:
     """The settings of the run in ``out`` (for ``--resume``)."""
     from .checkpoint import read_safetensors  # noqa: PLC0415
@@ -562,14 +564,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the data order and dropout")
     p.add_argument("--backend", default=None, help=backend_help())
     p.add_argument("--skip-bad", action="store_true", help="skip bad records (with a warning)")
-    p.add_argument("--pack", action="store_true",
-                   help="pack several examples per --context tokens (each attends only within "
-                        "itself, positions restart per example) instead of padding each")
-    p.add_argument("--recompute", action="store_true",
-                   help="gradient checkpointing: keep only each block's input in the forward, "
-                        "recompute the block in the backward (same gradients, less memory)")
-    p.add_argument("--max-memory", default=None, metavar="SIZE",
-                   help="memory to plan for (e.g. 8G, 512M); default: what is free")
+    _add_memory_flags(p)
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--stop-at", type=positive_int, default=None,
                    help="stop (with a checkpoint) after this step; the schedule spans --steps")
@@ -585,6 +580,18 @@ def add_cli(subparsers) -> None:
                                    "adapter_model.safetensors)")
     m.add_argument("--out", required=True, help="output folder")
     m.set_defaults(func=run_merge)
+
+
+def _add_memory_flags(p) -> None:
+    """--pack, --recompute and --max-memory (the memory a step takes)."""
+    p.add_argument("--pack", action="store_true",
+                   help="pack several examples per --context tokens (each attends only within "
+                        "itself, positions restart per example) instead of padding each")
+    p.add_argument("--recompute", action="store_true",
+                   help="gradient checkpointing: keep only each block's input in the forward, "
+                        "recompute the block in the backward (same gradients, less memory)")
+    p.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="memory to plan for (e.g. 8G, 512M); default: what is free")
 
 
 def run_merge(args) -> int:
@@ -654,7 +661,7 @@ def run_cli(args) -> int:
         f"({n:,} trainable parameters); {len(ft.train_ex)} train / {len(ft.val_ex)} held-out "
         f"examples; backend {ft.model.backend.name}"
         f"{'; packed' if s.get('pack') else ''}{'; recomputing blocks' if s['recompute'] else ''}")
-    report(ft.memory_plan(), ft.model.backend, max_memory, say)
+    report(memory_plan(ft), ft.model.backend, max_memory, say)
     if args.resume:
         ft.resume()
         say(f"resumed at step {ft.step}")

@@ -172,8 +172,7 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         #: LoRA adapters (:class:`minillama.lora.LoRA`): when set, the targeted linears add their
         #: adapter and :meth:`loss_and_grads` returns the adapters' gradients only
         self.lora = None
-        #: gradient checkpointing (:mod:`minillama.recompute`); packed rows while a call with
-        #: ``segments`` runs (:mod:`minillama.packing`)
+        #: gradient checkpointing; the packed rows of a call given ``segments`` (while it runs)
         self.recompute, self.segments = False, None
         if cfg.pos_encoding == "rope":
             self.cos, self.sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
@@ -233,8 +232,9 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
             tape.append(c_head)
         return logits, tape
 
+    @packing.takes_segments
     def forward(self, tokens, start_pos=0, cache: KVCache | None = None, last_only: bool = False,
-                output_index=None, segments=None):
+                output_index=None):
         r"""Logits z = f(x) for a (B, T) batch of token ids: (B, T, V).
 
         ``start_pos`` (int or (B,) ints) is the absolute position of the first token; with a
@@ -246,11 +246,6 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         ``segments`` ((B, T) example ids, no cache) runs packed rows (:mod:`minillama.packing`).
         """
         tok = self._tokens(tokens)
-        if segments is not None:
-            if cache is not None or np.ndim(start_pos) or start_pos:
-                raise MinillamaError("packed rows (segments) start at 0 and take no KV cache")
-            with packing.packed(self, segments, tok.shape):
-                return self.forward(tok, last_only=last_only, output_index=output_index)
         if cache is not None and tok.shape[1] == 1 and hasattr(self.backend, "decode_step") \
                 and self.lora is None:
             # a backend may run a whole one-token cached step in one fused call (numba does)
@@ -267,7 +262,8 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
     # ----------------------------------------------------------------------------------------
     # backward, the same pieces in reverse
     # ----------------------------------------------------------------------------------------
-    def loss_and_grads(self, tokens, targets, ignore_index: int = -1, segments=None):
+    @packing.takes_segments
+    def loss_and_grads(self, tokens, targets, ignore_index: int = -1):
         r"""Mean next-token cross-entropy L and \partial L / \partial \theta for every parameter.
 
         tokens, targets: (B, T) integers (targets equal to ``ignore_index`` do not count).
@@ -281,9 +277,6 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         """
         tok = self._tokens(tokens)
         tgt = self._targets(targets, tok.shape)
-        if segments is not None:
-            with packing.packed(self, segments, tok.shape):
-                return self.loss_and_grads(tok, tgt, ignore_index)
         grads: dict[str, Any] = {}
         if self.lora is not None:
             self.lora.training = True  # adapter dropout (when configured) in this forward only
@@ -313,22 +306,18 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
             dlogits = be.cross_entropy_backward(1.0, c_ce).reshape(B, T, -1)
             dx, dw_out = self._head_backward(dlogits, tape.pop(), grads)
         cos, sin = self._rope_at(0, T) if self.recompute else (None, None)
-        for layer in reversed(range(self.cfg.n_layers)):
-            ctx = tape.pop()
-            if self.recompute:  # rebuild the block's ctx from its kept input
-                ctx = recompute.rebuild(self, layer, ctx, cos, sin)
-            dx = self._block_backward(layer, dx, ctx, grads)
+        for layer in reversed(range(self.cfg.n_layers)):  # with recompute: rebuild each ctx
+            dx = self._block_backward(layer, dx, recompute.rebuild(self, layer, tape.pop(), cos,
+                                                                   sin), grads)
         (c_emb,) = tape
         if self.lora is None:  # with adapters the embedding (and a tied head) stay frozen
             self._embed_backward(dx, c_emb, dw_out, grads)
         return float(be.to_numpy(loss)), grads
 
-    def loss(self, tokens, targets, ignore_index: int = -1, segments=None) -> float:
+    @packing.takes_segments
+    def loss(self, tokens, targets, ignore_index: int = -1) -> float:
         """Mean next-token cross-entropy without gradients (no tape kept)."""
         tok = self._tokens(tokens)
-        if segments is not None:
-            with packing.packed(self, segments, tok.shape):
-                return self.loss(tok, targets, ignore_index)
         tgt = np.asarray(targets).reshape(tok.shape)
         be = self.backend
         logits, _ = self._run(tok, 0, None, train=False)

@@ -15,6 +15,8 @@ forward (or a training step) runs with :func:`packed`, the model's ``segments`` 
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import contextmanager
 
 import numpy as np
@@ -41,6 +43,26 @@ def packed(model, segments, shape):
         yield
     finally:
         model.segments = None
+
+
+def takes_segments(method):
+    """Give a model method (``forward``, ``loss``, ``loss_and_grads``) a ``segments=None``
+    keyword: with it the call runs on packed rows (:func:`packed`), from position 0, no cache."""
+    sig = inspect.signature(method)
+
+    @functools.wraps(method)
+    def call(model, tokens, *args, segments=None, **kwargs):
+        if segments is None:
+            return method(model, tokens, *args, **kwargs)
+        given = sig.bind(model, tokens, *args, **kwargs).arguments
+        start = given.get("start_pos", 0)
+        if given.get("cache") is not None or np.ndim(start) or start:
+            raise MinillamaError("packed rows (segments) start at 0 and take no KV cache")
+        tok = model._tokens(tokens)
+        with packed(model, segments, tok.shape):
+            return method(model, tok, *args, **kwargs)
+
+    return call
 
 
 def positions(model):

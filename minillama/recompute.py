@@ -37,9 +37,12 @@ def keep(model, x) -> Kept:
     return Kept(x, None if rng is None else rng.bit_generator.state)
 
 
-def rebuild(model, layer: int, kept: Kept, cos, sin):
+def rebuild(model, layer: int, kept, cos, sin):
     """The ctx of block ``layer``: its forward run again from the kept input, the dropout
-    generator rewound to where it stood then (and put back afterwards)."""
+    generator rewound to where it stood then (and put back afterwards); a ctx that is not a
+    :class:`Kept` (no recompute) comes back as it is."""
+    if not isinstance(kept, Kept):
+        return kept
     rng = _rng(model)
     now = None
     if rng is not None and kept.rng_state is not None:
