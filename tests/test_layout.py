@@ -34,7 +34,6 @@ LONG_FUNCTIONS = {
 }
 #: command and file-format functions still to be split into named steps (drop an entry once split)
 NOT_YET_SPLIT = {
-    "minillama/chat.py:run_cli": "the chat command",
     "minillama/generate.py:generate_steps": "the prefill and decode loop",
     "minillama/generate.py:run_cli": "the generate command",
     "minillama/serve.py:build_app": "the server's routes",
