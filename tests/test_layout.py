@@ -32,15 +32,6 @@ LONG_FUNCTIONS = {
     "backends/numba/attention_backward.py:_attn_bwd_item": "the attention backward of one "
                                                           "(sequence, KV head) work item",
 }
-#: command and file-format functions still to be split into named steps (drop an entry once split)
-NOT_YET_SPLIT = {
-    "minillama/chat.py:run_cli": "the chat command",
-    "minillama/generate.py:generate_steps": "the prefill and decode loop",
-    "minillama/generate.py:run_cli": "the generate command",
-    "minillama/serve.py:build_app": "the server's routes",
-    "minillama/serve.py:run": "the serve command",
-}
-LONG_FUNCTIONS |= NOT_YET_SPLIT
 #: "path" -> why that module may be longer than MAX_MODULE_LINES (none today)
 LONG_MODULES: dict[str, str] = {}
 #: "path:Class" -> why that class may be longer than MAX_CLASS_LINES (none today)
