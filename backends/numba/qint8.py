@@ -1,0 +1,338 @@
+r"""Integer dot products of GGML block rows with activations rounded to 8-bit blocks, written as
+LLVM IR through Numba intrinsics (the decode matvecs of :mod:`.quant` and :mod:`.qdecode`).
+
+The activation row x (K values) is rounded once per product to blocks of 32 (the layout of
+:func:`quantize_row`): int8 codes ``xq`` with x_k ~ d_b xq_k, d_b = max_{k in b} |x_k| / 127 in
+float32 (``xd``), and the sum of each 4 consecutive codes times its block's d (``xm``, float32,
+K / 4 entries).
+
+Every weight is written w = A (u - o) - B with u an unsigned byte code, o a constant offset of
+the type and A, B the scales (and mins) of its block or sub-block, so
+
+    \sum_k w_k x_k ~ \sum_b d_b A_b \sum_{k in b} u_k xq_k - (o A_b + B_b) d_b \sum_{k in b} xq_k.
+
+The first sum is an integer dot of unsigned by signed bytes: ``vpdpbusd`` (AVX512-VNNI, 64
+products into 16 lanes of 4) where the host has it, else portable IR (widen to i32, multiply,
+add groups of 4) that LLVM lowers for any target. Each group of 4 products is converted to
+float32 and multiplied by its scale with a fused multiply-add, the second term by one more
+fused multiply-add against ``xm``; one horizontal sum per row. The 16-lane accumulators hold
+64 values (two blocks of 32, or two 32-runs of a K super-block).
+
+Q8_0's signed codes become u = q + 128 (o = 128), Q4_0 o = 8, Q5_0 o = 16, Q6_K o = 32,
+Q3_K u = q + 4 (o = 4); the types with mins (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) have o = 0 and B.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .qsimd import _F32, _I8, _I32, _I64, _at, _const, _fma, _half, _kscales, _load, _reduce
+from .qsimd import _shuf, _splat, _vec
+
+
+def _host_features() -> str:
+    try:
+        from llvmlite import binding  # noqa: PLC0415
+
+        return binding.get_host_cpu_features().flatten()
+    except Exception:  # noqa: BLE001 - no feature string: the portable code
+        return ""
+
+
+_FEATS = _host_features()
+#: unsigned-by-signed byte dots by ``vpdpbusd`` (zmm); else the portable IR
+VNNI = "+avx512vnni" in _FEATS and "+avx512bw" in _FEATS
+#: LLVM 21 on takes the byte operands of the VNNI intrinsics as byte vectors (before: i32 lanes)
+_VNNI_BYTES = __import__("llvmlite.binding", fromlist=["x"]).llvm_version_info[0] >= 21
+
+#: the GGML type ids with an integer kernel (the others take the float32 kernels of .quant)
+INT8_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)
+
+
+def int8_enabled() -> bool:
+    """Whether the float32 decode products of block matrices round the activations to 8 bits
+    (the default; ``MINILLAMA_QUANT_DOTS=float`` keeps float32 activations)."""
+    return os.environ.get("MINILLAMA_QUANT_DOTS", "int8").strip().lower() != "float"
+
+
+# ---------------------------------------------------------------------------------------------
+# IR pieces
+# ---------------------------------------------------------------------------------------------
+def _dot4(builder, u, s, vnni):
+    """Sums of 4 consecutive products u_k s_k (u unsigned, s signed bytes, <n x i8>) as
+    <n/4 x i32>."""
+    n = u.type.count
+    if vnni:
+        t = _vec(_I32, n // 4)
+        name = f"llvm.x86.avx512.vpdpbusd.{n * 8}"
+        if _VNNI_BYTES:
+            args = [u, s]
+        else:
+            args = [builder.bitcast(u, t), builder.bitcast(s, t)]
+        fnty = ir.FunctionType(t, [t, args[0].type, args[1].type])
+        fn = builder.module.globals.get(name) or ir.Function(builder.module, fnty, name)
+        return builder.call(fn, [ir.Constant(t, [0] * (n // 4))] + args)
+    p = builder.mul(builder.zext(u, _vec(_I32, n)), builder.sext(s, _vec(_I32, n)))
+    parts = [_shuf(builder, p, range(j, n, 4)) for j in range(4)]
+    return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+
+
+def _cat(builder, a, b):
+    n = a.type.count
+    return builder.shuffle_vector(a, b, _const(_I32, 2 * n, range(2 * n)))
+
+
+def _b(builder, addr, off, n):
+    return _load(builder, addr, off, _vec(_I8, n))
+
+
+def _and(builder, v, m):
+    return builder.and_(v, _const(_I8, v.type.count, m))
+
+
+def _shr(builder, v, k):
+    if isinstance(k, int) and k == 0:
+        return v
+    return builder.lshr(v, _const(_I8, v.type.count, k))
+
+
+def _shl(builder, v, k):
+    return builder.shl(v, _const(_I8, v.type.count, k))
+
+
+def _nib32(builder, blk, off):
+    """The 32 4-bit codes of 16 bytes (low nibbles, then high) as <32 x i8>."""
+    a = _b(builder, blk, off, 16)
+    return _cat(builder, _and(builder, a, 15), _shr(builder, a, 4))
+
+
+def _qh_bits(builder, blk, off):
+    """Bit l of the little-endian u32 at blk + off for l = 0..31, shifted to 16, <32 x i8>."""
+    a = _shuf(builder, _b(builder, blk, off, 4), [k // 8 for k in range(32)])
+    bit = _and(builder, builder.lshr(a, _const(_I8, 32, [k % 8 for k in range(32)])), 1)
+    return _shl(builder, bit, 4)
+
+
+# blocks of 32: (u <32 x i8>, A, M) with M = -(o A + B) as float scalars
+_SIZE32 = {8: 34, 2: 18, 3: 20, 6: 22, 7: 24}
+
+
+def _block32(qt, builder, blk):
+    d = _half(builder, blk, 0)
+    if qt == 8:  # Q8_0
+        u = builder.xor(_b(builder, blk, 2, 32), _const(_I8, 32, 128 - 256))
+        return u, d, builder.fmul(d, ir.Constant(_F32, -128.0))
+    if qt == 2:  # Q4_0
+        return _nib32(builder, blk, 2), d, builder.fmul(d, ir.Constant(_F32, -8.0))
+    if qt == 3:  # Q4_1: w = d q + m
+        return _nib32(builder, blk, 4), d, _half(builder, blk, 2)
+    if qt == 6:  # Q5_0
+        u = builder.or_(_nib32(builder, blk, 6), _qh_bits(builder, blk, 2))
+        return u, d, builder.fmul(d, ir.Constant(_F32, -16.0))
+    u = builder.or_(_nib32(builder, blk, 8), _qh_bits(builder, blk, 4))  # Q5_1
+    return u, d, _half(builder, blk, 2)
+
+
+def _rows32(qt, vnni):
+    size = _SIZE32[qt]
+
+    def codegen(context, builder, signature, args):
+        pw, pq, pd, pm, nb = args
+        acc = cgutils.alloca_once_value(builder, _const(_F32, 16, 0.0))
+        npair = builder.sdiv(nb, ir.Constant(_I64, 2))
+        lanes = [0] * 8 + [1] * 8
+
+        def pair(i):  # blocks 2i, 2i + 1
+            blk0 = builder.add(pw, builder.mul(i, ir.Constant(_I64, 2 * size)))
+            blk1 = builder.add(blk0, ir.Constant(_I64, size))
+            u0, a0, m0 = _block32(qt, builder, blk0)
+            u1, a1, m1 = _block32(qt, builder, blk1)
+            xs = _load(builder, builder.add(pq, builder.mul(i, ir.Constant(_I64, 64))), 0,
+                       _vec(_I8, 64))
+            p = builder.sitofp(_dot4(builder, _cat(builder, u0, u1), xs, vnni), _vec(_F32, 16))
+            dx = _load(builder, builder.add(pd, builder.mul(i, ir.Constant(_I64, 8))), 0,
+                       _vec(_F32, 2), 4)
+            a = builder.insert_element(_splat(builder, a0, 2), a1, ir.Constant(_I32, 1))
+            m = builder.insert_element(_splat(builder, m0, 2), m1, ir.Constant(_I32, 1))
+            sc = _shuf(builder, builder.fmul(a, dx), lanes)
+            xm = _load(builder, builder.add(pm, builder.mul(i, ir.Constant(_I64, 64))), 0,
+                       _vec(_F32, 16), 4)
+            a_ = _fma(builder, p, sc, builder.load(acc))
+            builder.store(_fma(builder, xm, _shuf(builder, m, lanes), a_), acc)
+
+        with cgutils.for_range(builder, npair) as loop:
+            pair(loop.index)
+        total = _reduce(builder, builder.load(acc))
+        last = builder.sub(nb, ir.Constant(_I64, 1))
+        odd = builder.icmp_signed("!=", builder.mul(npair, ir.Constant(_I64, 2)), nb)
+        out = cgutils.alloca_once_value(builder, total)
+        with builder.if_then(odd):
+            blk = builder.add(pw, builder.mul(last, ir.Constant(_I64, size)))
+            u, a, m = _block32(qt, builder, blk)
+            xs = _load(builder, builder.add(pq, builder.mul(last, ir.Constant(_I64, 32))), 0,
+                       _vec(_I8, 32))
+            p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 8))
+            dx = _load(builder, builder.add(pd, builder.mul(last, ir.Constant(_I64, 4))), 0,
+                       _F32, 4)
+            xm = _load(builder, builder.add(pm, builder.mul(last, ir.Constant(_I64, 32))), 0,
+                       _vec(_F32, 8), 4)
+            v = _fma(builder, xm, _splat(builder, m, 8),
+                     builder.fmul(p, _splat(builder, builder.fmul(a, dx), 8)))
+            builder.store(builder.fadd(total, _reduce(builder, v)), out)
+        return builder.load(out)
+
+    return codegen
+
+
+# K-quants: chunk c (0..3) of a super-block is the values 64c .. 64c + 63 (32-runs 2c, 2c + 1)
+_SIZEK = {12: 144, 13: 176, 14: 210, 11: 110, 10: 84}
+_KNAME = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 11: "Q3_K", 10: "Q2_K"}
+_OFFSET = {14: 32.0, 11: 4.0}
+
+
+def _kchunk(qt, builder, blk, c):
+    """The unsigned codes u of chunk c of the super-block at blk, <64 x i8>."""
+    if qt in (12, 13):  # Q4_K / Q5_K: 32 bytes, low nibbles run 2c, high run 2c + 1
+        a = _b(builder, blk, (16 if qt == 12 else 48) + 32 * c, 32)
+        u = _cat(builder, _and(builder, a, 15), _shr(builder, a, 4))
+        if qt == 13:  # fifth bits: bit r of the 32 bytes at 16
+            h = _b(builder, blk, 16, 32)
+            hb = _cat(builder, _and(builder, _shr(builder, h, 2 * c), 1),
+                      _and(builder, _shr(builder, h, 2 * c + 1), 1))
+            u = builder.or_(u, _shl(builder, hb, 4))
+        return u
+    half, k = divmod(c, 2)
+    if qt == 14:  # Q6_K: runs 4 half + 2k + {0, 1}: ql at 64 half (+32), nibble k
+        lo = _cat(builder, _and(builder, _shr(builder, _b(builder, blk, 64 * half, 32), 4 * k), 15),
+                  _and(builder, _shr(builder, _b(builder, blk, 64 * half + 32, 32), 4 * k), 15))
+        h = _b(builder, blk, 128 + 32 * half, 32)
+        hi = _cat(builder, _and(builder, _shr(builder, h, 4 * k), 3),
+                  _and(builder, _shr(builder, h, 4 * k + 2), 3))
+        return builder.or_(lo, _shl(builder, hi, 4))
+    # Q3_K / Q2_K: 2-bit fields of the 32 bytes at q0 + 32 half, shifts 2 g, g = 2k, 2k + 1
+    a = _b(builder, blk, (32 if qt == 11 else 16) + 32 * half, 32)
+    u = _cat(builder, _and(builder, _shr(builder, a, 4 * k), 3),
+             _and(builder, _shr(builder, a, 4 * k + 2), 3))
+    if qt == 11:  # + 4 where bit r of hmask byte l is set (runs r = 2c, 2c + 1)
+        h = _b(builder, blk, 0, 32)
+        hb = _cat(builder, _and(builder, _shr(builder, h, 2 * c), 1),
+                  _and(builder, _shr(builder, h, 2 * c + 1), 1))
+        u = builder.or_(u, _shl(builder, hb, 2))
+    return u
+
+
+def _rowsk(qt, vnni):
+    size = _SIZEK[qt]
+    kind = _KNAME[qt]
+
+    def codegen(context, builder, signature, args):
+        pw, pq, pd, pm, nb = args
+        acc = cgutils.alloca_once_value(builder, _const(_F32, 16, 0.0))
+        with cgutils.for_range(builder, nb) as loop:
+            i = loop.index
+            blk = builder.add(pw, builder.mul(i, ir.Constant(_I64, size)))
+            qx = builder.add(pq, builder.mul(i, ir.Constant(_I64, 256)))
+            mx = builder.add(pm, builder.mul(i, ir.Constant(_I64, 256)))
+            dx = _load(builder, builder.add(pd, builder.mul(i, ir.Constant(_I64, 32))), 0,
+                       _vec(_F32, 8), 4)
+            A, B = _kscales(kind, builder, blk)
+            n = A.type.count  # 8 (per 32-run) or 16 (per 16-run)
+            if n == 16:
+                dx = _shuf(builder, dx, [j // 2 for j in range(16)])
+            M = builder.fmul(A, _const(_F32, n, -_OFFSET[qt])) if qt in _OFFSET else None
+            if B is not None:
+                M = builder.fsub(_const(_F32, n, 0.0), B)
+            AD = builder.fmul(A, dx)
+            a = builder.load(acc)
+            for c in range(4):
+                lanes = [2 * c + j // 8 for j in range(16)] if n == 8 else \
+                    [4 * c + j // 4 for j in range(16)]
+                xs = _load(builder, qx, 64 * c, _vec(_I8, 64))
+                p = builder.sitofp(_dot4(builder, _kchunk(qt, builder, blk, c), xs, vnni),
+                                   _vec(_F32, 16))
+                a = _fma(builder, p, _shuf(builder, AD, lanes), a)
+                if M is not None:
+                    a = _fma(builder, _load(builder, mx, 64 * c, _vec(_F32, 16), 4),
+                             _shuf(builder, M, lanes), a)
+            builder.store(a, acc)
+        return _reduce(builder, builder.load(acc))
+
+    return codegen
+
+
+def _make(qt, vnni):
+    gen = _rowsk(qt, vnni) if qt in _SIZEK else _rows32(qt, vnni)
+
+    @intrinsic
+    def irow(typingctx, pw, pq, pd, pm, nblocks):
+        r"""\sum_k W_k x_k over ``nblocks`` blocks (K super-blocks) of row bytes at pw and the
+        8-bit activation blocks at pq (codes), pd (scales), pm (scaled sums of 4)."""
+        return types.float32(types.int64, types.int64, types.int64, types.int64,
+                             types.int64), gen
+
+    return irow
+
+
+irow_q8_0, irow_q4_0, irow_q4_1, irow_q5_0, irow_q5_1 = (_make(t, VNNI) for t in (8, 2, 3, 6, 7))
+irow_q4_k, irow_q5_k, irow_q6_k, irow_q3_k, irow_q2_k = (_make(t, VNNI)
+                                                         for t in (12, 13, 14, 11, 10))
+
+_opts = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
+
+
+# ---------------------------------------------------------------------------------------------
+# activations to 8-bit blocks, and the dot of one row
+# ---------------------------------------------------------------------------------------------
+@njit(**_opts)
+def quantize_row(x, xq, xd, xm):  # pragma: no cover - compiled
+    """x (K,) float32 -> xq (K,) int8, xd (K/32,) float32 block scales, xm (K/4,) float32:
+    xm_j = d_b (xq_{4j} + ... + xq_{4j+3}); x_k ~ d_b xq_k, |x_k - d_b xq_k| <= d_b / 2."""
+    for b in range(x.shape[0] // 32):
+        o = 32 * b
+        amax = np.float32(0)
+        for k in range(32):
+            amax = max(amax, abs(x[o + k]))
+        d = amax / np.float32(127)
+        inv = np.float32(127) / amax if amax > 0 else np.float32(0)
+        xd[b] = d
+        for j in range(8):
+            s = 0
+            for k in range(4 * j, 4 * j + 4):
+                q = np.int32(np.rint(x[o + k] * inv))
+                xq[o + k] = q
+                s += q
+            xm[8 * b + j] = d * np.float32(s)
+
+
+@njit(inline="always", **_opts)
+def idot(qt, w, n, xq, xd, xm):  # pragma: no cover - compiled
+    """Row n of the block matrix w (a type of :data:`INT8_TYPES`) times the 8-bit activation
+    row (xq, xd, xm) (1-d arrays or rows), float32."""
+    pw = w.ctypes.data + n * w.shape[1]
+    pq, pd, pm = xq.ctypes.data, xd.ctypes.data, xm.ctypes.data
+    nb = xd.shape[0]
+    if qt == 8:
+        return irow_q8_0(pw, pq, pd, pm, nb)
+    if qt == 2:
+        return irow_q4_0(pw, pq, pd, pm, nb)
+    if qt == 3:
+        return irow_q4_1(pw, pq, pd, pm, nb)
+    if qt == 6:
+        return irow_q5_0(pw, pq, pd, pm, nb)
+    if qt == 7:
+        return irow_q5_1(pw, pq, pd, pm, nb)
+    if qt == 12:
+        return irow_q4_k(pw, pq, pd, pm, nb // 8)
+    if qt == 13:
+        return irow_q5_k(pw, pq, pd, pm, nb // 8)
+    if qt == 14:
+        return irow_q6_k(pw, pq, pd, pm, nb // 8)
+    if qt == 11:
+        return irow_q3_k(pw, pq, pd, pm, nb // 8)
+    return irow_q2_k(pw, pq, pd, pm, nb // 8)
