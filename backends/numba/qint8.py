@@ -3,8 +3,8 @@ LLVM IR through Numba intrinsics (the decode matvecs of :mod:`.quant` and :mod:`
 
 The activation row x (K values) is rounded once per product to blocks of 32 (the layout of
 :func:`quantize_row`): int8 codes ``xq`` with x_k ~ d_b xq_k, d_b = max_{k in b} |x_k| / 127 in
-float32 (``xd``), and the sum of each 4 consecutive codes times its block's d (``xm``, float32,
-K / 4 entries).
+float32 (``xd``), and the sum of each 16 consecutive codes times its block's d (``xs``, float32,
+K / 16 entries).
 
 Every weight is written w = A (u - o) - B with u an unsigned byte code, o a constant offset of
 the type and A, B the scales (and mins) of its block or sub-block, so
@@ -15,7 +15,7 @@ The first sum is an integer dot of unsigned by signed bytes: ``vpdpbusd`` (AVX51
 products into 16 lanes of 4) where the host has it, else portable IR (widen to i32, multiply,
 add groups of 4) that LLVM lowers for any target. Each group of 4 products is converted to
 float32 and multiplied by its scale with a fused multiply-add, the second term by one more
-fused multiply-add against ``xm``; one horizontal sum per row. The 16-lane accumulators hold
+fused multiply-add against ``xs``; one horizontal sum per row. The 16-lane accumulators hold
 64 values (two blocks of 32, or two 32-runs of a K super-block).
 
 Q8_0's signed codes become u = q + 128 (o = 128), Q4_0 o = 8, Q5_0 o = 16, Q6_K o = 32,
@@ -28,7 +28,7 @@ import os
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -143,48 +143,43 @@ def _rows32(qt, vnni):
     size = _SIZE32[qt]
 
     def codegen(context, builder, signature, args):
-        pw, pq, pd, pm, nb = args
+        pw, pq, pd, ps, nb = args
         acc = cgutils.alloca_once_value(builder, _const(_F32, 16, 0.0))
+        acc_m = cgutils.alloca_once_value(builder, _const(_F32, 4, 0.0))
         npair = builder.sdiv(nb, ir.Constant(_I64, 2))
         lanes = [0] * 8 + [1] * 8
 
-        def pair(i):  # blocks 2i, 2i + 1
-            blk0 = builder.add(pw, builder.mul(i, ir.Constant(_I64, 2 * size)))
-            blk1 = builder.add(blk0, ir.Constant(_I64, size))
+        def at(base, i, step):
+            return builder.add(base, builder.mul(i, ir.Constant(_I64, step)))
+
+        with cgutils.for_range(builder, npair) as loop:  # blocks 2i, 2i + 1
+            i = loop.index
+            blk0 = at(pw, i, 2 * size)
             u0, a0, m0 = _block32(qt, builder, blk0)
-            u1, a1, m1 = _block32(qt, builder, blk1)
-            xs = _load(builder, builder.add(pq, builder.mul(i, ir.Constant(_I64, 64))), 0,
-                       _vec(_I8, 64))
+            u1, a1, m1 = _block32(qt, builder, builder.add(blk0, ir.Constant(_I64, size)))
+            xs = _load(builder, at(pq, i, 64), 0, _vec(_I8, 64))
             p = builder.sitofp(_dot4(builder, _cat(builder, u0, u1), xs, vnni), _vec(_F32, 16))
-            dx = _load(builder, builder.add(pd, builder.mul(i, ir.Constant(_I64, 8))), 0,
-                       _vec(_F32, 2), 4)
+            dx = _load(builder, at(pd, i, 8), 0, _vec(_F32, 2), 4)
             a = builder.insert_element(_splat(builder, a0, 2), a1, ir.Constant(_I32, 1))
             m = builder.insert_element(_splat(builder, m0, 2), m1, ir.Constant(_I32, 1))
-            sc = _shuf(builder, builder.fmul(a, dx), lanes)
-            xm = _load(builder, builder.add(pm, builder.mul(i, ir.Constant(_I64, 64))), 0,
-                       _vec(_F32, 16), 4)
-            a_ = _fma(builder, p, sc, builder.load(acc))
-            builder.store(_fma(builder, xm, _shuf(builder, m, lanes), a_), acc)
-
-        with cgutils.for_range(builder, npair) as loop:
-            pair(loop.index)
-        total = _reduce(builder, builder.load(acc))
+            builder.store(_fma(builder, p, _shuf(builder, builder.fmul(a, dx), lanes),
+                               builder.load(acc)), acc)
+            sums = _load(builder, at(ps, i, 16), 0, _vec(_F32, 4), 4)
+            builder.store(_fma(builder, sums, _shuf(builder, m, [0, 0, 1, 1]),
+                               builder.load(acc_m)), acc_m)
+        total = builder.fadd(_reduce(builder, builder.load(acc)),
+                             _reduce(builder, builder.load(acc_m)))
         last = builder.sub(nb, ir.Constant(_I64, 1))
         odd = builder.icmp_signed("!=", builder.mul(npair, ir.Constant(_I64, 2)), nb)
         out = cgutils.alloca_once_value(builder, total)
         with builder.if_then(odd):
-            blk = builder.add(pw, builder.mul(last, ir.Constant(_I64, size)))
-            u, a, m = _block32(qt, builder, blk)
-            xs = _load(builder, builder.add(pq, builder.mul(last, ir.Constant(_I64, 32))), 0,
-                       _vec(_I8, 32))
+            u, a, m = _block32(qt, builder, at(pw, last, size))
+            xs = _load(builder, at(pq, last, 32), 0, _vec(_I8, 32))
             p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 8))
-            dx = _load(builder, builder.add(pd, builder.mul(last, ir.Constant(_I64, 4))), 0,
-                       _F32, 4)
-            xm = _load(builder, builder.add(pm, builder.mul(last, ir.Constant(_I64, 32))), 0,
-                       _vec(_F32, 8), 4)
-            v = _fma(builder, xm, _splat(builder, m, 8),
-                     builder.fmul(p, _splat(builder, builder.fmul(a, dx), 8)))
-            builder.store(builder.fadd(total, _reduce(builder, v)), out)
+            dx = _load(builder, at(pd, last, 4), 0, _F32, 4)
+            sums = _reduce(builder, _load(builder, at(ps, last, 8), 0, _vec(_F32, 2), 4))
+            v = _reduce(builder, builder.fmul(p, _splat(builder, builder.fmul(a, dx), 8)))
+            builder.store(builder.fadd(total, builder.fadd(v, builder.fmul(sums, m))), out)
         return builder.load(out)
 
     return codegen
@@ -232,36 +227,42 @@ def _rowsk(qt, vnni):
     kind = _KNAME[qt]
 
     def codegen(context, builder, signature, args):
-        pw, pq, pd, pm, nb = args
-        acc = cgutils.alloca_once_value(builder, _const(_F32, 16, 0.0))
+        pw, pq, pd, ps, nb = args
+        # two accumulators for the chunks (two chains of fused multiply-adds), one for the mins
+        accs = [cgutils.alloca_once_value(builder, _const(_F32, 16, 0.0)) for _ in range(3)]
         with cgutils.for_range(builder, nb) as loop:
             i = loop.index
             blk = builder.add(pw, builder.mul(i, ir.Constant(_I64, size)))
             qx = builder.add(pq, builder.mul(i, ir.Constant(_I64, 256)))
-            mx = builder.add(pm, builder.mul(i, ir.Constant(_I64, 256)))
             dx = _load(builder, builder.add(pd, builder.mul(i, ir.Constant(_I64, 32))), 0,
                        _vec(_F32, 8), 4)
             A, B = _kscales(kind, builder, blk)
             n = A.type.count  # 8 (per 32-run) or 16 (per 16-run)
             if n == 16:
                 dx = _shuf(builder, dx, [j // 2 for j in range(16)])
-            M = builder.fmul(A, _const(_F32, n, -_OFFSET[qt])) if qt in _OFFSET else None
-            if B is not None:
-                M = builder.fsub(_const(_F32, n, 0.0), B)
             AD = builder.fmul(A, dx)
-            a = builder.load(acc)
+            a = [builder.load(accs[0]), builder.load(accs[1])]
             for c in range(4):
                 lanes = [2 * c + j // 8 for j in range(16)] if n == 8 else \
                     [4 * c + j // 4 for j in range(16)]
                 xs = _load(builder, qx, 64 * c, _vec(_I8, 64))
                 p = builder.sitofp(_dot4(builder, _kchunk(qt, builder, blk, c), xs, vnni),
                                    _vec(_F32, 16))
-                a = _fma(builder, p, _shuf(builder, AD, lanes), a)
-                if M is not None:
-                    a = _fma(builder, _load(builder, mx, 64 * c, _vec(_F32, 16), 4),
-                             _shuf(builder, M, lanes), a)
-            builder.store(a, acc)
-        return _reduce(builder, builder.load(acc))
+                a[c % 2] = _fma(builder, p, _shuf(builder, AD, lanes), a[c % 2])
+            builder.store(a[0], accs[0])
+            builder.store(a[1], accs[1])
+            M = builder.fmul(A, _const(_F32, n, -_OFFSET[qt])) if qt in _OFFSET else None
+            if B is not None:
+                M = builder.fsub(_const(_F32, n, 0.0), B)
+            if M is not None:  # - (o A + B) times the scaled sums of each 16 codes
+                if n == 8:
+                    M = _shuf(builder, M, [j // 2 for j in range(16)])
+                sums = _load(builder, builder.add(ps, builder.mul(i, ir.Constant(_I64, 64))), 0,
+                             _vec(_F32, 16), 4)
+                builder.store(_fma(builder, sums, M, builder.load(accs[2])), accs[2])
+        v = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
+                         builder.load(accs[2]))
+        return _reduce(builder, v)
 
     return codegen
 
@@ -270,9 +271,9 @@ def _make(qt, vnni):
     gen = _rowsk(qt, vnni) if qt in _SIZEK else _rows32(qt, vnni)
 
     @intrinsic
-    def irow(typingctx, pw, pq, pd, pm, nblocks):
+    def irow(typingctx, pw, pq, pd, ps, nblocks):
         r"""\sum_k W_k x_k over ``nblocks`` blocks (K super-blocks) of row bytes at pw and the
-        8-bit activation blocks at pq (codes), pd (scales), pm (scaled sums of 4)."""
+        8-bit activation blocks at pq (codes), pd (scales), ps (scaled sums of 16)."""
         return types.float32(types.int64, types.int64, types.int64, types.int64,
                              types.int64), gen
 
@@ -290,9 +291,9 @@ _opts = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 # activations to 8-bit blocks, and the dot of one row
 # ---------------------------------------------------------------------------------------------
 @njit(**_opts)
-def quantize_row(x, xq, xd, xm):  # pragma: no cover - compiled
-    """x (K,) float32 -> xq (K,) int8, xd (K/32,) float32 block scales, xm (K/4,) float32:
-    xm_j = d_b (xq_{4j} + ... + xq_{4j+3}); x_k ~ d_b xq_k, |x_k - d_b xq_k| <= d_b / 2."""
+def quantize_row(x, xq, xd, xs):  # pragma: no cover - compiled
+    """x (K,) float32 -> xq (K,) int8, xd (K/32,) float32 block scales, xs (K/16,) float32:
+    xs_j = d_b (xq_{16j} + ... + xq_{16j+15}); x_k ~ d_b xq_k, |x_k - d_b xq_k| <= d_b / 2."""
     for b in range(x.shape[0] // 32):
         o = 32 * b
         amax = np.float32(0)
@@ -301,38 +302,79 @@ def quantize_row(x, xq, xd, xm):  # pragma: no cover - compiled
         d = amax / np.float32(127)
         inv = np.float32(127) / amax if amax > 0 else np.float32(0)
         xd[b] = d
-        for j in range(8):
+        for j in range(2):
             s = 0
-            for k in range(4 * j, 4 * j + 4):
+            for k in range(16 * j, 16 * j + 16):
                 q = np.int32(np.rint(x[o + k] * inv))
                 xq[o + k] = q
                 s += q
-            xm[8 * b + j] = d * np.float32(s)
+            xs[2 * b + j] = d * np.float32(s)
 
 
 @njit(inline="always", **_opts)
-def idot(qt, w, n, xq, xd, xm):  # pragma: no cover - compiled
+def idot(qt, w, n, xq, xd, xs):  # pragma: no cover - compiled
     """Row n of the block matrix w (a type of :data:`INT8_TYPES`) times the 8-bit activation
-    row (xq, xd, xm) (1-d arrays or rows), float32."""
+    row (xq, xd, xs) (1-d arrays or rows), float32."""
     pw = w.ctypes.data + n * w.shape[1]
-    pq, pd, pm = xq.ctypes.data, xd.ctypes.data, xm.ctypes.data
+    pq, pd, ps = xq.ctypes.data, xd.ctypes.data, xs.ctypes.data
     nb = xd.shape[0]
     if qt == 8:
-        return irow_q8_0(pw, pq, pd, pm, nb)
+        return irow_q8_0(pw, pq, pd, ps, nb)
     if qt == 2:
-        return irow_q4_0(pw, pq, pd, pm, nb)
+        return irow_q4_0(pw, pq, pd, ps, nb)
     if qt == 3:
-        return irow_q4_1(pw, pq, pd, pm, nb)
+        return irow_q4_1(pw, pq, pd, ps, nb)
     if qt == 6:
-        return irow_q5_0(pw, pq, pd, pm, nb)
+        return irow_q5_0(pw, pq, pd, ps, nb)
     if qt == 7:
-        return irow_q5_1(pw, pq, pd, pm, nb)
+        return irow_q5_1(pw, pq, pd, ps, nb)
     if qt == 12:
-        return irow_q4_k(pw, pq, pd, pm, nb // 8)
+        return irow_q4_k(pw, pq, pd, ps, nb // 8)
     if qt == 13:
-        return irow_q5_k(pw, pq, pd, pm, nb // 8)
+        return irow_q5_k(pw, pq, pd, ps, nb // 8)
     if qt == 14:
-        return irow_q6_k(pw, pq, pd, pm, nb // 8)
+        return irow_q6_k(pw, pq, pd, ps, nb // 8)
     if qt == 11:
-        return irow_q3_k(pw, pq, pd, pm, nb // 8)
-    return irow_q2_k(pw, pq, pd, pm, nb // 8)
+        return irow_q3_k(pw, pq, pd, ps, nb // 8)
+    return irow_q2_k(pw, pq, pd, ps, nb // 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# few-row products y = x W^T (the decode matvecs of .quant.qmatmul)
+# ---------------------------------------------------------------------------------------------
+@njit(**_opts)
+def quantize_rows(x, xq, xd, xs):  # pragma: no cover - compiled
+    """:func:`quantize_row` of every row of x (M, K) into xq (M, K), xd (M, K/32), xs (M, K/16)."""
+    for m in range(x.shape[0]):
+        quantize_row(x[m], xq[m], xd[m], xs[m])
+
+
+@njit(parallel=True, **_opts)
+def _gemv_parallel(qt, xq, xd, xs, w, y, parts):  # pragma: no cover - compiled
+    N = w.shape[0]
+    step = (N + parts - 1) // parts
+    for t in prange(parts):
+        for n in range(t * step, min(N, t * step + step)):
+            for m in range(xq.shape[0]):
+                y[m, n] = idot(qt, w, n, xq[m], xd[m], xs[m])
+
+
+@njit(**_opts)
+def _gemv_serial(qt, xq, xd, xs, w, y):  # pragma: no cover - compiled
+    for n in range(w.shape[0]):
+        for m in range(xq.shape[0]):
+            y[m, n] = idot(qt, w, n, xq[m], xd[m], xs[m])
+
+
+def gemv(qt: int, x: np.ndarray, w: np.ndarray, y: np.ndarray, parts: int) -> None:
+    """y = x W^T for the block matrix w (uint8 rows of GGML type qt in :data:`INT8_TYPES`) and
+    float32 x (M, K) rounded to 8-bit blocks; over ``parts`` threads (1: serial)."""
+    M, K = x.shape
+    xq = np.empty((M, K), dtype=np.int8)
+    xd = np.empty((M, K // 32), dtype=np.float32)
+    xs = np.empty((M, K // 16), dtype=np.float32)
+    quantize_rows(x, xq, xd, xs)
+    if parts > 1:
+        _gemv_parallel(qt, xq, xd, xs, w, y, parts)
+    else:
+        _gemv_serial(qt, xq, xd, xs, w, y)

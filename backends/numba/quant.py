@@ -415,10 +415,15 @@ def qmatmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
                 n1 = min(N, n0 + 4 * TILE_N)
                 np.matmul(x, dequantize_rows(w, n0, n1).T, out=y[:, n0:n1])
             return y
-        if _parallel() and M * N * K >= PARALLEL_MIN_WORK:
-            import numba  # noqa: PLC0415
+        import numba  # noqa: PLC0415
 
-            _gemv_parallel(qt, x, w.data, y, _F16, _KVALUES, 16, numba.get_num_threads())
+        parts = numba.get_num_threads() if _parallel() and M * N * K >= PARALLEL_MIN_WORK else 1
+        from . import qint8  # noqa: PLC0415
+
+        if qt in qint8.INT8_TYPES and qint8.int8_enabled():
+            qint8.gemv(qt, x, w.data, y, parts)
+        elif parts > 1:
+            _gemv_parallel(qt, x, w.data, y, _F16, _KVALUES, 16, parts)
         else:
             _gemv_serial(qt, x, w.data, y, _F16, _KVALUES, 16)
         return y
