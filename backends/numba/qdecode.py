@@ -1,7 +1,10 @@
 r"""The fused decode step of :mod:`.decode` for a model whose matrices are GGML blocks
 (:class:`minillama.quant.QuantMatrix`): one compiled call runs a whole KV-cached decode step of
 one sequence (and, given an ``ids`` buffer, several greedy steps), every matrix-vector product
-computed from the blocks by the row kernels of :mod:`.quant` / :mod:`.qsimd`.
+computed from the blocks: by default from the activations rounded to 8-bit blocks by the integer
+kernels of :mod:`.qint8` (each activation vector rounded once, before the products that read it),
+with ``MINILLAMA_QUANT_DOTS=float`` (and for the IQ4 types) by the float32 row kernels of
+:mod:`.quant` / :mod:`.qsimd`.
 
 The step is that of :func:`.decode.decode_step_one` (RMSNorm; q, k, v by RoPE pairs of rows,
 rotated as computed, k and v into the cache; attention over the cache rows in spans; W_o with

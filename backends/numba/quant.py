@@ -4,9 +4,11 @@ y = x W^T (:func:`qmatmul`) and dx = dy W (:func:`qmatmul_t`, for training throu
 quantized weight) read W's blocks directly; W is never held dequantized as a whole.
 
 Method: each block is decoded into float32 values in registers (w = d q or w = d q - m with the
-block's scales and small integer codes q) and dotted with float32 activations, summed in float32
-(activations are not quantized, unlike llama.cpp's integer dots): the result is the product with
-the dequantized matrix up to float32 rounding (docs/MATH.md, "Quantized products").
+block's scales and small integer codes q) and dotted with float32 activations, summed in float32:
+the result is the product with the dequantized matrix up to float32 rounding (docs/MATH.md,
+"Quantized products"). Exception, by default: few rows of x times a type of
+:data:`.qint8.INT8_TYPES` round x to 8-bit blocks and take the integer dots of :mod:`.qint8`
+(``MINILLAMA_QUANT_DOTS=float`` keeps them in float32).
 
 * few rows in x (decoding, M <= :data:`GEMV_MAX_ROWS`): one call per (row of W, row of x) of a
   row kernel of :mod:`.qsimd` (explicit LLVM vector code: unpack, convert, scale, FMA into a
