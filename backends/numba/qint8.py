@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -38,8 +38,6 @@ from .qsimd import _shuf, _splat, _vec
 
 def _host_features() -> str:
     try:
-        from llvmlite import binding  # noqa: PLC0415
-
         return binding.get_host_cpu_features().flatten()
     except Exception:  # noqa: BLE001 - no feature string: the portable code
         return ""
@@ -49,7 +47,7 @@ _FEATS = _host_features()
 #: unsigned-by-signed byte dots by ``vpdpbusd`` (zmm); else the portable IR
 VNNI = "+avx512vnni" in _FEATS and "+avx512bw" in _FEATS
 #: LLVM 21 on takes the byte operands of the VNNI intrinsics as byte vectors (before: i32 lanes)
-_VNNI_BYTES = __import__("llvmlite.binding", fromlist=["x"]).llvm_version_info[0] >= 21
+_VNNI_BYTES = binding.llvm_version_info[0] >= 21
 
 #: the GGML type ids with an integer kernel (the others take the float32 kernels of .quant)
 INT8_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)
