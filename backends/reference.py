@@ -55,6 +55,20 @@ class ReferenceBackend:
     logit_scale_forward = staticmethod(ops.logit_scale_forward)
     logit_scale_backward = staticmethod(ops.logit_scale_backward)
 
+    # a LoRA step's frozen weights: only the input gradient (a fast backend skips dW)
+    def linear_backward_input(self, dy, ctx):
+        r"""dx = dy W of :meth:`linear_backward` alone, W frozen (ctx from :meth:`linear_forward`;
+        only its W is read). dy: (..., out). Returns dx (..., in)."""
+        w = ctx[1]
+        if isinstance(w, QuantMatrix):
+            return self.linear_backward(dy, ctx)[0]  # a quantized W has no dW anyway
+        return (dy.reshape(-1, dy.shape[-1]) @ w).reshape(*dy.shape[:-1], w.shape[1])
+
+    def linear_cross_entropy_backward_input(self, dloss, ctx):
+        r"""dx of :meth:`linear_cross_entropy_backward` alone, the head W frozen. Returns
+        dx (N, D)."""
+        return self.linear_cross_entropy_backward(dloss, ctx)[0]
+
     # helpers
     def asarray(self, a, dtype=None):
         """Move/convert ``a`` to this backend's array type (a :class:`QuantMatrix` stays as it

@@ -297,7 +297,10 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
             loss, c_lce = be.linear_cross_entropy_forward(
                 hn.reshape(B * T, -1), self.output_weight, be.asarray(tgt.reshape(-1)),
                 ignore_index)
-            dhn, dw_out = be.linear_cross_entropy_backward(1.0, c_lce)
+            if self.lora is not None:  # the head is frozen: no dW_out
+                dhn, dw_out = be.linear_cross_entropy_backward_input(1.0, c_lce), None
+            else:
+                dhn, dw_out = be.linear_cross_entropy_backward(1.0, c_lce)
             dx = self._norm_backward(dhn.reshape(B, T, -1), tape.pop(), "norm", grads)
         else:
             logits, tape = self._run(tok, 0, None, train=True)

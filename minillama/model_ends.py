@@ -40,7 +40,10 @@ class EndsWiring:
         c_n, c_out, c_s = ctx
         if c_s is not None:
             dlogits = self.backend.logit_scale_backward(dlogits, c_s)
-        dhn, dw_out = self.backend.linear_backward(dlogits, c_out)
+        if self.lora is not None:  # a frozen head
+            dhn, dw_out = self.backend.linear_backward_input(dlogits, c_out), None
+        else:
+            dhn, dw_out = self.backend.linear_backward(dlogits, c_out)
         return self._norm_backward(dhn, c_n, "norm", grads), dw_out
 
     def _embed_backward(self, dx, ctx, dw_out, grads) -> None:

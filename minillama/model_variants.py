@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 
 from . import ops, packing
-from .quant import QuantMatrix
 
 
 class VariantPieces:
@@ -75,9 +74,6 @@ class VariantPieces:
         if self.lora is not None:  # the base weights are frozen: no dW
             if key in self.lora.targets:
                 return self.lora.backward(key, dy, ctx, grads)
-            w = self.params[key]
-            if isinstance(w, QuantMatrix):  # the backend's quantized dx = dy deq(W)
-                return self.backend.linear_backward(dy, ctx)[0]
-            return (dy.reshape(-1, dy.shape[-1]) @ w).reshape(*dy.shape[:-1], w.shape[1])
+            return self.backend.linear_backward_input(dy, ctx)
         dx, grads[key] = self.backend.linear_backward(dy, ctx)
         return dx

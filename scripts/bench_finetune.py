@@ -8,7 +8,9 @@ forward, backward (adapter gradients only) and AdamW on the adapters: minillama'
 ``loss_and_grads`` with a :class:`minillama.lora.LoRA` attached + ``minillama.optim.AdamW``,
 against transformers' ``LlamaForCausalLM`` wrapped by ``peft.get_peft_model`` + ``torch.optim.AdamW``
 (eager, SDPA attention). The two sides take turns step by step (A B A B ...), with ``--gap`` seconds
-of sleep before each timed step so the other side's BLAS threads have stopped spinning.
+of sleep before each timed step so the other side's BLAS threads have stopped spinning. Each side's
+wall time and CPU time (all its threads, ``time.process_time``) per step are reported: on a machine
+shared with other jobs the CPU time tells the work done from the time spent waiting for a core.
 
     python scripts/bench_finetune.py --threads 2 --steps 5
 """
@@ -132,12 +134,14 @@ def main() -> int:
         for fn, _ in sides.values():
             fn()
     times = {name: [] for name in sides}
+    cpu = {name: [] for name in sides}
     for _ in range(ARGS.steps):
         for name, (fn, _) in sides.items():
             time.sleep(ARGS.gap)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
     print(f"# LoRA fine-tuning step — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, {ARGS.threads} threads each, "
           f"numpy {np.__version__}" + (f", torch {torch.__version__}" if torch else ""))
@@ -146,12 +150,15 @@ def main() -> int:
           f"{ARGS.backend}; median of {ARGS.steps} interleaved steps")
     print("first-step loss: " + ", ".join(f"{k} {v:.5f}" for k, v in first.items()))
     print()
-    print("| side | trainable | step (s) | tokens/s | time / minillama's |")
-    print("|---|---:|---:|---:|---:|")
+    print("| side | trainable | step (s) | tokens/s | time / minillama's | CPU s / step | CPU / "
+          "minillama's |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     ref = float(np.median(times["minillama"]))
+    cref = float(np.median(cpu["minillama"]))
     for name, ts in times.items():
-        t = float(np.median(ts))
-        print(f"| {name} | {sides[name][1]:,} | {t:.3f} | {B * T / t:,.0f} | {t / ref:.2f} |")
+        t, c = float(np.median(ts)), float(np.median(cpu[name]))
+        print(f"| {name} | {sides[name][1]:,} | {t:.3f} | {B * T / t:,.0f} | {t / ref:.2f} | "
+              f"{c:.2f} | {c / cref:.2f} |")
     return 0
 
 

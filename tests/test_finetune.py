@@ -319,3 +319,42 @@ def test_smollm2_lora_learns_a_fact(smollm2_hf, tmp_path, capsys, monkeypatch):
                    "--temperature", "0"])
     chat_out = capsys.readouterr().out
     assert rc == 0 and "Mirabel Quint" in chat_out, chat_out
+
+
+@pytest.mark.slow
+def test_smollm2_adapter_loads_in_peft_and_merges_with_the_same_logits(smollm2_hf, tmp_path):
+    """A real checkpoint: an adapter trained by ``minillama finetune`` on SmolLM2-135M-Instruct
+    (q/k rows through the RoPE permutation, tied embeddings, GQA 9/3) loads in
+    ``peft.PeftModel.from_pretrained`` with minillama's ``--adapter`` logits, and the model of
+    ``minillama merge`` gives them too."""
+    peft = pytest.importorskip("peft")
+    from minillama.lora import apply_adapter
+
+    data = tmp_path / "fact.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": FACT}]})
+                            + "\n" for q in QUESTIONS[:4]))
+    ad = tmp_path / "ad"
+    assert cli.main(["finetune", "-c", str(smollm2_hf), "--data", str(data), "--val-fraction", "0",
+                     "--out", str(ad), "--steps", "3", "--batch-size", "2", "--lr", "1e-2",
+                     "--warmup", "1", "--context", "64", "--lora-rank", "8",
+                     "--no-progress"]) == 0
+    ids = [[1, 9690, 198, 11462, 314, 260, 6459, 282, 260, 3179, 30, 2]]
+    model, _ = load_model(smollm2_hf)
+    base_logits = model.forward(np.array(ids))[0]
+    apply_adapter(model, ad)  # what `--adapter` does on a float base: W + s B A
+    mine = model.forward(np.array(ids))[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_hf),
+                                                           torch_dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(hf, str(ad)).eval()
+    with torch.no_grad():
+        ref = pm(torch.tensor(ids)).logits[0].numpy()
+    scale = np.abs(ref).max()
+    assert np.abs(base_logits - ref).max() / scale > 1e-2  # the adapter changes the logits
+    assert np.abs(mine - ref).max() / scale < 1e-4
+    assert cli.main(["merge", str(smollm2_hf), str(ad), "--out", str(tmp_path / "merged")]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"),
+                                                               torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = merged(torch.tensor(ids)).logits[0].numpy()
+    assert np.abs(got - ref).max() / scale < 1e-4

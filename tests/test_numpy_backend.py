@@ -65,6 +65,15 @@ CASES = {
         ("BTD", lambda r, dt: (_std(r, (2, 9, 11), dt), _std(r, (13, 11), dt))),
         ("one-row", lambda r, dt: (_std(r, (1, 1, 8), dt), _std(r, (6, 8), dt))),
     ],
+    "lora": [
+        ("BTD", lambda r, dt: (_std(r, (2, 9, 11), dt), _std(r, (13, 11), dt),
+                               _std(r, (3, 11), dt), _std(r, (13, 3), dt), 1.5)),
+        ("dropout", lambda r, dt: (_std(r, (2, 5, 8), dt), _std(r, (6, 8), dt),
+                                   _std(r, (2, 8), dt), _std(r, (6, 2), dt), 0.5,
+                                   (r.random((2, 5, 8)) > 0.3).astype(dt) / 0.7)),
+        ("one-row", lambda r, dt: (_std(r, (1, 1, 8), dt), _std(r, (6, 8), dt),
+                                   _std(r, (1, 8), dt), _std(r, (6, 1), dt), 2.0)),
+    ],
     "rmsnorm": [
         ("BTD-odd", lambda r, dt: (_std(r, (3, 7, 13), dt), _std(r, 13, dt), 1e-5)),
         ("one-row", lambda r, dt: (_std(r, (1, 1, 8), dt), _std(r, 8, dt), 1e-6)),

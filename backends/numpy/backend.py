@@ -31,6 +31,7 @@ import numpy as np
 from ... import ops
 from ...errors import MinillamaError
 from ...quant import QuantMatrix, dequantize_rows
+from .lora import LoRAOps
 from .threads import blas_for_rows, parallel_rows, split_gemm
 from ..reference import (ReferenceBackend, composed_linear_cross_entropy_backward,
                          composed_linear_cross_entropy_forward)
@@ -471,7 +472,7 @@ class _LCECtx:
         self.x, self.w, self.dz, self.dx = x, w, dz, dx
 
 
-class NumpyBackend(ReferenceBackend):
+class NumpyBackend(LoRAOps, ReferenceBackend):
     """NumPy on the CPU: the reference ops with the fast overrides of this module (threads,
     single-threaded BLAS, in-place buffers) and glibc malloc tuned once per process. Numba
     subclasses this and overrides only the op pairs it accelerates further."""
@@ -576,6 +577,20 @@ class NumpyBackend(ReferenceBackend):
             dw *= d
         self._lce_spare = dz  # the next forward of this shape reuses the buffer
         return dx, dw
+
+    def linear_cross_entropy_backward_input(self, dloss, ctx):
+        r"""dx = \bar{z} W alone, times dloss, for a frozen head (the tied embedding of a LoRA
+        step): the forward already formed it, and the (V, D) GEMM dW = \bar{z}^T x, as large as
+        each of the forward's two, is skipped. Returns dx (N, D). Once per forward."""
+        if not isinstance(ctx, _LCECtx) or ctx.dz is None:  # composed ops, or a second call
+            return self.linear_cross_entropy_backward(dloss, ctx)[0]
+        dz, dx = ctx.dz, ctx.dx
+        ctx.dz = ctx.dx = None
+        d = float(np.asarray(dloss))
+        if d != 1.0:
+            dx *= d
+        self._lce_spare = dz
+        return dx
 
     embedding_backward = staticmethod(embedding_backward)
     rmsnorm_forward = staticmethod(rmsnorm_forward)
