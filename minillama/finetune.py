@@ -82,14 +82,30 @@ def token_offsets(tok, text: str) -> tuple[list[int], list[int]]:
     ids = encode_rendered(tok, text)  # nothing added: the template wrote BOS where wanted
     if not hasattr(tok, "decode_bytes"):
         raise MinillamaError("chat data needs a tokenizer that reports token offsets")
-    raw = text.encode("utf-8")
+    spell = getattr(tok, "token_bytes", None) or (lambda i: tok.decode_bytes([i]))
+    starts = align(text.encode("utf-8"), [spell(i) for i in ids])
     char_at = np.cumsum([0] + [len(c.encode("utf-8")) for c in text])  # byte offset of char i
-    pieces = [tok.decode_bytes([i]) for i in ids]
-    if b"".join(pieces) != raw:
-        raise MinillamaError("cannot align the chat template's text with its tokens (the "
-                             "tokenizer does not spell the text back byte for byte)")
-    starts = np.cumsum([0] + [len(p) for p in pieces[:-1]])
     return ids, [int(np.searchsorted(char_at, s, side="right") - 1) for s in starts]
+
+
+def align(raw: bytes, pieces: list[bytes]) -> list[int]:
+    """The byte offset in ``raw`` where each token's piece starts. A piece may carry a leading
+    space the text lacks (SentencePiece's prefix space); anything else that does not spell
+    ``raw`` in order is an error."""
+    starts, at = [], 0
+    for p in pieces:
+        starts.append(at)
+        if raw.startswith(p, at):
+            at += len(p)
+        elif p.startswith(b" ") and raw.startswith(p[1:], at):
+            at += len(p) - 1
+        else:
+            raise MinillamaError("cannot align the chat template's text with its tokens (the "
+                                 "tokenizer does not spell the text back byte for byte)")
+    if at != len(raw):
+        raise MinillamaError("cannot align the chat template's text with its tokens (the "
+                             "tokens spell a shorter text)")
+    return starts
 
 
 def render(tok, messages, add_generation_prompt: bool) -> str:
@@ -105,8 +121,8 @@ def _stop_strings(tok) -> list[str]:
            if i is not None}
     out = []
     for i in ids:
-        s = inner.id_to_token(i) if inner is not None else tok.decode_bytes([i]).decode(
-            "utf-8", "replace")
+        spell = getattr(tok, "token_bytes", None) or (lambda j: tok.decode_bytes([j]))
+        s = inner.id_to_token(i) if inner is not None else spell(i).decode("utf-8", "replace")
         if s:
             out.append(s)
     return out
