@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qsimd import _F32, _I8, _I32, _I64, _at, _const, _fma, _half, _kscales, _load, _reduce
+from .qsimd import _F32, _I8, _I32, _I64, _const, _fma, _half, _kscales, _load, _reduce
 from .qsimd import _shuf, _splat, _vec
 
 
