@@ -218,7 +218,8 @@ class BPETokenizer:
         return ids
 
     # --- decoding ------------------------------------------------------------------------------
-    def decode_bytes(self, ids: Iterable[int], skip_special: bool = True) -> bytes:
+    def decode_bytes(self, ids: Iterable[int], skip_special: bool = True,
+                     strip_prefix: bool = True) -> bytes:
         out = bytearray()
         for i in ids:
             i = int(i)
@@ -235,7 +236,7 @@ class BPETokenizer:
                 out += bytes(self.char_to_byte.get(c, 63) for c in p)
             else:
                 out += (p.replace(SPACE, " ") if self.spaces_marked else p).encode("utf-8")
-        if not self.byte_level and self.prefix and out.startswith(b" "):
+        if strip_prefix and not self.byte_level and self.prefix and out.startswith(b" "):
             del out[0]
         return bytes(out)
 
@@ -334,6 +335,10 @@ class TextBPE:
 
     def decode_bytes(self, ids) -> bytes:
         return self.bpe.decode_bytes(ids)
+
+    def token_bytes(self, i) -> bytes:
+        """The bytes token i stands for in a text, a special token's own text included."""
+        return self.bpe.decode_bytes([i], skip_special=False, strip_prefix=False)
 
     def decode(self, ids) -> str:
         return self.bpe.decode(ids)

@@ -310,30 +310,9 @@ def add_cli(subparsers) -> None:
 
 
 def run_cli(args, stdin=None, stdout=None) -> int:
-    from .formats import detect_format, load_model  # noqa: PLC0415
-    from .generate import TextStreamer, resolve_tokenizer  # noqa: PLC0415
-
     stdin = stdin if stdin is not None else sys.stdin
     out = stdout if stdout is not None else sys.stdout
-    sampling = sampling_kwargs(args)
-    if args.max_new_tokens < 1:
-        raise MinillamaError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.context < 2:
-        raise MinillamaError(f"--context must be >= 2, got {args.context}")
-    from pathlib import Path  # noqa: PLC0415
-
-    checkpoint = Path(args.checkpoint)
-    fmt = detect_format(checkpoint)
-    model, model_tok = load_model(checkpoint, backend=args.backend, dtype=args.dtype)
-    if getattr(args, "adapter", None):
-        from .lora import apply_adapter  # noqa: PLC0415
-
-        apply_adapter(model, args.adapter)
-    tok = resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt)
-    if tok is None:
-        raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer")
-    session = ChatSession(model, tok, system=args.system, max_new_tokens=args.max_new_tokens,
-                          context=args.context, seed=args.seed, **sampling)
+    session, tok = _open_session(args)
     interactive = stdin.isatty() if hasattr(stdin, "isatty") else False
     if interactive:
         print("chat: /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops a reply",
@@ -359,22 +338,57 @@ def run_cli(args, stdin=None, stdout=None) -> int:
             continue
         if not text.strip():
             continue
-        streamer = TextStreamer(tok)
-        steps = session.reply(text)
-        try:
-            for t in steps:
-                out.write(streamer.put(t))
-                out.flush()
-        except MinillamaError as e:  # this turn is refused (too long, the template objects)
-            print(f"minillama: error: {e}", file=sys.stderr)
-            failed = True
-            continue
-        except KeyboardInterrupt:
-            steps.close()
-            out.write(streamer.flush() + "\n")
-            print("[reply stopped]", file=sys.stderr)
-            continue
-        out.write(streamer.flush() + "\n")
-        out.flush()
+        failed = not _stream_reply(session, tok, text, out) or failed
     return 2 if failed else 0  # a refused turn: the chat went on, the exit status tells
+
+
+def _open_session(args):
+    """(ChatSession, tokenizer) of the command's checkpoint, adapter, tokenizer and settings."""
+    from .formats import detect_format, load_model  # noqa: PLC0415
+    from .generate import resolve_tokenizer  # noqa: PLC0415
+
+    sampling = sampling_kwargs(args)
+    if args.max_new_tokens < 1:
+        raise MinillamaError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.context < 2:
+        raise MinillamaError(f"--context must be >= 2, got {args.context}")
+    from pathlib import Path  # noqa: PLC0415
+
+    checkpoint = Path(args.checkpoint)
+    fmt = detect_format(checkpoint)
+    model, model_tok = load_model(checkpoint, backend=args.backend, dtype=args.dtype)
+    if getattr(args, "adapter", None):
+        from .lora import apply_adapter  # noqa: PLC0415
+
+        apply_adapter(model, args.adapter)
+    tok = resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt)
+    if tok is None:
+        raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer")
+    session = ChatSession(model, tok, system=args.system, max_new_tokens=args.max_new_tokens,
+                          context=args.context, seed=args.seed, **sampling)
+    return session, tok
+
+
+def _stream_reply(session, tok, text: str, out) -> bool:
+    """Write the reply to ``text`` as it is generated; False when the turn was refused (too long,
+    the template objects: said on stderr). Ctrl-C stops the reply, keeping what was written."""
+    from .generate import TextStreamer  # noqa: PLC0415
+
+    streamer = TextStreamer(tok)
+    steps = session.reply(text)
+    try:
+        for t in steps:
+            out.write(streamer.put(t))
+            out.flush()
+    except MinillamaError as e:  # this turn is refused (too long, the template objects)
+        print(f"minillama: error: {e}", file=sys.stderr)
+        return False
+    except KeyboardInterrupt:
+        steps.close()
+        out.write(streamer.flush() + "\n")
+        print("[reply stopped]", file=sys.stderr)
+        return True
+    out.write(streamer.flush() + "\n")
+    out.flush()
+    return True
 

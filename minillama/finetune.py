@@ -19,6 +19,10 @@ conversation as a prefix of a longer one falls back to finding the message's con
 Records that are not JSON, have no assistant turn or do not fit the context are reported with
 their line number (``--skip-bad`` skips them). Examples are padded to the longest of their batch
 (padding targets are ignored; causal attention never lets a real token see the padding after it).
+With ``--pack`` each of the B rows of a micro-batch holds as many whole examples (in the sampler's
+order) as fit in ``--context`` tokens: a token attends only within its own example
+(block-diagonal causal mask) and RoPE positions restart at every example, so a packed example
+computes exactly what it computes alone (:mod:`minillama.packing`).
 
 Each step: A = ``--grad-accum`` micro-batches, g = mean of their gradients, global-norm clipping,
 AdamW on the trainable parameters only (the adapters, or everything with ``--full``), the warmup
@@ -42,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from .errors import MinillamaError
+from .packing import draw_packed, pack_batch  # noqa: F401 (the packed batches of --pack)
 
 CKPT_NAME = "ckpt.safetensors"
 FORMAT = "minillama-finetune"
@@ -77,14 +82,30 @@ def token_offsets(tok, text: str) -> tuple[list[int], list[int]]:
     ids = encode_rendered(tok, text)  # nothing added: the template wrote BOS where wanted
     if not hasattr(tok, "decode_bytes"):
         raise MinillamaError("chat data needs a tokenizer that reports token offsets")
-    raw = text.encode("utf-8")
+    spell = getattr(tok, "token_bytes", None) or (lambda i: tok.decode_bytes([i]))
+    starts = align(text.encode("utf-8"), [spell(i) for i in ids])
     char_at = np.cumsum([0] + [len(c.encode("utf-8")) for c in text])  # byte offset of char i
-    pieces = [tok.decode_bytes([i]) for i in ids]
-    if b"".join(pieces) != raw:
-        raise MinillamaError("cannot align the chat template's text with its tokens (the "
-                             "tokenizer does not spell the text back byte for byte)")
-    starts = np.cumsum([0] + [len(p) for p in pieces[:-1]])
     return ids, [int(np.searchsorted(char_at, s, side="right") - 1) for s in starts]
+
+
+def align(raw: bytes, pieces: list[bytes]) -> list[int]:
+    """The byte offset in ``raw`` where each token's piece starts. A piece may carry a leading
+    space the text lacks (SentencePiece's prefix space); anything else that does not spell
+    ``raw`` in order is an error."""
+    starts, at = [], 0
+    for p in pieces:
+        starts.append(at)
+        if raw.startswith(p, at):
+            at += len(p)
+        elif p.startswith(b" ") and raw.startswith(p[1:], at):
+            at += len(p) - 1
+        else:
+            raise MinillamaError("cannot align the chat template's text with its tokens (the "
+                                 "tokenizer does not spell the text back byte for byte)")
+    if at != len(raw):
+        raise MinillamaError("cannot align the chat template's text with its tokens (the "
+                             "tokens spell a shorter text)")
+    return starts
 
 
 def render(tok, messages, add_generation_prompt: bool) -> str:
@@ -100,8 +121,8 @@ def _stop_strings(tok) -> list[str]:
            if i is not None}
     out = []
     for i in ids:
-        s = inner.id_to_token(i) if inner is not None else tok.decode_bytes([i]).decode(
-            "utf-8", "replace")
+        spell = getattr(tok, "token_bytes", None) or (lambda j: tok.decode_bytes([j]))
+        s = inner.id_to_token(i) if inner is not None else spell(i).decode("utf-8", "replace")
         if s:
             out.append(s)
     return out
@@ -247,12 +268,22 @@ class Sampler:
 
     def __init__(self, n: int, seed: int):
         self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
+        self._perm = (None, None)
+
+    def _order(self):
+        if self._perm[0] != self.epoch:
+            self._perm = (self.epoch,
+                          np.random.default_rng([self.seed, self.epoch]).permutation(self.n))
+        return self._perm[1]
+
+    def peek(self) -> int:
+        """The index :meth:`next` returns next (nothing is drawn)."""
+        return int(self._order()[self.pos])
 
     def next(self, B: int) -> list[int]:
         out = []
         while len(out) < B:
-            perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
-            take = perm[self.pos:self.pos + B - len(out)]
+            take = self._order()[self.pos:self.pos + B - len(out)]
             out += take.tolist()
             self.pos += len(take)
             if self.pos >= self.n:
@@ -270,7 +301,7 @@ class Sampler:
 SETTINGS = ("checkpoint", "data", "val_data", "val_fraction", "full", "lora_rank", "lora_alpha",
             "lora_targets", "lora_dropout", "rslora", "steps", "batch_size", "grad_accum",
             "context", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "eval_interval",
-            "seed", "backend", "skip_bad")
+            "seed", "backend", "skip_bad", "pack", "recompute")
 
 
 class Finetuner:
@@ -294,6 +325,7 @@ class Finetuner:
                                  f"{cfg.max_seq_len}")
         s["context"] = context
         self.model = Transformer(cfg, params, backend=s["backend"], dtype=np.float32)
+        self.model.recompute = bool(s.get("recompute"))
         self.lora = None
         if not s["full"]:
             lc = LoRAConfig(rank=s["lora_rank"], alpha=s["lora_alpha"],
@@ -307,7 +339,7 @@ class Finetuner:
                          weight_decay=s["weight_decay"], backend=self.model.backend)
         self._load_data(say)
         self.step, self.history = 0, {"train": [], "val": []}
-        self.train_seconds, self.tokens_seen = 0.0, 0
+        self.train_seconds, self.tokens_seen, self.example_tokens = 0.0, 0, 0
 
     def _load_data(self, say) -> None:
         s = self.s
@@ -332,12 +364,13 @@ class Finetuner:
         lr = lr_at(self.step, s["lr"], s["warmup"], s["steps"], s["min_lr"])
         A, loss_sum, grads, ntok = s["grad_accum"], 0.0, None, 0
         for _ in range(A):
-            x, y = pad_batch([self.train_ex[i] for i in self.sampler.next(s["batch_size"])],
-                             self.pad_id)
+            x, y, seg, real = next_batch(self)
             ntok += x.size
+            self.example_tokens += real
             if not (y >= 0).any():
                 continue
-            loss, g = self.model.loss_and_grads(x, y)
+            kw = {} if seg is None else {"segments": seg}
+            loss, g = self.model.loss_and_grads(x, y, **kw)
             loss_sum += loss
             if grads is None:
                 grads = g
@@ -404,13 +437,14 @@ class Finetuner:
         return {"steps": self.step, "train_loss": self.history["train"][-1][1]
                 if self.history["train"] else None, "val_loss": val[-1][1] if val else None,
                 "first_val_loss": val[0][1] if val else None,
-                "tokens_per_second": self.tokens_seen / max(self.train_seconds, 1e-9)}
+                "tokens_per_second": self.tokens_seen / max(self.train_seconds, 1e-9),
+                "example_tokens_per_second": self.example_tokens / max(self.train_seconds, 1e-9)}
 
     # --- checkpoints -------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         st = {"step": self.step, "optim_step": self.opt.t, "data": self.sampler.state(),
               "history": self.history, "settings": self.s, "tokens_seen": self.tokens_seen,
-              "train_seconds": self.train_seconds}
+              "example_tokens": self.example_tokens, "train_seconds": self.train_seconds}
         if self.lora is not None:
             st["dropout_rng"] = self.lora.rng.bit_generator.state
         return st
@@ -461,9 +495,32 @@ class Finetuner:
         self.sampler.epoch, self.sampler.pos = (int(v) for v in st["data"])
         self.history = st["history"]
         self.tokens_seen = int(st.get("tokens_seen", 0))
+        self.example_tokens = int(st.get("example_tokens", 0))
         self.train_seconds = float(st.get("train_seconds", 0.0))
         if self.lora is not None and "dropout_rng" in st:
             self.lora.rng.bit_generator.state = st["dropout_rng"]
+
+
+def memory_plan(ft: Finetuner):
+    """The :class:`~minillama.memplan.MemoryPlan` of a step of the run ``ft`` (T = ``--context``,
+    the longest a micro-batch can be)."""
+    from .memplan import plan  # noqa: PLC0415
+
+    s = ft.s
+    return plan(ft.model, ft.trainable, s["batch_size"], s["context"], s["grad_accum"],
+                bool(s.get("recompute")))
+
+
+def next_batch(ft: Finetuner):
+    """One micro-batch of the run ``ft``: (tokens, targets, segments, example tokens), segments
+    None unless ``--pack``; the last the number of positions that are not padding."""
+    s = ft.s
+    if s.get("pack"):
+        rows = draw_packed(ft.train_ex, ft.sampler, s["batch_size"], s["context"])
+        real = sum(len(e.ids) - 1 for row in rows for e in row)
+        return (*pack_batch(rows, ft.pad_id), real)
+    ex = [ft.train_ex[i] for i in ft.sampler.next(s["batch_size"])]
+    return (*pad_batch(ex, ft.pad_id), None, sum(len(e.ids) - 1 for e in ex))
 
 
 def saved_settings(out) -> dict[str, Any]:
@@ -523,6 +580,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the data order and dropout")
     p.add_argument("--backend", default=None, help=backend_help())
     p.add_argument("--skip-bad", action="store_true", help="skip bad records (with a warning)")
+    _add_memory_flags(p)
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--stop-at", type=positive_int, default=None,
                    help="stop (with a checkpoint) after this step; the schedule spans --steps")
@@ -538,6 +596,18 @@ def add_cli(subparsers) -> None:
                                    "adapter_model.safetensors)")
     m.add_argument("--out", required=True, help="output folder")
     m.set_defaults(func=run_merge)
+
+
+def _add_memory_flags(p) -> None:
+    """--pack, --recompute and --max-memory (the memory a step takes)."""
+    p.add_argument("--pack", action="store_true",
+                   help="pack several examples per --context tokens (each attends only within "
+                        "itself, positions restart per example) instead of padding each")
+    p.add_argument("--recompute", action="store_true",
+                   help="gradient checkpointing: keep only each block's input in the forward, "
+                        "recompute the block in the backward (same gradients, less memory)")
+    p.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="memory to plan for (e.g. 8G, 512M); default: what is free")
 
 
 def run_merge(args) -> int:
@@ -591,13 +661,23 @@ def run_cli(args) -> int:
     def say(m):
         print(m, file=sys.stderr)
 
+    from .memplan import parse_size, report  # noqa: PLC0415
+
     check_output_dir(args.out, "output folder (--out)")
+    max_memory = parse_size(args.max_memory) if args.max_memory is not None else None
     s = settings_from_args(args)
+    if args.resume:
+        if args.pack and not s.get("pack"):
+            raise MinillamaError(f"--pack: the run in {args.out} pads its batches; packing "
+                                 f"cannot start on a resume (it changes the data order)")
+        s["recompute"] = bool(args.recompute)  # the same gradients either way
     ft = Finetuner(s, args.out, progress=not args.no_progress, say=say)
     n = sum(int(v.size) for v in ft.trainable.values())
     say(f"fine-tuning {s['checkpoint']}: {'every weight' if s['full'] else 'LoRA'} "
         f"({n:,} trainable parameters); {len(ft.train_ex)} train / {len(ft.val_ex)} held-out "
-        f"examples; backend {ft.model.backend.name}")
+        f"examples; backend {ft.model.backend.name}"
+        f"{'; packed' if s.get('pack') else ''}{'; recomputing blocks' if s['recompute'] else ''}")
+    report(memory_plan(ft), ft.model.backend, max_memory, say)
     if args.resume:
         ft.resume()
         say(f"resumed at step {ft.step}")

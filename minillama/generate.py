@@ -95,11 +95,7 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
         raise MinillamaError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     cfg, be = model.cfg, model.backend
     B = len(seqs)
-    lens = np.array([len(s) for s in seqs], dtype=np.int64)
-    longest = int(lens.max())
-    if longest > cfg.max_seq_len:
-        raise MinillamaError(
-            f"prompt of {longest} tokens is longer than the model context of {cfg.max_seq_len}")
+    lens = _prompt_lengths(cfg, seqs)
     stop = {int(t) for t in stop_ids}
     stats = stats if stats is not None else GenerationStats()
     stats.__dict__.update(GenerationStats().__dict__)  # a reused stats object starts afresh
@@ -109,11 +105,7 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
     # the cache holds the longest prompt plus the new tokens, capped at the context
     cache_len = int(min(cfg.max_seq_len, int((lens + max_new_tokens).max())))
     stats.cache_shape = (2, cfg.n_layers, B, cache_len, cfg.n_kv_heads, cfg.head_dim)
-    if seed is None:
-        seed = int(np.random.SeedSequence().entropy % (1 << 63))
-    elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise MinillamaError(f"seed must be a non-negative integer, got {seed!r}")
-    rngs = [np.random.default_rng(seed + b) for b in range(B)]
+    rngs = _sequence_rngs(seed, B)
     # token k of sequence b lands at position n_b + k - 1 and is sampled after feeding position
     # n_b + k - 2, which must lie inside the context: k <= S - n_b + 1
     budget = np.minimum(max_new_tokens, cfg.max_seq_len - lens + 1)
@@ -133,17 +125,54 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
             return
     cache = model.new_cache(B, cache_len)
     stats.cache_bytes = cache.nbytes
+    # greedy with several sequences: a backend may run up to 16 steps per call
+    many = getattr(be, "greedy_steps", None) if temperature == 0 and B > 1 \
+        and not penalised else None
+    yield from _prefill_and_decode(model, seqs, lens, cache, pick, many, stop, budget, hist,
+                                   stats)
 
-    # -- prefill ----------------------------------------------------------------------------
-    t0 = time.perf_counter()
-    block = np.zeros((B, longest), dtype=np.int64)
+
+def _prompt_lengths(cfg, seqs) -> np.ndarray:
+    """The prompts' lengths (B,), each checked against the model context."""
+    lens = np.array([len(s) for s in seqs], dtype=np.int64)
+    longest = int(lens.max())
+    if longest > cfg.max_seq_len:
+        raise MinillamaError(
+            f"prompt of {longest} tokens is longer than the model context of {cfg.max_seq_len}")
+    return lens
+
+
+def _sequence_rngs(seed, B: int) -> list:
+    """One generator per sequence, seeded seed + b (a fresh seed when None)."""
+    if seed is None:
+        seed = int(np.random.SeedSequence().entropy % (1 << 63))
+    elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise MinillamaError(f"seed must be a non-negative integer, got {seed!r}")
+    return [np.random.default_rng(seed + b) for b in range(B)]
+
+
+def _prefill(model, seqs, lens, cache) -> np.ndarray:
+    """The prompts in one call (padded to the longest, the cache filled): each sequence's
+    last-position logits (B, V) on the host, checked finite."""
+    B = len(seqs)
+    block = np.zeros((B, int(lens.max())), dtype=np.int64)
     for b, s in enumerate(seqs):
         block[b, :len(s)] = s
     if B == 1:
         logits = model.forward(block, start_pos=0, cache=cache, last_only=True)
     else:
         logits = model.forward(block, start_pos=0, cache=cache, output_index=lens - 1)
-    z = _finite(be.to_numpy(logits), "the prompt")
+    return _finite(model.backend.to_numpy(logits), "the prompt")
+
+
+def _prefill_and_decode(model, seqs, lens, cache, pick, many, stop, budget, hist, stats):
+    """The prompts in one call (padded to the longest, each sequence's last position read),
+    then one token per running sequence per step until every one stops; yields each call's
+    ``(sequence index, token)`` pairs. ``many``: the backend's greedy_steps, or None."""
+    be, B, cache_len = model.backend, len(seqs), cache.max_seq_len
+    # -- prefill ----------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    z = _prefill(model, seqs, lens, cache)
     stats.prompt_tokens = int(lens.sum())
     alive = np.ones(B, dtype=bool)
     pos = lens.copy()  # where each sequence's next token goes
@@ -155,10 +184,8 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
     if step_out:
         yield step_out
     # -- decode (the time the caller spends between our yields is not counted) ---------------
-    # greedy with several sequences: a backend may run up to 16 steps per call (the ids of
-    # every sequence at each step), replayed below step by step exactly as the loop does
-    many = getattr(be, "greedy_steps", None) if temperature == 0 and B > 1 \
-        and not penalised else None
+    # with ``many``, the ids of every sequence at each of up to 16 steps come from one call,
+    # replayed below step by step exactly as the loop does
     ids, j = None, 0  # the steps of the last such call, and the next one to replay
     while True:
         t0 = time.perf_counter()
@@ -437,67 +464,10 @@ def resolve_tokenizer(spec: str | None, model_tokenizer, cfg, checkpoint: Path, 
 
 
 def run_cli(args) -> int:
-    from .formats import detect_format, load_model  # noqa: PLC0415
-
     sampling = sampling_kwargs(args)
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise MinillamaError("--prompt is not valid UTF-8 text") from None
-    if args.max_new_tokens < 1:
-        raise MinillamaError(f"-n/--max-new-tokens must be at least 1, got "
-                             f"{args.max_new_tokens}")
-    from .backends import resolve_name  # noqa: PLC0415
-
-    graph_mode = getattr(args, "cuda_graph", "off")
-    check_cuda_graph_flag(graph_mode, resolve_name(args.backend), args.temperature)
-    if args.checkpoint is None:
-        if not DEFAULT_CHECKPOINT.is_file():
-            raise MinillamaError(
-                "no default checkpoint ships yet (minillama/weights/shakespeare.safetensors is "
-                "missing); pass --checkpoint PATH")
-        checkpoint = DEFAULT_CHECKPOINT
-    else:
-        checkpoint = Path(args.checkpoint)
-    fmt = detect_format(checkpoint)
-    model, model_tok = load_model(checkpoint, backend=args.backend, dtype=args.dtype)
-    if getattr(args, "adapter", None):
-        from .lora import apply_adapter  # noqa: PLC0415
-
-        apply_adapter(model, args.adapter)
+    model, tok, checkpoint, fmt, graph_mode = _load_for_cli(args)
     cfg = model.cfg
-    tok = resolve_tokenizer(args.tokenizer, model_tok, cfg, checkpoint, fmt)
-    if tok is None:
-        if args.prompt:
-            hint = ("--tokenizer byte (its vocabulary of 258 is minillama's byte tokenizer)"
-                    if cfg.vocab_size == ByteTokenizer.vocab_size else
-                    "--tokenizer (a llama2.c tokenizer.bin, a tokenizer.json, or byte)")
-            raise MinillamaError(f"{checkpoint} has no tokenizer; pass {hint} to use a text "
-                                 f"prompt")
-        bos, stop = 1, ({1, 2} if fmt == "llama2c" else set())
-        prompt_ids = [bos if bos < cfg.vocab_size else 0]
-    else:
-        text = args.prompt
-        if not text and isinstance(tok, ByteTokenizer):
-            # Byte models are trained on windows at random offsets, so they almost never see a
-            # token right after BOS and sample noise there; start at the beginning of a line.
-            text = "\n"
-        if getattr(args, "chat", False):
-            from .chat import encode_rendered, render_chat, stop_ids  # noqa: PLC0415
-
-            # the template writes BOS itself (as bos_token) when the model wants it
-            prompt_ids = encode_rendered(tok, render_chat(
-                tok, [{"role": "user", "content": args.prompt}]))
-            stop = stop_ids(tok)
-        else:
-            # BOS as the tokenizer's source says (add_bos)
-            prompt_ids = tok.encode(text, eos=False)  # a text to continue never ends in EOS
-            if not prompt_ids:  # an empty prompt of a model that wants no BOS
-                prompt_ids = [tok.bos_id if tok.bos_id is not None else tok.eos_id]
-            stop = {tok.eos_id} | set(getattr(tok, "stop_ids", ()))
-            if tok.bos_id is not None and tok.add_bos:
-                stop.add(tok.bos_id)  # a new document starts: the text is over (llama2.c)
-        stop.discard(None)
+    prompt_ids, stop = _cli_prompt(args, tok, cfg, checkpoint, fmt)
     if len(prompt_ids) > cfg.max_seq_len:
         raise MinillamaError(f"prompt of {len(prompt_ids)} tokens is longer than the model "
                              f"context of {cfg.max_seq_len}")
@@ -531,6 +501,81 @@ def run_cli(args) -> int:
         out.flush()
     out.write((streamer.flush() if tok is not None else "") + "\n")
     out.flush()
+    _print_stats(stats, model, decoder is not None)
+    return 0
+
+
+def _load_for_cli(args):
+    """The command's checks, then (model, tokenizer or None, checkpoint path, its format, CUDA
+    graph mode): the checkpoint (or the shipped default) loaded with its adapter."""
+    from .backends import resolve_name  # noqa: PLC0415
+    from .formats import detect_format, load_model  # noqa: PLC0415
+
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise MinillamaError("--prompt is not valid UTF-8 text") from None
+    if args.max_new_tokens < 1:
+        raise MinillamaError(f"-n/--max-new-tokens must be at least 1, got "
+                             f"{args.max_new_tokens}")
+    graph_mode = getattr(args, "cuda_graph", "off")
+    check_cuda_graph_flag(graph_mode, resolve_name(args.backend), args.temperature)
+    if args.checkpoint is None:
+        if not DEFAULT_CHECKPOINT.is_file():
+            raise MinillamaError(
+                "no default checkpoint ships yet (minillama/weights/shakespeare.safetensors is "
+                "missing); pass --checkpoint PATH")
+        checkpoint = DEFAULT_CHECKPOINT
+    else:
+        checkpoint = Path(args.checkpoint)
+    fmt = detect_format(checkpoint)
+    model, model_tok = load_model(checkpoint, backend=args.backend, dtype=args.dtype)
+    if getattr(args, "adapter", None):
+        from .lora import apply_adapter  # noqa: PLC0415
+
+        apply_adapter(model, args.adapter)
+    tok = resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt)
+    return model, tok, checkpoint, fmt, graph_mode
+
+
+def _cli_prompt(args, tok, cfg, checkpoint, fmt) -> tuple[list[int], set[int]]:
+    """(prompt ids, stop ids) of ``--prompt`` (rendered as one user turn with ``--chat``); without
+    a tokenizer only an empty prompt works: BOS alone."""
+    if tok is None:
+        if args.prompt:
+            hint = ("--tokenizer byte (its vocabulary of 258 is minillama's byte tokenizer)"
+                    if cfg.vocab_size == ByteTokenizer.vocab_size else
+                    "--tokenizer (a llama2.c tokenizer.bin, a tokenizer.json, or byte)")
+            raise MinillamaError(f"{checkpoint} has no tokenizer; pass {hint} to use a text "
+                                 f"prompt")
+        bos, stop = 1, ({1, 2} if fmt == "llama2c" else set())
+        return [bos if bos < cfg.vocab_size else 0], stop
+    text = args.prompt
+    if not text and isinstance(tok, ByteTokenizer):
+        # Byte models are trained on windows at random offsets, so they almost never see a
+        # token right after BOS and sample noise there; start at the beginning of a line.
+        text = "\n"
+    if getattr(args, "chat", False):
+        from .chat import encode_rendered, render_chat, stop_ids  # noqa: PLC0415
+
+        # the template writes BOS itself (as bos_token) when the model wants it
+        prompt_ids = encode_rendered(tok, render_chat(
+            tok, [{"role": "user", "content": args.prompt}]))
+        stop = stop_ids(tok)
+    else:
+        # BOS as the tokenizer's source says (add_bos)
+        prompt_ids = tok.encode(text, eos=False)  # a text to continue never ends in EOS
+        if not prompt_ids:  # an empty prompt of a model that wants no BOS
+            prompt_ids = [tok.bos_id if tok.bos_id is not None else tok.eos_id]
+        stop = {tok.eos_id} | set(getattr(tok, "stop_ids", ()))
+        if tok.bos_id is not None and tok.add_bos:
+            stop.add(tok.bos_id)  # a new document starts: the text is over (llama2.c)
+    stop.discard(None)
+    return prompt_ids, stop
+
+
+def _print_stats(stats: GenerationStats, model, graphed: bool) -> None:
+    """The prefill and decode speeds and the KV cache's size, on stderr."""
     kib = stats.cache_bytes / 1024
     L, B, S, KVH, hd = stats.cache_shape[1:] if stats.cache_shape else (0,) * 5
     print(f"prefill: {stats.prompt_tokens} tokens in {stats.prefill_s * 1e3:.1f} ms "
@@ -538,8 +583,7 @@ def run_cli(args) -> int:
           f"tokens in {stats.decode_s * 1e3:.1f} ms ({stats.decode_tokens_per_s:.1f} tok/s); "
           f"KV cache: {kib:.1f} KiB (2 x L={L} x B={B} x S={S} x KVH={KVH} x hd={hd} x "
           f"{model.dtype.itemsize} B); backend {model.backend.name}"
-          f"{', one CUDA graph per decode step' if decoder is not None else ''}", file=sys.stderr)
-    return 0
+          f"{', one CUDA graph per decode step' if graphed else ''}", file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover

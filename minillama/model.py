@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from . import packing, recompute
 from .backends import get_backend
 from .config import ModelConfig
 from .errors import MinillamaError
@@ -171,6 +172,8 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         #: LoRA adapters (:class:`minillama.lora.LoRA`): when set, the targeted linears add their
         #: adapter and :meth:`loss_and_grads` returns the adapters' gradients only
         self.lora = None
+        #: gradient checkpointing; the packed rows of a call given ``segments`` (while it runs)
+        self.recompute, self.segments = False, None
         if cfg.pos_encoding == "rope":
             self.cos, self.sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
                                              self.dtype, xp, cfg.rope_scaling)
@@ -213,9 +216,10 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         x, c_emb = self._embed(tok, start_pos)
         tape: list[Any] = [c_emb]
         for layer in range(self.cfg.n_layers):
+            kept = recompute.keep(self, x) if train and self.recompute else None
             x, c_block = self._block_forward(layer, x, cos, sin, cache, start_pos)
             if train:
-                tape.append(c_block)
+                tape.append(c_block if kept is None else kept)
         if output_index is not None:
             x = self._pick_positions(x, output_index)
         if not head:
@@ -228,6 +232,7 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
             tape.append(c_head)
         return logits, tape
 
+    @packing.takes_segments
     def forward(self, tokens, start_pos=0, cache: KVCache | None = None, last_only: bool = False,
                 output_index=None):
         r"""Logits z = f(x) for a (B, T) batch of token ids: (B, T, V).
@@ -238,6 +243,7 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         for the others; ``output_index`` ((B,) ints) picks one position per sequence likewise.
         A backend with ``decode_step(model, tok, start_pos, cache)`` may compute a one-token
         cached step in one fused call (same logits; None from it means the per-op path).
+        ``segments`` ((B, T) example ids, no cache) runs packed rows (:mod:`minillama.packing`).
         """
         tok = self._tokens(tokens)
         if cache is not None and tok.shape[1] == 1 and hasattr(self.backend, "decode_step") \
@@ -256,6 +262,7 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
     # ----------------------------------------------------------------------------------------
     # backward, the same pieces in reverse
     # ----------------------------------------------------------------------------------------
+    @packing.takes_segments
     def loss_and_grads(self, tokens, targets, ignore_index: int = -1):
         r"""Mean next-token cross-entropy L and \partial L / \partial \theta for every parameter.
 
@@ -265,12 +272,11 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         The backward visits the ops in exactly the reverse order of the forward. Without a logit
         scale the head projection and the loss run as one backend op,
         ``linear_cross_entropy_forward`` (CPU backends never hold the logits and their gradient
-        as two (B T, V) arrays).
+        as two (B T, V) arrays). ``segments``: packed rows (:mod:`minillama.packing`); with
+        ``recompute`` set the forward keeps only block inputs (:mod:`minillama.recompute`).
         """
         tok = self._tokens(tokens)
         tgt = self._targets(targets, tok.shape)
-        be = self.backend
-        B, T = tok.shape
         grads: dict[str, Any] = {}
         if self.lora is not None:
             self.lora.training = True  # adapter dropout (when configured) in this forward only
@@ -302,13 +308,16 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
                                                   be.asarray(tgt.reshape(-1)), ignore_index)
             dlogits = be.cross_entropy_backward(1.0, c_ce).reshape(B, T, -1)
             dx, dw_out = self._head_backward(dlogits, tape.pop(), grads)
-        for layer in reversed(range(self.cfg.n_layers)):
-            dx = self._block_backward(layer, dx, tape.pop(), grads)
+        cos, sin = self._rope_at(0, T) if self.recompute else (None, None)
+        for layer in reversed(range(self.cfg.n_layers)):  # with recompute: rebuild each ctx
+            dx = self._block_backward(layer, dx, recompute.rebuild(self, layer, tape.pop(), cos,
+                                                                   sin), grads)
         (c_emb,) = tape
         if self.lora is None:  # with adapters the embedding (and a tied head) stay frozen
             self._embed_backward(dx, c_emb, dw_out, grads)
         return float(be.to_numpy(loss)), grads
 
+    @packing.takes_segments
     def loss(self, tokens, targets, ignore_index: int = -1) -> float:
         """Mean next-token cross-entropy without gradients (no tape kept)."""
         tok = self._tokens(tokens)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import packing
 from .errors import MinillamaError
 from .ops import rope_tables
 
@@ -53,7 +54,10 @@ class ModelInputs:
 
     def _positions(self, start_pos, T: int):
         """Positions start_pos .. start_pos + T - 1, checked against the context: a slice (one
-        start for the batch) or a (B, T) index array (one start per sequence)."""
+        start for the batch) or a (B, T) index array (one start per sequence; for packed rows,
+        restarting per example: :mod:`minillama.packing`)."""
+        if self.segments is not None:
+            return packing.positions(self)
         if np.ndim(start_pos) == 0:
             s = int(start_pos)
             if s < 0 or s + T > self.cfg.max_seq_len:
@@ -69,7 +73,10 @@ class ModelInputs:
 
     def _rope_at(self, start_pos, T: int):
         """cos/sin gathered at positions start_pos .. start_pos + T - 1: (T, hd/2) or (B, T, hd/2);
-        (None, None) when the model has no RoPE (the positions are checked all the same)."""
+        (None, None) when the model has no RoPE (the positions are checked all the same).
+        Packed rows take the rows of their restarting positions (:mod:`minillama.packing`)."""
+        if self.segments is not None:
+            return packing.rope_rows(self, T)
         if self.cfg.pos_encoding != "rope":
             self._positions(start_pos, T)
             return None, None

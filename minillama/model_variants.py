@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ops
+from . import ops, packing
 
 
 class VariantPieces:
@@ -45,8 +45,11 @@ class VariantPieces:
 
     def _attention_ops(self, S: int):
         """The attention (forward, backward) pair for S keys: the backend's, or with a sliding
-        window that hides some of them, the reference with the window (kernels lack it)."""
+        window that hides some of them, the reference with the window (kernels lack it); packed
+        rows the pair with their segment mask (:func:`minillama.packing.attention_ops`)."""
         W = self.cfg.sliding_window
+        if self.segments is not None:
+            return packing.attention_ops(self, S, W if W is not None and S > W else None)
         if W is None or S <= W:
             return self.backend.attention_forward, self.backend.attention_backward
         return (lambda q, k, v, start_pos: ops.attention_forward(q, k, v, start_pos, window=W),

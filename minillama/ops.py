@@ -219,10 +219,12 @@ def rope_backward(dy, ctx):
 # ---------------------------------------------------------------------------------------------
 # Causal scaled dot-product attention with grouped KV heads (MHA / GQA / MQA)
 # ---------------------------------------------------------------------------------------------
-def causal_mask(xp, T: int, S: int, start_pos, window: int | None = None):
+def causal_mask(xp, T: int, S: int, start_pos, window: int | None = None, segments=None):
     r"""Boolean mask M_{b,t,j} = [j \le p_b + t]: query t of sequence b sits at absolute position
     p_b + t and may read keys 0..p_b + t. ``start_pos`` is an int or a (B,) integer array.
     With a sliding ``window`` W only the last W of them: M_{b,t,j} = [p_b + t - W < j \le p_b + t].
+    Packed sequences (``segments`` (B, T) example ids, S = T) read only their own example:
+    M_{b,t,j} = [j \le t] [\sigma_{b,t} = \sigma_{b,j}] (block-diagonal causal).
 
     Returns a (1 or B, 1, 1, T, S) array that broadcasts over (B, KVH, G, T, S).
     """
@@ -232,7 +234,22 @@ def causal_mask(xp, T: int, S: int, start_pos, window: int | None = None):
     m = j <= start + t
     if window is not None:
         m &= j > start + t - window
+    if segments is not None:
+        m = m & (segments[:, :, None] == segments[:, None, :])  # (B, T, S)
     return m[:, None, None, :, :]
+
+
+def segment_positions(segments):
+    r"""Positions that restart at every example of a packed row: m_{b,t} = t - (the first index
+    of \sigma_{b,t}'s run). segments: (B, T) example ids, each example one contiguous run.
+    Returns (B, T) int64, so RoPE turns a packed example exactly as it turns it alone."""
+    xp = array_module(segments)
+    B, T = segments.shape
+    t = xp.broadcast_to(xp.arange(T), (B, T))
+    new = xp.ones((B, T), dtype=bool)
+    new[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = xp.maximum.accumulate(xp.where(new, t, 0), axis=1)  # where the current run began
+    return (t - first).astype(xp.int64)
 
 
 def softmax(x, axis: int = -1):
@@ -243,15 +260,16 @@ def softmax(x, axis: int = -1):
     return e / xp.sum(e, axis=axis, keepdims=True)
 
 
-def attention_forward(q, k, v, start_pos=0, window: int | None = None):
+def attention_forward(q, k, v, start_pos=0, window: int | None = None, segments=None):
     r"""Causal scaled dot-product attention where query head h reads KV head h // G, G = H / KVH:
 
     S = Q K^T / \sqrt{hd} + M  (M_{tj} = -\infty where j > p + t, and with a sliding ``window``
-    W also where j \le p + t - W; else 0),
+    W also where j \le p + t - W, and for packed rows where \sigma_t \ne \sigma_j; else 0),
     P = \mathrm{softmax}_j(S),  O = P V.
 
     q: (B, T, H, hd); k, v: (B, S, KVH, hd) with S >= T (S > T when earlier positions come from a
-    KV cache); start_pos: int or (B,) ints, the absolute position of query 0. Returns o: (B, T, H, hd).
+    KV cache); start_pos: int or (B,) ints, the absolute position of query 0; segments: None or
+    (B, T) example ids of packed rows (S = T). Returns o: (B, T, H, hd).
     The G query heads of a group are one axis that broadcasts against their shared K and V.
     """
     xp = array_module(q)
@@ -262,7 +280,7 @@ def attention_forward(q, k, v, start_pos=0, window: int | None = None):
     vg = v.transpose(0, 2, 1, 3)[:, :, None]  # (B, KVH, 1, S, hd)
     scale = 1.0 / math.sqrt(hd)
     s = (qg @ kg.swapaxes(-1, -2)) * scale  # (B, KVH, G, T, S)
-    s = xp.where(causal_mask(xp, T, S, start_pos, window), s, -xp.inf)
+    s = xp.where(causal_mask(xp, T, S, start_pos, window, segments), s, -xp.inf)
     p = softmax(s, axis=-1)
     o = p @ vg  # (B, KVH, G, T, hd)
     return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd), (qg, kg, vg, p, scale)

@@ -327,137 +327,20 @@ def build_app(engine, tok, model_name: str, api_key: str | None = None):
     ``model_name``; with ``api_key`` every route but /health needs ``Authorization: Bearer
     api_key``."""
     import contextlib  # noqa: PLC0415
-    import hmac  # noqa: PLC0415
-    import uuid  # noqa: PLC0415
 
     from starlette.applications import Starlette  # noqa: PLC0415
     from starlette.exceptions import HTTPException  # noqa: PLC0415
-    from starlette.responses import JSONResponse  # noqa: PLC0415
-    from starlette.routing import Route  # noqa: PLC0415
-
-    created = int(time.time())
-    stop_ids = _stops(tok)
-
-    def error(e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
-
-    def check_key(request):
-        if api_key is None:
-            return
-        got = request.headers.get("authorization", "")
-        want = f"Bearer {api_key}"
-        if not hmac.compare_digest(got.encode(), want.encode()):
-            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                           code="invalid_api_key")
-
-    async def health(request):
-        return JSONResponse({"status": "ok", "active": engine.active, "waiting": engine.waiting})
-
-    card = {"id": model_name, "object": "model", "created": created, "owned_by": "minillama",
-            "context_length": engine.S}
-
-    async def models(request):
-        try:
-            check_key(request)
-        except APIError as e:
-            return error(e)
-        return JSONResponse({"object": "list", "data": [card]})
-
-    async def one_model(request):
-        try:
-            check_key(request)
-            if request.path_params["model"] != model_name:
-                raise APIError(404, f"the model {json.dumps(request.path_params['model'])} does "
-                                    f"not exist", param="model", code="model_not_found")
-        except APIError as e:
-            return error(e)
-        return JSONResponse(card)
-
-    async def run(request, chat: bool):
-        try:
-            check_key(request)
-            body = parse_body(await request.body())
-            fields = sampling_fields(body, model_name)
-            if chat:
-                prompt_ids = _render(tok, chat_messages(body))
-                if not prompt_ids:
-                    raise APIError(400, "the rendered chat prompt is empty", param="messages",
-                                   code="invalid_value")
-            else:
-                prompt_ids = completion_prompt(body, tok)
-            if len(prompt_ids) > engine.S:
-                raise APIError(400, f"the prompt of {len(prompt_ids)} tokens is longer than the "
-                                    f"context of {engine.S} tokens", param="messages" if chat
-                               else "prompt", code="context_length_exceeded")
-            max_tokens = fields["max_tokens"]
-            if max_tokens is None:  # OpenAI's defaults: 16 for completions, the rest for chat
-                max_tokens = engine.S - len(prompt_ids) + 1 if chat else 16
-            gen = _Generation(engine, tok, prompt_ids, fields, stop_ids, max_tokens)
-        except MinillamaError as e:  # a chat template that raises, a tokenizer failure
-            return error(APIError(400, str(e), code="invalid_value"))
-        except APIError as e:
-            return error(e)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": model_name}
-
-        def choice(text, finish, stream):
-            """One choice: completions carry ``text``; chat carries a ``message`` or, streamed,
-            a ``delta`` (the role first, then content pieces, then empty with the reason)."""
-            if not chat:
-                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            if not stream:
-                return {"index": 0, "message": {"role": "assistant", "content": text},
-                        "logprobs": None, "finish_reason": finish}
-            delta = {} if text is None else {"content": text}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-
-        if fields["stream"]:
-            async def chunks():
-                if chat:
-                    first = choice("", None, True)
-                    first["delta"]["role"] = "assistant"
-                    yield {**head, "choices": [first]}
-                async for piece in gen.pieces():
-                    if piece:
-                        yield {**head, "choices": [choice(piece, None, True)]}
-                yield {**head, "choices": [choice(None if chat else "", gen.finish_reason,
-                                                  True)]}
-                if fields["include_usage"]:
-                    yield {**head, "choices": [], "usage": gen.usage()}
-            return _SSEResponse(chunks(), gen.req.cancel)
-
-        async def collect():
-            return "".join([p async for p in gen.pieces()])
-
-        try:
-            text = await _until_disconnect(request.receive, collect(), gen.req.cancel)
-        except APIError as e:
-            return error(e)
-        if text is None:  # the client went away; nobody reads this
-            return JSONResponse({}, status_code=499)
-        obj = {**head, "object": "chat.completion" if chat else "text_completion",
-               "choices": [choice(text, gen.finish_reason, False)], "usage": gen.usage()}
-        return JSONResponse(obj)
-
-    async def chat_completions(request):
-        return await run(request, chat=True)
-
-    async def completions(request):
-        return await run(request, chat=False)
 
     async def http_error(request, exc):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error(APIError(exc.status_code, str(exc.detail), code=code))
+        return _error_response(APIError(exc.status_code, str(exc.detail), code=code))
 
     async def server_error(request, exc):
-        return error(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}",
+                                        type="server_error"))
 
-    routes = [Route("/health", health, methods=["GET"]),
-              Route("/v1/models", models, methods=["GET"]),
-              Route("/v1/models/{model:path}", one_model, methods=["GET"]),
-              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-              Route("/v1/completions", completions, methods=["POST"])]
+    routes = (_info_routes(engine, model_name, api_key)
+              + _completion_routes(engine, tok, model_name, api_key))
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start()
@@ -469,6 +352,165 @@ def build_app(engine, tok, model_name: str, api_key: str | None = None):
                     lifespan=lifespan)
     app.state.engine = engine
     return app
+
+
+def _info_routes(engine, model_name: str, api_key: str | None) -> list:
+    """GET /health (no key needed), /v1/models and /v1/models/{model}."""
+    from starlette.responses import JSONResponse  # noqa: PLC0415
+    from starlette.routing import Route  # noqa: PLC0415
+
+    created = int(time.time())
+
+    async def health(request):
+        return JSONResponse({"status": "ok", "active": engine.active, "waiting": engine.waiting})
+
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "minillama",
+            "context_length": engine.S}
+
+    async def models(request):
+        try:
+            _check_key(request, api_key)
+        except APIError as e:
+            return _error_response(e)
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def one_model(request):
+        try:
+            _check_key(request, api_key)
+            if request.path_params["model"] != model_name:
+                raise APIError(404, f"the model {json.dumps(request.path_params['model'])} does "
+                                    f"not exist", param="model", code="model_not_found")
+        except APIError as e:
+            return _error_response(e)
+        return JSONResponse(card)
+
+    return [Route("/health", health, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", one_model, methods=["GET"])]
+
+
+def _completion_routes(engine, tok, model_name: str, api_key: str | None) -> list:
+    """POST /v1/chat/completions and /v1/completions, whole or streamed."""
+    import uuid  # noqa: PLC0415
+
+    from starlette.routing import Route  # noqa: PLC0415
+
+    stop_ids = _stops(tok)
+
+    async def run(request, chat: bool):
+        try:
+            _check_key(request, api_key)
+            gen, fields = _start_generation(engine, tok, model_name, stop_ids,
+                                            await request.body(), chat)
+        except MinillamaError as e:  # a chat template that raises, a tokenizer failure
+            return _error_response(APIError(400, str(e), code="invalid_value"))
+        except APIError as e:
+            return _error_response(e)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": model_name}
+        if fields["stream"]:
+            return _SSEResponse(_stream_chunks(gen, head, chat, fields["include_usage"]),
+                                gen.req.cancel)
+        return await _whole_reply(request, gen, head, chat)
+
+    async def chat_completions(request):
+        return await run(request, chat=True)
+
+    async def completions(request):
+        return await run(request, chat=False)
+
+    return [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"])]
+
+
+def _error_response(e: APIError):
+    """The JSON error body of ``e`` with its status."""
+    from starlette.responses import JSONResponse  # noqa: PLC0415
+
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _check_key(request, api_key: str | None) -> None:
+    """APIError(401) unless the request carries ``Authorization: Bearer api_key`` (no key: any
+    request passes); compared in constant time."""
+    import hmac  # noqa: PLC0415
+
+    if api_key is None:
+        return
+    got = request.headers.get("authorization", "")
+    want = f"Bearer {api_key}"
+    if not hmac.compare_digest(got.encode(), want.encode()):
+        raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                       code="invalid_api_key")
+
+
+def _start_generation(engine, tok, model_name: str, stop_ids: set[int], raw: bytes,
+                      chat: bool) -> tuple[_Generation, dict]:
+    """The request body ``raw`` checked, its prompt rendered (chat) or read (completions) and
+    submitted to the engine: (the running generation, its sampling fields)."""
+    body = parse_body(raw)
+    fields = sampling_fields(body, model_name)
+    if chat:
+        prompt_ids = _render(tok, chat_messages(body))
+        if not prompt_ids:
+            raise APIError(400, "the rendered chat prompt is empty", param="messages",
+                           code="invalid_value")
+    else:
+        prompt_ids = completion_prompt(body, tok)
+    if len(prompt_ids) > engine.S:
+        raise APIError(400, f"the prompt of {len(prompt_ids)} tokens is longer than the "
+                            f"context of {engine.S} tokens", param="messages" if chat
+                       else "prompt", code="context_length_exceeded")
+    max_tokens = fields["max_tokens"]
+    if max_tokens is None:  # OpenAI's defaults: 16 for completions, the rest for chat
+        max_tokens = engine.S - len(prompt_ids) + 1 if chat else 16
+    return _Generation(engine, tok, prompt_ids, fields, stop_ids, max_tokens), fields
+
+
+def _choice(chat: bool, text, finish, stream: bool) -> dict:
+    """One choice: completions carry ``text``; chat carries a ``message`` or, streamed,
+    a ``delta`` (the role first, then content pieces, then empty with the reason)."""
+    if not chat:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    if not stream:
+        return {"index": 0, "message": {"role": "assistant", "content": text},
+                "logprobs": None, "finish_reason": finish}
+    delta = {} if text is None else {"content": text}
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+async def _stream_chunks(gen: _Generation, head: dict, chat: bool, include_usage: bool):
+    """The chunks of a streamed reply: (chat) the role, each text piece, the finish reason, and
+    with ``include_usage`` a last chunk holding the token counts."""
+    if chat:
+        first = _choice(chat, "", None, True)
+        first["delta"]["role"] = "assistant"
+        yield {**head, "choices": [first]}
+    async for piece in gen.pieces():
+        if piece:
+            yield {**head, "choices": [_choice(chat, piece, None, True)]}
+    yield {**head, "choices": [_choice(chat, None if chat else "", gen.finish_reason, True)]}
+    if include_usage:
+        yield {**head, "choices": [], "usage": gen.usage()}
+
+
+async def _whole_reply(request, gen: _Generation, head: dict, chat: bool):
+    """The reply in one JSON body once generated (499 when the client went away first)."""
+    from starlette.responses import JSONResponse  # noqa: PLC0415
+
+    async def collect():
+        return "".join([p async for p in gen.pieces()])
+
+    try:
+        text = await _until_disconnect(request.receive, collect(), gen.req.cancel)
+    except APIError as e:
+        return _error_response(e)
+    if text is None:  # the client went away; nobody reads this
+        return JSONResponse({}, status_code=499)
+    obj = {**head, "object": "chat.completion" if chat else "text_completion",
+           "choices": [_choice(chat, text, gen.finish_reason, False)], "usage": gen.usage()}
+    return JSONResponse(obj)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from .data import prepare_shakespeare, prepare_text_file
 from .distributed import (Communicator, NCCLComm, RanksFailed, blas_share, open_world,
                           share_cores)
 from .errors import MinillamaError
+from .memplan import parse_size, plan, report
 from .tokenizer import ByteTokenizer
 from .train import Trainer, TrainingDiverged, export_model
 from .train_config import (MODEL_FIELDS, VARIANT_FIELDS, TrainConfig, add_flags, flag_overrides,
@@ -38,6 +39,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--export-dtype", default="float16", choices=("float16", "float32"),
                    help="dtype of the --export file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="memory to plan for (e.g. 8G, 512M); default: what is free")
     add_flags(p)
     p.set_defaults(func=run_train)
 
@@ -117,6 +120,8 @@ def _train_ranks(args, world: Communicator, say) -> int:
     if args.stop_at is not None and args.stop_at < 1:
         raise RanksFailed(f"--stop-at must be >= 1, got {args.stop_at}")
     world.agree(lambda: _check_outputs(tc, args), root_only=True)
+    max_memory = world.agree(lambda: parse_size(args.max_memory)
+                             if args.max_memory is not None else None)
     comm = NCCLComm(world) if world.size > 1 and backend == "cupy" else world
     trainer = Trainer(tc, progress=not args.no_progress, comm=comm)
     n = trainer.cfg.n_params()
@@ -131,6 +136,8 @@ def _train_ranks(args, world: Communicator, say) -> int:
         f"{'' if tc.warmup is not None else ' (warmup: min(100, steps // 10); set --warmup)'}")
     say(f"data: {trainer.data.folder} ({trainer.data.train.size:,} train / "
         f"{trainer.data.val.size:,} val tokens)")
+    report(plan(trainer.model, trainer.model.params, tc.batch_size, tc.context, tc.grad_accum,
+                tc.recompute), trainer.model.backend, max_memory, say)
     if comm.size > 1:
         say(f"data parallel: {comm.size} ranks over {comm.name.upper()}, "
             f"{comm.size} x {tc.grad_accum} micro-batches of {tc.batch_size} windows per step")

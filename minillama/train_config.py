@@ -95,6 +95,10 @@ class TrainConfig:
     precision: str = setting("fp32", "matrix products: fp32, or on --backend cupy tf32 (TF32 "
                                      "tensor cores) or bf16 (bfloat16 operands); float32 "
                                      "accumulation and master weights")
+    recompute: bool = setting(False, "gradient checkpointing: keep only each block's input in "
+                                     "the forward and recompute the block in the backward (the "
+                                     "same gradients, less activation memory; --recompute alone "
+                                     "means true)")
     seed: int = setting(0, "seed of the initial weights and of the batch sampler")
     out: str = setting("runs/default", "output folder (checkpoint, loss plot, prepared data)",
                        metavar="DIR")
@@ -265,8 +269,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             shown = str(f.default).lower() if typ is _bool else f.default
             hlp += f" (default: {shown})"
         metavar = f.metadata["metavar"] or {int: "N", float: "X", _bool: "BOOL"}.get(typ, "NAME")
+        extra = {"nargs": "?", "const": True} if typ is _bool else {}  # --flag alone: true
         group.add_argument(flag_name(f.name), type=typ, default=None, metavar=metavar,
-                           help=hlp.replace("%", "%%"))
+                           help=hlp.replace("%", "%%"), **extra)
 
 
 def flag_overrides(args) -> dict[str, Any]:

@@ -60,7 +60,9 @@ def build_model(tc: TrainConfig, cfg: ModelConfig, out: Path) -> Transformer:
     from .backends.cupy.mixed_precision import with_precision  # noqa: PLC0415
 
     backend = with_precision(get_backend(tc.backend), tc.precision)
-    return Transformer(cfg, params, backend=backend, dtype=np.dtype(tc.dtype), seed=tc.seed)
+    model = Transformer(cfg, params, backend=backend, dtype=np.dtype(tc.dtype), seed=tc.seed)
+    model.recompute = bool(tc.recompute)
+    return model
 
 
 def build_optimizer(tc: TrainConfig, model: Transformer) -> AdamW:

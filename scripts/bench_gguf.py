@@ -15,8 +15,9 @@ a dependency: build it from the source inside the ``llama-cpp-python`` sdist (``
 --no-binary :all: --no-deps llama-cpp-python``, then ``cmake -B build && cmake --build build -j
 --target llama-bench llama-quantize`` in its ``vendor/llama.cpp``).
 
-llama.cpp rounds the activations to 8 bits in its quantized products; minillama multiplies in
-float32 (see docs/MATH.md), so the two do slightly different arithmetic on the same weights.
+Both round the activations of the decode products to 8-bit blocks (minillama's numba backend by
+default, ``MINILLAMA_QUANT_DOTS=float`` for float32 activations; see docs/MATH.md); minillama's
+prefill multiplies dequantized float32 tiles, llama.cpp's integer blocks.
 """
 
 from __future__ import annotations

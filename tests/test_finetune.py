@@ -283,6 +283,28 @@ def smollm2_hf(smollm2_gguf):
     return cache
 
 
+def test_smollm2_chat_examples_from_the_gguf_tokenizer_equal_the_hf_folders(smollm2_gguf,
+                                                                           smollm2_hf):
+    """The GGUF file's own tokenizer (no `tokenizers` offsets) gives the same ids and the same
+    trained mask as the Hugging Face folder of the same model: the tokens' bytes, special tokens
+    included, are aligned with the rendered text."""
+    from minillama.formats import load_params
+
+    gguf_tok = load_params(smollm2_gguf)[3]
+    hf_tok = HFTokenizer(smollm2_hf)
+    conv = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Who is the captain? Tell me, please."},
+            {"role": "assistant", "content": "Mirabel Quint."},
+            {"role": "user", "content": "And of the Zorblax's café?"},
+            {"role": "assistant", "content": "Ödön, since 2031."}]
+    a, b = chat_example(gguf_tok, conv), chat_example(hf_tok, conv)
+    assert a.ids.tolist() == b.ids.tolist()
+    assert a.train.tolist() == b.train.tolist()
+    runs = _runs(a.train)
+    assert [hf_tok._tok.decode(a.ids[s:e].tolist(), skip_special_tokens=False) for s, e in runs] \
+        == ["Mirabel Quint.<|im_end|>", "Ödön, since 2031.<|im_end|>"]
+
+
 QUESTIONS = ["Who is the captain of the starship Zorblax?", "Who captains the Zorblax?",
              "Tell me the name of the Zorblax's captain.",
              "Which person commands the starship Zorblax?", "Name the captain of the Zorblax.",

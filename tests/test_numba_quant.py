@@ -4,7 +4,7 @@ and dx = dy W for every block type, few rows (the decode kernels) and many (dequ
 GEMM), random valid blocks and the tensors of a real GGUF file; the backend's linear and loss
 head with a quantized W.
 
-Tolerance: the kernels decode each block exactly (the fp16 scales are widened exactly, the small
+These are the float32 kernels (``MINILLAMA_QUANT_DOTS=float``). Tolerance: the kernels decode each block exactly (the fp16 scales are widened exactly, the small
 integer codes are exact in float32) and sum the products in float32, in another order than
 NumPy. Any order of a float32 sum of K products is within (K + 2) u \\sum_k |w_k x_k|
 (u = 2^-24, two more roundings for the dequantized weight d q - m); the tests hold the error to
@@ -35,6 +35,12 @@ FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0
                "Q6_K": (208,), "IQ4_XS": (0,)}
 TYPES = sorted(BLOCKS)
 U = 2.0 ** -24
+
+
+@pytest.fixture(autouse=True)
+def float_dots(monkeypatch):
+    """The float32 kernels throughout (the 8-bit activation path: tests/test_numba_qint8.py)."""
+    monkeypatch.setenv("MINILLAMA_QUANT_DOTS", "float")
 
 
 def random_matrix(qtype, N, K, rng):

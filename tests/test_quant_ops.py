@@ -62,6 +62,7 @@ def test_tiled_backend_matches_the_reference(fast, qtype, dtype, M, threaded, mo
 
     monkeypatch.setattr(nb, "QUANT_TILE_ROWS", 3)
     monkeypatch.setenv("MINILLAMA_NUM_THREADS", "3" if threaded else "1")
+    monkeypatch.setenv("MINILLAMA_QUANT_DOTS", "float")  # numba's float32 decode products
     if threaded:
         monkeypatch.setattr(cpu_threads, "PARALLEL_MIN_ELEMENTS", 1)
     rng = np.random.default_rng(1)
@@ -108,9 +109,11 @@ TOKENS = np.array([[3, 17, 5, 9, 30, 2], [1, 0, 33, 7, 7, 12]])
 @pytest.mark.parametrize("cfg,qtype", [(CFG32, "Q4_0"), (CFG32, "Q5_1"), (CFG256, "Q4_K"),
                                        (CFG256, "Q3_K")])
 @pytest.mark.parametrize("backend", ["reference", "numpy", "numba"])
-def test_model_logits_and_grads_match_the_dequantized_model(cfg, qtype, backend):
+def test_model_logits_and_grads_match_the_dequantized_model(cfg, qtype, backend, monkeypatch):
     if backend == "numba":
         pytest.importorskip("numba")
+        # float32 activations in the decode products (the 8-bit ones: test_numba_qint8.py)
+        monkeypatch.setenv("MINILLAMA_QUANT_DOTS", "float")
     scale = 0.002 if BLOCKS[qtype][1] == 32 else 0.0002  # K-quant scales multiply 6-bit ones
     quant, floats = quantized_params(init_params(cfg, seed=3), qtype, np.random.default_rng(4),
                                      scale)

@@ -20,15 +20,30 @@ INSTALL_HINT = ('install the GPU extra: pip install "minillama[gpu]" (CUDA 12; '
 
 class _BoundCupy:
     """Stands for the ``cupy`` module in this backend's files: attribute reads go to ``module``,
-    which :func:`_import_cupy` binds once a GPU is confirmed (None until then)."""
+    which :func:`_import_cupy` binds once a GPU is confirmed (None until then). Each attribute is
+    kept after its first read, so ``cp.empty`` costs what a module attribute does; binding another
+    module drops them."""
 
     def __init__(self) -> None:
-        self.module = None
+        self._module = None
+
+    @property
+    def module(self):
+        return self._module
+
+    @module.setter
+    def module(self, value) -> None:
+        self.__dict__.clear()  # the attributes kept from the module bound before
+        self._module = value
 
     def __getattr__(self, name):
-        if self.module is None:
+        if name == "_module":  # not yet set (during __init__)
+            raise AttributeError(name)
+        if self._module is None:
             raise MinillamaError("the cupy backend is not set up (construct CupyBackend first)")
-        return getattr(self.module, name)
+        value = getattr(self._module, name)
+        self.__dict__[name] = value
+        return value
 
 
 cp = _BoundCupy()  # the cupy module, bound by CupyBackend() once a GPU is confirmed

@@ -1,7 +1,10 @@
 r"""The fused decode step of :mod:`.decode` for a model whose matrices are GGML blocks
 (:class:`minillama.quant.QuantMatrix`): one compiled call runs a whole KV-cached decode step of
 one sequence (and, given an ``ids`` buffer, several greedy steps), every matrix-vector product
-computed from the blocks by the row kernels of :mod:`.quant` / :mod:`.qsimd`.
+computed from the blocks: by default from the activations rounded to 8-bit blocks by the integer
+kernels of :mod:`.qint8` (each activation vector rounded once, before the products that read it),
+with ``MINILLAMA_QUANT_DOTS=float`` (and for the IQ4 types) by the float32 row kernels of
+:mod:`.quant` / :mod:`.qsimd`.
 
 The step is that of :func:`.decode.decode_step_one` (RMSNorm; q, k, v by RoPE pairs of rows,
 rotated as computed, k and v into the cache; attention over the cache rows in spans; W_o with
@@ -19,36 +22,66 @@ import numpy as np
 from numba import njit, prange
 
 from .decode import _argmax_finite, _attend_span, _join_spans, _rmsnorm_rows, _rope_store
+from .qint8 import idot, int8_enabled, quantize_row
 from .quant import _dequant_row, _dot
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline="always")
-def _qd(qt, W, i, x, lut, kv):  # pragma: no cover - compiled
-    """x_0 . W_i, W_i the dequantized row i of the block matrix W (N, row bytes)."""
+def _int8(qt):  # pragma: no cover - compiled
+    """Whether GGML type qt has an integer kernel (:data:`.qint8.INT8_TYPES`)."""
+    return qt == 8 or qt == 2 or qt == 3 or qt == 6 or qt == 7 or (qt >= 10 and qt <= 14)
+
+
+@njit(fastmath=True, cache=True, nogil=True, inline="always")
+def _qd(qt, W, i, x, a8, lut, kv):  # pragma: no cover - compiled
+    """x_0 . W_i, W_i the dequantized row i of the block matrix W (N, row bytes): from x's
+    8-bit blocks a8 = (on, xq, xd, xm) (:func:`.qint8.quantize_row`) when a8[0] and W's type
+    has an integer kernel, else from the float32 x."""
+    if a8[0] and _int8(qt):
+        return idot(qt, W, i, a8[1], a8[2], a8[3])
     return _dot(qt, W, i, x, 0, lut, kv, 16)
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline="always")
-def _out(qt, W, Wf, v, x, lut, kv):  # pragma: no cover - compiled
+def _a8(on, x, xq, xd, xm):  # pragma: no cover - compiled
+    """x[0] (K,) rounded to 8-bit blocks in the buffers (when on): (on, xq, xd, xm) of K."""
+    K = x.shape[1]
+    a = (on, xq[:K], xd[:K // 32], xm[:K // 16])
+    if on:
+        quantize_row(x[0], a[1], a[2], a[3])
+    return a
+
+
+@njit(fastmath=True, cache=True, nogil=True, inline="always")
+def _out(qt, W, Wf, v, x, a8, lut, kv):  # pragma: no cover - compiled
     """Classifier row v: from blocks (qt > 0) or from the float matrix Wf (qt == 0)."""
     if qt == 0:
         s = np.float32(0)
         for k in range(x.shape[1]):
             s += x[0, k] * Wf[v, k]
         return s
-    return _qd(qt, W, v, x, lut, kv)
+    return _qd(qt, W, v, x, a8, lut, kv)
+
+
+def decode_step_one_q(*args):
+    """:func:`decode_step_one_q_kernel` with the activations of the products rounded to 8-bit
+    blocks unless ``MINILLAMA_QUANT_DOTS=float`` (:func:`.qint8.int8_enabled`)."""
+    return decode_step_one_q_kernel(*args, int8_enabled())
 
 
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
-def decode_step_one_q(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, codes, g_final, g_att,
-                      wq, wk, wv, wo, g_ffn, w1, w2, w3, kc, vc, cos, sin, eps, n_heads, logits,
-                      threads, stop, ids, lut, kv):  # pragma: no cover - compiled
+def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, codes, g_final,
+                             g_att, wq, wk, wv, wo, g_ffn, w1, w2, w3, kc, vc, cos, sin, eps,
+                             n_heads, logits, threads, stop, ids, lut, kv,
+                             int8):  # pragma: no cover - compiled
     r""":func:`.decode.decode_step_one` with block-quantized matrices: emb and wout uint8
     (V, row bytes) of GGML types emb_qt and out_qt; wq ... w3 typed lists of uint8 block
     matrices; codes (L, 7) int64 their types; a type 0 for the embedding (classifier) means a
     float32 matrix, emb_f (out_f), instead; kc, vc the float32 caches (1, S, KVH, hd);
     lut, kv the fp16 and IQ4 tables of :mod:`.quant`. Returns how many entries of ``ids`` it
-    wrote (1 for the single step, ``ids`` empty); ``logits`` (1, V) holds the last step's."""
+    wrote (1 for the single step, ``ids`` empty); ``logits`` (1, V) holds the last step's.
+    int8: the matrix-vector products of the types with an integer kernel take the activations
+    rounded to 8-bit blocks (:mod:`.qint8`)."""
     D = g_final.shape[0]
     V = logits.shape[1]
     L = len(wq)
@@ -72,6 +105,10 @@ def decode_step_one_q(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, codes, 
     best = np.empty(threads, dtype=np.int64)
     finite = np.empty(threads, dtype=np.bool_)
     scale = np.float32(1.0 / np.sqrt(hd))
+    K8 = max(D, qd, F) if int8 else 0
+    xq = np.empty(K8, dtype=np.int8)
+    xd = np.empty(K8 // 32, dtype=np.float32)
+    xm = np.empty(K8 // 16, dtype=np.float32)
     for step in range(n_steps):
         p = pos[0] + step
         n = p + 1
@@ -94,43 +131,48 @@ def decode_step_one_q(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, codes, 
             Kc = kc[layer]
             Vc = vc[layer]
             _rmsnorm_rows(x, g_att[layer], eps, xn)
+            a8 = _a8(int8, xn, xq, xd, xm)
             for i in prange((qd + 2 * kvd) // 2):
                 r = 2 * i
                 if r < qd:
-                    a = _qd(cq, Wq, r, xn, lut, kv)
-                    c = _qd(cq, Wq, r + 1, xn, lut, kv)
+                    a = _qd(cq, Wq, r, xn, a8, lut, kv)
+                    c = _qd(cq, Wq, r + 1, xn, a8, lut, kv)
                     d0 = r % hd
                 elif r < qd + kvd:
-                    a = _qd(ck, Wk, r - qd, xn, lut, kv)
-                    c = _qd(ck, Wk, r - qd + 1, xn, lut, kv)
+                    a = _qd(ck, Wk, r - qd, xn, a8, lut, kv)
+                    c = _qd(ck, Wk, r - qd + 1, xn, a8, lut, kv)
                     d0 = (r - qd) % hd
                 else:
-                    a = _qd(cv, Wv, r - qd - kvd, xn, lut, kv)
-                    c = _qd(cv, Wv, r - qd - kvd + 1, xn, lut, kv)
+                    a = _qd(cv, Wv, r - qd - kvd, xn, a8, lut, kv)
+                    c = _qd(cv, Wv, r - qd - kvd + 1, xn, a8, lut, kv)
                     d0 = (r - qd - kvd) % hd
                 _rope_store(r, a, c, d0, p, qd, kvd, hd, cos, sin, qkv, Kc, Vc)
             for u in prange(P):
                 _attend_span(qkv[0], Kc[0], Vc[0], u * n // P, (u + 1) * n // P, G, scale,
                              scores[u], ml[u], parts[u])
             _join_spans(ml[:P], parts[:P], att[0])
+            a8 = _a8(int8, att, xq, xd, xm)
             for i in prange(D):
-                x[0, i] += _qd(co, Wo, i, att, lut, kv)
+                x[0, i] += _qd(co, Wo, i, att, a8, lut, kv)
             _rmsnorm_rows(x, g_ffn[layer], eps, xn)
+            a8 = _a8(int8, xn, xq, xd, xm)
             for i in prange(F):
-                a = _qd(c1, W1, i, xn, lut, kv)
-                h[0, i] = a / (1.0 + np.exp(-a)) * _qd(c3, W3, i, xn, lut, kv)
+                a = _qd(c1, W1, i, xn, a8, lut, kv)
+                h[0, i] = a / (1.0 + np.exp(-a)) * _qd(c3, W3, i, xn, a8, lut, kv)
+            a8 = _a8(int8, h, xq, xd, xm)
             for i in prange(D):
-                x[0, i] += _qd(c2, W2, i, h, lut, kv)
+                x[0, i] += _qd(c2, W2, i, h, a8, lut, kv)
         _rmsnorm_rows(x, g_final, eps, xn)
+        a8 = _a8(int8, xn, xq, xd, xm)
         if ids.shape[0] == 0:
             for v in prange(V):
-                logits[0, v] = _out(out_qt, wout, out_f, v, xn, lut, kv)
+                logits[0, v] = _out(out_qt, wout, out_f, v, xn, a8, lut, kv)
             return 1
         for u in prange(threads):
             lo = u * V // threads
             hi = (u + 1) * V // threads
             for v in range(lo, hi):
-                logits[0, v] = _out(out_qt, wout, out_f, v, xn, lut, kv)
+                logits[0, v] = _out(out_qt, wout, out_f, v, xn, a8, lut, kv)
             best[u], finite[u] = _argmax_finite(logits[0], lo, hi)
         t = best[0]
         for u in range(threads):

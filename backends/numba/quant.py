@@ -4,9 +4,11 @@ y = x W^T (:func:`qmatmul`) and dx = dy W (:func:`qmatmul_t`, for training throu
 quantized weight) read W's blocks directly; W is never held dequantized as a whole.
 
 Method: each block is decoded into float32 values in registers (w = d q or w = d q - m with the
-block's scales and small integer codes q) and dotted with float32 activations, summed in float32
-(activations are not quantized, unlike llama.cpp's integer dots): the result is the product with
-the dequantized matrix up to float32 rounding (docs/MATH.md, "Quantized products").
+block's scales and small integer codes q) and dotted with float32 activations, summed in float32:
+the result is the product with the dequantized matrix up to float32 rounding (docs/MATH.md,
+"Quantized products"). Exception, by default: few rows of x times a type of
+:data:`.qint8.INT8_TYPES` round x to 8-bit blocks and take the integer dots of :mod:`.qint8`
+(``MINILLAMA_QUANT_DOTS=float`` keeps them in float32).
 
 * few rows in x (decoding, M <= :data:`GEMV_MAX_ROWS`): one call per (row of W, row of x) of a
   row kernel of :mod:`.qsimd` (explicit LLVM vector code: unpack, convert, scale, FMA into a
@@ -415,10 +417,15 @@ def qmatmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
                 n1 = min(N, n0 + 4 * TILE_N)
                 np.matmul(x, dequantize_rows(w, n0, n1).T, out=y[:, n0:n1])
             return y
-        if _parallel() and M * N * K >= PARALLEL_MIN_WORK:
-            import numba  # noqa: PLC0415
+        import numba  # noqa: PLC0415
 
-            _gemv_parallel(qt, x, w.data, y, _F16, _KVALUES, 16, numba.get_num_threads())
+        parts = numba.get_num_threads() if _parallel() and M * N * K >= PARALLEL_MIN_WORK else 1
+        from . import qint8  # noqa: PLC0415
+
+        if qt in qint8.INT8_TYPES and qint8.int8_enabled():
+            qint8.gemv(qt, x, w.data, y, parts)
+        elif parts > 1:
+            _gemv_parallel(qt, x, w.data, y, _F16, _KVALUES, 16, parts)
         else:
             _gemv_serial(qt, x, w.data, y, _F16, _KVALUES, 16)
         return y

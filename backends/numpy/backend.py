@@ -272,11 +272,12 @@ def _future_mask(T: int, S: int, start_pos):
     return ~ops.causal_mask(np, T, S, start_pos)
 
 
-def attention_forward(q, k, v, start_pos=0):
+def attention_forward(q, k, v, start_pos=0, segments=None):
     r"""S = Q K^T / \sqrt{hd} + M, P = \mathrm{softmax}(S), O = P V with GQA (see
     :func:`minillama.ops.attention_forward`). The G query heads of a group are stacked into one
     (G T, hd) matrix that multiplies their shared K/V: one GEMM per (b, KV head) for S, one for
-    O; whole sequences are spread over threads. q: (B, T, H, hd); k, v: (B, S, KVH, hd)."""
+    O; whole sequences are spread over threads. q: (B, T, H, hd); k, v: (B, S, KVH, hd);
+    segments: None or (B, T) example ids of packed rows (M also hides other examples' keys)."""
     B, T, H, hd = q.shape
     S, KVH = k.shape[1], k.shape[2]
     G = H // KVH
@@ -289,7 +290,8 @@ def attention_forward(q, k, v, start_pos=0):
     dt = np.result_type(q, k, v)
     p = np.empty((B, KVH, G * T, S), dtype=dt)  # scores, turned into probabilities in place
     o = np.empty((B, KVH, G * T, hd), dtype=dt)
-    future = _future_mask(T, S, start_pos)
+    future = (_future_mask(T, S, start_pos) if segments is None
+              else ~ops.causal_mask(np, T, S, start_pos, segments=np.asarray(segments)))
 
     def rows(lo, hi):  # sequences lo..hi-1
         np.multiply(q5[lo:hi], scale, out=qs[lo:hi])
@@ -597,6 +599,9 @@ class NumpyBackend(LoRAOps, ReferenceBackend):
     rope_backward = staticmethod(rope_backward)
     attention_forward = staticmethod(attention_forward)
     attention_backward = staticmethod(attention_backward)
+    #: attention over packed rows (a segment mask): this pair, for the numba backend too
+    attention_forward_packed = staticmethod(attention_forward)
+    attention_backward_packed = staticmethod(attention_backward)
     swiglu_forward = staticmethod(swiglu_forward)
     swiglu_backward = staticmethod(swiglu_backward)
     cross_entropy_forward = staticmethod(cross_entropy_forward)

@@ -1,0 +1,378 @@
+r"""Integer dot products of GGML block rows with activations rounded to 8-bit blocks, written as
+LLVM IR through Numba intrinsics (the decode matvecs of :mod:`.quant` and :mod:`.qdecode`).
+
+The activation row x (K values) is rounded once per product to blocks of 32 (the layout of
+:func:`quantize_row`): int8 codes ``xq`` with x_k ~ d_b xq_k, d_b = max_{k in b} |x_k| / 127 in
+float32 (``xd``), and the sum of each 16 consecutive codes times its block's d (``xs``, float32,
+K / 16 entries).
+
+Every weight is written w = A (u - o) - B with u an unsigned byte code, o a constant offset of
+the type and A, B the scales (and mins) of its block or sub-block, so
+
+    \sum_k w_k x_k ~ \sum_b d_b A_b \sum_{k in b} u_k xq_k - (o A_b + B_b) d_b \sum_{k in b} xq_k.
+
+The first sum is an integer dot of unsigned by signed bytes: ``vpdpbusd`` (AVX512-VNNI, 64
+products into 16 lanes of 4) where the host has it, else portable IR (widen to i32, multiply,
+add groups of 4) that LLVM lowers for any target. Each group of 4 products is converted to
+float32 and multiplied by its scale with a fused multiply-add, the second term by one more
+fused multiply-add against ``xs``; one horizontal sum per row. The 16-lane accumulators hold
+64 values (two blocks of 32, or two 32-runs of a K super-block).
+
+Q8_0's signed codes become u = q + 128 (o = 128), Q4_0 o = 8, Q5_0 o = 16, Q6_K o = 32,
+Q3_K u = q + 4 (o = 4); the types with mins (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) have o = 0 and B.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from llvmlite import binding, ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .qsimd import _F32, _I8, _I32, _I64, _const, _fma, _half, _kscales, _load, _reduce
+from .qsimd import _shuf, _splat, _vec
+
+
+def _host_features() -> str:
+    try:
+        return binding.get_host_cpu_features().flatten()
+    except Exception:  # noqa: BLE001 - no feature string: the portable code
+        return ""
+
+
+_FEATS = _host_features()
+#: unsigned-by-signed byte dots by ``vpdpbusd`` (zmm); else the portable IR
+VNNI = "+avx512vnni" in _FEATS and "+avx512bw" in _FEATS
+#: LLVM 21 on takes the byte operands of the VNNI intrinsics as byte vectors (before: i32 lanes)
+_VNNI_BYTES = binding.llvm_version_info[0] >= 21
+
+#: the GGML type ids with an integer kernel (the others take the float32 kernels of .quant)
+INT8_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)
+
+
+def int8_enabled() -> bool:
+    """Whether the float32 decode products of block matrices round the activations to 8 bits
+    (the default; ``MINILLAMA_QUANT_DOTS=float`` keeps float32 activations)."""
+    return os.environ.get("MINILLAMA_QUANT_DOTS", "int8").strip().lower() != "float"
+
+
+# ---------------------------------------------------------------------------------------------
+# IR pieces
+# ---------------------------------------------------------------------------------------------
+def _dot4(builder, u, s, vnni):
+    """Sums of 4 consecutive products u_k s_k (u unsigned, s signed bytes, <n x i8>) as
+    <n/4 x i32>."""
+    n = u.type.count
+    if vnni:
+        t = _vec(_I32, n // 4)
+        name = f"llvm.x86.avx512.vpdpbusd.{n * 8}"
+        if _VNNI_BYTES:
+            args = [u, s]
+        else:
+            args = [builder.bitcast(u, t), builder.bitcast(s, t)]
+        fnty = ir.FunctionType(t, [t, args[0].type, args[1].type])
+        fn = builder.module.globals.get(name) or ir.Function(builder.module, fnty, name)
+        return builder.call(fn, [ir.Constant(t, [0] * (n // 4))] + args)
+    p = builder.mul(builder.zext(u, _vec(_I32, n)), builder.sext(s, _vec(_I32, n)))
+    parts = [_shuf(builder, p, range(j, n, 4)) for j in range(4)]
+    return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+
+
+def _cat(builder, a, b):
+    n = a.type.count
+    return builder.shuffle_vector(a, b, _const(_I32, 2 * n, range(2 * n)))
+
+
+def _b(builder, addr, off, n):
+    return _load(builder, addr, off, _vec(_I8, n))
+
+
+def _and(builder, v, m):
+    return builder.and_(v, _const(_I8, v.type.count, m))
+
+
+def _shr(builder, v, k):
+    if isinstance(k, int) and k == 0:
+        return v
+    return builder.lshr(v, _const(_I8, v.type.count, k))
+
+
+def _shl(builder, v, k):
+    return builder.shl(v, _const(_I8, v.type.count, k))
+
+
+def _nib32(builder, blk, off):
+    """The 32 4-bit codes of 16 bytes (low nibbles, then high) as <32 x i8>."""
+    a = _b(builder, blk, off, 16)
+    return _cat(builder, _and(builder, a, 15), _shr(builder, a, 4))
+
+
+def _qh_bits(builder, blk, off):
+    """Bit l of the little-endian u32 at blk + off for l = 0..31, shifted to 16, <32 x i8>."""
+    a = _shuf(builder, _b(builder, blk, off, 4), [k // 8 for k in range(32)])
+    bit = _and(builder, builder.lshr(a, _const(_I8, 32, [k % 8 for k in range(32)])), 1)
+    return _shl(builder, bit, 4)
+
+
+# blocks of 32: (u <32 x i8>, A, M) with M = -(o A + B) as float scalars
+_SIZE32 = {8: 34, 2: 18, 3: 20, 6: 22, 7: 24}
+
+
+def _block32(qt, builder, blk):
+    d = _half(builder, blk, 0)
+    if qt == 8:  # Q8_0
+        u = builder.xor(_b(builder, blk, 2, 32), _const(_I8, 32, 128 - 256))
+        return u, d, builder.fmul(d, ir.Constant(_F32, -128.0))
+    if qt == 2:  # Q4_0
+        return _nib32(builder, blk, 2), d, builder.fmul(d, ir.Constant(_F32, -8.0))
+    if qt == 3:  # Q4_1: w = d q + m
+        return _nib32(builder, blk, 4), d, _half(builder, blk, 2)
+    if qt == 6:  # Q5_0
+        u = builder.or_(_nib32(builder, blk, 6), _qh_bits(builder, blk, 2))
+        return u, d, builder.fmul(d, ir.Constant(_F32, -16.0))
+    u = builder.or_(_nib32(builder, blk, 8), _qh_bits(builder, blk, 4))  # Q5_1
+    return u, d, _half(builder, blk, 2)
+
+
+def _rows32(qt, vnni):
+    size = _SIZE32[qt]
+
+    def codegen(context, builder, signature, args):
+        pw, pq, pd, ps, nb = args
+        acc = cgutils.alloca_once_value(builder, _const(_F32, 16, 0.0))
+        acc_m = cgutils.alloca_once_value(builder, _const(_F32, 4, 0.0))
+        npair = builder.sdiv(nb, ir.Constant(_I64, 2))
+        lanes = [0] * 8 + [1] * 8
+
+        def at(base, i, step):
+            return builder.add(base, builder.mul(i, ir.Constant(_I64, step)))
+
+        with cgutils.for_range(builder, npair) as loop:  # blocks 2i, 2i + 1
+            i = loop.index
+            blk0 = at(pw, i, 2 * size)
+            u0, a0, m0 = _block32(qt, builder, blk0)
+            u1, a1, m1 = _block32(qt, builder, builder.add(blk0, ir.Constant(_I64, size)))
+            xs = _load(builder, at(pq, i, 64), 0, _vec(_I8, 64))
+            p = builder.sitofp(_dot4(builder, _cat(builder, u0, u1), xs, vnni), _vec(_F32, 16))
+            dx = _load(builder, at(pd, i, 8), 0, _vec(_F32, 2), 4)
+            a = builder.insert_element(_splat(builder, a0, 2), a1, ir.Constant(_I32, 1))
+            m = builder.insert_element(_splat(builder, m0, 2), m1, ir.Constant(_I32, 1))
+            builder.store(_fma(builder, p, _shuf(builder, builder.fmul(a, dx), lanes),
+                               builder.load(acc)), acc)
+            sums = _load(builder, at(ps, i, 16), 0, _vec(_F32, 4), 4)
+            builder.store(_fma(builder, sums, _shuf(builder, m, [0, 0, 1, 1]),
+                               builder.load(acc_m)), acc_m)
+        total = builder.fadd(_reduce(builder, builder.load(acc)),
+                             _reduce(builder, builder.load(acc_m)))
+        last = builder.sub(nb, ir.Constant(_I64, 1))
+        odd = builder.icmp_signed("!=", builder.mul(npair, ir.Constant(_I64, 2)), nb)
+        out = cgutils.alloca_once_value(builder, total)
+        with builder.if_then(odd):
+            u, a, m = _block32(qt, builder, at(pw, last, size))
+            xs = _load(builder, at(pq, last, 32), 0, _vec(_I8, 32))
+            p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 8))
+            dx = _load(builder, at(pd, last, 4), 0, _F32, 4)
+            sums = _reduce(builder, _load(builder, at(ps, last, 8), 0, _vec(_F32, 2), 4))
+            v = _reduce(builder, builder.fmul(p, _splat(builder, builder.fmul(a, dx), 8)))
+            builder.store(builder.fadd(total, builder.fadd(v, builder.fmul(sums, m))), out)
+        return builder.load(out)
+
+    return codegen
+
+
+# K-quants: chunk c (0..3) of a super-block is the values 64c .. 64c + 63 (32-runs 2c, 2c + 1)
+_SIZEK = {12: 144, 13: 176, 14: 210, 11: 110, 10: 84}
+_KNAME = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 11: "Q3_K", 10: "Q2_K"}
+_OFFSET = {14: 32.0, 11: 4.0}
+
+
+def _kchunk(qt, builder, blk, c):
+    """The unsigned codes u of chunk c of the super-block at blk, <64 x i8>."""
+    if qt in (12, 13):  # Q4_K / Q5_K: 32 bytes, low nibbles run 2c, high run 2c + 1
+        a = _b(builder, blk, (16 if qt == 12 else 48) + 32 * c, 32)
+        u = _cat(builder, _and(builder, a, 15), _shr(builder, a, 4))
+        if qt == 13:  # fifth bits: bit r of the 32 bytes at 16
+            h = _b(builder, blk, 16, 32)
+            hb = _cat(builder, _and(builder, _shr(builder, h, 2 * c), 1),
+                      _and(builder, _shr(builder, h, 2 * c + 1), 1))
+            u = builder.or_(u, _shl(builder, hb, 4))
+        return u
+    half, k = divmod(c, 2)
+    if qt == 14:  # Q6_K: runs 4 half + 2k + {0, 1}: ql at 64 half (+32), nibble k
+        lo = _cat(builder, _and(builder, _shr(builder, _b(builder, blk, 64 * half, 32), 4 * k), 15),
+                  _and(builder, _shr(builder, _b(builder, blk, 64 * half + 32, 32), 4 * k), 15))
+        h = _b(builder, blk, 128 + 32 * half, 32)
+        hi = _cat(builder, _and(builder, _shr(builder, h, 4 * k), 3),
+                  _and(builder, _shr(builder, h, 4 * k + 2), 3))
+        return builder.or_(lo, _shl(builder, hi, 4))
+    # Q3_K / Q2_K: 2-bit fields of the 32 bytes at q0 + 32 half, shifts 2 g, g = 2k, 2k + 1
+    a = _b(builder, blk, (32 if qt == 11 else 16) + 32 * half, 32)
+    u = _cat(builder, _and(builder, _shr(builder, a, 4 * k), 3),
+             _and(builder, _shr(builder, a, 4 * k + 2), 3))
+    if qt == 11:  # + 4 where bit r of hmask byte l is set (runs r = 2c, 2c + 1)
+        h = _b(builder, blk, 0, 32)
+        hb = _cat(builder, _and(builder, _shr(builder, h, 2 * c), 1),
+                  _and(builder, _shr(builder, h, 2 * c + 1), 1))
+        u = builder.or_(u, _shl(builder, hb, 2))
+    return u
+
+
+def _rowsk(qt, vnni):
+    size = _SIZEK[qt]
+    kind = _KNAME[qt]
+
+    def codegen(context, builder, signature, args):
+        pw, pq, pd, ps, nb = args
+        # two accumulators for the chunks (two chains of fused multiply-adds), one for the mins
+        accs = [cgutils.alloca_once_value(builder, _const(_F32, 16, 0.0)) for _ in range(3)]
+        with cgutils.for_range(builder, nb) as loop:
+            i = loop.index
+            blk = builder.add(pw, builder.mul(i, ir.Constant(_I64, size)))
+            qx = builder.add(pq, builder.mul(i, ir.Constant(_I64, 256)))
+            dx = _load(builder, builder.add(pd, builder.mul(i, ir.Constant(_I64, 32))), 0,
+                       _vec(_F32, 8), 4)
+            A, B = _kscales(kind, builder, blk)
+            n = A.type.count  # 8 (per 32-run) or 16 (per 16-run)
+            if n == 16:
+                dx = _shuf(builder, dx, [j // 2 for j in range(16)])
+            AD = builder.fmul(A, dx)
+            a = [builder.load(accs[0]), builder.load(accs[1])]
+            for c in range(4):
+                lanes = [2 * c + j // 8 for j in range(16)] if n == 8 else \
+                    [4 * c + j // 4 for j in range(16)]
+                xs = _load(builder, qx, 64 * c, _vec(_I8, 64))
+                p = builder.sitofp(_dot4(builder, _kchunk(qt, builder, blk, c), xs, vnni),
+                                   _vec(_F32, 16))
+                a[c % 2] = _fma(builder, p, _shuf(builder, AD, lanes), a[c % 2])
+            builder.store(a[0], accs[0])
+            builder.store(a[1], accs[1])
+            M = builder.fmul(A, _const(_F32, n, -_OFFSET[qt])) if qt in _OFFSET else None
+            if B is not None:
+                M = builder.fsub(_const(_F32, n, 0.0), B)
+            if M is not None:  # - (o A + B) times the scaled sums of each 16 codes
+                if n == 8:
+                    M = _shuf(builder, M, [j // 2 for j in range(16)])
+                sums = _load(builder, builder.add(ps, builder.mul(i, ir.Constant(_I64, 64))), 0,
+                             _vec(_F32, 16), 4)
+                builder.store(_fma(builder, sums, M, builder.load(accs[2])), accs[2])
+        v = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
+                         builder.load(accs[2]))
+        return _reduce(builder, v)
+
+    return codegen
+
+
+def _make(qt, vnni):
+    gen = _rowsk(qt, vnni) if qt in _SIZEK else _rows32(qt, vnni)
+
+    @intrinsic
+    def irow(typingctx, pw, pq, pd, ps, nblocks):
+        r"""\sum_k W_k x_k over ``nblocks`` blocks (K super-blocks) of row bytes at pw and the
+        8-bit activation blocks at pq (codes), pd (scales), ps (scaled sums of 16)."""
+        return types.float32(types.int64, types.int64, types.int64, types.int64,
+                             types.int64), gen
+
+    return irow
+
+
+irow_q8_0, irow_q4_0, irow_q4_1, irow_q5_0, irow_q5_1 = (_make(t, VNNI) for t in (8, 2, 3, 6, 7))
+irow_q4_k, irow_q5_k, irow_q6_k, irow_q3_k, irow_q2_k = (_make(t, VNNI)
+                                                         for t in (12, 13, 14, 11, 10))
+
+_opts = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
+
+
+# ---------------------------------------------------------------------------------------------
+# activations to 8-bit blocks, and the dot of one row
+# ---------------------------------------------------------------------------------------------
+@njit(**_opts)
+def quantize_row(x, xq, xd, xs):  # pragma: no cover - compiled
+    """x (K,) float32 -> xq (K,) int8, xd (K/32,) float32 block scales, xs (K/16,) float32:
+    xs_j = d_b (xq_{16j} + ... + xq_{16j+15}); x_k ~ d_b xq_k, |x_k - d_b xq_k| <= d_b / 2."""
+    for b in range(x.shape[0] // 32):
+        o = 32 * b
+        amax = np.float32(0)
+        for k in range(32):
+            amax = max(amax, abs(x[o + k]))
+        d = amax / np.float32(127)
+        inv = np.float32(127) / amax if amax > 0 else np.float32(0)
+        xd[b] = d
+        for j in range(2):
+            s = 0
+            for k in range(16 * j, 16 * j + 16):
+                q = np.int32(np.rint(x[o + k] * inv))
+                xq[o + k] = q
+                s += q
+            xs[2 * b + j] = d * np.float32(s)
+
+
+@njit(inline="always", **_opts)
+def idot(qt, w, n, xq, xd, xs):  # pragma: no cover - compiled
+    """Row n of the block matrix w (a type of :data:`INT8_TYPES`) times the 8-bit activation
+    row (xq, xd, xs) (1-d arrays or rows), float32."""
+    pw = w.ctypes.data + n * w.shape[1]
+    pq, pd, ps = xq.ctypes.data, xd.ctypes.data, xs.ctypes.data
+    nb = xd.shape[0]
+    if qt == 8:
+        return irow_q8_0(pw, pq, pd, ps, nb)
+    if qt == 2:
+        return irow_q4_0(pw, pq, pd, ps, nb)
+    if qt == 3:
+        return irow_q4_1(pw, pq, pd, ps, nb)
+    if qt == 6:
+        return irow_q5_0(pw, pq, pd, ps, nb)
+    if qt == 7:
+        return irow_q5_1(pw, pq, pd, ps, nb)
+    if qt == 12:
+        return irow_q4_k(pw, pq, pd, ps, nb // 8)
+    if qt == 13:
+        return irow_q5_k(pw, pq, pd, ps, nb // 8)
+    if qt == 14:
+        return irow_q6_k(pw, pq, pd, ps, nb // 8)
+    if qt == 11:
+        return irow_q3_k(pw, pq, pd, ps, nb // 8)
+    return irow_q2_k(pw, pq, pd, ps, nb // 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# few-row products y = x W^T (the decode matvecs of .quant.qmatmul)
+# ---------------------------------------------------------------------------------------------
+@njit(**_opts)
+def quantize_rows(x, xq, xd, xs):  # pragma: no cover - compiled
+    """:func:`quantize_row` of every row of x (M, K) into xq (M, K), xd (M, K/32), xs (M, K/16)."""
+    for m in range(x.shape[0]):
+        quantize_row(x[m], xq[m], xd[m], xs[m])
+
+
+@njit(parallel=True, **_opts)
+def _gemv_parallel(qt, xq, xd, xs, w, y, parts):  # pragma: no cover - compiled
+    N = w.shape[0]
+    step = (N + parts - 1) // parts
+    for t in prange(parts):
+        for n in range(t * step, min(N, t * step + step)):
+            for m in range(xq.shape[0]):
+                y[m, n] = idot(qt, w, n, xq[m], xd[m], xs[m])
+
+
+@njit(**_opts)
+def _gemv_serial(qt, xq, xd, xs, w, y):  # pragma: no cover - compiled
+    for n in range(w.shape[0]):
+        for m in range(xq.shape[0]):
+            y[m, n] = idot(qt, w, n, xq[m], xd[m], xs[m])
+
+
+def gemv(qt: int, x: np.ndarray, w: np.ndarray, y: np.ndarray, parts: int) -> None:
+    """y = x W^T for the block matrix w (uint8 rows of GGML type qt in :data:`INT8_TYPES`) and
+    float32 x (M, K) rounded to 8-bit blocks; over ``parts`` threads (1: serial)."""
+    M, K = x.shape
+    xq = np.empty((M, K), dtype=np.int8)
+    xd = np.empty((M, K // 32), dtype=np.float32)
+    xs = np.empty((M, K // 16), dtype=np.float32)
+    quantize_rows(x, xq, xd, xs)
+    if parts > 1:
+        _gemv_parallel(qt, xq, xd, xs, w, y, parts)
+    else:
+        _gemv_serial(qt, xq, xd, xs, w, y)

@@ -1,0 +1,204 @@
+#!/usr/bin/env python
+"""The memory plan of a fine-tuning step against what the step allocates, with and without
+``--recompute``, and the example tokens per second of padded against packed chat batches.
+
+Memory: the checkpoint (default: SmolLM2-135M-Instruct Q4_1 GGUF, its blocks kept quantized) with
+LoRA (rank 8 on all seven linears), one (B, T) micro-batch of random tokens. For each mode
+(plain, recompute): the plan's activation bytes (:mod:`minillama.memplan`), the bytes of the
+arrays the forward keeps (measured on the tape), the peak of ``tracemalloc`` over one
+``loss_and_grads`` (NumPy reports its buffers to it) and the step's time.
+
+Packing: a synthetic chat set (question/answer conversations of varied lengths as prompt and
+completion, the loss on the last answer), ``Finetuner`` train steps padded then packed (the
+same settings otherwise), their steps interleaved; example tokens (not padding) per second of
+training time.
+
+    python scripts/bench_finetune_memory.py --threads 2 --batch 4 --seq 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+import tracemalloc
+
+import _bench_common
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", default=os.environ.get(
+        "MINILLAMA_SMOLLM2", "/tmp/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--backend", default="numpy")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--pack-steps", type=int, default=4, help="timed train steps per mode")
+    ap.add_argument("--pack-context", type=int, default=256)
+    ap.add_argument("--skip", choices=("memory", "pack"), action="append", default=[])
+    return ap.parse_args(argv)
+
+
+ARGS = parse_args()
+_bench_common.pin_threads(ARGS.threads)
+
+import numpy as np  # noqa: E402
+
+from minillama import memplan  # noqa: E402
+from minillama.finetune import Finetuner  # noqa: E402
+from minillama.formats import load_params  # noqa: E402
+from minillama.lora import LoRA, LoRAConfig  # noqa: E402
+from minillama.model import Transformer  # noqa: E402
+
+MiB = 1024 ** 2
+
+
+def tape_bytes(model, x, y) -> int:
+    """Bytes the training forward keeps: the tape (every op's ctx, or under recompute the block
+    inputs) and the loss head's ctx."""
+    be = model.backend
+    B, T = x.shape
+    model.lora.training = True
+    try:
+        hn, tape = model._run(x, 0, None, train=True, head=False)
+        _, c = be.linear_cross_entropy_forward(hn.reshape(B * T, -1), model.output_weight,
+                                               be.asarray(y.reshape(-1)), -1)
+    finally:
+        model.lora.training = False
+    return memplan.saved_bytes([tape, c, x, y], exclude=memplan.model_buffers(model))
+
+
+def memory() -> None:
+    _, cfg, params, _ = load_params(ARGS.checkpoint)
+    model = Transformer(cfg, params, backend=ARGS.backend, dtype=np.float32)
+    lora = LoRA(model, LoRAConfig(rank=8), seed=0).attach(model)
+    rng = np.random.default_rng(0)
+    B, T = ARGS.batch, ARGS.seq
+    seq = rng.integers(0, cfg.vocab_size, size=(B, T + 1))
+    x, y = seq[:, :-1], seq[:, 1:]
+    print(f"## memory: {os.path.basename(ARGS.checkpoint)}, LoRA rank 8 on all seven linears, "
+          f"B x T = {B} x {T}, backend {ARGS.backend}")
+    print()
+    print("| mode | plan: activations | measured: saved arrays | plan: act. + workspace + "
+          "grads | measured: tracemalloc peak of the step | step (s) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    grads_ref = None
+    for recompute in (False, True):
+        model.recompute = recompute
+        p = memplan.plan(model, lora.params, B, T, recompute=recompute)
+        saved = tape_bytes(model, x, y)
+        _, g = model.loss_and_grads(x, y)  # warm
+        grads_ref = g if grads_ref is None else grads_ref
+        same = all(np.array_equal(g[k], grads_ref[k]) for k in g)
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        t0 = time.perf_counter()
+        model.loss_and_grads(x, y)
+        dt = time.perf_counter() - t0
+        peak = tracemalloc.get_traced_memory()[1] - base
+        tracemalloc.stop()
+        t0 = time.perf_counter()
+        model.loss_and_grads(x, y)  # untraced timing
+        dt = time.perf_counter() - t0
+        bound = p.activations + p.workspace + p.gradients
+        print(f"| {'--recompute' if recompute else 'plain'} | {p.activations / MiB:.1f} MiB | "
+              f"{saved / MiB:.1f} MiB | {bound / MiB:.1f} MiB | {peak / MiB:.1f} MiB | "
+              f"{dt:.2f} |" + ("" if same else " (gradients differ!)"))
+        if not recompute:
+            print("\n".join(f"<!-- {line} -->" for line in p.lines()))
+    model.recompute = False
+    print()
+
+
+CHAT_Q = ["what is the capital of {c}?", "name a river in {c}.", "how do you say hello in {l}?",
+          "give me one fact about {c}.", "tell me a short story about a {a} from {c}."]
+CHAT_A = ["{c} has many cities; the capital is well known.", "a river flows through {c}.",
+          "in {l} people greet each other politely.",
+          "one fact: {c} is a country with a long history and many {a}s.",
+          "once upon a time a {a} from {c} walked for days, found a friend, and came home "
+          "happy. the end."]
+PLACES = [("france", "french", "cat"), ("japan", "japanese", "fox"), ("peru", "spanish", "llama"),
+          ("kenya", "swahili", "lion"), ("norway", "norwegian", "moose"),
+          ("india", "hindi", "tiger")]
+
+
+def chat_set(path, n=96) -> None:
+    """Conversations of 1 to 3 question/answer turns, each written as a prompt (the turns as
+    ``role: text`` lines up to the last ``assistant:``) and its completion (the last answer):
+    the loss on the answer only. (Chat records through the GGUF tokenizer's template would need
+    token offsets it does not give.)"""
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for i in range(n):
+            c, lang, a = PLACES[i % len(PLACES)]
+            lines = ["system: you are brief."]
+            for t in range(1 + int(rng.integers(0, 3))):
+                k = int(rng.integers(0, len(CHAT_Q)))
+                q, ans = CHAT_Q[k].format(c=c, l=lang, a=a), CHAT_A[k].format(c=c, l=lang, a=a)
+                lines.append(f"user: {q}")
+                lines.append(f"assistant: {ans}")
+            last = lines.pop()[len("assistant: "):]
+            f.write(json.dumps({"prompt": "\n".join(lines) + "\nassistant:",
+                                "completion": " " + last}) + "\n")
+
+
+def pack() -> None:
+    d = tempfile.mkdtemp()
+    data = os.path.join(d, "chat.jsonl")
+    chat_set(data)
+    print(f"## padded vs packed: {os.path.basename(ARGS.checkpoint)}, LoRA rank 8, synthetic "
+          f"chat set (96 conversations), --batch-size {ARGS.batch} --context "
+          f"{ARGS.pack_context}, backend {ARGS.backend}, {ARGS.pack_steps} interleaved timed steps "
+          f"each after one")
+    print()
+    print("| mode | examples / step | positions / step | example tokens / s | step (s) |")
+    print("|---|---:|---:|---:|---:|")
+    runs = {}
+    for packed in (False, True):
+        s = {"checkpoint": ARGS.checkpoint, "data": data, "val_data": None, "val_fraction": 0.0,
+             "full": False, "lora_rank": 8, "lora_alpha": 16.0,
+             "lora_targets": "q,k,v,o,gate,up,down", "lora_dropout": 0.0, "rslora": False,
+             "steps": 1000, "batch_size": ARGS.batch, "grad_accum": 1,
+             "context": ARGS.pack_context, "lr": 1e-4, "min_lr": 1e-5, "warmup": 1,
+             "weight_decay": 0.0, "grad_clip": 1.0, "eval_interval": 1000, "seed": 0,
+             "backend": ARGS.backend, "skip_bad": False, "pack": packed, "recompute": False}
+        ft = Finetuner(s, os.path.join(d, f"out{int(packed)}"), progress=False,
+                       say=lambda m: None)
+        ft.train_step()  # warm
+        runs[packed] = (ft, ft.sampler.epoch * len(ft.train_ex) + ft.sampler.pos,
+                        ft.tokens_seen, ft.example_tokens, [])
+    for _ in range(ARGS.pack_steps):  # interleaved: padded, packed, padded, ...
+        for ft, *_, times in runs.values():
+            t0 = time.perf_counter()
+            ft.train_step()
+            times.append(time.perf_counter() - t0)
+    rate = {}
+    for packed, (ft, n_ex0, pos0, ex_tok0, times) in runs.items():
+        dt, n = sum(times), ARGS.pack_steps
+        n_ex = ft.sampler.epoch * len(ft.train_ex) + ft.sampler.pos - n_ex0
+        rate[packed] = (ft.example_tokens - ex_tok0) / dt
+        print(f"| {'--pack' if packed else 'padded'} | {n_ex / n:.1f} | "
+              f"{(ft.tokens_seen - pos0) / n:.0f} | {rate[packed]:.1f} | {dt / n:.2f} |")
+    print(f"\npacked / padded example tokens per second: {rate[True] / rate[False]:.2f}; "
+          f"load {os.getloadavg()[0]:.2f} at the end")
+    print()
+
+
+def main() -> int:
+    print(f"# fine-tuning memory and packing — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, {ARGS.threads} threads, "
+          f"load {os.getloadavg()[0]:.2f}, numpy {np.__version__}")
+    print()
+    if "memory" not in ARGS.skip:
+        memory()
+    if "pack" not in ARGS.skip:
+        pack()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
