@@ -344,8 +344,7 @@ def run_cli(args, stdin=None, stdout=None) -> int:
 
 def _open_session(args):
     """(ChatSession, tokenizer) of the command's checkpoint, adapter, tokenizer and settings."""
-    from .formats import detect_format, load_model  # noqa: PLC0415
-    from .generate import resolve_tokenizer  # noqa: PLC0415
+    from .generate import open_model  # noqa: PLC0415
 
     sampling = sampling_kwargs(args)
     if args.max_new_tokens < 1:
@@ -355,13 +354,7 @@ def _open_session(args):
     from pathlib import Path  # noqa: PLC0415
 
     checkpoint = Path(args.checkpoint)
-    fmt = detect_format(checkpoint)
-    model, model_tok = load_model(checkpoint, backend=args.backend, dtype=args.dtype)
-    if getattr(args, "adapter", None):
-        from .lora import apply_adapter  # noqa: PLC0415
-
-        apply_adapter(model, args.adapter)
-    tok = resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt)
+    model, tok, _ = open_model(checkpoint, args)
     if tok is None:
         raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer")
     session = ChatSession(model, tok, system=args.system, max_new_tokens=args.max_new_tokens,

@@ -509,7 +509,6 @@ def _load_for_cli(args):
     """The command's checks, then (model, tokenizer or None, checkpoint path, its format, CUDA
     graph mode): the checkpoint (or the shipped default) loaded with its adapter."""
     from .backends import resolve_name  # noqa: PLC0415
-    from .formats import detect_format, load_model  # noqa: PLC0415
 
     try:
         args.prompt.encode("utf-8")
@@ -528,14 +527,22 @@ def _load_for_cli(args):
         checkpoint = DEFAULT_CHECKPOINT
     else:
         checkpoint = Path(args.checkpoint)
+    model, tok, fmt = open_model(checkpoint, args)
+    return model, tok, checkpoint, fmt, graph_mode
+
+
+def open_model(checkpoint: Path, args):
+    """(model, tokenizer or None, format) of a command's checkpoint, with its ``--adapter``
+    applied and its ``--tokenizer``, ``--backend`` and ``--dtype`` taken."""
+    from .formats import detect_format, load_model  # noqa: PLC0415
+
     fmt = detect_format(checkpoint)
     model, model_tok = load_model(checkpoint, backend=args.backend, dtype=args.dtype)
     if getattr(args, "adapter", None):
         from .lora import apply_adapter  # noqa: PLC0415
 
         apply_adapter(model, args.adapter)
-    tok = resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt)
-    return model, tok, checkpoint, fmt, graph_mode
+    return model, resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt), fmt
 
 
 def _cli_prompt(args, tok, cfg, checkpoint, fmt) -> tuple[list[int], set[int]]:
