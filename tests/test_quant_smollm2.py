@@ -75,6 +75,24 @@ def test_smollm2_q4_1_greedy_tokens_equal_transformers(smollm2):
     assert generate(model, ids, max_new_tokens=n) == want
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dots,tol", [("float", 1e-3), ("int8", 5e-2)])
+def test_smollm2_q4_1_on_numba_gives_transformers_greedy_tokens(smollm2, dots, tol, monkeypatch):
+    """numba computes from the blocks: with float32 activations (exact to float32 rounding) or
+    activations rounded to 8-bit blocks (its default, a few 1e-2 of the largest logit, docs/MATH.md
+    "Quantized products"); both give transformers' greedy tokens on this prompt."""
+    pytest.importorskip("numba")
+    monkeypatch.setenv("MINILLAMA_QUANT_DOTS", dots)
+    path, hf, ids = smollm2
+    n = 16
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, pad_token_id=0)
+    model, _ = load_model(path, backend="numba")
+    assert generate(model, ids, max_new_tokens=n) == out[0, len(ids):].tolist()
+    assert rel_err(model.forward(np.array([ids]))[0], hf_logits(hf, ids)) <= tol
+
+
 @pytest.fixture(scope="module")
 def llama_quantize():
     tool = os.environ.get("MINILLAMA_LLAMA_QUANTIZE")
