@@ -32,14 +32,32 @@ def _int8(qt):  # pragma: no cover - compiled
     return qt == 8 or qt == 2 or qt == 3 or qt == 6 or qt == 7 or (qt >= 10 and qt <= 14)
 
 
+@njit(fastmath=True, cache=True, nogil=True)
+def _mv(qt, W, Wf, x, a8, y, lo, hi, lut, kv):  # pragma: no cover - compiled
+    """y[n] = x_0 . W_n for lo <= n < hi, W_n the dequantized row n of the block matrix W
+    (type qt; qt 0: the float32 matrix Wf): from x's 8-bit blocks a8 = (on, xq, xd, xs)
+    (:func:`.qint8.quantize_row`) when a8[0] and W's type has an integer kernel, else from the
+    float32 x (1, K). A call of its own, so that each loop over rows is compiled for one
+    type (the type test leaves the loop)."""
+    if qt == 0:
+        for n in range(lo, hi):
+            s = np.float32(0)
+            for k in range(x.shape[1]):
+                s += x[0, k] * Wf[n, k]
+            y[n] = s
+    elif a8[0] and _int8(qt):
+        for n in range(lo, hi):
+            y[n] = idot(qt, W, n, a8[1], a8[2], a8[3])
+    else:
+        for n in range(lo, hi):
+            y[n] = _dot(qt, W, n, x, 0, lut, kv, 16)
+
+
 @njit(fastmath=True, cache=True, nogil=True, inline="always")
-def _qd(qt, W, i, x, a8, lut, kv):  # pragma: no cover - compiled
-    """x_0 . W_i, W_i the dequantized row i of the block matrix W (N, row bytes): from x's
-    8-bit blocks a8 = (on, xq, xd, xm) (:func:`.qint8.quantize_row`) when a8[0] and W's type
-    has an integer kernel, else from the float32 x."""
-    if a8[0] and _int8(qt):
-        return idot(qt, W, i, a8[1], a8[2], a8[3])
-    return _dot(qt, W, i, x, 0, lut, kv, 16)
+def _span(N, u, parts):  # pragma: no cover - compiled
+    """Rows [lo, hi) of part u of N rows split into ``parts`` runs of even length (RoPE pairs
+    stay in one run)."""
+    return (N * u // parts) // 2 * 2, (N if u == parts - 1 else (N * (u + 1) // parts) // 2 * 2)
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline="always")
@@ -50,17 +68,6 @@ def _a8(on, x, xq, xd, xm):  # pragma: no cover - compiled
     if on:
         quantize_row(x[0], a[1], a[2], a[3])
     return a
-
-
-@njit(fastmath=True, cache=True, nogil=True, inline="always")
-def _out(qt, W, Wf, v, x, a8, lut, kv):  # pragma: no cover - compiled
-    """Classifier row v: from blocks (qt > 0) or from the float matrix Wf (qt == 0)."""
-    if qt == 0:
-        s = np.float32(0)
-        for k in range(x.shape[1]):
-            s += x[0, k] * Wf[v, k]
-        return s
-    return _qd(qt, W, v, x, a8, lut, kv)
 
 
 def decode_step_one_q(*args):
@@ -109,6 +116,8 @@ def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, 
     xq = np.empty(K8, dtype=np.int8)
     xd = np.empty(K8 // 32, dtype=np.float32)
     xm = np.empty(K8 // 16, dtype=np.float32)
+    y = np.empty(max(qd + 2 * kvd, 2 * F, D), dtype=np.float32)
+    none = np.zeros((1, 1), dtype=np.float32)
     for step in range(n_steps):
         p = pos[0] + step
         n = p + 1
@@ -132,47 +141,51 @@ def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, 
             Vc = vc[layer]
             _rmsnorm_rows(x, g_att[layer], eps, xn)
             a8 = _a8(int8, xn, xq, xd, xm)
-            for i in prange((qd + 2 * kvd) // 2):
-                r = 2 * i
-                if r < qd:
-                    a = _qd(cq, Wq, r, xn, a8, lut, kv)
-                    c = _qd(cq, Wq, r + 1, xn, a8, lut, kv)
-                    d0 = r % hd
-                elif r < qd + kvd:
-                    a = _qd(ck, Wk, r - qd, xn, a8, lut, kv)
-                    c = _qd(ck, Wk, r - qd + 1, xn, a8, lut, kv)
-                    d0 = (r - qd) % hd
-                else:
-                    a = _qd(cv, Wv, r - qd - kvd, xn, a8, lut, kv)
-                    c = _qd(cv, Wv, r - qd - kvd + 1, xn, a8, lut, kv)
-                    d0 = (r - qd - kvd) % hd
-                _rope_store(r, a, c, d0, p, qd, kvd, hd, cos, sin, qkv, Kc, Vc)
+            for u in prange(threads):
+                lo, hi = _span(qd + 2 * kvd, u, threads)
+                _mv(cq, Wq, none, xn, a8, y, lo, min(hi, qd), lut, kv)
+                _mv(ck, Wk, none, xn, a8, y[qd:], max(lo, qd) - qd, min(hi, qd + kvd) - qd,
+                    lut, kv)
+                _mv(cv, Wv, none, xn, a8, y[qd + kvd:], max(lo, qd + kvd) - qd - kvd,
+                    hi - qd - kvd, lut, kv)
+                for r in range(lo, hi, 2):
+                    d0 = (r if r < qd else (r - qd if r < qd + kvd else r - qd - kvd)) % hd
+                    _rope_store(r, y[r], y[r + 1], d0, p, qd, kvd, hd, cos, sin, qkv, Kc, Vc)
             for u in prange(P):
                 _attend_span(qkv[0], Kc[0], Vc[0], u * n // P, (u + 1) * n // P, G, scale,
                              scores[u], ml[u], parts[u])
             _join_spans(ml[:P], parts[:P], att[0])
             a8 = _a8(int8, att, xq, xd, xm)
-            for i in prange(D):
-                x[0, i] += _qd(co, Wo, i, att, a8, lut, kv)
+            for u in prange(threads):
+                lo, hi = _span(D, u, threads)
+                _mv(co, Wo, none, att, a8, y, lo, hi, lut, kv)
+                for i in range(lo, hi):
+                    x[0, i] += y[i]
             _rmsnorm_rows(x, g_ffn[layer], eps, xn)
             a8 = _a8(int8, xn, xq, xd, xm)
-            for i in prange(F):
-                a = _qd(c1, W1, i, xn, a8, lut, kv)
-                h[0, i] = a / (1.0 + np.exp(-a)) * _qd(c3, W3, i, xn, a8, lut, kv)
+            for u in prange(threads):
+                lo, hi = _span(F, u, threads)
+                _mv(c1, W1, none, xn, a8, y, lo, hi, lut, kv)
+                _mv(c3, W3, none, xn, a8, y[F:], lo, hi, lut, kv)
+                for i in range(lo, hi):
+                    a = y[i]
+                    h[0, i] = a / (1.0 + np.exp(-a)) * y[F + i]
             a8 = _a8(int8, h, xq, xd, xm)
-            for i in prange(D):
-                x[0, i] += _qd(c2, W2, i, h, a8, lut, kv)
+            for u in prange(threads):
+                lo, hi = _span(D, u, threads)
+                _mv(c2, W2, none, h, a8, y, lo, hi, lut, kv)
+                for i in range(lo, hi):
+                    x[0, i] += y[i]
         _rmsnorm_rows(x, g_final, eps, xn)
         a8 = _a8(int8, xn, xq, xd, xm)
         if ids.shape[0] == 0:
-            for v in prange(V):
-                logits[0, v] = _out(out_qt, wout, out_f, v, xn, a8, lut, kv)
+            for u in prange(threads):
+                lo, hi = _span(V, u, threads)
+                _mv(out_qt, wout, out_f, xn, a8, logits[0], lo, hi, lut, kv)
             return 1
         for u in prange(threads):
-            lo = u * V // threads
-            hi = (u + 1) * V // threads
-            for v in range(lo, hi):
-                logits[0, v] = _out(out_qt, wout, out_f, v, xn, a8, lut, kv)
+            lo, hi = _span(V, u, threads)
+            _mv(out_qt, wout, out_f, xn, a8, logits[0], lo, hi, lut, kv)
             best[u], finite[u] = _argmax_finite(logits[0], lo, hi)
         t = best[0]
         for u in range(threads):
