@@ -24,6 +24,7 @@ ReLU two-matrix) and ``logit_scale`` s (z = s Norm(h_L) W_out^T).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -278,15 +279,17 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         tok = self._tokens(tokens)
         tgt = self._targets(targets, tok.shape)
         grads: dict[str, Any] = {}
-        if self.lora is not None:
+        # numba rounds activations to 8 bits in quantized products, for inference only
+        with getattr(self.backend, "exact_products", contextlib.nullcontext)():
+            if self.lora is None:
+                loss, grads = self._loss_and_grads(tok, tgt, ignore_index, grads)
+                return loss, {k: grads[k] for k in self.params if grads.get(k) is not None}
             self.lora.training = True  # adapter dropout (when configured) in this forward only
             try:
                 loss, grads = self._loss_and_grads(tok, tgt, ignore_index, grads)
             finally:
                 self.lora.training = False
             return loss, {k: grads[k] for k in self.lora.params}
-        loss, grads = self._loss_and_grads(tok, tgt, ignore_index, grads)
-        return loss, {k: grads[k] for k in self.params if grads.get(k) is not None}
 
     def _loss_and_grads(self, tok, tgt, ignore_index, grads):
         """The forward and backward of :meth:`loss_and_grads`: (loss, every gradient formed)."""

@@ -144,6 +144,18 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
             return composed_linear_cross_entropy_backward(self, dloss, ctx)
         return super().linear_cross_entropy_backward(dloss, ctx)
 
+    def exact_products(self):
+        """A context in which products with GGML block matrices keep float32 activations
+        (:func:`.qint8.exact_products`); the model's training forward runs in it."""
+        from . import qint8  # noqa: PLC0415
+
+        return qint8.exact_products()
+
+    def lora_forward(self, x, w, a, b, scale: float, drop=None):
+        """:meth:`.NumpyBackend.lora_forward`, its quantized base product exact (a training op)."""
+        with self.exact_products():
+            return super().lora_forward(x, w, a, b, scale, drop)
+
     _quant_module = None
 
     def _quant(self):

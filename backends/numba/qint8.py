@@ -24,7 +24,9 @@ Q3_K u = q + 4 (o = 4); the types with mins (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) have 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import numpy as np
 from llvmlite import binding, ir
@@ -53,18 +55,36 @@ _VNNI_BYTES = binding.llvm_version_info[0] >= 21
 INT8_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)
 
 
+_EXACT = threading.local()
+
+
+@contextlib.contextmanager
+def exact_products():
+    """Within it (in this thread) every product with a block matrix keeps float32 activations:
+    the forward that gradients are taken of (training, LoRA) stays exact to float32 rounding."""
+    before = getattr(_EXACT, "on", False)
+    _EXACT.on = True
+    try:
+        yield
+    finally:
+        _EXACT.on = before
+
+
 def int8_enabled() -> bool:
-    """Whether the float32 decode products of block matrices round the activations to 8 bits
-    (the default; ``MINILLAMA_QUANT_DOTS=float`` keeps float32 activations)."""
+    """Whether the float32 products of block matrices round the activations to 8 bits (the
+    default for inference; ``MINILLAMA_QUANT_DOTS=float`` or :func:`exact_products` keeps
+    float32 activations)."""
+    if getattr(_EXACT, "on", False):
+        return False
     return os.environ.get("MINILLAMA_QUANT_DOTS", "int8").strip().lower() != "float"
 
 
 # ---------------------------------------------------------------------------------------------
 # IR pieces
 # ---------------------------------------------------------------------------------------------
-def _dot4(builder, u, s, vnni):
+def _dot4(builder, u, s, vnni, acc=None):
     """Sums of 4 consecutive products u_k s_k (u unsigned, s signed bytes, <n x i8>) as
-    <n/4 x i32>."""
+    <n/4 x i32>, added to acc (<n/4 x i32>) when given."""
     n = u.type.count
     if vnni:
         t = _vec(_I32, n // 4)
@@ -75,10 +95,11 @@ def _dot4(builder, u, s, vnni):
             args = [builder.bitcast(u, t), builder.bitcast(s, t)]
         fnty = ir.FunctionType(t, [t, args[0].type, args[1].type])
         fn = builder.module.globals.get(name) or ir.Function(builder.module, fnty, name)
-        return builder.call(fn, [ir.Constant(t, [0] * (n // 4))] + args)
+        return builder.call(fn, [acc or ir.Constant(t, [0] * (n // 4))] + args)
     p = builder.mul(builder.zext(u, _vec(_I32, n)), builder.sext(s, _vec(_I32, n)))
     parts = [_shuf(builder, p, range(j, n, 4)) for j in range(4)]
-    return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+    out = builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+    return out if acc is None else builder.add(acc, out)
 
 
 def _cat(builder, a, b):

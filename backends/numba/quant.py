@@ -6,15 +6,15 @@ quantized weight) read W's blocks directly; W is never held dequantized as a who
 Method: each block is decoded into float32 values in registers (w = d q or w = d q - m with the
 block's scales and small integer codes q) and dotted with float32 activations, summed in float32:
 the result is the product with the dequantized matrix up to float32 rounding (docs/MATH.md,
-"Quantized products"). Exception, by default: few rows of x times a type of
-:data:`.qint8.INT8_TYPES` round x to 8-bit blocks and take the integer dots of :mod:`.qint8`
-(``MINILLAMA_QUANT_DOTS=float`` keeps them in float32).
+"Quantized products"). Exception, by default: x times a type of :data:`.qint8.INT8_TYPES`
+rounds x to 8-bit blocks and takes integer dots, :mod:`.qint8` for few rows, the integer GEMM
+tiles of :mod:`.qgemm8` for more (``MINILLAMA_QUANT_DOTS=float`` keeps both in float32).
 
 * few rows in x (decoding, M <= :data:`GEMV_MAX_ROWS`): one call per (row of W, row of x) of a
   row kernel of :mod:`.qsimd` (explicit LLVM vector code: unpack, convert, scale, FMA into a
   vector accumulator, one horizontal sum per row), the rows of W split over the Numba threads
   from :data:`PARALLEL_MIN_WORK` on;
-* more rows (prefill, training): each thread dequantizes a tile of :data:`TILE_N` rows of W into
+* more rows (prefill, training), float32 activations: each thread dequantizes a tile of :data:`TILE_N` rows of W into
   its own float32 buffer (the same vector decoding, stored) and multiplies it by x with
   OpenBLAS's GEMM (:mod:`.blas`), or NumPy's matmul when no OpenBLAS was found.
 
@@ -428,6 +428,15 @@ def qmatmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
             _gemv_parallel(qt, x, w.data, y, _F16, _KVALUES, 16, parts)
         else:
             _gemv_serial(qt, x, w.data, y, _F16, _KVALUES, 16)
+        return y
+    from . import qint8  # noqa: PLC0415
+
+    if qt in qint8.INT8_TYPES and qint8.int8_enabled():
+        import numba  # noqa: PLC0415
+
+        from . import qgemm8  # noqa: PLC0415
+
+        qgemm8.gemm(qt, x, w.data, y, numba.get_num_threads())
         return y
     fn, ilp64 = blas.gemm_address(np.float32)
     from ..numpy import threads as cpu_threads  # noqa: PLC0415
