@@ -3,10 +3,14 @@
 to the float32 products of the same backend on the same shape: the linear layers of the 134M
 llama2.c shape (dim 768, hidden 2048, vocab 32000).
 
-* M = 1 (decoding): ``qmatmul`` against the float32 Numba GEMV (``gemv.py``, one thread by
-  design); effective GB/s = bytes of W / time; ratio = float32 time / quantized time.
-* M = ``--prefill`` rows (prefill): ``qmatmul`` (dequantized tiles + OpenBLAS GEMM) against the
+* M = 1 (decoding): ``qmatmul`` (8-bit activation dots of ``qint8.py``) against the float32
+  Numba GEMV (``gemv.py``, one thread by design); effective GB/s = bytes of W / time; ratio =
+  float32 time / quantized time.
+* M = ``--prefill`` rows (prefill): ``qmatmul`` (the integer GEMM of ``qgemm8.py``) against the
   float32 GEMM (``blas.matmul``, rows over the Numba threads).
+
+``MINILLAMA_QUANT_DOTS=float`` times the float32-activation paths instead (block kernels of
+``qsimd.py``, dequantized tiles + OpenBLAS GEMM).
 
 The weights are random valid blocks (random bytes, fp16 scales finite and modest): the time of
 these kernels does not depend on the values. Sides are interleaved: each repeat times every side
