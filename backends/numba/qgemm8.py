@@ -47,45 +47,35 @@ def _store(builder, v, addr, off):
 # ---------------------------------------------------------------------------------------------
 # unpacking one row of blocks into codes, A and C
 # ---------------------------------------------------------------------------------------------
-def _unpack32(qt):
-    size = _SIZE32[qt]
+def _codes(qt, builder, blk, dst):
+    """Store the codes of the block (K super-block) at blk to dst; return its (A, C): float
+    scalars for a block of 32, vectors of one entry per sub-block for a K super-block."""
+    if qt == 8:  # Q8_0: the signed codes as stored, C = 0
+        _store(builder, _b(builder, blk, 2, 32), dst, 0)
+        return _half(builder, blk, 0), ir.Constant(_F32, 0.0)
+    if qt in _SIZE32:
+        u, a, c = _block32(qt, builder, blk)
+        _store(builder, u, dst, 0)
+        return a, c
+    for c in range(4):
+        _store(builder, _kchunk(qt, builder, blk, c), dst, 64 * c)
+    A, B = _kscales(_KNAME[qt], builder, blk)
+    n = A.type.count
+    if B is None:
+        return A, builder.fmul(A, _splat(builder, ir.Constant(_F32, _OFFSET[qt]), n))
+    return A, builder.fsub(_splat(builder, ir.Constant(_F32, 0.0), n), B)
+
+
+def _unpack_ir(qt):
+    size, per = (_SIZE32[qt], 32) if qt in _SIZE32 else (_SIZEK[qt], 256)
 
     def codegen(context, builder, signature, args):
         pw, pu, pa, pc, nb = args
         with cgutils.for_range(builder, nb) as loop:
             i = loop.index
             blk = builder.add(pw, builder.mul(i, ir.Constant(_I64, size)))
-            dst = builder.add(pu, builder.mul(i, ir.Constant(_I64, 32)))
-            if qt == 8:  # Q8_0: the signed codes as stored, C = 0
-                u, a, c = _b(builder, blk, 2, 32), _half(builder, blk, 0), ir.Constant(_F32, 0.0)
-            else:
-                u, a, c = _block32(qt, builder, blk)
-            _store(builder, u, dst, 0)
-            _store(builder, a, builder.add(pa, builder.mul(i, ir.Constant(_I64, 4))), 0)
-            _store(builder, c, builder.add(pc, builder.mul(i, ir.Constant(_I64, 4))), 0)
-        return context.get_dummy_value()
-
-    return codegen
-
-
-def _unpackk(qt):
-    size = _SIZEK[qt]
-
-    def codegen(context, builder, signature, args):
-        pw, pu, pa, pc, nb = args
-        with cgutils.for_range(builder, nb) as loop:
-            i = loop.index
-            blk = builder.add(pw, builder.mul(i, ir.Constant(_I64, size)))
-            dst = builder.add(pu, builder.mul(i, ir.Constant(_I64, 256)))
-            for c in range(4):
-                _store(builder, _kchunk(qt, builder, blk, c), dst, 64 * c)
-            A, B = _kscales(_KNAME[qt], builder, blk)
-            n = A.type.count
-            if B is None:
-                C = builder.fmul(A, _splat(builder, ir.Constant(_F32, _OFFSET[qt]), n))
-            else:
-                C = builder.fsub(_splat(builder, ir.Constant(_F32, 0.0), n), B)
-            off = builder.mul(i, ir.Constant(_I64, 4 * n))
+            A, C = _codes(qt, builder, blk, builder.add(pu, builder.mul(i, ir.Constant(_I64, per))))
+            off = builder.mul(i, ir.Constant(_I64, 4 * (per // GROUP[qt])))
             _store(builder, A, builder.add(pa, off), 0)
             _store(builder, C, builder.add(pc, off), 0)
         return context.get_dummy_value()
@@ -94,7 +84,7 @@ def _unpackk(qt):
 
 
 def _make_unpack(qt):
-    gen = _unpackk(qt) if qt in _SIZEK else _unpack32(qt)
+    gen = _unpack_ir(qt)
 
     @intrinsic
     def unpack_row(typingctx, pw, pu, pa, pc, nblocks):
