@@ -38,6 +38,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .fastmath import fexp
+
 #: output rows of W per tile of :func:`_tile` and per parallel iteration of :func:`decode_step`
 #: (even: a tile holds whole RoPE pairs)
 TILE = 4
@@ -234,12 +236,12 @@ def _attend(qkv, Kc, Vc, b, k0, k1, G, n, scale, sc, att):  # pragma: no cover -
                 sc[b * H + h, j] = s * scale
     for h in range(h0, h1):
         row = sc[b * H + h]
-        m = -np.inf
+        m = att.dtype.type(-np.inf)  # in the scores' dtype: float32 e^x widens (fexp)
         for j in range(n):
             m = max(m, row[j])
         tot = 0.0
         for j in range(n):
-            e = np.exp(row[j] - m)
+            e = fexp(row[j] - m)
             row[j] = e
             tot += e
         inv = 1.0 / tot
@@ -263,26 +265,31 @@ def _attend_span(q, Kc, Vc, j0, j1, G, scale, sc, ml, o):  # pragma: no cover - 
     s_j = q_h . k_j * scale, m_h = max_j s_j, l_h = sum_j e^{s_j - m_h},
     o_h = sum_j e^{s_j - m_h} v_j. q: (H*hd,); Kc, Vc: (S_max, KVH, hd) the sequence's cache;
     sc: (H, >= j1 - j0) scores scratch; ml: (H, 2) gets m_h, l_h; o: (H*hd,) gets o_h.
-    The rows are read in memory order, each once for all heads."""
+    The rows are read in memory order, each once for all heads; each head's part of q and o is
+    a slice (an index computed as h hd + d would need a wraparound test per element, which
+    keeps the loops over hd from widening); the maximum and e^x stay in the cache's dtype
+    (float32: :func:`.fastmath.fexp`, which the compiler widens)."""
     KVH, hd = Kc.shape[1], Kc.shape[2]
     H = KVH * G
     for j in range(j0, j1):
         for kh in range(KVH):
             kr = Kc[j, kh]
             for h in range(kh * G, (kh + 1) * G):
+                qh = q[h * hd:(h + 1) * hd]  # a slice: its loop index needs no wraparound
                 s = o.dtype.type(0)
                 for d in range(hd):
-                    s += q[h * hd + d] * kr[d]
+                    s += qh[d] * kr[d]
                 sc[h, j - j0] = s * scale
     o[:] = 0
     for h in range(H):
-        m = -np.inf
+        srow = sc[h]
+        m = o.dtype.type(-np.inf)
         for j in range(j1 - j0):
-            m = max(m, sc[h, j])
+            m = max(m, srow[j])
         tot = 0.0
         for j in range(j1 - j0):
-            e = np.exp(sc[h, j] - m)
-            sc[h, j] = e
+            e = fexp(srow[j] - m)
+            srow[j] = e
             tot += e
         ml[h, 0] = m
         ml[h, 1] = tot
@@ -291,8 +298,9 @@ def _attend_span(q, Kc, Vc, j0, j1, G, scale, sc, ml, o):  # pragma: no cover - 
             vr = Vc[j, kh]
             for h in range(kh * G, (kh + 1) * G):
                 w = sc[h, j - j0]
+                oh = o[h * hd:(h + 1) * hd]
                 for d in range(hd):
-                    o[h * hd + d] += w * vr[d]
+                    oh[d] += w * vr[d]
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline='always')
