@@ -567,6 +567,25 @@ def _argmax_finite(z, lo, hi):  # pragma: no cover - compiled
     return best, ok
 
 
+@njit(cache=True, nogil=True, inline='always')
+def _pick(z, best, finite, stop, ids, step):  # pragma: no cover - compiled
+    """The greedy token of a step from each thread's (best[u], finite[u]) over its run of z:
+    the first maximum, written to ids[step] (-1 when some logit is not finite). Returns
+    (t, whether decoding ends here: a non-finite logit or t in ``stop``)."""
+    t = best[0]
+    for u in range(best.shape[0]):
+        if not finite[u]:
+            ids[step] = -1
+            return t, True
+        if z[best[u]] > z[t]:
+            t = best[u]
+    ids[step] = t
+    for s in stop:
+        if t == s:
+            return t, True
+    return t, False
+
+
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
 def decode_step_one(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, w2, w3,
                     kc, vc, cos, sin, eps, n_heads, zero, logits, threads, stop,
@@ -661,15 +680,7 @@ def decode_step_one(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, 
             for v in range(lo, hi):
                 logits[0, v] = _dot(xn, wout, v, zero)
             best[u], finite[u] = _argmax_finite(logits[0], lo, hi)
-        t = best[0]
-        for u in range(threads):
-            if not finite[u]:
-                ids[step] = -1
-                return step + 1
-            if logits[0, best[u]] > logits[0, t]:
-                t = best[u]
-        ids[step] = t
-        for s in stop:
-            if t == s:
-                return step + 1
+        t, done = _pick(logits[0], best, finite, stop, ids, step)
+        if done:
+            return step + 1
     return n_steps

@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .decode import _argmax_finite, _attend_span, _join_spans, _rmsnorm_rows, _rope_store
+from .decode import (_argmax_finite, _attend_span, _join_spans, _pick, _rmsnorm_rows,
+                     _rope_store)
 from .qint8 import idot, int8_enabled, quantize_row
 from .quant import _dequant_row, _dot
 
@@ -187,15 +188,7 @@ def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, 
             lo, hi = _span(V, u, threads)
             _mv(out_qt, wout, out_f, xn, a8, logits[0], lo, hi, lut, kv)
             best[u], finite[u] = _argmax_finite(logits[0], lo, hi)
-        t = best[0]
-        for u in range(threads):
-            if not finite[u]:
-                ids[step] = -1
-                return step + 1
-            if logits[0, best[u]] > logits[0, t]:
-                t = best[u]
-        ids[step] = t
-        for s in stop:
-            if t == s:
-                return step + 1
+        t, done = _pick(logits[0], best, finite, stop, ids, step)
+        if done:
+            return step + 1
     return n_steps
