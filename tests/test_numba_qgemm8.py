@@ -14,35 +14,20 @@ import numpy as np
 import pytest
 
 from minillama.backends import get_backend
-from minillama.errors import MinillamaError
 from minillama.quant import BLOCKS
+# skips where tests/test_numba_qint8.py skips (no gguf-py, no numba)
+from test_numba_qint8 import I8, Q, U, njit, oracle, random_matrix, rounded
 
-pytest.importorskip("gguf", reason="gguf-py (the format's reference dequantizer)")
+from minillama.backends.numba import qgemm8 as G8  # after the skips: it imports numba
 
-try:
-    get_backend("numba")
-except MinillamaError as e:  # pragma: no cover - numba missing
-    pytest.skip(f"numba backend unavailable: {e}", allow_module_level=True)
-
-from numba import njit  # noqa: E402
-
-from minillama.backends.numba import qgemm8 as G8  # noqa: E402
-from minillama.backends.numba import qint8 as I8  # noqa: E402
-from minillama.backends.numba import quant as Q  # noqa: E402
-from test_numba_quant import oracle, random_matrix  # noqa: E402
-
-U = 2.0 ** -24
 TYPES = sorted(t for t in BLOCKS if BLOCKS[t][0] in G8.GEMM8_TYPES)
 
 
-def rounded(x):
+def rounded_rows(x):
     """The rows of x as the kernels round them, float64 (M, K)."""
-    M, K = x.shape
-    out = np.empty((M, K))
-    for m in range(M):
-        xq, xd, xs = np.empty(K, np.int8), np.empty(K // 32, np.float32), np.empty(K // 16,
-                                                                                np.float32)
-        I8.quantize_row(x[m], xq, xd, xs)
+    out = np.empty(x.shape)
+    for m in range(x.shape[0]):
+        xq, xd, _ = rounded(x[m])
         out[m] = np.repeat(xd.astype(np.float64), 32) * xq
     return out
 
@@ -64,7 +49,7 @@ def test_gemm_against_the_rounded_activations(qtype):
         W = oracle(w)
         x = (rng.standard_normal((M, K)) * rng.uniform(0.1, 3, (M, 1))).astype(np.float32)
         x[0, rng.integers(0, K)] *= 40  # an outlier in one block
-        xr = rounded(x)
+        xr = rounded_rows(x)
         for parts in (1, 2):
             y = np.full((M, N), np.nan, np.float32)
             G8.gemm(qt, x, w.data, y, parts)
@@ -109,7 +94,7 @@ def test_vnni_and_portable_tiles_agree(G):
         outs.append(out)
     np.testing.assert_array_equal(outs[0], outs[1])
     W = oracle(w)
-    np.testing.assert_allclose(outs[1], W @ rounded(x).T, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(outs[1], W @ rounded_rows(x).T, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
@@ -125,7 +110,7 @@ def test_qmatmul_rounds_many_rows_unless_asked_for_float(qtype, monkeypatch):
     tight = (K + 2) * U * (np.abs(x) @ np.abs(W).T)
     monkeypatch.delenv("MINILLAMA_QUANT_DOTS", raising=False)
     y8 = Q.qmatmul(x, w)
-    xr = rounded(x)
+    xr = rounded_rows(x)
     assert np.all(np.abs(y8 - xr @ W.T) <= 4 * (K + 2) * U * (np.abs(xr) @ np.abs(W).T))
     assert not np.all(np.abs(y8 - exact) <= tight)  # rounded: the integer path was taken
     with get_backend("numba").exact_products():
