@@ -10,7 +10,7 @@ region) and each thread calls OpenBLAS's ``cblas_?gemm`` on its rows with OpenBL
 thread: the same BLAS kernels, the same threads as every other Numba kernel of the step.
 
 The ``cblas_sgemm``/``cblas_dgemm`` of the OpenBLAS that NumPy loaded are found by name
-(:func:`..numpy.threads.openblas_library`) and called through their address, which the kernels
+(:func:`..numpy.threads.openblas_gemms`) and called through their address, which the kernels
 take as an ordinary integer argument (so they stay cacheable). Without such an OpenBLAS
 (another BLAS, no ``/proc``) :func:`available` is False and the backend keeps its NumPy path.
 
@@ -32,10 +32,11 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ..numpy import threads as cpu_threads
+from ..numpy.cblas import operand
 
 _opts = dict(cache=True, nogil=True)
-#: CBLAS constants (row-major order; no transpose / transpose)
-_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+_ROW_MAJOR, _NO_TRANS, _TRANS = (cpu_threads.CBLAS_ROW_MAJOR, cpu_threads.CBLAS_NO_TRANS,
+                                 cpu_threads.CBLAS_TRANS)
 #: a product is split over the threads only with at least this many multiply-adds and
 #: :data:`SPLIT_MIN_ROWS` rows per thread (below, one call on the calling thread)
 SPLIT_MIN_MACS = 1 << 20
@@ -49,18 +50,11 @@ def _symbols():
     global _found
     if _found is None:
         _found = False
-        lib = cpu_threads.openblas_library()
-        if lib is not None:
-            lib, prefix, suffix = lib
-            try:
-                config = getattr(lib, f"{prefix}openblas_get_config{suffix}")
-                config.restype = ctypes.c_char_p
-                ilp64 = b"USE64BITINT" in (config() or b"")
-                addr = [ctypes.cast(getattr(lib, f"{prefix}cblas_{t}gemm{suffix}"),
-                                    ctypes.c_void_p).value for t in "sd"]
-            except AttributeError:
-                addr = None
-            if addr and all(addr) and cpu_threads.openblas_api() is not None:
+        found = cpu_threads.openblas_gemms()
+        if found is not None and cpu_threads.openblas_api() is not None:
+            ilp64, gemms = found
+            addr = [ctypes.cast(gemms[t], ctypes.c_void_p).value for t in "sd"]
+            if all(addr):
                 _found = (addr[0], addr[1], ilp64)
     return _found or None
 
@@ -138,18 +132,6 @@ def _gemm_rows(fn, ilp64, ta, tb, m, n, k, alpha, pa, lda, pb, ldb, beta, pc, ld
                  pc + lo * ldc * isz, ldc)
 
 
-def _operand(x, isz):
-    """(transposed?, leading dimension) of a 2-D operand for row-major CBLAS, or None when its
-    strides fit neither a row-major matrix nor the transpose of one."""
-    r, c = x.shape
-    s0, s1 = x.strides
-    if (s1 == isz or c == 1) and s0 % isz == 0 and s0 // isz >= max(c, 1):
-        return False, s0 // isz
-    if (s0 == isz or r == 1) and s1 % isz == 0 and s1 // isz >= max(r, 1):
-        return True, s1 // isz
-    return None
-
-
 def matmul(a, b, out, threads: int, beta: float = 0.0) -> bool:
     r"""out \leftarrow a b + \beta\, out for 2-D float32/float64 arrays a: (M, K), b: (K, N),
     out: (M, N) (rows contiguous), each operand row-major or the transpose of a row-major array;
@@ -166,7 +148,7 @@ def matmul(a, b, out, threads: int, beta: float = 0.0) -> bool:
     if b.shape[0] != K or out.shape != (M, N) or 0 in (M, N, K) or not out.flags.writeable:
         return False
     isz = dt.itemsize
-    oa, ob = _operand(a, isz), _operand(b, isz)
+    oa, ob = operand(a), operand(b)
     if oa is None or ob is None or out.strides[1] != isz and N > 1:
         return False
     ldc = out.strides[0] // isz

@@ -6,7 +6,7 @@ a temporary and one more pass over both (``out += a @ b``). A LoRA layer adds th
 s (x A^T) B^T to the frozen product x W^T, and its backward adds (\bar{u} A) to \bar{y} W: with
 rank r the GEMM itself is cheap and those passes over (N, out) are most of its cost. Calling the
 CBLAS GEMM with \beta = 1 accumulates in the one pass the product needs. Without an OpenBLAS whose
-symbols can be found (:func:`.threads.openblas_library`) :func:`gemm_acc` falls back to NumPy.
+symbols can be found (:func:`.threads.openblas_gemms`) :func:`gemm_acc` falls back to NumPy.
 
     out \leftarrow a\, b + out,\quad a: (M, K),\ b: (K, N),\ out: (M, N)
 """
@@ -17,10 +17,10 @@ import ctypes
 
 import numpy as np
 
-from .threads import num_threads, parallel_rows, single_threaded_blas, openblas_library
-
-#: CBLAS constants (row-major; no transpose / transpose)
-_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+from .threads import CBLAS_NO_TRANS as _NO_TRANS
+from .threads import CBLAS_ROW_MAJOR as _ROW_MAJOR
+from .threads import CBLAS_TRANS as _TRANS
+from .threads import num_threads, openblas_gemms, parallel_rows, single_threaded_blas
 #: products with fewer multiply-adds than this run on the calling thread
 SPLIT_MIN_MACS = 1 << 22
 SPLIT_MIN_ROWS = 64
@@ -34,27 +34,23 @@ def _functions():
     if _fns is not None:
         return _fns
     _fns = {}
-    found = openblas_library()
+    found = openblas_gemms()
     if found is None:
         return _fns
-    lib, prefix, suffix = found
-    try:
-        config = getattr(lib, f"{prefix}openblas_get_config{suffix}")
-        config.restype = ctypes.c_char_p
-        ii = ctypes.c_int64 if b"USE64BITINT" in (config() or b"") else ctypes.c_int
-        for dt, letter, ft in ((np.float32, "s", ctypes.c_float), (np.float64, "d", ctypes.c_double)):
-            fn = getattr(lib, f"{prefix}cblas_{letter}gemm{suffix}")
-            fn.restype = None
-            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ii, ii, ii, ft,
-                           ctypes.c_void_p, ii, ctypes.c_void_p, ii, ft, ctypes.c_void_p, ii]
-            _fns[np.dtype(dt)] = fn
-    except AttributeError:
-        _fns = {}
+    ilp64, gemms = found
+    ii = ctypes.c_int64 if ilp64 else ctypes.c_int
+    for dt, letter, ft in ((np.float32, "s", ctypes.c_float), (np.float64, "d", ctypes.c_double)):
+        fn = gemms[letter]
+        fn.restype = None
+        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ii, ii, ii, ft,
+                       ctypes.c_void_p, ii, ctypes.c_void_p, ii, ft, ctypes.c_void_p, ii]
+        _fns[np.dtype(dt)] = fn
     return _fns
 
 
-def _operand(x):
-    """(transposed?, leading dimension) of a 2-D operand for row-major CBLAS, or None."""
+def operand(x):
+    """(transposed?, leading dimension) of a 2-D operand for row-major CBLAS, or None when its
+    strides fit neither a row-major matrix nor the transpose of one."""
     isz = x.itemsize
     r, c = x.shape
     s0, s1 = x.strides
@@ -73,7 +69,7 @@ def _cblas_acc(a, b, out, split: bool) -> bool:
         return False
     M, K = a.shape
     N = b.shape[1]
-    oa, ob = _operand(a), _operand(b)
+    oa, ob = operand(a), operand(b)
     isz = dt.itemsize
     if (oa is None or ob is None or (out.strides[1] != isz and N > 1)
             or out.strides[0] % isz or out.strides[0] // isz < N):

@@ -116,6 +116,29 @@ def openblas_library():
     return None
 
 
+#: CBLAS constants (row-major order; no transpose / transpose)
+CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS = 101, 111, 112
+
+
+def openblas_gemms():
+    """(ilp64, {"s": cblas_sgemm, "d": cblas_dgemm} as ctypes functions) of the OpenBLAS that
+    NumPy loaded (ilp64: its integers are 64-bit); None when it or the symbols are not found.
+    The GEMMs that :mod:`.cblas` calls from Python and the Numba kernels call by address."""
+    found = openblas_library()
+    if found is None:
+        return None
+    import ctypes  # noqa: PLC0415
+
+    lib, prefix, suffix = found
+    try:
+        config = getattr(lib, f"{prefix}openblas_get_config{suffix}")
+        config.restype = ctypes.c_char_p
+        ilp64 = b"USE64BITINT" in (config() or b"")
+        return ilp64, {t: getattr(lib, f"{prefix}cblas_{t}gemm{suffix}") for t in "sd"}
+    except AttributeError:
+        return None
+
+
 def openblas_api():
     """(get, set) of the OpenBLAS that NumPy loaded (see :func:`openblas_library`); None if the
     BLAS is not OpenBLAS or cannot be found (then thread control is a no-op)."""
