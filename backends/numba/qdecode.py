@@ -55,6 +55,14 @@ def _mv(qt, W, Wf, x, a8, y, lo, hi, lut, kv):  # pragma: no cover - compiled
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline="always")
+def _mv_add(qt, W, v, a8, x, y, lo, hi, lut, kv, none):  # pragma: no cover - compiled
+    """x_0[lo:hi] += (v_0 W^T)[lo:hi], y scratch: a product with its residual add."""
+    _mv(qt, W, none, v, a8, y, lo, hi, lut, kv)
+    for i in range(lo, hi):
+        x[0, i] += y[i]
+
+
+@njit(fastmath=True, cache=True, nogil=True, inline="always")
 def _span(N, u, parts):  # pragma: no cover - compiled
     """Rows [lo, hi) of part u of N rows split into ``parts`` runs of even length (RoPE pairs
     stay in one run)."""
@@ -159,9 +167,7 @@ def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, 
             a8 = _a8(int8, att, xq, xd, xm)
             for u in prange(threads):
                 lo, hi = _span(D, u, threads)
-                _mv(co, Wo, none, att, a8, y, lo, hi, lut, kv)
-                for i in range(lo, hi):
-                    x[0, i] += y[i]
+                _mv_add(co, Wo, att, a8, x, y, lo, hi, lut, kv, none)
             _rmsnorm_rows(x, g_ffn[layer], eps, xn)
             a8 = _a8(int8, xn, xq, xd, xm)
             for u in prange(threads):
@@ -174,9 +180,7 @@ def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, 
             a8 = _a8(int8, h, xq, xd, xm)
             for u in prange(threads):
                 lo, hi = _span(D, u, threads)
-                _mv(c2, W2, none, h, a8, y, lo, hi, lut, kv)
-                for i in range(lo, hi):
-                    x[0, i] += y[i]
+                _mv_add(c2, W2, h, a8, x, y, lo, hi, lut, kv, none)
         _rmsnorm_rows(x, g_final, eps, xn)
         a8 = _a8(int8, xn, xq, xd, xm)
         if ids.shape[0] == 0:
