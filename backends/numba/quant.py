@@ -401,7 +401,10 @@ def _parallel() -> bool:
 
 
 def qmatmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
-    r"""y = x W^T, y_{mn} = \sum_k x_{mk} W_{nk}, W dequantized block by block (float32 sums).
+    r"""y = x W^T, y_{mn} = \sum_k x_{mk} W_{nk} from W's blocks: for a type of
+    :data:`.qint8.INT8_TYPES` (unless :func:`.qint8.int8_enabled` says no) x rounded to 8-bit
+    blocks and integer dots (:mod:`.qint8` up to :data:`GEMV_MAX_ROWS` rows, :mod:`.qgemm8`
+    beyond), else float32 sums of the dequantized blocks (row kernels, or tiles and a GEMM).
     x: float32 (M, K); W: QuantMatrix (N, K). Returns float32 (M, N)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     M, K = x.shape
@@ -411,32 +414,29 @@ def qmatmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
     y = np.empty((M, N), dtype=np.float32)
     if M == 0 or N == 0:
         return y
-    if M <= GEMV_MAX_ROWS or not blas.available():
-        if M > GEMV_MAX_ROWS:  # no OpenBLAS to call from the kernels: NumPy on dequantized tiles
-            for n0 in range(0, N, 4 * TILE_N):
-                n1 = min(N, n0 + 4 * TILE_N)
-                np.matmul(x, dequantize_rows(w, n0, n1).T, out=y[:, n0:n1])
-            return y
-        import numba  # noqa: PLC0415
+    import numba  # noqa: PLC0415
 
+    from . import qint8  # noqa: PLC0415
+
+    int8 = qt in qint8.INT8_TYPES and qint8.int8_enabled()
+    if M <= GEMV_MAX_ROWS:
         parts = numba.get_num_threads() if _parallel() and M * N * K >= PARALLEL_MIN_WORK else 1
-        from . import qint8  # noqa: PLC0415
-
-        if qt in qint8.INT8_TYPES and qint8.int8_enabled():
+        if int8:
             qint8.gemv(qt, x, w.data, y, parts)
         elif parts > 1:
             _gemv_parallel(qt, x, w.data, y, _F16, _KVALUES, 16, parts)
         else:
             _gemv_serial(qt, x, w.data, y, _F16, _KVALUES, 16)
         return y
-    from . import qint8  # noqa: PLC0415
-
-    if qt in qint8.INT8_TYPES and qint8.int8_enabled():
-        import numba  # noqa: PLC0415
-
+    if int8:
         from . import qgemm8  # noqa: PLC0415
 
         qgemm8.gemm(qt, x, w.data, y, numba.get_num_threads())
+        return y
+    if not blas.available():  # no OpenBLAS to call from the kernels: NumPy on dequantized tiles
+        for n0 in range(0, N, 4 * TILE_N):
+            n1 = min(N, n0 + 4 * TILE_N)
+            np.matmul(x, dequantize_rows(w, n0, n1).T, out=y[:, n0:n1])
         return y
     fn, ilp64 = blas.gemm_address(np.float32)
     from ..numpy import threads as cpu_threads  # noqa: PLC0415
