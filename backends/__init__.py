@@ -6,7 +6,7 @@ A backend is an object with
   activations;
 * one attribute per named op, ``<op>_forward`` / ``<op>_backward`` for ``embedding``, ``linear``,
   ``rmsnorm``, ``rope``, ``attention``, ``swiglu`` and ``cross_entropy``, with the signatures of
-  :mod:`minillama.ops` (the reference math). A backend replaces only the pairs it makes faster;
+  :mod:`minillama.core.ops` (the reference math). A backend replaces only the pairs it makes faster;
   the rest are inherited (``reference`` is the plain ops; ``numpy`` overrides most of them with
   the threaded CPU path and ``numba`` derives from it; ``cupy`` derives from ``reference``);
 * helpers ``asarray``, ``to_numpy`` and ``synchronize``.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from ..errors import MinillamaError
+from minillama.core.errors import MinillamaError
 
 #: name -> "module:Class", imported lazily
 BACKENDS: dict[str, str] = {
@@ -74,7 +74,7 @@ def get_backend(name=None):
     """The (cached) backend instance for ``name`` (see :func:`resolve_name`).
 
     A backend object passes through unchanged. A backend whose requirements are missing (no Numba,
-    no CuPy, no GPU) raises :class:`~minillama.errors.MinillamaError` saying what to install.
+    no CuPy, no GPU) raises :class:`~minillama.core.errors.MinillamaError` saying what to install.
     """
     if name is not None and not isinstance(name, str):
         return name

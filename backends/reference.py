@@ -1,7 +1,7 @@
-"""The ``reference`` backend: NumPy arrays and the plain ops of :mod:`minillama.ops`, nothing else.
+"""The ``reference`` backend: NumPy arrays and the plain ops of :mod:`minillama.core.ops`, nothing else.
 
 No threads, no BLAS or allocator tuning: ``minillama generate --backend reference`` runs the math
-exactly as ``minillama/ops.py`` writes it. The other backends derive from this class and override
+exactly as ``minillama/core/ops.py`` writes it. The other backends derive from this class and override
 only the op pairs they make faster (``numpy`` and ``numba`` on the CPU, ``cupy`` on a GPU).
 """
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import ops
-from ..quant import QuantMatrix
+from minillama.core import ops
+from minillama.core.quant import QuantMatrix
 
 
 class ReferenceBackend:
-    """NumPy on the CPU, every op straight from :mod:`minillama.ops`."""
+    """NumPy on the CPU, every op straight from :mod:`minillama.core.ops`."""
 
     name = "reference"
     device = "cpu"
@@ -22,7 +22,7 @@ class ReferenceBackend:
     def __init__(self) -> None:
         self.xp = np
 
-    # the named ops (forward and backward side by side, as in minillama.ops)
+    # the named ops (forward and backward side by side, as in minillama.core.ops)
     embedding_forward = staticmethod(ops.embedding_forward)
     embedding_backward = staticmethod(ops.embedding_backward)
     linear_forward = staticmethod(ops.linear_forward)
@@ -91,7 +91,7 @@ class ReferenceBackend:
 # the loss head composed of a backend's own linear and cross-entropy ops (bound as methods by the
 # backends that have fast versions of those two but no fused head: cupy, mixed precision)
 def composed_linear_cross_entropy_forward(self, x, w, targets, ignore_index: int = -1):
-    r"""z = x W^T, L = CE(z, y) (:func:`minillama.ops.linear_cross_entropy_forward`) through
+    r"""z = x W^T, L = CE(z, y) (:func:`minillama.core.ops.linear_cross_entropy_forward`) through
     ``self.linear_forward`` and ``self.cross_entropy_forward``. x: (N, D); w: (V, D);
     targets: (N,). Returns (0-d loss, ctx)."""
     z, c_lin = self.linear_forward(x, w)

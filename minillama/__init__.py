@@ -1,10 +1,10 @@
 """minillama: a LLaMA-family language model in NumPy with hand-written backpropagation."""
 
-from .backends import available_backends, get_backend
-from .config import ModelConfig
-from .errors import MinillamaError
-from .kvcache import KVCache
-from .model import Transformer
+from minillama.backends import available_backends, get_backend
+from minillama.core.config import ModelConfig
+from minillama.core.errors import MinillamaError
+from minillama.model.kvcache import KVCache
+from minillama.model.transformer import Transformer
 
 __all__ = ["ModelConfig", "Transformer", "KVCache", "MinillamaError", "get_backend",
            "available_backends", "__version__"]

@@ -1,5 +1,5 @@
 """``python -m minillama`` is the ``minillama`` command."""
 
-from .cli import main
+from minillama.cli.main import main
 
 raise SystemExit(main())

@@ -13,7 +13,7 @@ Claims tested (docs/ABLATIONS.md says which the runs support):
 * MHA against GQA against MQA: loss, KV-cache bytes, cached-decode tokens/s;
 * the logit scale s = 1/\sqrt{D} on and off.
 
-Every run trains in this process with :class:`minillama.train.Trainer` and records its training
+Every run trains in this process with :class:`minillama.train.trainer.Trainer` and records its training
 loss at every step, its validation loss every ``--eval-interval`` steps (the same fixed validation
 batches for every run), and its training seconds. Results go to ``--json`` (default
 docs/ablations.json) and a loss-curve figure to ``--plot`` (default docs/ablations.png); a
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from minillama.data import prepare_data
-from minillama.train import TrainConfig, Trainer, TrainingDiverged
+from minillama.io.data import prepare_data
+from minillama.train.trainer import TrainConfig, Trainer, TrainingDiverged
 
 #: the model every run starts from (LLaMA's choices; GQA with 2 KV heads)
 BASE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, context=64, batch_size=8, warmup=20,
@@ -115,7 +115,7 @@ def run_one(name, overrides, seed, args, data_dir, out) -> dict:
 def norm_timing(reps: int = 30) -> str:
     """RMSNorm against LayerNorm as ops (the reference code of both, forward + backward, float32),
     interleaved and timed in process CPU seconds, best of ``reps``: a markdown table."""
-    from minillama import ops  # noqa: PLC0415
+    from minillama.core import ops
 
     lines = ["| rows x D | rmsnorm fwd+bwd us | layernorm fwd+bwd us | layernorm / rmsnorm |",
              "|---|---|---|---|"]

@@ -24,7 +24,7 @@ repository) the script instead writes each shape as a random-weight llama2.c ver
 checkpoint plus a synthetic ``tokenizer.bin`` (one distinct piece per id, so the greedy tokens of
 both programs can be compared), and runs, interleaved repetition by repetition, ``run`` (greedy,
 ``-n STEPS`` from an empty prompt, ``OMP_NUM_THREADS`` = threads) and minillama's ``generate``
-on the same file loaded through :func:`minillama.formats.load_model` (batch 1 from BOS, then the
+on the same file loaded through :func:`minillama.io.load.load_model` (batch 1 from BOS, then the
 batch-B aggregate). It prints both decode rates, best and median, their ratios (> 1: minillama
 is faster), how many greedy tokens agree, and the load average:
 
@@ -76,8 +76,8 @@ _bench_common.pin_threads(ARGS.threads)
 import numpy as np  # noqa: E402  (after the thread settings)
 
 from minillama import ModelConfig, Transformer  # noqa: E402
-from minillama.generate import GenerationStats, generate  # noqa: E402
-from minillama.model import init_params  # noqa: E402
+from minillama.infer.generate import GenerationStats, generate  # noqa: E402
+from minillama.model.transformer import init_params  # noqa: E402
 
 SHAPES = {name: _bench_common.shape(name) for name in ("s15", "s110")}
 SHAPES["s15gqa"] = _bench_common.shape("s15", n_kv_heads=2)
@@ -204,7 +204,7 @@ def hf_peer(cfg, params):
         import transformers
     except ImportError:
         return None
-    from minillama.formats import save_hf
+    from minillama.io.load import save_hf
 
     torch.set_num_threads(ARGS.threads)
     with tempfile.TemporaryDirectory() as d:
@@ -253,8 +253,8 @@ def run_llama2c(binary, model_path, tok_path, steps):
 
 def llama2c_main():
     """Decode speed against llama2.c's run.c on the same random checkpoints, interleaved."""
-    from minillama.formats import load_model  # noqa: PLC0415
-    from minillama.formats.llama2c import save_llama2c  # noqa: PLC0415
+    from minillama.io.load import load_model
+    from minillama.io.llama2c import save_llama2c
 
     binary = os.path.abspath(ARGS.llama2c)
     if not os.access(binary, os.X_OK):

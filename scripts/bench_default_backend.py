@@ -49,9 +49,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from minillama.backends import auto_backend, get_backend
-    from minillama.config import ModelConfig
-    from minillama.generate import GenerationStats, generate_steps
-    from minillama.model import Transformer, init_params
+    from minillama.core.config import ModelConfig
+    from minillama.infer.generate import GenerationStats, generate_steps
+    from minillama.model.transformer import Transformer, init_params
 
     names = args.backends.split(",")
     print(f"load average {os.getloadavg()[0]:.2f}; {os.cpu_count()} cores; decode of "

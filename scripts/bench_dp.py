@@ -3,7 +3,7 @@
 efficiency.
 
 Each configuration launches ``mpiexec -n N`` of this script in worker mode: every rank builds the
-same :class:`minillama.train.Trainer` (one rank = ``--batch`` windows of ``--seq`` tokens per step,
+same :class:`minillama.train.trainer.Trainer` (one rank = ``--batch`` windows of ``--seq`` tokens per step,
 so N ranks train on N times the tokens per step), runs ``--warmup`` untimed steps, then
 ``--steps`` timed ones. Rank 0 reports the median step time (wall clock; the all-reduce makes
 every rank's step end together), the time spent in the all-reduce, and each rank's CPU time.
@@ -60,8 +60,8 @@ def worker(spec: dict) -> None:
     _bench_common.pin_threads(spec["threads"])
     import numpy as np  # noqa: PLC0415  (after the thread settings)
 
-    from minillama.distributed import open_world  # noqa: PLC0415
-    from minillama.train import TrainConfig, Trainer  # noqa: PLC0415
+    from minillama.train.distributed import open_world
+    from minillama.train.trainer import TrainConfig, Trainer
 
     comm = open_world()
     tc = TrainConfig(dim=spec["dim"], n_layers=spec["n_layers"], n_heads=spec["n_heads"],
@@ -134,7 +134,7 @@ def main() -> None:
         worker(json.loads(args.worker))
         return
     _bench_common.pin_threads(args.threads)
-    from minillama.distributed import find_mpiexec  # noqa: PLC0415
+    from minillama.train.distributed import find_mpiexec
 
     ranks = [int(r) for r in args.ranks.split(",")]
     mpiexec = find_mpiexec()

@@ -5,7 +5,7 @@ The model has SmolLM2-135M's shape (D 576, 30 layers, 9 heads / 3 KV heads, F 15
 embeddings, RoPE theta 1e5), random weights shared by both sides; LoRA rank 16, alpha 32 on all
 seven linears of every block (q, k, v, o, gate, up, down); B x T = 4 x 256 (defaults). One step =
 forward, backward (adapter gradients only) and AdamW on the adapters: minillama's
-``loss_and_grads`` with a :class:`minillama.lora.LoRA` attached + ``minillama.optim.AdamW``,
+``loss_and_grads`` with a :class:`minillama.model.lora.LoRA` attached + ``minillama.train.optim.AdamW``,
 against transformers' ``LlamaForCausalLM`` wrapped by ``peft.get_peft_model`` + ``torch.optim.AdamW``
 (eager, SDPA attention). The two sides take turns step by step (A B A B ...), with ``--gap`` seconds
 of sleep before each timed step so the other side's BLAS threads have stopped spinning. Each side's
@@ -46,9 +46,9 @@ _bench_common.pin_threads(ARGS.threads)
 import numpy as np  # noqa: E402  (after the thread settings)
 
 from minillama import ModelConfig, Transformer  # noqa: E402
-from minillama.lora import LoRA, LoRAConfig  # noqa: E402
-from minillama.model import init_params  # noqa: E402
-from minillama.optim import AdamW  # noqa: E402
+from minillama.model.lora import LoRA, LoRAConfig  # noqa: E402
+from minillama.model.transformer import init_params  # noqa: E402
+from minillama.train.optim import AdamW  # noqa: E402
 
 SMOLLM2 = dict(dim=576, n_heads=9, n_kv_heads=3, hidden_dim=1536, vocab_size=49152,
                max_seq_len=2048, rope_theta=100000.0, tie_embeddings=True)
@@ -72,7 +72,7 @@ def torch_step(torch, cfg, params, tokens, targets):
     import peft  # noqa: PLC0415
     import transformers  # noqa: PLC0415
 
-    from minillama.formats.hf import config_to_hf, interleaved_to_hf  # noqa: PLC0415
+    from minillama.io.hf import config_to_hf, interleaved_to_hf
 
     hcfg = transformers.LlamaConfig(**{k: v for k, v in config_to_hf(cfg).items()
                                        if k not in ("architectures", "torch_dtype", "dtype")})

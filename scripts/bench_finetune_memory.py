@@ -4,7 +4,7 @@
 
 Memory: the checkpoint (default: SmolLM2-135M-Instruct Q4_1 GGUF, its blocks kept quantized) with
 LoRA (rank 8 on all seven linears), one (B, T) micro-batch of random tokens. For each mode
-(plain, recompute): the plan's activation bytes (:mod:`minillama.memplan`), the bytes of the
+(plain, recompute): the plan's activation bytes (:mod:`minillama.train.memplan`), the bytes of the
 arrays the forward keeps (measured on the tape), the peak of ``tracemalloc`` over one
 ``loss_and_grads`` (NumPy reports its buffers to it) and the step's time.
 
@@ -48,11 +48,11 @@ _bench_common.pin_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402
 
-from minillama import memplan  # noqa: E402
-from minillama.finetune import Finetuner  # noqa: E402
-from minillama.formats import load_params  # noqa: E402
-from minillama.lora import LoRA, LoRAConfig  # noqa: E402
-from minillama.model import Transformer  # noqa: E402
+from minillama.train import memplan  # noqa: E402
+from minillama.train.finetune import Finetuner  # noqa: E402
+from minillama.io.load import load_params  # noqa: E402
+from minillama.model.lora import LoRA, LoRAConfig  # noqa: E402
+from minillama.model.transformer import Transformer  # noqa: E402
 
 MiB = 1024 ** 2
 

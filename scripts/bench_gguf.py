@@ -66,8 +66,8 @@ def child(args) -> None:
 
     import numpy as np  # noqa: PLC0415
 
-    from minillama.formats import load_model  # noqa: PLC0415
-    from minillama.generate import GenerationStats, generate  # noqa: PLC0415
+    from minillama.io.load import load_model
+    from minillama.infer.generate import GenerationStats, generate
 
     t0 = time.perf_counter()
     model, _ = load_model(args.child, backend=args.backend)
@@ -110,10 +110,10 @@ def make_files(args, work: Path) -> list[Path]:
     """s110 as F32 with llama2.c's tokenizer, and each requested type made by llama-quantize."""
     import numpy as np  # noqa: PLC0415
 
-    from minillama.config import ModelConfig  # noqa: PLC0415
-    from minillama.formats.gguf import save_gguf  # noqa: PLC0415
-    from minillama.model import init_params  # noqa: PLC0415
-    from minillama.tokenizer import load_tokenizer  # noqa: PLC0415
+    from minillama.core.config import ModelConfig
+    from minillama.io.gguf import save_gguf
+    from minillama.model.transformer import init_params
+    from minillama.io.tokenizer import load_tokenizer
 
     f32 = work / "s110-F32.gguf"
     if not f32.exists():
@@ -134,7 +134,7 @@ def make_files(args, work: Path) -> list[Path]:
             subprocess.run([str(args.llama_cpp / "llama-quantize"), str(f32), str(out), t,
                             str(args.threads)], check=True, capture_output=True)
         else:
-            from minillama.cli import main as minillama_main  # noqa: PLC0415
+            from minillama.cli.main import main as minillama_main
 
             if minillama_main(["quantize", str(f32), str(out), "--type", t]) != 0:
                 sys.exit(f"bench_gguf: minillama quantize --type {t} failed")

@@ -52,9 +52,9 @@ import _bench_common
 import numpy as np
 
 sys.path.insert(0, _bench_common.REPO)
-from minillama.config import ModelConfig  # noqa: E402
-from minillama.errors import MinillamaError  # noqa: E402
-from minillama.model import Transformer, init_params  # noqa: E402
+from minillama.core.config import ModelConfig  # noqa: E402
+from minillama.core.errors import MinillamaError  # noqa: E402
+from minillama.model.transformer import Transformer, init_params  # noqa: E402
 
 #: name -> (config, training batch B, training length T)
 SHAPES = {"s15": (_bench_common.shape("s15"), 16, 256),

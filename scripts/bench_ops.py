@@ -20,7 +20,7 @@ scaled_dot_product_attention, in turns:
     python scripts/bench_ops.py --torch --threads 2 --reps 9
 
 ``--latent`` prints instead the cost of the latent (Perceiver-style) block of
-minillama/latent.py beside a full self-attention block over the same L inputs, as L grows:
+minillama/model/latent.py beside a full self-attention block over the same L inputs, as L grows:
 forward + backward time and the size of the attention matrices (B H M L against B H L^2).
 
 ``--gemm`` prints instead the matrix products of one training step (forward y = x W^T, backward
@@ -99,10 +99,10 @@ _bench_common.pin_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402  (after the thread settings)
 
-from minillama import ops  # noqa: E402
+from minillama.core import ops  # noqa: E402
 from minillama.backends import get_backend  # noqa: E402
-from minillama.config import ModelConfig  # noqa: E402
-from minillama.model import Transformer, init_params  # noqa: E402
+from minillama.core.config import ModelConfig  # noqa: E402
+from minillama.model.transformer import Transformer, init_params  # noqa: E402
 
 def peak_alloc(fn) -> int:
     """Peak bytes of NumPy/Python allocations alive at once while ``fn()`` runs (tracemalloc),
@@ -340,7 +340,7 @@ def bench_latent(reps):
     """Rows: a full self-attention block over L tokens (LN, non-causal attention, LN, GELU FFN)
     against the latent block (M latents read the L tokens by cross-attention, then attend among
     themselves, then the FFN), forward + backward, float32, B = 1, D = 128, H = 4."""
-    from minillama import latent  # noqa: PLC0415
+    from minillama.model import latent
 
     B, D, H, M = 1, 128, 4, ARGS.latents
     cfg = latent.LatentConfig(dim=D, n_latents=M, n_heads=H, n_kv_heads=H, hidden_dim=4 * D)

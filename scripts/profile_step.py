@@ -61,8 +61,8 @@ import numpy as np  # noqa: E402
 
 from minillama import ModelConfig, Transformer  # noqa: E402
 from minillama.backends import get_backend  # noqa: E402
-from minillama.model import init_params  # noqa: E402
-from minillama.optim import AdamW  # noqa: E402
+from minillama.model.transformer import init_params  # noqa: E402
+from minillama.train.optim import AdamW  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 # train

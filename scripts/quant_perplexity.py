@@ -5,7 +5,7 @@ GGUF type, side by side with llama.cpp's ``llama-perplexity`` on the same files 
 For each type the checkpoint is quantized as ``minillama quantize --type T`` does and written to
 a GGUF file (its size is reported); the model is evaluated with the weights that file holds
 (decoded by minillama's loader when it reads the type, else by the ``gguf`` package) by
-:func:`minillama.perplexity.perplexity`, llama.cpp's chunked method.
+:func:`minillama.infer.perplexity.perplexity`, llama.cpp's chunked method.
 
 llama.cpp needs a vocabulary in the file. The byte tokenizer of the shipped model has no GGUF
 form, so for llama-perplexity only the script writes a copy of each file whose metadata spells
@@ -31,20 +31,20 @@ from pathlib import Path
 
 import numpy as np
 
-from minillama.errors import MinillamaError
-from minillama.formats import load_params
-from minillama.formats.gguf import save_gguf
-from minillama.generate import DEFAULT_CHECKPOINT
-from minillama.model import Transformer
-from minillama.perplexity import SHAKESPEARE_VAL, default_bos, perplexity, read_text
-from minillama.quant import QuantMatrix
-from minillama.quantize import quantize_params
-from minillama.tokenizer import ByteTokenizer
+from minillama.core.errors import MinillamaError
+from minillama.io.load import load_params
+from minillama.io.gguf import save_gguf
+from minillama.infer.generate import DEFAULT_CHECKPOINT
+from minillama.model.transformer import Transformer
+from minillama.infer.perplexity import SHAKESPEARE_VAL, default_bos, perplexity, read_text
+from minillama.core.quant import QuantMatrix
+from minillama.core.quantize import quantize_params
+from minillama.io.tokenizer import ByteTokenizer
 
 
 def decode(params):
     """The float weights of ``params`` (QuantMatrix values decoded)."""
-    from minillama import quant
+    from minillama.core import quant
 
     out = {}
     for k, v in params.items():

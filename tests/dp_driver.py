@@ -1,7 +1,7 @@
 """One rank of a data-parallel training run built by hand, for tests/test_distributed.py
 (run under ``mpiexec -n 2 python tests/dp_driver.py ...``).
 
-``--comm nccl`` runs :class:`minillama.distributed.NCCLComm` on the NumPy backend with an MPI
+``--comm nccl`` runs :class:`minillama.train.distributed.NCCLComm` on the NumPy backend with an MPI
 stand-in for ``cupy.cuda.nccl`` and ``cupy.cuda`` (:class:`MpiNccl`, :class:`FakeCuda`): the
 NCCL id travels from rank 0 over MPI, each rank selects "GPU" local_rank, and the all-reduce gets
 raw pointers, counts and NCCL dtype codes exactly as it would on GPUs, summed here by MPI over
@@ -23,9 +23,9 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from minillama.distributed import MPIComm, NCCLComm
-from minillama.errors import MinillamaError
-from minillama.train import TrainConfig, Trainer, TrainingDiverged
+from minillama.train.distributed import MPIComm, NCCLComm
+from minillama.core.errors import MinillamaError
+from minillama.train.trainer import TrainConfig, Trainer, TrainingDiverged
 
 
 class MpiNccl:

@@ -20,7 +20,7 @@ A case is ``(target, index)`` under a run seed: its generator is
 
 Outcome of a case:
 
-* ``error``: a clean :class:`~minillama.errors.MinillamaError` (good);
+* ``error``: a clean :class:`~minillama.core.errors.MinillamaError` (good);
 * ``ok``: loaded, and the logits of the few tokens run are finite (good);
 * ``traceback``: any other exception; ``nonfinite``: loaded but NaN/inf logits; ``timeout``:
   longer than the time bound (all three bad; the mutation is reported).
@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from minillama.errors import MinillamaError
+from minillama.core.errors import MinillamaError
 
 GOOD = ("error", "ok")
 BAD = ("traceback", "nonfinite", "timeout", "crash")
@@ -50,7 +50,7 @@ BAD = ("traceback", "nonfinite", "timeout", "crash")
 # seeds: small valid files of every format, made by the project's own writers
 # ---------------------------------------------------------------------------------------------
 def _small_cfg(V: int, tie: bool = False, **kw):
-    from minillama.config import ModelConfig  # noqa: PLC0415
+    from minillama.core.config import ModelConfig
 
     base = dict(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=V, hidden_dim=24,
                 max_seq_len=24, tie_embeddings=tie)
@@ -58,7 +58,7 @@ def _small_cfg(V: int, tie: bool = False, **kw):
 
 
 def _params(cfg, seed=0):
-    from minillama.model import init_params  # noqa: PLC0415
+    from minillama.model.transformer import init_params
 
     return init_params(cfg, seed=seed)
 
@@ -114,9 +114,9 @@ class Target:
 def make_targets(root, names: list[str] | None = None) -> dict[str, Target]:
     """Write the seed of every target (or of ``names``) under ``root``; returns them by name.
     Targets whose optional package is missing (``tokenizers``, ``gguf``) are left out."""
-    from minillama.checkpoint import save_checkpoint  # noqa: PLC0415
-    from minillama.formats import save_hf, save_llama2c  # noqa: PLC0415
-    from minillama.tokenizer import ByteTokenizer  # noqa: PLC0415
+    from minillama.io.checkpoint import save_checkpoint
+    from minillama.io.load import save_hf, save_llama2c
+    from minillama.io.tokenizer import ByteTokenizer
 
     root = Path(root)
     targets: dict[str, Target] = {}
@@ -158,7 +158,7 @@ def make_targets(root, names: list[str] | None = None) -> dict[str, Target]:
     if want("tokenizer_bin"):
         d = mk("tokenizer_bin")
         _write_tokenizer_bin(d / "tokenizer.bin")
-        from minillama.tokenizer import Llama2cTokenizer  # noqa: PLC0415
+        from minillama.io.tokenizer import Llama2cTokenizer
 
         V = Llama2cTokenizer(d / "tokenizer.bin").vocab_size
         cfg = _small_cfg(V)
@@ -178,7 +178,7 @@ def make_targets(root, names: list[str] | None = None) -> dict[str, Target]:
                                          _load_train_config)
     if want("data"):
         d = mk("data")
-        from minillama.data import prepare_text_file  # noqa: PLC0415
+        from minillama.io.data import prepare_text_file
 
         src = root / "data" / "corpus.txt"
         src.write_text("To be, or not to be, that is the question.\n" * 30, encoding="utf-8")
@@ -212,9 +212,9 @@ def _make_hf_target(d: Path, name: str, shard: int | None, extra: dict) -> Targe
     ``tokenizers`` package or when ModelConfig lacks an option of ``extra``."""
     import dataclasses  # noqa: PLC0415
 
-    from minillama.config import ModelConfig  # noqa: PLC0415
-    from minillama.formats import save_hf  # noqa: PLC0415
-    from minillama.tokenizer import HFTokenizer  # noqa: PLC0415
+    from minillama.core.config import ModelConfig
+    from minillama.io.load import save_hf
+    from minillama.io.tokenizer import HFTokenizer
 
     if not set(extra) <= {f.name for f in dataclasses.fields(ModelConfig)}:
         return None
@@ -231,7 +231,7 @@ def _make_hf_target(d: Path, name: str, shard: int | None, extra: dict) -> Targe
 
 
 def _train_config(data: Path, out: Path):
-    from minillama.train import TrainConfig  # noqa: PLC0415
+    from minillama.train.trainer import TrainConfig
 
     return TrainConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, context=8, batch_size=2,
                        steps=4, warmup=1, eval_interval=2, eval_iters=1, data=str(data),
@@ -241,8 +241,8 @@ def _train_config(data: Path, out: Path):
 def _make_train_ckpt_target(root: Path, mk) -> Target:
     """A training checkpoint (weights, AdamW moments, train_state) written after 2 steps; the
     loader resumes a fresh trainer from the mutated copy and takes one more step."""
-    from minillama.data import prepare_text_file  # noqa: PLC0415
-    from minillama.train import CKPT_NAME, Trainer  # noqa: PLC0415
+    from minillama.io.data import prepare_text_file
+    from minillama.train.trainer import CKPT_NAME, Trainer
 
     d = mk("train_ckpt")
     src = root / "train_ckpt" / "corpus.txt"
@@ -267,17 +267,17 @@ def _make_train_ckpt_target(root: Path, mk) -> Target:
 
 
 def _make_gguf_targets(mk, want) -> dict[str, Target]:
-    """GGUF seeds written by :func:`minillama.formats.gguf.save_gguf` (needs the ``gguf``
+    """GGUF seeds written by :func:`minillama.io.gguf.save_gguf` (needs the ``gguf``
     package): ``gguf`` (llama, F32, with a SentencePiece tokenizer in the metadata),
     ``gguf_qwen2`` (q/k/v biases, F16 matrices) and ``gguf_quant`` (block-quantized matrices,
     written by :func:`_write_quant_gguf`)."""
     try:
         import gguf  # noqa: F401, PLC0415
 
-        from minillama.formats.gguf import save_gguf  # noqa: PLC0415
+        from minillama.io.gguf import save_gguf
     except ImportError:
         return {}
-    from minillama.tokenizer import Llama2cTokenizer  # noqa: PLC0415
+    from minillama.io.tokenizer import Llama2cTokenizer
 
     out = {}
     for name, extra, mtype in (("gguf", {}, "F32"), ("gguf_qwen2", {"qkv_bias": True}, "F16")):
@@ -303,7 +303,7 @@ def _write_quant_gguf(path, cfg, tok) -> None:
     ``gguf`` package quantizes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): they load as QuantMatrix."""
     import gguf  # noqa: PLC0415
 
-    from minillama.formats.gguf import _LAYER, _TOP, _write_tokenizer  # noqa: PLC0415
+    from minillama.io.gguf import _LAYER, _TOP, _write_tokenizer
 
     w = gguf.GGUFWriter(str(path), "llama")
     for key, value in (("context_length", cfg.max_seq_len), ("embedding_length", cfg.dim),
@@ -350,9 +350,9 @@ class NonFiniteLogits(Exception):
 def _load_and_run(path, tokenizer=None):
     """load_model on the NumPy backend, encode a short text (when there is a tokenizer), check
     the logits of up to 4 tokens are finite, greedy-decode 4 tokens and decode them to text."""
-    from minillama.formats import check_tokenizer, load_model  # noqa: PLC0415
-    from minillama.generate import generate  # noqa: PLC0415
-    from minillama.tokenizer import load_tokenizer  # noqa: PLC0415
+    from minillama.io.load import check_tokenizer, load_model
+    from minillama.infer.generate import generate
+    from minillama.io.tokenizer import load_tokenizer
 
     model, tok = load_model(path, backend="numpy")
     if tokenizer is not None:
@@ -371,11 +371,11 @@ def _load_and_run(path, tokenizer=None):
 
 
 def _load_own_bpe(folder: Path):
-    """HFTokenizer as it works without the `tokenizers` package (minillama.bpe): load, encode,
+    """HFTokenizer as it works without the `tokenizers` package (minillama.io.bpe): load, encode,
     decode."""
     import sys  # noqa: PLC0415
 
-    from minillama.tokenizer import HFTokenizer  # noqa: PLC0415
+    from minillama.io.tokenizer import HFTokenizer
 
     saved = sys.modules.get("tokenizers")
     sys.modules["tokenizers"] = None  # `from tokenizers import ...` now raises ImportError
@@ -394,7 +394,7 @@ def _load_own_bpe(folder: Path):
 
 
 def _load_train_config(folder: Path):
-    from minillama.train import TrainConfig, read_config_file  # noqa: PLC0415
+    from minillama.train.trainer import TrainConfig, read_config_file
 
     for name in ("train.json", "train.toml"):
         tc = TrainConfig.from_dict(read_config_file(folder / name))
@@ -403,8 +403,8 @@ def _load_train_config(folder: Path):
 
 
 def _load_data(folder: Path):
-    from minillama.data import TokenData  # noqa: PLC0415
-    from minillama.tokenizer import ByteTokenizer  # noqa: PLC0415
+    from minillama.io.data import TokenData
+    from minillama.io.tokenizer import ByteTokenizer
 
     data = TokenData(folder, context=16, seed=0, vocab_size=ByteTokenizer.vocab_size)
     x, y = data.train_batch(2)

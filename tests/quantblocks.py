@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minillama.quant import BLOCKS, SCALE_FIELDS
+from minillama.core.quant import BLOCKS, SCALE_FIELDS
 
 
 def finite_f16(rng, n: int, scale: float | None = None) -> np.ndarray:
@@ -37,7 +37,7 @@ def quantized_params(params: dict, qtype: str, rng, scale: float = 0.002):
     """(quantized, floats): ``params`` with every matrix replaced by a :class:`QuantMatrix` of
     random valid ``qtype`` blocks (float16 scales of about ``scale``), and the same dict with
     those matrices dequantized (the float model that must give the same results)."""
-    from minillama.quant import QuantMatrix, dequantize  # noqa: PLC0415
+    from minillama.core.quant import QuantMatrix, dequantize
 
     quant, floats = {}, {}
     for k, v in params.items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minillama.bpe import BPETokenizer
+from minillama.io.bpe import BPETokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers  # noqa: E402
@@ -98,7 +98,7 @@ def test_hf_tokenizer_runs_without_the_library(trained, monkeypatch):
     """With `tokenizers` not installed, HFTokenizer reads tokenizer.json with minillama's BPE."""
     import sys
 
-    from minillama.tokenizer import HFTokenizer
+    from minillama.io.tokenizer import HFTokenizer
 
     kind, ref, ours = trained
     with_lib = HFTokenizer(ours.path)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from minillama import cli
-from minillama.chat import render_chat, stop_ids
-from minillama.errors import MinillamaError
-from minillama.tokenizer import HFTokenizer
+from minillama.cli import main as cli
+from minillama.infer.chat import render_chat, stop_ids
+from minillama.core.errors import MinillamaError
+from minillama.io.tokenizer import HFTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -53,9 +53,9 @@ def test_no_template_is_one_clear_line(hf_tokenizer_json):
 def test_generate_chat_command(chat_folder, capsys):
     """--chat on a tiny random HF model folder holding that tokenizer: runs, greedy, one line of
     stderr statistics and no traceback."""
-    from minillama.config import ModelConfig
-    from minillama.formats import save_hf
-    from minillama.model import init_params
+    from minillama.core.config import ModelConfig
+    from minillama.io.load import save_hf
+    from minillama.model.transformer import init_params
 
     tok = HFTokenizer(chat_folder)
     cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=tok.vocab_size, hidden_dim=48,
@@ -125,7 +125,7 @@ def test_family_templates_render_as_transformers(tmp_path, family, template, mes
     transformers = pytest.importorskip("transformers")
     from tokenizer_families import build_family
 
-    from minillama.chat import encode_rendered
+    from minillama.infer.chat import encode_rendered
 
     folder = build_family(tmp_path / family, family, chat_template=template)
     ref = transformers.AutoTokenizer.from_pretrained(str(folder))
@@ -165,8 +165,8 @@ def test_chat_template_jinja_file_wins(chat_folder):
 def test_sentencepiece_control_pieces_in_rendered_text(shared_data):
     """A SentencePiece vocabulary (tokenizer.bin, GGUF llama) does not split <s> out of text
     itself: encode_rendered does, and encodes the pieces between on their own."""
-    from minillama.chat import encode_rendered
-    from minillama.tokenizer import Llama2cTokenizer
+    from minillama.infer.chat import encode_rendered
+    from minillama.io.tokenizer import Llama2cTokenizer
 
     tok = Llama2cTokenizer(shared_data / "tokenizer.bin")
     ids = encode_rendered(tok, "<s>[INST] Once upon [/INST] a time</s>")

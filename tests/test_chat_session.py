@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minillama import cli
-from minillama.chat import ChatSession, encode_rendered, render_chat, stop_ids
-from minillama.errors import MinillamaError
-from minillama.generate import generate
+from minillama.cli import main as cli
+from minillama.infer.chat import ChatSession, encode_rendered, render_chat, stop_ids
+from minillama.core.errors import MinillamaError
+from minillama.infer.generate import generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -31,9 +31,9 @@ def tiny_chat(tmp_path_factory):
     pytest.importorskip("tokenizers")
     from tokenizer_families import build_family
 
-    from minillama.config import ModelConfig
-    from minillama.formats import load_model, save_hf
-    from minillama.model import init_params
+    from minillama.core.config import ModelConfig
+    from minillama.io.load import load_model, save_hf
+    from minillama.model.transformer import init_params
 
     folder = build_family(tmp_path_factory.mktemp("tiny") / "m", "smollm2",
                           chat_template=CHATML)
@@ -180,7 +180,7 @@ def smol_ref(request):
 
 @pytest.fixture(scope="module")
 def smol_ours(request):
-    from minillama.formats import load_model
+    from minillama.io.load import load_model
 
     return load_model(request.getfixturevalue("smollm2_gguf"))
 
@@ -261,7 +261,7 @@ def test_smollm2_generate_and_chat_commands(smollm2_gguf, smol_ref, smol_ours, c
     assert cli.main(["generate", "-c", str(smollm2_gguf), "--chat", "--prompt", "Name a color.",
                      "--temperature", "0", "-n", "8"]) == 0
     printed = capsys.readouterr().out
-    from minillama.generate import TextStreamer
+    from minillama.infer.generate import TextStreamer
 
     prompt = TextStreamer(tok, encode_rendered(tok, render_chat(tok, msg))).start()
     assert "Name a color." in prompt
@@ -278,8 +278,8 @@ def test_smollm2_served_chat_equals_transformers(smol_ref, smol_ours):
     import threading
     import time
 
-    from minillama.engine import Engine
-    from minillama.serve import build_app
+    from minillama.infer.engine import Engine
+    from minillama.infer.serve import build_app
 
     model, tok = smol_ours
     messages = [{"role": "user", "content": "What is the capital of France?"}]

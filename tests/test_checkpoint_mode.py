@@ -5,9 +5,9 @@ import stat
 
 import numpy as np
 
-from minillama.checkpoint import load_checkpoint, save_checkpoint
-from minillama.config import ModelConfig
-from minillama.model import init_params
+from minillama.io.checkpoint import load_checkpoint, save_checkpoint
+from minillama.core.config import ModelConfig
+from minillama.model.transformer import init_params
 
 
 def test_checkpoint_gets_umask_mode_and_round_trips(tmp_path):

@@ -2,7 +2,7 @@
 
 A table: each row is an invocation (a flag's bad value, a missing or wrong file, an unusable
 output path, a garbage ``MINILLAMA_BACKEND``) and words its error line must contain. The CLI
-runs in-process (``minillama.cli.main``); one row also runs as a real subprocess.
+runs in-process (``minillama.cli.main.main``); one row also runs as a real subprocess.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from minillama import cli
-from minillama.checkpoint import save_checkpoint
-from minillama.config import ModelConfig
-from minillama.formats import save_llama2c
-from minillama.model import init_params
-from minillama.tokenizer import ByteTokenizer
+from minillama.cli import main as cli
+from minillama.io.checkpoint import save_checkpoint
+from minillama.core.config import ModelConfig
+from minillama.io.load import save_llama2c
+from minillama.model.transformer import init_params
+from minillama.io.tokenizer import ByteTokenizer
 
 from fuzzing import _write_tokenizer_bin
 
@@ -252,7 +252,7 @@ def _without(modules, argv, env=None):
     code = ("import sys\n"
             f"for m in {list(modules)!r}:\n"
             "    sys.modules[m] = None\n"
-            "from minillama.cli import main\n"
+            "from minillama.cli.main import main\n"
             f"sys.exit(main({list(argv)!r}))\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     env.pop("MINILLAMA_BACKEND", None)
@@ -275,7 +275,7 @@ def extras_files(files):
         assert cli.main(["export", str(files["ckpt"]), "--format", "gguf",
                          "--out", str(d / "m.gguf")]) == 0
         out["gguf"] = d / "m.gguf"
-    from minillama.bpe import byte_alphabet, byte_level_json
+    from minillama.io.bpe import byte_alphabet, byte_level_json
 
     alphabet = byte_alphabet()
     tokens = [alphabet[b] for b in range(256)] + ["<|bos|>", "<|eos|>"]

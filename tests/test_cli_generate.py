@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import minillama.generate as gen
-from minillama.checkpoint import save_checkpoint
-from minillama.cli import main
-from minillama.config import ModelConfig
-from minillama.formats import save_llama2c
-from minillama.model import init_params
-from minillama.tokenizer import ByteTokenizer
+import minillama.infer.generate as gen
+from minillama.io.checkpoint import save_checkpoint
+from minillama.cli.main import main
+from minillama.core.config import ModelConfig
+from minillama.io.load import save_llama2c
+from minillama.model.transformer import init_params
+from minillama.io.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,7 +127,7 @@ def test_python_m_minillama_generate_subprocess(shared_data):
 def test_hf_directory_with_tokenizer_json(tmp_path, capsys, hf_tokenizer_json):
     import tokenizers
 
-    from minillama.formats import save_hf
+    from minillama.io.load import save_hf
     V = tokenizers.Tokenizer.from_file(str(hf_tokenizer_json)).get_vocab_size(
         with_added_tokens=True)
     cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=V, hidden_dim=40,

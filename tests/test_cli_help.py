@@ -1,4 +1,4 @@
-"""Every command's ``--help`` (whatever :func:`minillama.cli.build_parser` registers): a
+"""Every command's ``--help`` (whatever :func:`minillama.cli.main.build_parser` registers): a
 description, help for every option, defaults stated, plain text (no reST markup from
 docstrings), and ``--backend`` naming every registered backend."""
 
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from minillama import cli
+from minillama.cli import main as cli
 from minillama.backends import backend_names
 
 MARKUP = ("``", ":func:", ":class:", ":mod:", ":meth:", ".. math", ".. ", "%(")
@@ -85,7 +85,7 @@ def test_train_flags_are_the_config_fields():
     """Each TrainConfig field is a flag of `train`, with the field's help and default."""
     import dataclasses
 
-    from minillama.train_config import TrainConfig
+    from minillama.train.config import TrainConfig
 
     train = COMMANDS["train"]
     for f in dataclasses.fields(TrainConfig):
@@ -99,7 +99,7 @@ def test_train_flags_are_the_config_fields():
 
 
 def test_plain_text_strips_rest():
-    text = ("Uses :func:`~minillama.formats.load_params` and :class:`the trainer <Trainer>`, "
+    text = ("Uses :func:`~minillama.io.load.load_params` and :class:`the trainer <Trainer>`, "
             "``code``.\n\n.. math::\n\n    x = y\n")
     assert cli.plain_text(text).split("\n")[0] == "Uses load_params and the trainer, code."
     assert ".. math" not in cli.plain_text(text)

@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from minillama import cli
-from minillama.checkpoint import save_checkpoint
-from minillama.config import ModelConfig
-from minillama.data import prepare_text_file
-from minillama.formats import load_model
-from minillama.generate import warm_up
-from minillama.model import init_params
-from minillama.tokenizer import ByteTokenizer
+from minillama.cli import main as cli
+from minillama.io.checkpoint import save_checkpoint
+from minillama.core.config import ModelConfig
+from minillama.io.data import prepare_text_file
+from minillama.io.load import load_model
+from minillama.infer.generate import warm_up
+from minillama.model.transformer import init_params
+from minillama.io.tokenizer import ByteTokenizer
 
 CFG = ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=ByteTokenizer.vocab_size,
                   hidden_dim=24, max_seq_len=32)
@@ -71,7 +71,7 @@ def test_warm_up_says_it_compiles_only_on_a_compiling_backend(ckpt):
 
 def test_generate_on_numba_says_compiling_on_stderr(ckpt, capsys, monkeypatch):
     pytest.importorskip("numba")
-    import minillama.generate as g
+    import minillama.infer.generate as g
 
     real = g.warm_up
     monkeypatch.setattr(g, "warm_up", lambda *a, **k: real(*a, **{**k, "note_after": 0.0}))
@@ -116,8 +116,8 @@ def test_resuming_a_finished_run_says_how_to_extend_it(finished_run, capsys):
 
 # --- warmup scaled to the run, and said ---------------------------------------------------------
 def test_warmup_scales_to_a_short_run():
-    from minillama.optim import lr_at
-    from minillama.train import TrainConfig
+    from minillama.train.optim import lr_at
+    from minillama.train.trainer import TrainConfig
 
     assert TrainConfig().warmup_steps == 100  # the default 2000-step run: as before
     short = TrainConfig(steps=30)

@@ -12,8 +12,8 @@ import pytest
 
 from minillama import MinillamaError, ModelConfig, Transformer
 from minillama.backends import BACKENDS, get_backend, resolve_name
-from minillama.config import llama_hidden_dim
-from minillama.model import check_params, init_params, param_shapes
+from minillama.core.config import llama_hidden_dim
+from minillama.model.transformer import check_params, init_params, param_shapes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def test_env_var_selects_backend_in_fresh_process():
 
 
 def test_import_does_not_pull_heavy_modules():
-    code = ("import sys, minillama, minillama.model, minillama.ops\n"
+    code = ("import sys, minillama, minillama.model.transformer, minillama.core.ops\n"
             "m = minillama.Transformer(minillama.ModelConfig(dim=16, n_layers=1, n_heads=2, "
             "vocab_size=8), backend='numpy')\n"
             "bad = [k for k in ('cupy', 'numba', 'torch') if k in sys.modules]\n"

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minillama import cli
-from minillama.checkpoint import load_checkpoint, save_checkpoint
-from minillama.config import ModelConfig
-from minillama.model import init_params
-from minillama.tokenizer import ByteTokenizer
+from minillama.cli import main as cli
+from minillama.io.checkpoint import load_checkpoint, save_checkpoint
+from minillama.core.config import ModelConfig
+from minillama.model.transformer import init_params
+from minillama.io.tokenizer import ByteTokenizer
 
 
 @pytest.fixture
@@ -56,8 +56,8 @@ def test_convert_gqa_bad_group_counts(mha_ckpt, tmp_path, capsys, g, msg):
 
 
 def test_train_init_from_starts_at_the_converted_weights(mha_ckpt, tmp_path, capsys):
-    from minillama.data import prepare_text_file
-    from minillama.train import CKPT_NAME
+    from minillama.io.data import prepare_text_file
+    from minillama.train.trainer import CKPT_NAME
 
     src, _ = mha_ckpt
     gqa = tmp_path / "gqa.safetensors"
@@ -83,8 +83,8 @@ def test_train_init_from_starts_at_the_converted_weights(mha_ckpt, tmp_path, cap
 
 
 def test_convert_gqa_cannot_add_kv_heads():
-    from minillama.convert import convert_gqa
-    from minillama.errors import MinillamaError
+    from minillama.io.convert import convert_gqa
+    from minillama.core.errors import MinillamaError
 
     cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=11, max_seq_len=8)
     with pytest.raises(MinillamaError, match="into a divisor of 2, not 4"):
@@ -92,8 +92,8 @@ def test_convert_gqa_cannot_add_kv_heads():
 
 
 def test_convert_gqa_pools_kv_biases_too():
-    from minillama.convert import convert_gqa
-    from minillama.model import Transformer
+    from minillama.io.convert import convert_gqa
+    from minillama.model.transformer import Transformer
 
     cfg = ModelConfig(dim=16, n_layers=1, n_heads=4, vocab_size=11, max_seq_len=8, qkv_bias=True)
     p = init_params(cfg, dtype=np.float64)

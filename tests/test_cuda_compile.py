@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from minillama.backends.cupy import build as cb
-from minillama.errors import MinillamaError
+from minillama.core.errors import MinillamaError
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = cb.kernel_files()
@@ -224,7 +224,7 @@ def _run(code: str, env=None) -> subprocess.CompletedProcess:
 
 
 def test_import_minillama_never_imports_cupy():
-    r = _run("import sys, minillama, minillama.model, minillama.backends\n"
+    r = _run("import sys, minillama, minillama.model.transformer, minillama.backends\n"
              "import minillama.backends.cupy.build\n"
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'cupy_backends')))")
     assert r.returncode == 0, r.stderr
@@ -234,7 +234,7 @@ def test_import_minillama_never_imports_cupy():
 def test_choosing_cupy_without_cupy_says_how_to_install():
     r = _run("import sys\nsys.modules['cupy'] = None\n"
              "from minillama.backends import get_backend\n"
-             "from minillama.errors import MinillamaError\n"
+             "from minillama.core.errors import MinillamaError\n"
              "try:\n    get_backend('cupy')\n"
              "except MinillamaError as e:\n    print(e)\n")
     assert r.returncode == 0, r.stderr
@@ -248,7 +248,7 @@ def test_choosing_cupy_without_a_gpu_is_one_line():
     pytest.importorskip("cupy", reason="CuPy not installed")
     # CUDA_VISIBLE_DEVICES="" hides any GPU, so this runs the same on GPU machines
     r = _run("from minillama.backends import get_backend\n"
-             "from minillama.errors import MinillamaError\n"
+             "from minillama.core.errors import MinillamaError\n"
              "try:\n    get_backend('cupy')\n"
              "except MinillamaError as e:\n    print(repr(str(e)))\n",
              env={"CUDA_VISIBLE_DEVICES": ""})

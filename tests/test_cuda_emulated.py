@@ -20,7 +20,7 @@ import types
 import numpy as np
 import pytest
 
-from minillama import ops
+from minillama.core import ops
 from minillama.backends.cupy import build as cb
 from minillama.backends.cupy import backend as cbk
 
@@ -296,7 +296,7 @@ def test_pointwise_and_row_kernels(be, dtype):
 
 
 def test_adamw_matches_optim(be):
-    from minillama.optim import AdamW  # noqa: PLC0415
+    from minillama.train.optim import AdamW
 
     rng = np.random.default_rng(1)
     p = rng.standard_normal((5, 7))
@@ -351,8 +351,8 @@ def test_decode_reads_a_strided_cache_view(be):
 
 
 def test_whole_model_matches_numpy(be):
-    from minillama.config import ModelConfig  # noqa: PLC0415
-    from minillama.model import Transformer  # noqa: PLC0415
+    from minillama.core.config import ModelConfig
+    from minillama.model.transformer import Transformer
 
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, hidden_dim=48,
                       max_seq_len=32)
@@ -372,7 +372,7 @@ def test_whole_model_matches_numpy(be):
 
 
 def test_device_sampling_matches_host_sampling(be):
-    from minillama.sampling import sample  # noqa: PLC0415
+    from minillama.core.sampling import sample
 
     rng = np.random.default_rng(4)
     for trial in range(60):
@@ -487,8 +487,8 @@ def test_mixed_precision_whole_model(be, monkeypatch):
     calls replayed in NumPy) gives the loss and gradients of the NumPy bf16 emulation."""
     from minillama.backends.cupy import mixed_precision as mp  # noqa: PLC0415
     from minillama.backends import get_backend  # noqa: PLC0415
-    from minillama.config import ModelConfig  # noqa: PLC0415
-    from minillama.model import Transformer  # noqa: PLC0415
+    from minillama.core.config import ModelConfig
+    from minillama.model.transformer import Transformer
 
     monkeypatch.setattr(mp, "_cublas_gemm", _colmajor_gemm)
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, hidden_dim=48,
@@ -509,7 +509,7 @@ def test_mixed_precision_whole_model(be, monkeypatch):
 
 def _random_blocks(qtype, N, K, rng):
     """A QuantMatrix of random bytes whose fp16 fields are finite, modest scales."""
-    from minillama.quant import BLOCKS, QuantMatrix  # noqa: PLC0415
+    from minillama.core.quant import BLOCKS, QuantMatrix
 
     _, per, size = BLOCKS[qtype]
     data = rng.integers(0, 256, size=(N, K // per, size), dtype=np.uint8)

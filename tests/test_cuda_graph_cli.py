@@ -2,7 +2,7 @@
 before any model loads), which models the CUDA-graph decoder takes, and the chunked streaming
 loop that drives it (:func:`minillama.backends.cupy.graph.stream_greedy`), run here against an
 eager stand-in with the decoder's interface: the same tokens, stop rule and budget as the eager
-loop of :func:`minillama.generate.generate_steps`. The graph itself (GraphDecoder on a GPU) is
+loop of :func:`minillama.infer.generate.generate_steps`. The graph itself (GraphDecoder on a GPU) is
 checked by tests/test_cupy_backend.py, which skips without one.
 """
 
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from minillama.backends.cupy.graph import MAX_BATCH, stream_greedy, unsupported_reason
-from minillama.checkpoint import save_checkpoint
-from minillama.cli import main
-from minillama.config import ModelConfig
-from minillama.generate import GenerationStats, generate_steps
-from minillama.model import Transformer, init_params
-from minillama.tokenizer import ByteTokenizer
+from minillama.io.checkpoint import save_checkpoint
+from minillama.cli.main import main
+from minillama.core.config import ModelConfig
+from minillama.infer.generate import GenerationStats, generate_steps
+from minillama.model.transformer import Transformer, init_params
+from minillama.io.tokenizer import ByteTokenizer
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=40,
                   max_seq_len=48)

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama import ops
+from minillama.core import ops
 from minillama.backends import get_backend
-from minillama.errors import MinillamaError
+from minillama.core.errors import MinillamaError
 
 from helpers import PARITY_TOL, max_rel_err
 
@@ -282,7 +282,7 @@ def test_embedding(V, D, B, T, dtype, seed):
 @EXAMPLES
 @given(st.integers(1, 3000), st.floats(0.0, 0.3), dtypes, st.integers(0, 2 ** 31 - 1))
 def test_adamw_update_matches_optim(n, wd, dtype, seed):
-    from minillama.optim import AdamW  # noqa: PLC0415
+    from minillama.train.optim import AdamW
 
     rng = np.random.default_rng(seed)
     p = rng.standard_normal(n).astype(dtype)
@@ -313,7 +313,7 @@ def test_adamw_update_rejects_bad_input():
        st.sampled_from([None, 1, 5, 1000]), st.sampled_from([None, 0.3, 0.9, 1.0]),
        st.integers(0, 2 ** 31 - 1))
 def test_device_sampling_matches_host_sampling(V, temperature, top_k, top_p, seed):
-    from minillama.sampling import sample  # noqa: PLC0415
+    from minillama.core.sampling import sample
 
     z = np.random.default_rng(seed).standard_normal(V) * 3
     got = BE.sample_tokens(dev(z[None]), temperature, top_k, top_p, np.random.default_rng(seed))
@@ -322,7 +322,7 @@ def test_device_sampling_matches_host_sampling(V, temperature, top_k, top_p, see
 
 
 def test_device_sampling_one_uniform_per_sequence():
-    from minillama.sampling import sample  # noqa: PLC0415
+    from minillama.core.sampling import sample
 
     Z = np.random.default_rng(5).standard_normal((6, 300)) * 2
     u = np.array([np.random.default_rng(10 + b).random() for b in range(6)])
@@ -353,8 +353,8 @@ def test_runtime_compile_error_points_at_file_and_line(tmp_path):
 def test_model_step_stays_on_device():
     """A training step's parameters, activations and gradients are CuPy arrays; only the loss
     crosses to the host."""
-    from minillama.config import ModelConfig  # noqa: PLC0415
-    from minillama.model import Transformer  # noqa: PLC0415
+    from minillama.core.config import ModelConfig
+    from minillama.model.transformer import Transformer
 
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=96,
                       max_seq_len=64)
@@ -376,8 +376,8 @@ def test_graph_decoder_matches_eager_greedy_decode():
     device) gives the ids of the eager KV-cached greedy decode, at batch 1 and 3, and again
     when the captured graph is replayed after a new prefill."""
     from minillama.backends.cupy.graph import GraphDecoder
-    from minillama.config import ModelConfig
-    from minillama.model import Transformer
+    from minillama.core.config import ModelConfig
+    from minillama.model.transformer import Transformer
 
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=96,
                       max_seq_len=64)
@@ -401,9 +401,9 @@ def test_graph_decoder_streams_in_chunks_like_the_eager_loop():
     gives generate_steps' greedy tokens, with a stop token in the middle of a chunk and with
     the context's end capping the budget."""
     from minillama.backends.cupy.graph import GraphDecoder, stream_greedy
-    from minillama.config import ModelConfig
-    from minillama.generate import generate_steps
-    from minillama.model import Transformer
+    from minillama.core.config import ModelConfig
+    from minillama.infer.generate import generate_steps
+    from minillama.model.transformer import Transformer
 
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=96,
                       max_seq_len=48)
@@ -423,11 +423,11 @@ def test_graph_decoder_streams_in_chunks_like_the_eager_loop():
 def test_cli_generate_cuda_graph_gives_the_eager_text(tmp_path, capsys):
     """``minillama generate --backend cupy --temperature 0``: --cuda-graph on (and auto, the
     default) print the text of --cuda-graph off, and say that they ran the graph."""
-    from minillama.checkpoint import save_checkpoint
-    from minillama.cli import main
-    from minillama.config import ModelConfig
-    from minillama.model import init_params
-    from minillama.tokenizer import ByteTokenizer
+    from minillama.io.checkpoint import save_checkpoint
+    from minillama.cli.main import main
+    from minillama.core.config import ModelConfig
+    from minillama.model.transformer import init_params
+    from minillama.io.tokenizer import ByteTokenizer
 
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258,
                       hidden_dim=96, max_seq_len=96)
@@ -481,7 +481,7 @@ def test_train_with_mixed_precision_tracks_fp32(tmp_path, precision):
     3% of the float32 run's on the same batches."""
     import json as _json
 
-    from minillama.cli import main
+    from minillama.cli.main import main
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("To be, or not to be, that is the question.\n" * 400)
@@ -494,7 +494,7 @@ def test_train_with_mixed_precision_tracks_fp32(tmp_path, precision):
                    "8", "--eval-interval", "8", "--eval-iters", "1", "--plot", "false",
                    "--no-progress"])
         assert rc == 0
-        from minillama.checkpoint import load_checkpoint
+        from minillama.io.checkpoint import load_checkpoint
         _, _, meta = load_checkpoint(out / "ckpt.safetensors")
         losses[prec] = np.array([v for _, v in meta["train_state"]["history"]["train"]])
         assert meta["train_state"]["config"]["precision"] == prec

@@ -7,10 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from minillama.data import (VAL_PLAYS, TokenData, encode_documents, load_tokens, prepare_data,
-                            prepare_shakespeare, prepare_text_file, shakespeare_documents)
-from minillama.errors import MinillamaError
-from minillama.tokenizer import ByteTokenizer
+from minillama.io.data import (VAL_PLAYS, TokenData, encode_documents, load_tokens, prepare_data, prepare_shakespeare, prepare_text_file, shakespeare_documents)
+from minillama.core.errors import MinillamaError
+from minillama.io.tokenizer import ByteTokenizer
 
 BOS = ByteTokenizer.bos_id
 

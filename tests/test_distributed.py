@@ -21,13 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from minillama import cli
-from minillama.checkpoint import load_checkpoint
-from minillama.data import prepare_text_file
-from minillama.distributed import (Communicator, RanksFailed, blas_share, detect_launcher,
-                                   find_mpiexec, share_cores)
-from minillama.errors import MinillamaError
-from minillama.train import CKPT_NAME, grad_accum_for
+from minillama.cli import main as cli
+from minillama.io.checkpoint import load_checkpoint
+from minillama.io.data import prepare_text_file
+from minillama.train.distributed import (Communicator, RanksFailed, blas_share, detect_launcher, find_mpiexec, share_cores)
+from minillama.core.errors import MinillamaError
+from minillama.train.trainer import CKPT_NAME, grad_accum_for
 
 MPIEXEC = find_mpiexec()
 HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
@@ -319,7 +318,7 @@ def _cupy_without_nccl() -> bool:
     if importlib.util.find_spec("cupy") is None:
         return False
     try:
-        from minillama.distributed import import_nccl
+        from minillama.train.distributed import import_nccl
 
         import_nccl()
     except MinillamaError:

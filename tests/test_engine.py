@@ -1,4 +1,4 @@
-"""The continuous-batching engine (minillama/engine.py), without HTTP: batched decode of rows at
+"""The continuous-batching engine (minillama/infer/engine.py), without HTTP: batched decode of rows at
 different positions equals each row alone, requests sharing the batch get the tokens they get
 alone (greedy and seeded sampling), slots are reused and freed, stop strings cut streamed text."""
 
@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama.config import ModelConfig
-from minillama.engine import Engine, StopText
-from minillama.errors import MinillamaError
-from minillama.generate import generate
-from minillama.model import Transformer, init_params
+from minillama.core.config import ModelConfig
+from minillama.infer.engine import Engine, StopText
+from minillama.core.errors import MinillamaError
+from minillama.infer.generate import generate
+from minillama.model.transformer import Transformer, init_params
 
 
 def _model(backend="numpy", dtype=np.float64, seed=0, max_seq_len=48, tie=True):

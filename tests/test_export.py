@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minillama import cli
-from minillama.checkpoint import save_checkpoint
-from minillama.config import ModelConfig
-from minillama.formats import load_model
-from minillama.model import init_params
+from minillama.cli import main as cli
+from minillama.io.checkpoint import save_checkpoint
+from minillama.core.config import ModelConfig
+from minillama.io.load import load_model
+from minillama.model.transformer import init_params
 
 TOKENS = np.array([[5, 17, 3, 250, 99, 42, 8, 1, 200, 77]])
 PLAIN = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=48,

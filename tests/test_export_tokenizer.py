@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama import cli
-from minillama.checkpoint import save_checkpoint
-from minillama.config import ModelConfig
-from minillama.formats import load_params
-from minillama.model import init_params
-from minillama.tokenizer import ByteTokenizer, HFTokenizer
+from minillama.cli import main as cli
+from minillama.io.checkpoint import save_checkpoint
+from minillama.core.config import ModelConfig
+from minillama.io.load import load_params
+from minillama.model.transformer import init_params
+from minillama.io.tokenizer import ByteTokenizer, HFTokenizer
 
 CFG = ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=ByteTokenizer.vocab_size,
                   hidden_dim=24, max_seq_len=64)
@@ -51,7 +51,7 @@ def test_hf_export_writes_the_byte_tokenizer(exports):
     assert isinstance(tok, ByteTokenizer)
 
 
-@pytest.mark.parametrize("library", ["tokenizers", "minillama.bpe"])
+@pytest.mark.parametrize("library", ["tokenizers", "minillama.io.bpe"])
 def test_hf_tokenizer_json_gives_the_byte_ids(exports, library, monkeypatch):
     if library == "tokenizers":
         pytest.importorskip("tokenizers")
@@ -147,7 +147,7 @@ def test_llama_cpp_reads_the_gguf_byte_vocabulary(tmp_path, capsys):
     exe = _llama_simple()
     if exe is None:
         pytest.skip("llama.cpp's llama-simple not found (set MINILLAMA_LLAMA_CPP_BIN)")
-    from minillama.generate import DEFAULT_CHECKPOINT
+    from minillama.infer.generate import DEFAULT_CHECKPOINT
 
     path = tmp_path / "shakespeare.gguf"
     assert cli.main(["export", str(DEFAULT_CHECKPOINT), "--format", "gguf", "--out",

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minillama.errors import MinillamaError
-from minillama.formats import load_model
-from minillama.formats.hf import config_from_hf
-from minillama.generate import generate
+from minillama.core.errors import MinillamaError
+from minillama.io.load import load_model
+from minillama.io.hf import config_from_hf
+from minillama.infer.generate import generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -125,7 +125,7 @@ def test_unsupported_settings_are_one_clear_line(change, needle):
 
 def _hf_grads_as_ours(model, cfg):
     """The gradients of a transformers model under minillama's names and RoPE row order."""
-    from minillama.formats.hf import _LAYER_MAP, hf_to_interleaved
+    from minillama.io.hf import _LAYER_MAP, hf_to_interleaved
 
     out = {}
     for name, p in model.named_parameters():
@@ -152,7 +152,7 @@ def test_gradients_match_torch_autograd(family, tmp_path):
     torch.autograd on the transformers model cast to float64. transformers keeps RoPE's cos/sin,
     RMSNorm and the softmax in float32 even then, so the agreement is float32's (1e-5 of each
     gradient's largest entry); exact float64 checks are the central differences below."""
-    from minillama.model import Transformer
+    from minillama.model.transformer import Transformer
 
     hf = build_hf(family, tmp_path).double()
     model64, _ = load_model(tmp_path, backend="numpy", dtype=np.float64)
@@ -176,8 +176,8 @@ def test_gradients_match_torch_autograd(family, tmp_path):
 def test_bias_and_window_gradients_by_central_differences():
     """float64 central differences on a few entries of every bias, with a sliding window and a
     decoupled head_dim, for the model's own loss_and_grads."""
-    from minillama.config import ModelConfig
-    from minillama.model import Transformer, init_params
+    from minillama.core.config import ModelConfig
+    from minillama.model.transformer import Transformer, init_params
 
     cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=10, vocab_size=11,
                       hidden_dim=24, max_seq_len=16, qkv_bias=True, attn_out_bias=True,

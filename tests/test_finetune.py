@@ -10,13 +10,13 @@ import json
 import numpy as np
 import pytest
 
-from minillama import cli
-from minillama.chat import encode_rendered, render_chat
-from minillama.errors import MinillamaError
-from minillama.finetune import chat_example, load_examples, pad_batch, prompt_example
-from minillama.formats import load_model
-from minillama.lora import LoRA, LoRAConfig, load_peft
-from minillama.tokenizer import HFTokenizer
+from minillama.cli import main as cli
+from minillama.infer.chat import encode_rendered, render_chat
+from minillama.core.errors import MinillamaError
+from minillama.train.finetune import chat_example, load_examples, pad_batch, prompt_example
+from minillama.io.load import load_model
+from minillama.model.lora import LoRA, LoRAConfig, load_peft
+from minillama.io.tokenizer import HFTokenizer
 
 try:
     import torch
@@ -205,7 +205,7 @@ def test_chat_finetune_lowers_held_out_loss_and_resumes_bit_for_bit(base, chat_d
     assert rc == 0
     model, tok = load_model(base, backend="reference")
     lora = load_peft(model, tmp_path / "a").attach(model)
-    from minillama.generate import generate
+    from minillama.infer.generate import generate
     prompt = encode_rendered(tok, render_chat(tok, [msgs[1]], add_generation_prompt=True))
     want = tok.decode(generate(model, prompt, max_new_tokens=4, temperature=0.0,
                                stop_ids=[tok.eos_id]))
@@ -230,7 +230,7 @@ def test_full_finetune_writes_a_loadable_checkpoint(base, chat_data, tmp_path, c
 
 def test_lora_on_the_projects_own_checkpoint_with_plain_text(tmp_path, capsys):
     """The shipped byte-level Shakespeare model as a base, a plain text file as data."""
-    from minillama.generate import DEFAULT_CHECKPOINT
+    from minillama.infer.generate import DEFAULT_CHECKPOINT
 
     text = "".join(f"The {n} sat on the {c} mat.\n" for n in NAMES for c in COLORS)
     (tmp_path / "notes.txt").write_text(text * 4)
@@ -288,7 +288,7 @@ def test_smollm2_chat_examples_from_the_gguf_tokenizer_equal_the_hf_folders(smol
     """The GGUF file's own tokenizer (no `tokenizers` offsets) gives the same ids and the same
     trained mask as the Hugging Face folder of the same model: the tokens' bytes, special tokens
     included, are aligned with the rendered text."""
-    from minillama.formats import load_params
+    from minillama.io.load import load_params
 
     gguf_tok = load_params(smollm2_gguf)[3]
     hf_tok = HFTokenizer(smollm2_hf)
@@ -350,7 +350,7 @@ def test_smollm2_adapter_loads_in_peft_and_merges_with_the_same_logits(smollm2_h
     ``peft.PeftModel.from_pretrained`` with minillama's ``--adapter`` logits, and the model of
     ``minillama merge`` gives them too."""
     peft = pytest.importorskip("peft")
-    from minillama.lora import apply_adapter
+    from minillama.model.lora import apply_adapter
 
     data = tmp_path / "fact.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},

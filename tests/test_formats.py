@@ -9,14 +9,14 @@ import struct
 import numpy as np
 import pytest
 
-from minillama.checkpoint import save_checkpoint
-from minillama.config import ModelConfig
-from minillama.errors import MinillamaError
-from minillama.formats import detect_format, load_model, load_params, save_hf, save_llama2c
-from minillama.formats.hf import hf_to_interleaved, interleaved_to_hf
-from minillama.formats.llama2c import MAGIC
-from minillama.model import Transformer, init_params
-from minillama.tokenizer import ByteTokenizer
+from minillama.io.checkpoint import save_checkpoint
+from minillama.core.config import ModelConfig
+from minillama.core.errors import MinillamaError
+from minillama.io.load import detect_format, load_model, load_params, save_hf, save_llama2c
+from minillama.io.hf import hf_to_interleaved, interleaved_to_hf
+from minillama.io.llama2c import MAGIC
+from minillama.model.transformer import Transformer, init_params
+from minillama.io.tokenizer import ByteTokenizer
 
 
 def _cfg(tie=True, kvh=2, V=40):
@@ -86,7 +86,7 @@ def test_stories260k_v0_rewritten_as_v1_reads_back_identically(shared_data, tmp_
     n_before = sum(v.size for k, v in params.items())
     half = cfg.max_seq_len * cfg.head_dim // 2
     cos = raw[n_before:n_before + half].reshape(cfg.max_seq_len, -1)
-    from minillama.ops import rope_tables
+    from minillama.core.ops import rope_tables
     c, _ = rope_tables(cfg.head_dim, cfg.max_seq_len, 10000.0, np.float64)
     np.testing.assert_allclose(cos, c, atol=1e-5)
 
@@ -130,7 +130,7 @@ def test_hf_bfloat16_weights_are_widened(tmp_path):
     """A bf16 checkpoint (the usual HF dtype) loads: values are the float32 with low bits 0."""
     cfg, params = _cfg(), _params(_cfg())
     d = save_hf(tmp_path / "hf", cfg, params)
-    from minillama.formats.hf import read_safetensors_file
+    from minillama.io.hf import read_safetensors_file
     tensors, _ = read_safetensors_file(d / "model.safetensors")
     # write bf16 by hand: truncate float32 bits to the top 16 (safetensors' numpy API has no bf16)
     header, blobs, off = {}, [], 0
@@ -240,7 +240,7 @@ def test_non_finite_weights_are_rejected(tmp_path, fmt):
 
 def test_hf_wrong_shape_dtype_missing_and_unsupported(tmp_path):
     from safetensors.numpy import save_file
-    from minillama.formats.hf import read_safetensors_file
+    from minillama.io.hf import read_safetensors_file
     cfg, params = _cfg(), _params(_cfg())
     d = save_hf(tmp_path / "hf", cfg, params)
     good, _ = read_safetensors_file(d / "model.safetensors")

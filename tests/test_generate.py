@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minillama.config import ModelConfig
-from minillama.errors import MinillamaError
-from minillama.formats import load_model
-from minillama.generate import GenerationStats, TextStreamer, generate, generate_steps, stream
-from minillama.model import Transformer, init_params
-from minillama.sampling import candidates, check_sampling, sample
-from minillama.tokenizer import ByteTokenizer
+from minillama.core.config import ModelConfig
+from minillama.core.errors import MinillamaError
+from minillama.io.load import load_model
+from minillama.infer.generate import (GenerationStats, TextStreamer, generate, generate_steps, stream)
+from minillama.model.transformer import Transformer, init_params
+from minillama.core.sampling import candidates, check_sampling, sample
+from minillama.io.tokenizer import ByteTokenizer
 
 
 def _model(backend="numpy", dtype=np.float64, seed=0, **kw):
@@ -197,7 +197,7 @@ def test_text_streamer_never_splits_characters():
 def test_numba_decode_gemv_matches_blas():
     """The numba backend's few-row linear (the decode GEMV) equals x W^T."""
     from minillama.backends import get_backend
-    from minillama.errors import MinillamaError as E
+    from minillama.core.errors import MinillamaError as E
     try:
         be = get_backend("numba")
     except E as e:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minillama.config import ModelConfig
-from minillama.errors import MinillamaError
-from minillama.formats import detect_format, load_model
-from minillama.formats.gguf import dequantize
-from minillama.formats.hf import interleaved_to_hf
-from minillama.model import Transformer, init_params
+from minillama.core.config import ModelConfig
+from minillama.core.errors import MinillamaError
+from minillama.io.load import detect_format, load_model
+from minillama.io.gguf import dequantize
+from minillama.io.hf import interleaved_to_hf
+from minillama.model.transformer import Transformer, init_params
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -129,7 +129,7 @@ def test_qwen2_gguf_matches_transformers(tmp_path):
     """A transformers Qwen2 model (q/k/v biases, half-split RoPE rows) as a GGUF file."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from minillama.formats.hf import load_hf
+    from minillama.io.hf import load_hf
 
     hf_cfg = transformers.Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=48,
                                       num_hidden_layers=2, num_attention_heads=4,
@@ -232,7 +232,7 @@ def test_gguf_gpt2_tokenizer_matches_the_tokenizers_library(tmp_path):
 def test_rope_freqs_tensor_is_llama3_scaling(tmp_path):
     """llama.cpp stores Llama 3.1's RoPE bands as a rope_freqs tensor f (theta_i / f_i): loading
     it gives the logits of the same weights under the llama3 rope_scaling."""
-    from minillama.ops import rope_frequencies
+    from minillama.core.ops import rope_frequencies
 
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -250,7 +250,7 @@ def test_rope_freqs_tensor_is_llama3_scaling(tmp_path):
     got = model.forward(np.array([TOKENS]))
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
     # and back out through the exporter
-    from minillama.formats.gguf import save_gguf
+    from minillama.io.gguf import save_gguf
     save_gguf(tmp_path / "again.gguf", model.cfg, {k: np.asarray(v) for k, v in model.params.items()})
     again, _ = load_model(tmp_path / "again.gguf", backend="numpy")
     np.testing.assert_array_equal(again.forward(np.array([TOKENS])), got)

@@ -77,7 +77,7 @@ def test_dry_run_names_what_exists(tmp_path):
     assert {"tests/test_cupy_backend.py", "tests/test_cuda_graph_cli.py",
             "tests/test_mixed_precision.py"} <= seen_tests
     # the CLI commands parse with minillama's own parser (flags and choices exist)
-    from minillama.cli import build_parser  # noqa: PLC0415
+    from minillama.cli.main import build_parser
 
     parser = build_parser()
     clis = [c[3:] for c in cmds if c[1:3] == ["-m", "minillama"]]
@@ -90,7 +90,7 @@ def test_dry_run_names_what_exists(tmp_path):
         {"fp32", "tf32", "bf16"}
     retrain = [c for c in clis if "--export" in c]
     assert len(retrain) == 1
-    from minillama.config import ModelConfig  # noqa: PLC0415
+    from minillama.core.config import ModelConfig
 
     a = parser.parse_args(retrain[0])
     n = ModelConfig(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minillama.config import ModelConfig
-from minillama.errors import MinillamaError
-from minillama.kvcache import KVCache
-from minillama.model import Transformer
+from minillama.core.config import ModelConfig
+from minillama.core.errors import MinillamaError
+from minillama.model.kvcache import KVCache
+from minillama.model.transformer import Transformer
 
 
 @st.composite
@@ -26,7 +26,7 @@ def configs(draw):
 
 
 def _model(cfg, backend, dtype, seed):
-    from minillama.model import init_params
+    from minillama.model.transformer import init_params
     # std 0.5 (not 0.02) so attention is far from uniform and position errors would show
     params = init_params(cfg, seed=seed, dtype=np.float64)
     rng = np.random.default_rng(seed)

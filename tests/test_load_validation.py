@@ -13,14 +13,14 @@ import struct
 import numpy as np
 import pytest
 
-from minillama import cli
-from minillama.checkpoint import check_finite, load_checkpoint, save_checkpoint
-from minillama.config import ModelConfig
-from minillama.errors import MinillamaError, OutputError
-from minillama.formats import load_model, save_hf, save_llama2c
-from minillama.formats.safetensors_file import read_safetensors_file
-from minillama.model import init_params
-from minillama.tokenizer import ByteTokenizer, Llama2cTokenizer, tokenizer_from_spec
+from minillama.cli import main as cli
+from minillama.io.checkpoint import check_finite, load_checkpoint, save_checkpoint
+from minillama.core.config import ModelConfig
+from minillama.core.errors import MinillamaError, OutputError
+from minillama.io.load import load_model, save_hf, save_llama2c
+from minillama.io.safetensors_file import read_safetensors_file
+from minillama.model.transformer import init_params
+from minillama.io.tokenizer import ByteTokenizer, Llama2cTokenizer, tokenizer_from_spec
 
 
 def _cfg(**kw):
@@ -138,7 +138,7 @@ def test_hf_tokenizer_config_and_vocabulary(hf_dir, hf_tokenizer_json):
 
 
 def test_tokenizer_config_json_must_be_an_object(tmp_path, hf_tokenizer_json):
-    from minillama.tokenizer import HFTokenizer
+    from minillama.io.tokenizer import HFTokenizer
 
     (tmp_path / "tokenizer_config.json").write_text('"eos"')
     with pytest.raises(MinillamaError, match="tokenizer_config.json: not a JSON object"):
@@ -362,8 +362,8 @@ def test_prepare_data_out_is_a_file(tmp_path, capsys):
 
 def test_generation_stops_on_non_finite_logits(monkeypatch):
     """Weights that load but overflow in the forward pass: one clear error, not sampled garbage."""
-    from minillama.generate import generate
-    from minillama.model import Transformer
+    from minillama.infer.generate import generate
+    from minillama.model.transformer import Transformer
 
     cfg = _cfg()
     model = Transformer(cfg, init_params(cfg, seed=0), backend="numpy")
@@ -391,7 +391,7 @@ def test_generation_stops_on_non_finite_logits(monkeypatch):
 ])
 def test_mistral_dynamic_scaling_fields(patch, words):
     """Found by the fuzzer: the dynamic-NTK context stretch multiplied unchecked values."""
-    from minillama.formats.hf import config_from_hf
+    from minillama.io.hf import config_from_hf
 
     base = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
             "vocab_size": 40, "intermediate_size": 24, "max_position_embeddings": 12,

@@ -1,5 +1,5 @@
-"""LoRA: the op (minillama/ops.py:lora_forward / lora_backward) against float64 central differences
-and torch.autograd, its properties, and the model with adapters (minillama/lora.py): only the
+"""LoRA: the op (minillama/core/ops.py:lora_forward / lora_backward) against float64 central differences
+and torch.autograd, its properties, and the model with adapters (minillama/model/lora.py): only the
 adapters get gradients, and those match central differences of the whole model's loss."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama import ops
-from minillama.config import ModelConfig
-from minillama.lora import TARGETS, LoRA, LoRAConfig
-from minillama.model import Transformer
-from minillama.optim import AdamW
+from minillama.core import ops
+from minillama.core.config import ModelConfig
+from minillama.model.lora import TARGETS, LoRA, LoRAConfig
+from minillama.model.transformer import Transformer
+from minillama.train.optim import AdamW
 
 from gradcheck import central_differences, rel_err
 
@@ -194,7 +194,7 @@ def test_adamw_over_the_adapters_only_changes_the_adapters():
 def test_lora_on_a_quantized_base_equals_lora_on_its_dequantized_weights(qtype):
     """QLoRA-style: W stays in its GGML blocks; y, dx, dA and dB are those of the float W =
     deq(W) (the base term goes through the quantized product, dW is never formed)."""
-    from minillama.quant import BLOCKS, QuantMatrix, dequantize
+    from minillama.core.quant import BLOCKS, QuantMatrix, dequantize
 
     from quantblocks import random_quant_rows
 
@@ -215,9 +215,9 @@ def test_lora_on_a_quantized_base_equals_lora_on_its_dequantized_weights(qtype):
 def test_an_adapter_over_a_quantized_base_stays_attached(tmp_path):
     """`generate --adapter` on a quantized base (apply_adapter) keeps W in its blocks and the
     adapter attached; its logits equal the float base with the adapter merged in."""
-    from minillama.lora import apply_adapter
-    from minillama.model import init_params
-    from minillama.quant import QuantMatrix
+    from minillama.model.lora import apply_adapter
+    from minillama.model.transformer import init_params
+    from minillama.core.quant import QuantMatrix
 
     from quantblocks import quantized_params
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minillama import ops
+from minillama.core import ops
 from minillama.backends import get_backend
-from minillama.config import ModelConfig
-from minillama.lora import LoRA, LoRAConfig
-from minillama.model import Transformer
+from minillama.core.config import ModelConfig
+from minillama.model.lora import LoRA, LoRAConfig
+from minillama.model.transformer import Transformer
 
 from helpers import BACKEND_PARAMS, max_rel_err as _rel
 
@@ -85,7 +85,7 @@ def test_gemm_acc_into_a_strided_output_falls_back():
 
 
 # ---------------------------------------------------------------------------------------------
-# the ops against minillama/ops.py
+# the ops against minillama/core/ops.py
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dt", [np.float32, np.float64])
 @pytest.mark.parametrize("with_drop", [False, True])
@@ -109,7 +109,7 @@ def test_lora_ops_match_the_reference(cpu, dt, with_drop, shape, split):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_lora_ops_over_a_quantized_base(cpu, qtype):
-    from minillama.quant import BLOCKS, QuantMatrix
+    from minillama.core.quant import BLOCKS, QuantMatrix
 
     from quantblocks import random_quant_rows
 
@@ -141,7 +141,7 @@ def test_frozen_linear_input_gradient_is_linear_backwards_dx(backend):
 def test_frozen_head_input_gradient_skips_dw(cpu, monkeypatch):
     """dx of the fused loss head alone equals the full backward's dx; no (V, D) product is made,
     the logits buffer goes back to the spare slot, and a second call is refused."""
-    from minillama.errors import MinillamaError
+    from minillama.core.errors import MinillamaError
 
     rng = np.random.default_rng(5)
     N, D, V = 96, 32, 300

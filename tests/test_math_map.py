@@ -1,8 +1,8 @@
-"""docs/MATH.md is the math-to-code map, and minillama/ops.py the reference it points at: both are
+"""docs/MATH.md is the math-to-code map, and minillama/core/ops.py the reference it points at: both are
 checked here so that neither drifts.
 
 * every ``path.py:name`` that MATH.md cites (and each bare ``name`` chained after it, as in
-  "`minillama/ops.py:rope_forward`, `rope_backward`") exists in that file;
+  "`minillama/core/ops.py:rope_forward`, `rope_backward`") exists in that file;
 * every public ``*_forward`` / ``*_backward`` of the reference has its equation (LaTeX) and its
   shapes in the docstring, and MATH.md cites it;
 * the reference stays plain: short bodies, no threading or tuning machinery.
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from minillama import ops
+from minillama.core import ops
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH = ROOT / "docs" / "MATH.md"
-OPS = ROOT / "minillama" / "ops.py"
+OPS = ROOT / "minillama" / "core" / "ops.py"
 #: the reference: ops.py and the RoPE table builders it re-exports (held to the same plainness)
-REFERENCE_FILES = (OPS, ROOT / "minillama" / "rope_scaling.py")
+REFERENCE_FILES = (OPS, ROOT / "minillama" / "core" / "rope_scaling.py")
 
 #: `path/to/file.py:name` followed by any number of `, `name`` in the same run
 CITE = re.compile(r"`([\w./-]+\.py):([\w.]+)`((?:,\s*`[\w.]+`)*)")
@@ -71,7 +71,7 @@ def defined_names(path: Path) -> set[str]:
 
 
 def reference_ops() -> list[str]:
-    """The public forward/backward functions of minillama.ops, in source order."""
+    """The public forward/backward functions of minillama.core.ops, in source order."""
     return [name for name, fn in inspect.getmembers(ops, inspect.isfunction)
             if fn.__module__ == ops.__name__ and not name.startswith("_")
             and name.endswith(("_forward", "_backward"))]
@@ -80,7 +80,7 @@ def reference_ops() -> list[str]:
 def test_math_md_cites_something():
     cites = math_citations()
     assert len(cites) >= 20, cites  # the parser still understands the file's citation style
-    assert ("minillama/ops.py", "attention_forward") in cites
+    assert ("minillama/core/ops.py", "attention_forward") in cites
 
 
 def test_every_citation_exists():
@@ -112,9 +112,9 @@ def test_reference_docstring_has_equation_and_shapes(name):
 
 
 def test_math_md_lists_every_reference_op():
-    cited = {name for path, name in math_citations() if path == "minillama/ops.py"}
+    cited = {name for path, name in math_citations() if path == "minillama/core/ops.py"}
     missing = [name for name in reference_ops() if name not in cited]
-    assert not missing, f"docs/MATH.md does not cite minillama/ops.py:{missing}"
+    assert not missing, f"docs/MATH.md does not cite minillama/core/ops.py:{missing}"
 
 
 def _code_lines(fn: ast.FunctionDef, path: Path = OPS) -> int:

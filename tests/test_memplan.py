@@ -1,4 +1,4 @@
-"""The memory plan of a training step (minillama/memplan.py) against what a step really keeps:
+"""The memory plan of a training step (minillama/train/memplan.py) against what a step really keeps:
 the saved-activation estimate against the arrays the forward's tape holds (within 1 %, on each
 CPU backend, with and without LoRA and its dropout), the whole step's peak allocation (tracemalloc)
 against the plan's bounds, LoRA keeping no gradient or AdamW state for frozen weights, and the
@@ -11,12 +11,13 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from minillama import cli, memplan
-from minillama.config import ModelConfig
-from minillama.errors import MinillamaError
-from minillama.lora import LoRA, LoRAConfig
-from minillama.model import Transformer
-from minillama.optim import AdamW
+from minillama.cli import main as cli
+from minillama.train import memplan
+from minillama.core.config import ModelConfig
+from minillama.core.errors import MinillamaError
+from minillama.model.lora import LoRA, LoRAConfig
+from minillama.model.transformer import Transformer
+from minillama.train.optim import AdamW
 
 CFG = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=300, max_seq_len=128)
 BACKENDS = ["reference", "numpy", "numba"]
@@ -112,7 +113,7 @@ def test_lora_keeps_no_gradient_or_adamw_state_for_frozen_weights():
 
 
 def test_quantized_weights_count_at_their_block_size():
-    from minillama.quantize import quantize
+    from minillama.core.quantize import quantize
 
     m = _model("reference")
     w = m.params["layers.0.feed_forward.w1.weight"]

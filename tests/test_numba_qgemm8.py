@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from minillama.backends import get_backend
-from minillama.quant import BLOCKS
+from minillama.core.quant import BLOCKS
 # skips where tests/test_numba_qint8.py skips (no gguf-py, no numba)
 from test_numba_qint8 import I8, Q, U, njit, oracle, random_matrix, rounded
 
@@ -123,8 +123,8 @@ def test_training_forward_is_exact_on_a_quantized_model(monkeypatch):
     """loss_and_grads of a model with block matrices on numba is that of the float32 products
     (``MINILLAMA_QUANT_DOTS=float``) bit for bit, while its inference forward rounds
     activations."""
-    from minillama.config import ModelConfig
-    from minillama.model import Transformer
+    from minillama.core.config import ModelConfig
+    from minillama.model.transformer import Transformer
 
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=96, max_seq_len=32,
                       hidden_dim=128)

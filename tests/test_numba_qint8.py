@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from minillama.backends import get_backend
-from minillama.errors import MinillamaError
-from minillama.quant import BLOCKS
+from minillama.core.errors import MinillamaError
+from minillama.core.quant import BLOCKS
 
 pytest.importorskip("gguf", reason="gguf-py (the format's reference dequantizer)")
 
@@ -145,10 +145,10 @@ def _quantized_init_model(types_, seed):
     """A small LLaMA at its initialisation (Gaussian matrices, unit norms), every matrix
     quantized by minillama's quantizers to the given types (cycled), and the float model of the
     dequantized weights."""
-    from minillama.config import ModelConfig
-    from minillama.model import Transformer, init_params
-    from minillama.quant import dequantize
-    from minillama.quantize import quantize
+    from minillama.core.config import ModelConfig
+    from minillama.model.transformer import Transformer, init_params
+    from minillama.core.quant import dequantize
+    from minillama.core.quantize import quantize
 
     cfg = ModelConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=67,
                       hidden_dim=512, multiple_of=256, max_seq_len=20)
@@ -218,7 +218,7 @@ def test_smollm2_int8_decode(smollm2_gguf, monkeypatch):
     """SmolLM2-135M (Q4_1): teacher-forced decode logits with 8-bit activations against the
     float32-activation path, within 1e-1 of max |logit| (measured 7e-2 at worst, 3e-2 on
     average), and the same greedy token at least 22 of 24 steps."""
-    from minillama.formats import load_model
+    from minillama.io.load import load_model
 
     model, tok = load_model(smollm2_gguf, backend="numba")
     ids = [int(i) for i in tok.encode("The capital of France is", bos=False)]

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from minillama.backends import get_backend
-from minillama.errors import MinillamaError
-from minillama.quant import BLOCKS, QuantMatrix
+from minillama.core.errors import MinillamaError
+from minillama.core.quant import BLOCKS, QuantMatrix
 
 gguf = pytest.importorskip("gguf", reason="gguf-py (the format's reference dequantizer)")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
@@ -138,7 +138,7 @@ def test_qmatmul_nonfinite_and_shapes(rng):
 def test_backend_linear(lead, rng):
     """linear_forward / linear_backward with a QuantMatrix: y = x W^T and dx = dy W of the
     dequantized W, any leading axes, dW None (the weight is frozen)."""
-    from minillama import ops
+    from minillama.core import ops
 
     w = random_matrix("Q4_K", 45, 256, rng)
     W = oracle(w)
@@ -157,7 +157,7 @@ def test_backend_linear(lead, rng):
 def test_backend_loss_head(rng):
     """The loss head with a quantized output matrix: the loss and dx of the composed reference
     ops on the dequantized W; dW None."""
-    from minillama import ops
+    from minillama.core import ops
 
     w = random_matrix("Q6_K", 50, 256, rng)
     W = oracle(w)
@@ -225,8 +225,8 @@ LINEAR = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
 def _quant_model(types_, rng, n_kv_heads=2):
     """A small LLaMA whose embedding (tied classifier) and linear weights are random blocks of
     the given types (cycled), plus the float model of their gguf-py dequantization."""
-    from minillama.config import ModelConfig
-    from minillama.model import Transformer, init_params
+    from minillama.core.config import ModelConfig
+    from minillama.model.transformer import Transformer, init_params
 
     cfg = ModelConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, vocab_size=67,
                       hidden_dim=512, multiple_of=256, max_seq_len=20)
@@ -308,8 +308,8 @@ def test_backend_fused_decode_with_quantized_linears(rng, monkeypatch):
     forward with a cache takes the fused quantized step for one sequence (counted), several
     sequences decline to the per-op path; both give the logits of the float model on the
     dequantized weights, and greedy generation its tokens."""
-    from minillama.generate import generate
-    from minillama.model import Transformer
+    from minillama.infer.generate import generate
+    from minillama.model.transformer import Transformer
 
     from minillama.backends.numba import qdecode
 

@@ -1,4 +1,4 @@
-"""The ``numpy`` backend's fast ops held to the reference (minillama.ops): every op pair it
+"""The ``numpy`` backend's fast ops held to the reference (minillama.core.ops): every op pair it
 overrides, forward and backward, float32 and float64, several shapes (GQA/MQA/MHA, a KV cache,
 per-sequence start positions, odd sizes), run serially and with its row threads forced on.
 Then the threading helpers themselves (bit-identical chunking, BLAS thread count restored).
@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 import pytest
 
-from minillama import ops
+from minillama.core import ops
 from minillama.backends import get_backend
 from minillama.backends.numpy import threads as cpu_threads
 from minillama.backends.numpy.backend import NumpyBackend
@@ -230,7 +230,7 @@ def test_single_threaded_blas_restores_thread_count(rng, monkeypatch):
 
 
 def test_reference_backend_is_the_plain_ops():
-    """``--backend reference`` runs minillama.ops itself: every op the backend has is the
+    """``--backend reference`` runs minillama.core.ops itself: every op the backend has is the
     reference function, and every reference op the model wires is there."""
     be = get_backend("reference")
     ops_names = [a for a in dir(be) if a.endswith(("_forward", "_backward"))]
@@ -246,7 +246,7 @@ def test_loss_head_blocks_and_buffer_reuse(rng, monkeypatch, block):
     reference; a second step reuses the (N, V) buffer and still gives the same answer; a second
     backward of one forward is a clear error."""
     from minillama.backends.numpy import backend as numpy_backend
-    from minillama.errors import MinillamaError
+    from minillama.core.errors import MinillamaError
 
     monkeypatch.setattr(numpy_backend, "LCE_BLOCK_ELEMENTS", block * 13)
     monkeypatch.setattr(cpu_threads, "PARALLEL_MIN_ELEMENTS", 1)

@@ -1,4 +1,4 @@
-"""Every reference op's backward (minillama.ops) against float64 central finite differences of its
+"""Every reference op's backward (minillama.core.ops) against float64 central finite differences of its
 forward. The backends' own ops are held to these by parity tests (tests/test_numpy_backend.py, ...).
 
 Each check turns the op into a scalar L = sum(out * R) with a fixed random R, so dL/dout = R, and
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minillama import ops
+from minillama.core import ops
 
 from gradcheck import central_differences, rel_err
 

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from minillama.errors import MinillamaError
-from minillama.optim import AdamW, clip_grad_norm, global_grad_norm, lr_at
+from minillama.core.errors import MinillamaError
+from minillama.train.optim import AdamW, clip_grad_norm, global_grad_norm, lr_at
 
 SHAPES = {"tok_embeddings.weight": (7, 4), "layers.0.attention_norm.weight": (4,),
           "layers.0.attention.wq.weight": (4, 4), "norm.weight": (4,)}

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minillama import ops
-from minillama.finetune import Example, Sampler, pad_batch
-from minillama.packing import draw_packed, pack_batch
+from minillama.core import ops
+from minillama.train.finetune import Example, Sampler, pad_batch
+from minillama.model.packing import draw_packed, pack_batch
 
 from gradcheck import central_differences, rel_err
 from test_finetune import base, chat_data  # noqa: F401 (fixtures)
@@ -132,9 +132,9 @@ ROWS = [[5, 9, 3], [11, 4]]  # example lengths (tokens) per packed row
 
 
 def _packed_model(backend, lora):
-    from minillama.config import ModelConfig
-    from minillama.lora import LoRA, LoRAConfig
-    from minillama.model import Transformer
+    from minillama.core.config import ModelConfig
+    from minillama.model.lora import LoRA, LoRAConfig
+    from minillama.model.transformer import Transformer
 
     if backend == "numba":
         pytest.importorskip("numba")
@@ -211,7 +211,7 @@ def test_packed_recomputed_gradient_against_central_differences():
 
 
 def test_packed_rows_refuse_bad_segments():
-    from minillama.errors import MinillamaError
+    from minillama.core.errors import MinillamaError
 
     m = _packed_model("reference", lora=False)
     x, y, seg = pack_batch(_rows())
@@ -225,7 +225,7 @@ def test_finetune_pack_trains_and_resumes_bit_for_bit(base, chat_data, tmp_path,
     same adapter."""
     import json
 
-    from minillama import cli
+    from minillama.cli import main as cli
 
     common = ["finetune", "-c", str(base), "--data", str(chat_data / "train.jsonl"),
               "--val-data", str(chat_data / "val.jsonl"), "--steps", "12", "--batch-size", "2",

@@ -9,11 +9,11 @@ import math
 import numpy as np
 import pytest
 
-from minillama.cli import main
-from minillama.errors import MinillamaError
-from minillama.formats import load_model
-from minillama.perplexity import perplexity
-from minillama.tokenizer import ByteTokenizer
+from minillama.cli.main import main
+from minillama.core.errors import MinillamaError
+from minillama.io.load import load_model
+from minillama.infer.perplexity import perplexity
+from minillama.io.tokenizer import ByteTokenizer
 
 SHIPPED = "minillama/weights/shakespeare.safetensors"
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"

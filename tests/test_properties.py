@@ -11,8 +11,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from minillama import ModelConfig, Transformer, ops
-from minillama.model import param_shapes
+from minillama import ModelConfig, Transformer
+from minillama.core import ops
+from minillama.model.transformer import param_shapes
 
 from helpers import lively_params, require_float64
 

@@ -1,4 +1,4 @@
-"""Block dequantization (minillama/quant.py) held bit for bit to the `gguf` package's (the Python
+"""Block dequantization (minillama/core/quant.py) held bit for bit to the `gguf` package's (the Python
 port llama.cpp's authors publish) on random valid blocks of every type, and properties the block
 equations imply: scaling the float16 d scales the values exactly, rows are independent."""
 
@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama.errors import MinillamaError
-from minillama.quant import (BLOCKS, DEQUANTIZE, SCALE_FIELDS, QuantMatrix, dequantize,
-                             dequantize_rows)
+from minillama.core.errors import MinillamaError
+from minillama.core.quant import (BLOCKS, DEQUANTIZE, SCALE_FIELDS, QuantMatrix, dequantize, dequantize_rows)
 from quantblocks import finite_f16, random_blocks, random_quant_rows
 
 TYPES = list(BLOCKS)

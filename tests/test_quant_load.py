@@ -1,4 +1,4 @@
-"""GGUF files with block-quantized tensors: every type of ``minillama.quant.BLOCKS`` loads, its
+"""GGUF files with block-quantized tensors: every type of ``minillama.core.quant.BLOCKS`` loads, its
 matrices stay quantized (a QuantMatrix over the file's bytes), and the model gives the logits of
 the same model with the matrices dequantized by the `gguf` package; malformed tensor tables are
 one-line errors (exit 2 through the CLI). The real-file checks against transformers are in
@@ -12,14 +12,14 @@ import sys
 import numpy as np
 import pytest
 
-from minillama import cli
-from minillama.config import ModelConfig
-from minillama.errors import MinillamaError
-from minillama.formats import load_model
-from minillama.formats.gguf import GGUFFile, load_gguf
-from minillama.model import Transformer, init_params
-from minillama.quant import BLOCKS, QuantMatrix
-from minillama.tokenizer import ByteTokenizer
+from minillama.cli import main as cli
+from minillama.core.config import ModelConfig
+from minillama.core.errors import MinillamaError
+from minillama.io.load import load_model
+from minillama.io.gguf import GGUFFile, load_gguf
+from minillama.model.transformer import Transformer, init_params
+from minillama.core.quant import BLOCKS, QuantMatrix
+from minillama.io.tokenizer import ByteTokenizer
 from quantblocks import random_quant_rows
 
 gguf = pytest.importorskip("gguf")
@@ -221,8 +221,8 @@ def test_reading_needs_no_gguf_package(q8_file, monkeypatch):
 def test_qwen2_rows_are_permuted_in_their_blocks(tmp_path):
     """A qwen2 file keeps q/k rows in the half-split RoPE order; the loader reorders whole rows
     of blocks (a QuantMatrix row is a row of W) into the interleaved order."""
-    from minillama.formats.hf import hf_to_interleaved
-    from minillama.quant import dequantize
+    from minillama.io.hf import hf_to_interleaved
+    from minillama.core.quant import dequantize
 
     path = tmp_path / "qwen2.gguf"
     held = write_quant_gguf(path, CFG, "Q4_K", arch="qwen2")

@@ -10,13 +10,13 @@ import types
 import numpy as np
 import pytest
 
-from minillama import ops
+from minillama.core import ops
 from minillama.backends import get_backend
-from minillama.config import ModelConfig
-from minillama.errors import MinillamaError
-from minillama.model import Transformer, init_params
-from minillama.optim import AdamW
-from minillama.quant import BLOCKS, QuantMatrix, dequantize
+from minillama.core.config import ModelConfig
+from minillama.core.errors import MinillamaError
+from minillama.model.transformer import Transformer, init_params
+from minillama.train.optim import AdamW
+from minillama.core.quant import BLOCKS, QuantMatrix, dequantize
 from quantblocks import quantized_params, random_quant_rows
 
 

@@ -1,4 +1,4 @@
-"""The quantizers of minillama.quantize: the legacy types bit for bit against the ``gguf``
+"""The quantizers of minillama.core.quantize: the legacy types bit for bit against the ``gguf``
 package's (ggml's reference rounding), the K types by their error (decoded by the ``gguf``
 package, an independent reader) against a stated bound and against llama-quantize's when that
 tool is built; hypothesis properties of the block equations."""
@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama.errors import MinillamaError
-from minillama.quant import BLOCKS, QuantMatrix
-from minillama.quantize import QUANTIZERS, quantize
+from minillama.core.errors import MinillamaError
+from minillama.core.quant import BLOCKS, QuantMatrix
+from minillama.core.quantize import QUANTIZERS, quantize
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -142,9 +142,9 @@ def test_error_no_worse_than_llama_quantize(qtype, tmp_path):
     tool = _llama_quantize()
     if tool is None:
         pytest.skip("llama-quantize is not built")
-    from minillama.config import ModelConfig
-    from minillama.formats.gguf import save_gguf
-    from minillama.model import init_params
+    from minillama.core.config import ModelConfig
+    from minillama.io.gguf import save_gguf
+    from minillama.model.transformer import init_params
 
     cfg = ModelConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=512,
                       hidden_dim=512, max_seq_len=64, tie_embeddings=False)
@@ -210,7 +210,7 @@ def test_idempotent(qtype, x):
     """quantize(dequantize(q)) == q: the values a file holds are fixed points of the quantizer,
     byte for byte for the legacy types, value for value for Q6_K and IQ4_NL (a block may have
     several encodings of the same values). Q2_K, Q3_K, Q4_K and Q5_K do not have the property:
-    the searches of :func:`~minillama.quantize.fit_scale_min` / ``fit_scale`` do not always
+    the searches of :func:`~minillama.core.quantize.fit_scale_min` / ``fit_scale`` do not always
     refit a sub-block to exactly its own step (and offset), and the 4- or 6-bit rounding of the
     new ones can move values by a step."""
     m = quantize(x, qtype)

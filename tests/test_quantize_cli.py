@@ -9,14 +9,14 @@ import shutil
 import numpy as np
 import pytest
 
-from minillama.cli import main
-from minillama.config import ModelConfig
-from minillama.errors import MinillamaError
-from minillama.formats import load_model, load_params
-from minillama.formats.gguf import save_gguf
-from minillama.model import Transformer, init_params
-from minillama.quant import QuantMatrix
-from minillama.quantize import plan_types, quantize_params, resolve_type
+from minillama.cli.main import main
+from minillama.core.config import ModelConfig
+from minillama.core.errors import MinillamaError
+from minillama.io.load import load_model, load_params
+from minillama.io.gguf import save_gguf
+from minillama.model.transformer import Transformer, init_params
+from minillama.core.quant import QuantMatrix
+from minillama.core.quantize import plan_types, quantize_params, resolve_type
 
 gguf = pytest.importorskip("gguf")
 
@@ -148,7 +148,7 @@ def test_transformers_loads_quantized_file(qtype, tmp_path, hf_tokenizer_json):
     gguf package decodes; its tokenizer from the GGUF encodes like the tokenizer.json."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from minillama.formats.hf import save_hf
+    from minillama.io.hf import save_hf
 
     hf_cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512,
                                       num_hidden_layers=2, num_attention_heads=4,
@@ -187,8 +187,8 @@ def test_transformers_loads_quantized_file(qtype, tmp_path, hf_tokenizer_json):
 def test_gguf_input_keeps_its_tokenizer(tmp_path, shared_data):
     """A GGUF input's tokenizer.* metadata is copied as it is; the quantized file's tokenizer
     encodes like the original SentencePiece tokenizer."""
-    from minillama.formats.gguf import load_gguf_tokenizer
-    from minillama.tokenizer import load_tokenizer
+    from minillama.io.gguf import load_gguf_tokenizer
+    from minillama.io.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(shared_data / "tokenizer.bin"))
     cfg = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=32000,

@@ -1,4 +1,4 @@
-"""Gradient checkpointing (``--recompute``, minillama/recompute.py): the forward keeps only each
+"""Gradient checkpointing (``--recompute``, minillama/model/recompute.py): the forward keeps only each
 block's input and the backward rebuilds one block at a time. The gradients are those of the plain
 backward bit for bit (same backend), with LoRA (its dropout masks replayed) and full training, on
 the model's variants; the arrays kept by the forward shrink to the block inputs (measured) and the
@@ -12,10 +12,11 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from minillama import cli, memplan
-from minillama.config import ModelConfig
-from minillama.lora import LoRA, LoRAConfig
-from minillama.model import Transformer
+from minillama.cli import main as cli
+from minillama.train import memplan
+from minillama.core.config import ModelConfig
+from minillama.model.lora import LoRA, LoRAConfig
+from minillama.model.transformer import Transformer
 
 from test_memplan import tape_bytes
 
@@ -107,7 +108,7 @@ def test_recompute_keeps_only_block_inputs_and_lowers_the_peak(backend):
 def test_finetune_recompute_writes_the_same_adapter(tmp_path, capsys):
     """The shipped byte-level model, plain text: with and without --recompute (dropout on), the
     same adapter bit for bit; the memory plan names the mode."""
-    from minillama.generate import DEFAULT_CHECKPOINT
+    from minillama.infer.generate import DEFAULT_CHECKPOINT
 
     (tmp_path / "t.txt").write_text("the cat sat on the mat. the dog sat on the log. " * 30)
     common = ["finetune", "-c", str(DEFAULT_CHECKPOINT), "--data", str(tmp_path / "t.txt"),
@@ -125,7 +126,7 @@ def test_finetune_recompute_writes_the_same_adapter(tmp_path, capsys):
 
 
 def test_finetune_bad_max_memory_is_one_line(tmp_path, capsys):
-    from minillama.generate import DEFAULT_CHECKPOINT
+    from minillama.infer.generate import DEFAULT_CHECKPOINT
 
     (tmp_path / "t.txt").write_text("abc " * 100)
     rc = cli.main(["finetune", "-c", str(DEFAULT_CHECKPOINT), "--data", str(tmp_path / "t.txt"),
@@ -136,7 +137,7 @@ def test_finetune_bad_max_memory_is_one_line(tmp_path, capsys):
 
 
 def test_train_recompute_writes_the_same_weights(tmp_path, capsys):
-    from minillama.checkpoint import load_checkpoint
+    from minillama.io.checkpoint import load_checkpoint
 
     text = tmp_path / "t.txt"
     text.write_text("to be or not to be, that is the question. " * 200)
@@ -152,7 +153,7 @@ def test_train_recompute_writes_the_same_weights(tmp_path, capsys):
 
 
 def test_finetune_pack_cannot_start_on_a_resume(tmp_path, capsys):
-    from minillama.generate import DEFAULT_CHECKPOINT
+    from minillama.infer.generate import DEFAULT_CHECKPOINT
 
     (tmp_path / "t.txt").write_text("the cat sat on the mat. " * 40)
     assert cli.main(["finetune", "-c", str(DEFAULT_CHECKPOINT), "--data", str(tmp_path / "t.txt"),

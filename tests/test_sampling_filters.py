@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from minillama.errors import MinillamaError
-from minillama.sampling import apply_repetition_penalty, candidates, check_sampling, sample
+from minillama.core.errors import MinillamaError
+from minillama.core.sampling import apply_repetition_penalty, candidates, check_sampling, sample
 
 logits_st = arrays(np.float64, st.integers(2, 60),
                    elements=st.floats(-30, 30, allow_nan=False, allow_infinity=False))

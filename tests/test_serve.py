@@ -21,13 +21,13 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from minillama import cli  # noqa: E402
-from minillama.engine import Engine  # noqa: E402
-from minillama.formats import load_model  # noqa: E402
-from minillama.generate import DEFAULT_CHECKPOINT, generate  # noqa: E402
-from minillama.chat import encode_rendered, render_chat  # noqa: E402
-from minillama.chat import stop_ids as _stops  # noqa: E402
-from minillama.serve import build_app  # noqa: E402
+from minillama.cli import main as cli  # noqa: E402
+from minillama.infer.engine import Engine  # noqa: E402
+from minillama.io.load import load_model  # noqa: E402
+from minillama.infer.generate import DEFAULT_CHECKPOINT, generate  # noqa: E402
+from minillama.infer.chat import encode_rendered, render_chat  # noqa: E402
+from minillama.infer.chat import stop_ids as _stops  # noqa: E402
+from minillama.infer.serve import build_app  # noqa: E402
 
 KEY = "sekret"
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
@@ -80,9 +80,9 @@ def chat(tmp_path_factory):
     pytest.importorskip("jinja2")
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from minillama.config import ModelConfig
-    from minillama.formats import save_hf
-    from minillama.model import init_params
+    from minillama.core.config import ModelConfig
+    from minillama.io.load import save_hf
+    from minillama.model.transformer import init_params
 
     d = tmp_path_factory.mktemp("chat_model")
     t = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
@@ -326,8 +326,8 @@ def test_api_key(chat):
 
 
 def test_importing_minillama_loads_no_server_stack():
-    code = ("import sys, minillama, minillama.cli, minillama.serve, minillama.engine\n"
-            "minillama.cli.build_parser()\n"
+    code = ("import sys, minillama, minillama.cli.main, minillama.infer.serve, minillama.infer.engine\n"
+            "minillama.cli.main.build_parser()\n"
             "stack = ('starlette', 'uvicorn', 'anyio', 'httpx', 'openai', 'asyncio')\n"
             "print(sorted(m for m in stack if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

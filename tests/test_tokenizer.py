@@ -10,10 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minillama.errors import MinillamaError
-from minillama.generate import TextStreamer
-from minillama.tokenizer import (ByteTokenizer, HFTokenizer, Llama2cTokenizer, load_tokenizer,
-                                 tokenizer_from_spec)
+from minillama.core.errors import MinillamaError
+from minillama.infer.generate import TextStreamer
+from minillama.io.tokenizer import (ByteTokenizer, HFTokenizer, Llama2cTokenizer, load_tokenizer, tokenizer_from_spec)
 
 FIXED = [
     "", " ", "  ", "   ", "a", " a", "a ", "Hello world", " Hello", "Hello  world   x",

@@ -1,6 +1,6 @@
 """BOS/EOS as each tokenizer's source says: Hugging Face folders of several families (compared
 with transformers' AutoTokenizer on the same folder), GGUF metadata with llama.cpp's defaults,
-llama2.c's tokenizer.bin; and no import circle between the tokenizers and minillama.formats."""
+llama2.c's tokenizer.bin; and no import circle between the tokenizers and minillama.io.load."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from minillama.tokenizer import HFTokenizer, Llama2cTokenizer, load_gguf_tokenizer
+from minillama.io.tokenizer import HFTokenizer, Llama2cTokenizer, load_gguf_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tokenizer_families import build_family  # noqa: E402
@@ -85,7 +85,7 @@ def _write_vocab_gguf(path, model: str, pre: str | None = None, **flags) -> Path
     """A GGUF file holding only a tokenizer: ``llama`` (SentencePiece pieces with scores) or
     ``gpt2`` (the 256 byte symbols and "ab") with BOS 1 and EOS 2."""
     gguf = pytest.importorskip("gguf")
-    from minillama.bpe import byte_alphabet
+    from minillama.io.bpe import byte_alphabet
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model(model)
@@ -144,7 +144,7 @@ def test_smollm2_gguf_tokenizer_matches_transformers(smollm2_gguf):
 
 
 def test_tokenizers_do_not_import_formats():
-    """minillama.tokenizer and minillama.bpe sit below minillama.formats: they never import it
+    """minillama.io.tokenizer and minillama.io.bpe sit below minillama.io.load: they never import it
     (no circle with formats/gguf.py); importing them, or the chat helpers the server uses,
     does not load it (the chat command itself loads models through it when it runs)."""
     root = Path(__file__).resolve().parents[1] / "minillama"
@@ -154,8 +154,8 @@ def test_tokenizers_do_not_import_formats():
             if isinstance(node, ast.ImportFrom):
                 assert not (node.module or "").startswith("formats"), (name, node.module)
                 assert "formats" not in (node.module or ""), (name, node.module)
-    code = ("import sys, minillama.tokenizer, minillama.chat; "
-            "assert not [m for m in sys.modules if m.startswith('minillama.formats')]")
+    code = ("import sys, minillama.io.tokenizer, minillama.infer.chat; "
+            "assert not [m for m in sys.modules if m.startswith('minillama.io.load')]")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -163,9 +163,9 @@ def test_gguf_export_keeps_flags_and_template(tmp_path):
     """save_gguf writes add_bos_token / add_eos_token and the chat template; reading the file
     back gives the same tokenizer behaviour."""
     pytest.importorskip("gguf")
-    from minillama.config import ModelConfig
-    from minillama.formats.gguf import save_gguf
-    from minillama.model import init_params
+    from minillama.core.config import ModelConfig
+    from minillama.io.gguf import save_gguf
+    from minillama.model.transformer import init_params
 
     pieces = [b"<unk>", b"<s>", b"</s>"] + [b"<0x%02X>" % b for b in range(256)] + \
         [b" ", b"a", b"b", b" a"]

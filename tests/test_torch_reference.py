@@ -14,8 +14,9 @@ import math
 import numpy as np
 import pytest
 
-from minillama import ModelConfig, Transformer, ops
-from minillama.model import param_shapes
+from minillama import ModelConfig, Transformer
+from minillama.core import ops
+from minillama.model.transformer import param_shapes
 
 from helpers import lively_params
 

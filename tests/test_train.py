@@ -8,13 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from minillama import cli
-from minillama.checkpoint import load_checkpoint, read_safetensors
-from minillama.config import ModelConfig
-from minillama.data import prepare_text_file, shakespeare_documents
-from minillama.model import Transformer
-from minillama.optim import AdamW, clip_grad_norm
-from minillama.train import CKPT_NAME, PLOT_NAME, TrainConfig, Trainer, TrainingDiverged
+from minillama.cli import main as cli
+from minillama.io.checkpoint import load_checkpoint, read_safetensors
+from minillama.core.config import ModelConfig
+from minillama.io.data import prepare_text_file, shakespeare_documents
+from minillama.model.transformer import Transformer
+from minillama.train.optim import AdamW, clip_grad_norm
+from minillama.train.trainer import CKPT_NAME, PLOT_NAME, TrainConfig, Trainer, TrainingDiverged
 
 TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, context=32, batch_size=4,
             eval_iters=2, warmup=2, lr=3e-3, min_lr=3e-4)
@@ -310,8 +310,8 @@ def test_resume_rejects_a_different_model(play_data, tmp_path, capsys):
 def test_shipped_default_checkpoint():
     """The model `minillama generate` runs by default: small, GQA, float16 on disk, and it
     predicts the held-out plays at <= 1.6 nats per byte (the full split gave 1.4636)."""
-    from minillama.data import VAL_PLAYS, encode_documents, shakespeare_documents
-    from minillama.generate import DEFAULT_CHECKPOINT
+    from minillama.io.data import VAL_PLAYS, encode_documents, shakespeare_documents
+    from minillama.infer.generate import DEFAULT_CHECKPOINT
 
     assert DEFAULT_CHECKPOINT.is_file()
     assert DEFAULT_CHECKPOINT.stat().st_size < 8e6

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from minillama.bpe import LLAMA3_PATTERN
+from minillama.io.bpe import LLAMA3_PATTERN
 
 CORPUS = ["the cat sat on the mat", "def fibonacci(n): return n", "héllo wörld, 1234!"] * 20
 

@@ -1,7 +1,7 @@
 r"""The CuPy backend: the model on an NVIDIA GPU, cuBLAS for the matrix products (through CuPy) and
 hand-written CUDA kernels (``kernels/*.cu``, built by :mod:`.build`) for the other ops.
 
-Every op keeps the contract of :mod:`minillama.ops` (``*_forward(...) -> (out, ctx)``,
+Every op keeps the contract of :mod:`minillama.core.ops` (``*_forward(...) -> (out, ctx)``,
 ``*_backward(dout, ctx)``) and the arrays stay on the device. The kernels are templated for
 float32 and float64, so the float64 gradient checks run on the kernels too; any other dtype (and
 head dimensions above 128 for attention) falls back to the reference ops, which also run on CuPy.
@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import ops
-from ... import quant
-from ...errors import MinillamaError
-from ...quant import QuantMatrix
+from minillama.core import ops
+from minillama.core import quant
+from minillama.core.errors import MinillamaError
+from minillama.core.quant import QuantMatrix
 from . import build as cb
 from ..reference import ReferenceBackend
 from .backend_attention import AttentionOps
@@ -206,7 +206,7 @@ def adamw_update(param, grad, m, v, lr, beta1, beta2, eps, wd, step) -> None:
     m \leftarrow \beta_1 m + (1-\beta_1) g,\quad v \leftarrow \beta_2 v + (1-\beta_2) g^2,
     \theta \leftarrow \theta (1 - \eta\lambda) - \eta \frac{m / (1-\beta_1^t)}{\sqrt{v / (1-\beta_2^t)} + \epsilon}
 
-    (the update of :class:`minillama.optim.AdamW`; pass ``wd = 0`` for parameters without decay).
+    (the update of :class:`minillama.train.optim.AdamW`; pass ``wd = 0`` for parameters without decay).
     param, grad, m, v: CuPy arrays of one shape and dtype (any shape; C-contiguous, since they are
     updated in place); step t >= 1.
     """
@@ -245,9 +245,9 @@ def sample_tokens(logits, temperature: float = 0.0, top_k=None, top_p=None,
     token crossing the threshold is kept), renormalised, and sampled by inverse CDF with one
     uniform per row: ``uniforms`` (B,) when given (e.g. one draw from each sequence's own
     generator), else ``rng.random(B)``. With the same uniform, row b picks the token that
-    :func:`minillama.sampling.sample` picks. Returns (B,) int64 ids on the host.
+    :func:`minillama.core.sampling.sample` picks. Returns (B,) int64 ids on the host.
     """
-    from ...sampling import check_sampling  # noqa: PLC0415
+    from minillama.core.sampling import check_sampling
 
     _import_cupy()
     check_sampling(temperature, top_k, top_p)
@@ -267,7 +267,7 @@ def sample_tokens(logits, temperature: float = 0.0, top_k=None, top_p=None,
     zz = z.astype(cp.float64) / float(temperature)
     use_k = top_k is not None and int(top_k) < V
     use_p = top_p is not None and top_p < 1.0
-    if top_k is not None or use_p:  # candidates by decreasing probability (minillama.sampling)
+    if top_k is not None or use_p:  # candidates by decreasing probability (minillama.core.sampling)
         order = cp.argsort(-zz, axis=-1)
     else:  # the whole vocabulary in id order
         order = cp.broadcast_to(cp.arange(V), (B, V))

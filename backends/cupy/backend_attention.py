@@ -9,8 +9,8 @@ import math
 
 import numpy as np
 
-from ... import ops
-from ...errors import MinillamaError
+from minillama.core import ops
+from minillama.core.errors import MinillamaError
 from . import build as cb
 from .common import _KCtx, _aligned16, _c, _i32, _launch, _scalar, _supported, cp
 

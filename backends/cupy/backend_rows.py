@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import ops
-from ...errors import MinillamaError
+from minillama.core import ops
+from minillama.core.errors import MinillamaError
 from ..reference import (composed_linear_cross_entropy_backward,
                          composed_linear_cross_entropy_forward)
 from . import build as cb

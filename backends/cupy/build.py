@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import MinillamaError
+from minillama.core.errors import MinillamaError
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 

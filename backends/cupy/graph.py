@@ -1,6 +1,6 @@
 r"""Greedy decoding on the GPU with the whole decode step captured once as a CUDA graph.
 
-One decode step of a :class:`minillama.model.Transformer` on the CuPy backend is a few dozen
+One decode step of a :class:`minillama.model.transformer.Transformer` on the CuPy backend is a few dozen
 kernel launches (per layer: RMSNorm, three projections, RoPE, the cache write, attention, the
 output projection, the FFN) whose host-side cost dominates at batch 1. :class:`GraphDecoder`
 records that step once with CuPy's stream capture and then replays it: the token ids and the
@@ -18,7 +18,7 @@ path).
 
 A private CuPy memory pool holds the step's intermediate arrays, so the buffers the graph
 replays into are never handed to other code. Needs a CUDA GPU; the eager decode of
-:mod:`minillama.generate` is the reference it is checked against (tests/test_cupy_backend.py,
+:mod:`minillama.infer.generate` is the reference it is checked against (tests/test_cupy_backend.py,
 scripts/bench_gpu.py).
 """
 
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import MinillamaError
-from ...decoding import ChunkDecoder
-from ...decoding import stream_greedy  # noqa: F401  (the loop that drives a GraphDecoder)
-from ...quant import QuantMatrix
+from minillama.core.errors import MinillamaError
+from minillama.core.decoding import ChunkDecoder
+from minillama.core.decoding import stream_greedy  # noqa: F401  (the loop that drives a GraphDecoder)
+from minillama.core.quant import QuantMatrix
 
 _STEP_SRC = r"""
 extern "C" __global__ void cache_write(float* __restrict__ kc, float* __restrict__ vc,

@@ -35,7 +35,7 @@ import copy
 
 import numpy as np
 
-from ...errors import MinillamaError
+from minillama.core.errors import MinillamaError
 from ..reference import (composed_linear_cross_entropy_backward,
                                 composed_linear_cross_entropy_forward)
 

@@ -28,7 +28,7 @@ where plain NumPy wastes time or memory:
   above.
 
 Importing this module imports neither Numba nor the kernels; constructing :class:`NumbaBackend`
-imports Numba (a clear :class:`~minillama.errors.MinillamaError` when it is missing) and each
+imports Numba (a clear :class:`~minillama.core.errors.MinillamaError` when it is missing) and each
 kernel compiles on its first call (cached on disk). Threads: ``NUMBA_NUM_THREADS`` or the machine.
 
 This file holds the setup, the thread count, the linear layers and AdamW; the other ops are
@@ -45,8 +45,8 @@ import weakref
 
 import numpy as np
 
-from ...errors import MinillamaError
-from ...quant import QuantMatrix
+from minillama.core.errors import MinillamaError
+from minillama.core.quant import QuantMatrix
 from ..numpy import threads as cpu_threads
 from ..numpy.backend import NumpyBackend
 from ..reference import (composed_linear_cross_entropy_backward,
@@ -105,7 +105,7 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
     def linear_forward(self, x, w):
         r"""y = x W^T (x: (..., in), W: (out, in)); up to four rows (decoding) take the Numba
         GEMV of :mod:`.gemv`, which streams W at close to memory bandwidth; else BLAS. A
-        :class:`~minillama.quant.QuantMatrix` W is multiplied from its GGML blocks
+        :class:`~minillama.core.quant.QuantMatrix` W is multiplied from its GGML blocks
         (:func:`.quant.qmatmul`, float32)."""
         if isinstance(w, QuantMatrix):
             if x.dtype != np.float32:  # the kernels dot in float32: float64 takes the exact tiles
@@ -122,7 +122,7 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
         return super().linear_forward(x, w)
 
     def linear_backward(self, dy, ctx):
-        r"""dx = dy W, dW = dy^T x; for a :class:`~minillama.quant.QuantMatrix` W (frozen)
+        r"""dx = dy W, dW = dy^T x; for a :class:`~minillama.core.quant.QuantMatrix` W (frozen)
         dx = dy W from its blocks (:func:`.quant.qmatmul_t`) and dW is None."""
         x, w = ctx
         if isinstance(w, QuantMatrix) and dy.dtype == np.float32:
@@ -132,7 +132,7 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
         return super().linear_backward(dy, ctx)
 
     def linear_cross_entropy_forward(self, x, w, targets, ignore_index: int = -1):
-        r"""The loss head z = x W^T, L = CE(z, y); a :class:`~minillama.quant.QuantMatrix` W
+        r"""The loss head z = x W^T, L = CE(z, y); a :class:`~minillama.core.quant.QuantMatrix` W
         takes the composed ops (:meth:`linear_forward` from its blocks, then the cross-entropy)."""
         if isinstance(w, QuantMatrix):
             return composed_linear_cross_entropy_forward(self, x, w, targets, ignore_index)

@@ -9,8 +9,8 @@ import math
 
 import numpy as np
 
-from ... import ops
-from ...errors import MinillamaError
+from minillama.core import ops
+from minillama.core.errors import MinillamaError
 from ..numpy import threads as cpu_threads
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -58,7 +58,7 @@ class AttentionOps:
         return out
 
     def rope_forward(self, x, cos, sin, out=None):
-        r"""RoPE (see :func:`minillama.ops.rope_forward`): for every pair i of every head,
+        r"""RoPE (see :func:`minillama.core.ops.rope_forward`): for every pair i of every head,
 
         y_{2i} = x_{2i} \cos(m\theta_i) - x_{2i+1} \sin(m\theta_i),
         y_{2i+1} = x_{2i} \sin(m\theta_i) + x_{2i+1} \cos(m\theta_i).
@@ -90,7 +90,7 @@ class AttentionOps:
         return self._blas.gemm_address(dt)
 
     def attention_forward(self, q, k, v, start_pos=0):
-        r"""Causal GQA attention (same contract as :func:`minillama.ops.attention_forward`):
+        r"""Causal GQA attention (same contract as :func:`minillama.core.ops.attention_forward`):
 
         s_{tj} = q_t \cdot k_j / \sqrt{hd} for j \le p_b + t,
         o_t = \sum_j \mathrm{softmax}_j(s_t)_j v_j,

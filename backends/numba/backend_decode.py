@@ -11,10 +11,10 @@ import operator
 
 import numpy as np
 
-from ...errors import MinillamaError
-from ...decoding import ChunkDecoder, nonfinite_error
-from ...decoding import finite_logits as _finite
-from ...quant import QuantMatrix
+from minillama.core.errors import MinillamaError
+from minillama.core.decoding import ChunkDecoder, nonfinite_error
+from minillama.core.decoding import finite_logits as _finite
+from minillama.core.quant import QuantMatrix
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -60,7 +60,7 @@ class DecodePlans:
             if f.name not in FUSED_DECODE_FIELDS and (
                     f.default is dataclasses.MISSING or getattr(cfg, f.name) != f.default):
                 return None
-        from ...model import param_shapes  # noqa: PLC0415
+        from minillama.model.transformer import param_shapes
 
         shapes = param_shapes(cfg)
         if set(p) != set(shapes):
@@ -111,7 +111,7 @@ class DecodePlans:
 
     def _quant_plan(self, model, shapes):
         """The decode plan of a float32 model whose linear weights are all GGML block matrices
-        (:class:`~minillama.quant.QuantMatrix`; the embedding and the classifier may be either):
+        (:class:`~minillama.core.quant.QuantMatrix`; the embedding and the classifier may be either):
         the block arrays as typed lists and each matrix's type id. None otherwise."""
         p, cfg = model.params, model.cfg
         L = cfg.n_layers
@@ -172,7 +172,7 @@ class DecodePlans:
 
 class FusedDecode(DecodePlans):
     """The fused decode entry points: :meth:`decode_step` (taken by
-    :meth:`minillama.model.Transformer.forward` at T = 1), :meth:`greedy_steps` and
+    :meth:`minillama.model.transformer.Transformer.forward` at T = 1), :meth:`greedy_steps` and
     :meth:`greedy_decoder`."""
 
     def _step_one(self, plan, tok, pos, kc, vc, logits, stop, ids):
@@ -193,8 +193,8 @@ class FusedDecode(DecodePlans):
         r"""One KV-cached decode step of ``model`` in one compiled call, or None to decline.
 
         tok: (B, 1) token ids (checked by the model); start_pos: int or (B,) ints, the position
-        p_b each token is written at; cache: the model's :class:`~minillama.kvcache.KVCache`.
-        Computes exactly :meth:`minillama.model.Transformer.forward` at T = 1 with
+        p_b each token is written at; cache: the model's :class:`~minillama.model.kvcache.KVCache`.
+        Computes exactly :meth:`minillama.model.transformer.Transformer.forward` at T = 1 with
         ``last_only`` (rmsnorm, linear, rope, attention over positions 0..p_b, swiglu, head;
         see :mod:`.decode`) and writes k, v at p_b. Returns logits (B, V). Declines
         (None: the model runs its per-op path) for model variants it does not implement, T > 1
@@ -274,7 +274,7 @@ class GreedyDecoder(ChunkDecoder):
     so the per-token Python work of the eager loop (the model call, checks, the argmax and the
     bookkeeping, about 0.1 ms a token) is paid once per call. The interface is that of the
     CUDA-graph decoder (``prefill``, ``room``, ``more``, ``cache``, ``S``), driven by
-    :func:`minillama.generate.stream_greedy`; ``stop`` ends a call early (the stop id is the
+    :func:`minillama.infer.generate.stream_greedy`; ``stop`` ends a call early (the stop id is the
     last one returned)."""
 
     def __init__(self, backend, model, max_seq_len: int, stop_ids=()):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import ops
-from ...errors import MinillamaError
+from minillama.core import ops
+from minillama.core.errors import MinillamaError
 from ..numpy import threads as cpu_threads
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -26,7 +26,7 @@ class RowOps:
 
     def rmsnorm_forward(self, x, g, eps):
         r"""y = x r \odot g, r = 1/\sqrt{\mathrm{mean}(x^2) + \epsilon} (see
-        :func:`minillama.ops.rmsnorm_forward`): one pass per row (Numba). x: (..., D); g: (D,).
+        :func:`minillama.core.ops.rmsnorm_forward`): one pass per row (Numba). x: (..., D); g: (D,).
         Returns (y (..., D), ctx (x, r (..., 1), g))."""
         dt = x.dtype
         if dt not in _FLOATS or g.dtype != dt or x.shape[-1] == 0 or g.shape != x.shape[-1:]:
@@ -69,7 +69,7 @@ class RowOps:
 
     def swiglu_forward(self, a, b):
         r"""h = \mathrm{silu}(a) \odot b, \mathrm{silu}(a) = a \sigma(a) (see
-        :func:`minillama.ops.swiglu_forward`): one pass (Numba); a, b and \sigma(a) are saved.
+        :func:`minillama.core.ops.swiglu_forward`): one pass (Numba); a, b and \sigma(a) are saved.
         a, b: (..., F). Returns (h (..., F), ctx)."""
         dt = a.dtype
         if dt not in _FLOATS or b.dtype != dt or a.shape != b.shape or a.size == 0:
@@ -127,7 +127,7 @@ class RowOps:
 
     def cross_entropy_forward(self, logits, targets, ignore_index: int = -1):
         r"""Mean softmax cross-entropy over the rows whose target is not ``ignore_index``
-        (see :func:`minillama.ops.cross_entropy_forward`):
+        (see :func:`minillama.core.ops.cross_entropy_forward`):
 
         \ell_n = \log \sum_v e^{z_{nv}} - z_{n, y_n},
         L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} \ell_n.

@@ -1,6 +1,6 @@
 r"""A fused AdamW update for NumPy arrays (Numba): one pass over a parameter buffer.
 
-The array-expression AdamW of :class:`minillama.optim.AdamW` reads and writes each parameter's
+The array-expression AdamW of :class:`minillama.train.optim.AdamW` reads and writes each parameter's
 buffers about a dozen times (decay, two moment updates, square root, division, scaling) and on
 a small model its optimizer step costs as much as the backward pass. Here every element is read
 once (θ, g, m, v) and written once (θ, m, v):

@@ -1,5 +1,5 @@
 r"""The fused decode step of :mod:`.decode` for a model whose matrices are GGML blocks
-(:class:`minillama.quant.QuantMatrix`): one compiled call runs a whole KV-cached decode step of
+(:class:`minillama.core.quant.QuantMatrix`): one compiled call runs a whole KV-cached decode step of
 one sequence (and, given an ``ids`` buffer, several greedy steps), every matrix-vector product
 computed from the blocks: by default from the activations rounded to 8-bit blocks by the integer
 kernels of :mod:`.qint8` (each activation vector rounded once, before the products that read it),

@@ -1,4 +1,4 @@
-r"""Products with a weight kept in its GGML blocks (:class:`minillama.quant.QuantMatrix`).
+r"""Products with a weight kept in its GGML blocks (:class:`minillama.core.quant.QuantMatrix`).
 
 y = x W^T (:func:`qmatmul`) and dx = dy W (:func:`qmatmul_t`, for training through a frozen
 quantized weight) read W's blocks directly; W is never held dequantized as a whole.
@@ -18,7 +18,7 @@ tiles of :mod:`.qgemm8` for more (``MINILLAMA_QUANT_DOTS=float`` keeps both in f
   its own float32 buffer (the same vector decoding, stored) and multiplies it by x with
   OpenBLAS's GEMM (:mod:`.blas`), or NumPy's matmul when no OpenBLAS was found.
 
-Every key of :data:`minillama.quant.BLOCKS` is supported; IQ4_XS (and IQ4_NL without AVX-512)
+Every key of :data:`minillama.core.quant.BLOCKS` is supported; IQ4_XS (and IQ4_NL without AVX-512)
 runs plain Numba loops, whose fp16 fields are read through a 65536-entry float32 table.
 Imported only by the numba backend.
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ...quant import BLOCKS, QuantMatrix
+from minillama.core.quant import BLOCKS, QuantMatrix
 
 from . import blas, qsimd
 

@@ -1,6 +1,6 @@
 r"""The default ``numpy`` backend: the reference ops made fast on a CPU, still plain NumPy.
 
-Each function below overrides the op of the same name in :mod:`minillama.ops` (same signature,
+Each function below overrides the op of the same name in :mod:`minillama.core.ops` (same signature,
 same equation; its own ``ctx``) and is held to it by ``tests/test_numpy_backend.py``. What makes
 them faster, none of which changes the math:
 
@@ -13,7 +13,7 @@ them faster, none of which changes the math:
 * RoPE as one complex product per pair, (x_{2i} + i x_{2i+1}) e^{i m \theta_i};
 * the embedding gradient by sorting the tokens and summing each run with one ``reduceat``;
 * glibc malloc tuned to keep freed activation buffers (:func:`tune_malloc`);
-* a block-quantized weight (:class:`~minillama.quant.QuantMatrix`) dequantized by tiles of
+* a block-quantized weight (:class:`~minillama.core.quant.QuantMatrix`) dequantized by tiles of
   :data:`QUANT_TILE_ROWS` rows into one reused buffer, one GEMM per tile: never a whole float
   copy of W.
 
@@ -28,9 +28,9 @@ import sys
 
 import numpy as np
 
-from ... import ops
-from ...errors import MinillamaError
-from ...quant import QuantMatrix, dequantize_rows
+from minillama.core import ops
+from minillama.core.errors import MinillamaError
+from minillama.core.quant import QuantMatrix, dequantize_rows
 from .lora import LoRAOps
 from .threads import blas_for_rows, parallel_rows, split_gemm
 from ..reference import (ReferenceBackend, composed_linear_cross_entropy_backward,
@@ -274,7 +274,7 @@ def _future_mask(T: int, S: int, start_pos):
 
 def attention_forward(q, k, v, start_pos=0, segments=None):
     r"""S = Q K^T / \sqrt{hd} + M, P = \mathrm{softmax}(S), O = P V with GQA (see
-    :func:`minillama.ops.attention_forward`). The G query heads of a group are stacked into one
+    :func:`minillama.core.ops.attention_forward`). The G query heads of a group are stacked into one
     (G T, hd) matrix that multiplies their shared K/V: one GEMM per (b, KV head) for S, one for
     O; whole sequences are spread over threads. q: (B, T, H, hd); k, v: (B, S, KVH, hd);
     segments: None or (B, T) example ids of packed rows (M also hides other examples' keys)."""
@@ -506,7 +506,7 @@ class NumpyBackend(LoRAOps, ReferenceBackend):
 
     def linear_cross_entropy_forward(self, x, w, targets, ignore_index: int = -1):
         r"""z = x W^T and L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} (\mathrm{lse}(z_n)
-        - z_{n, y_n}) (see :func:`minillama.ops.linear_cross_entropy_forward`) in blocks of
+        - z_{n, y_n}) (see :func:`minillama.core.ops.linear_cross_entropy_forward`) in blocks of
         rows, the blocks spread over threads: each block's logits are computed by one GEMM
         into its rows of an (N, V) buffer, turned in place into the gradient of the mean loss
         \bar{z} = (\mathrm{softmax}(z) - e_y) / |\mathcal{V}| while in cache, and its dx rows

@@ -1,5 +1,5 @@
 r"""The frozen-weight ops of a LoRA step on the CPU backends: the adapted linear
-(:func:`minillama.ops.lora_forward` / ``lora_backward``), dx = dy W for a frozen linear, and the
+(:func:`minillama.core.ops.lora_forward` / ``lora_backward``), dx = dy W for a frozen linear, and the
 input gradient alone of a frozen loss head.
 
 Same equations as the reference ops (held to them by ``tests/test_lora_fast.py``); what is
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import ops
-from ...quant import QuantMatrix
+from minillama.core import ops
+from minillama.core.quant import QuantMatrix
 from .cblas import gemm_acc
 from . import threads
 from .threads import parallel_rows, single_threaded_blas
@@ -115,7 +115,7 @@ class LoRAOps:
                 np.matmul(a, b, out=out)
 
     def lora_forward(self, x, w, a, b, scale: float, drop=None):
-        r"""y = x W^T + s (\tilde{x} A^T) B^T (:func:`minillama.ops.lora_forward`); the base
+        r"""y = x W^T + s (\tilde{x} A^T) B^T (:func:`minillama.core.ops.lora_forward`); the base
         product by :meth:`linear_forward` (a quantized W by its tiles), the adapter's term added
         into it. x: (..., in). Returns (y (..., out), ctx)."""
         dt = np.result_type(x, a, b)
@@ -138,7 +138,7 @@ class LoRAOps:
 
     def lora_backward(self, dy, ctx):
         r"""\bar{u} = s \bar{y} B, \bar{B} = \bar{y}^T (s u), \bar{A} = \bar{u}^T \tilde{x},
-        \bar{x} = \bar{y} W + m \odot (\bar{u} A) (:func:`minillama.ops.lora_backward`); never
+        \bar{x} = \bar{y} W + m \odot (\bar{u} A) (:func:`minillama.core.ops.lora_backward`); never
         \bar{W}. Returns (dx (..., in), dA (r, in), dB (out, r))."""
         if not isinstance(ctx, _LoRACtx):  # the forward took the reference op
             return ops.lora_backward(dy, ctx)

@@ -1,7 +1,7 @@
 // Causal grouped-query attention: tiled forward with an online softmax, backward from the saved
 // row log-sum-exp, and a decode kernel for one query per sequence against the KV cache.
 //
-// Shapes (size letters as in minillama.ops): q, out, dq, dout: (B, T, H, hd) contiguous;
+// Shapes (size letters as in minillama.core.ops): q, out, dq, dout: (B, T, H, hd) contiguous;
 // k, v: (B, S, KVH, hd) with the last two axes contiguous and batch stride kv_bs (elements), so a
 // view of a longer KV cache works as is; dk, dv: (B, S, KVH, hd) contiguous;
 // lse, dsum: (B, H, T). G = H / KVH; query head h reads KV head h / G.

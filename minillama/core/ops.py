@@ -1,0 +1,675 @@
+r"""Reference math: every op of the LLaMA architecture as a forward and a backward, side by side.
+
+This module is the project's math-to-code map (``docs/MATH.md``). Each equation is one
+``*_forward`` function and its gradient is the ``*_backward`` function right below it; each body
+is the docstring's equation in a few array expressions, written once against the array module of
+its inputs (NumPy or CuPy). Nothing here is tuned for speed: no threads, no BLAS or allocator
+settings, no row splitting, no in-place buffer reuse. That makes it the oracle: exact in float64,
+and every faster implementation (the ``numpy`` backend's threaded CPU path, Numba, CUDA) overrides
+single pairs and is held to these functions by parity tests. ``--backend reference`` runs the
+model on exactly this code.
+
+Conventions
+-----------
+* ``*_forward(...)`` returns ``(out, ctx)``; ``ctx`` holds only what the backward needs and is
+  opaque to callers (a backend may store different things for its own backward).
+* ``*_backward(dout, ctx)`` returns the gradients of the forward's differentiable inputs, in order.
+* Size letters: B batch, T query time, S key time, D model dim, H query heads, KVH key/value
+  heads, G = H / KVH query heads per KV head, hd head dim, F FFN hidden size, V vocabulary, N rows.
+* Linear weights are stored ``(out, in)`` as in Meta's and llama2.c's checkpoints: y = x W^T.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from minillama.core.quant import QuantMatrix, dequantize, dequantize_rows
+from minillama.core.rope_scaling import rope_frequencies, rope_tables  # noqa: F401 (re-exported)
+
+
+def array_module(x: Any):
+    """The array module (``numpy`` or ``cupy``) that owns ``x``; never imports CuPy for NumPy input."""
+    if type(x).__module__.startswith("cupy"):
+        import cupy  # noqa: PLC0415 - only reached when x already is a CuPy array
+
+        return cupy
+    return np
+
+
+# ---------------------------------------------------------------------------------------------
+# Token embedding
+# ---------------------------------------------------------------------------------------------
+def embedding_forward(weight, tokens):
+    r"""Token embedding lookup: h_{b,t} = E[x_{b,t}].
+
+    weight: (V, D), or a :class:`~minillama.core.quant.QuantMatrix` (V, D) of which only the rows
+    read are dequantized (a frozen table: no gradient); tokens: (B, T) integers in [0, V).
+    Returns h: (B, T, D).
+    """
+    if isinstance(weight, QuantMatrix):
+        rows = dequantize_rows(weight.qtype, weight.data[tokens.reshape(-1)], weight.shape[1])
+        return rows.reshape(*tokens.shape, weight.shape[1]), (tokens, None)
+    return weight[tokens], (tokens, weight.shape)
+
+
+def embedding_backward(dout, ctx):
+    r"""Scatter-add of the output gradient into the rows that were read:
+    \partial L / \partial E_v = \sum_{(b,t): x_{b,t} = v} \partial L / \partial h_{b,t}.
+
+    dout: (B, T, D). Returns dE: (V, D), or None for a quantized (frozen) table.
+    """
+    tokens, shape = ctx
+    if shape is None:
+        return None
+    xp = array_module(dout)
+    dw = xp.zeros(shape, dtype=dout.dtype)
+    xp.add.at(dw, tokens.reshape(-1), dout.reshape(-1, shape[1]))  # repeated tokens add up
+    return dw
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear (no bias)
+# ---------------------------------------------------------------------------------------------
+def linear_forward(x, w):
+    r"""Linear map without bias: y = x W^T; for a block-quantized W (a
+    :class:`~minillama.core.quant.QuantMatrix`), y = x\, \mathrm{deq}(W)^T.
+
+    x: (..., in); w: (out, in). Returns y: (..., out).
+    """
+    if isinstance(w, QuantMatrix):
+        return x @ dequantize(w).T, (x, w)
+    return x @ w.T, (x, w)
+
+
+def linear_backward(dy, ctx):
+    r"""Gradients of y = x W^T: dx = dy W, dW = dy^T x (summed over all leading axes). A
+    quantized W is frozen: dx = dy\, \mathrm{deq}(W) and dW is None.
+
+    dy: (..., out). Returns (dx: (..., in), dW: (out, in) or None).
+    """
+    x, w = ctx
+    if isinstance(w, QuantMatrix):
+        return dy @ dequantize(w), None
+    dx = dy @ w
+    dw = dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1])  # (out, N) (N, in)
+    return dx, dw
+
+
+def lora_forward(x, w, a, b, scale: float, drop=None):
+    r"""Linear map with a LoRA adapter (Hu et al., 2021), W frozen:
+    y = x W^T + s\, (\tilde{x} A^T) B^T, \tilde{x} = x \odot m (m: an optional dropout mask,
+    already divided by the keep probability; \tilde{x} = x without it).
+
+    x: (..., in); w: (out, in); a: (r, in); b: (out, r); s = ``scale`` (alpha / r, or
+    alpha / \sqrt{r} for rsLoRA); drop: None or (..., in). Returns y: (..., out).
+    """
+    x2 = x.reshape(-1, x.shape[-1])  # (N, in): one 2-D product each, not one per leading index
+    xa = x2 if drop is None else x2 * drop.reshape(x2.shape)
+    u = xa @ a.T  # (N, r)
+    y, _ = linear_forward(x2, w)  # the frozen base term (W may be any matrix linear_forward takes)
+    y += scale * (u @ b.T)
+    return y.reshape(*x.shape[:-1], w.shape[0]), (x.shape, w, a, b, scale, drop, xa, u)
+
+
+def lora_backward(dy, ctx):
+    r"""Gradients of the LoRA linear for the input and the adapter only (\bar{W} is never formed):
+    \bar{u} = s\, \bar{y} B, \bar{B} = s\, \bar{y}^T u, \bar{A} = \bar{u}^T \tilde{x},
+    \bar{x} = \bar{y} W + m \odot (\bar{u} A)  (sums over all leading axes; u = \tilde{x} A^T).
+
+    dy: (..., out). Returns (dx: (..., in), dA: (r, in), dB: (out, r)).
+    """
+    shape, w, a, b, scale, drop, xa, u = ctx
+    dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
+    du = scale * (dy2 @ b)  # (N, r)
+    db = scale * (dy2.T @ u)
+    da = du.T @ xa
+    dxa = du @ a
+    dx = dy2 @ (dequantize(w) if isinstance(w, QuantMatrix) else w)  # the base term: only dy W
+    dx += dxa if drop is None else dxa * drop.reshape(dxa.shape)
+    return dx.reshape(shape), da, db
+
+
+def bias_forward(y, b):
+    r"""Bias of a linear layer (Qwen2's q/k/v, HF ``attention_bias``, ``mlp_bias``):
+    y'_n = y_n + b for every row n.
+
+    y: (..., out); b: (out,). Returns (y' (..., out), ctx).
+    """
+    return y + b, None
+
+
+def bias_backward(dy, ctx):
+    r"""Gradient of y' = y + b: \partial L / \partial b = \sum_{rows} dy (dy itself flows on to y).
+
+    dy: (..., out). Returns db: (out,).
+    """
+    return dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm
+# ---------------------------------------------------------------------------------------------
+def rmsnorm_forward(x, g, eps):
+    r"""RMSNorm: y = x r \odot g, r = 1 / \sqrt{\mathrm{mean}(x^2) + \epsilon} (mean over the
+    last axis).
+
+    x: (..., D); g: (D,). Returns y: (..., D). Saves r: (..., 1).
+    """
+    xp = array_module(x)
+    r = 1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)  # (..., 1)
+    return x * r * g, (x, r, g)
+
+
+def rmsnorm_backward(dy, ctx):
+    r"""Gradients of RMSNorm. With \hat{x} = x r and u = dy \odot g:
+    dx = r (u - \hat{x}\, \mathrm{mean}(u \odot \hat{x})), dg = \sum_{rows} dy \odot \hat{x}.
+
+    dy: (..., D). Returns (dx: (..., D), dg: (D,)).
+    """
+    x, r, g = ctx
+    xp = array_module(dy)
+    xhat, u = x * r, dy * g
+    dx = r * (u - xhat * xp.mean(u * xhat, axis=-1, keepdims=True))
+    dg = (dy * xhat).reshape(-1, x.shape[-1]).sum(axis=0)
+    return dx, dg
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding (RoPE), interleaved pairs (2i, 2i+1) as in Meta's and llama2.c's code
+# ---------------------------------------------------------------------------------------------
+# (the frequencies and cos/sin tables with their scalings: minillama/core/rope_scaling.py)
+def _rotate_pairs(x, cos, sin):
+    """(x_{2i}, x_{2i+1}) -> (x_{2i} c - x_{2i+1} s, x_{2i} s + x_{2i+1} c) for every head."""
+    xp = array_module(x)
+    c = cos[None, :, None, :] if cos.ndim == 2 else cos[:, :, None, :]  # (1 or B, T, 1, hd/2)
+    s = sin[None, :, None, :] if sin.ndim == 2 else sin[:, :, None, :]
+    x0, x1 = x[..., 0::2], x[..., 1::2]  # (B, T, nh, hd/2) each
+    y = xp.empty(x.shape, dtype=xp.result_type(x, c))
+    y[..., 0::2] = x0 * c - x1 * s
+    y[..., 1::2] = x0 * s + x1 * c
+    return y
+
+
+def rope_forward(x, cos, sin):
+    r"""Rotate each pair (x_{2i}, x_{2i+1}) of every head by the angle m \theta_i of its position m:
+
+    y_{2i} = x_{2i} \cos(m\theta_i) - x_{2i+1} \sin(m\theta_i),
+    y_{2i+1} = x_{2i} \sin(m\theta_i) + x_{2i+1} \cos(m\theta_i).
+
+    x: (B, T, nh, hd); cos, sin: (T, hd/2) or (B, T, hd/2), already gathered at the positions.
+    Returns y: (B, T, nh, hd).
+    """
+    return _rotate_pairs(x, cos, sin), (cos, sin)
+
+
+def rope_backward(dy, ctx):
+    r"""RoPE is orthogonal, so its gradient is the inverse rotation R(-m\theta_i):
+
+    dx_{2i} = dy_{2i} \cos + dy_{2i+1} \sin, dx_{2i+1} = -dy_{2i} \sin + dy_{2i+1} \cos.
+
+    dy: (B, T, nh, hd). Returns dx: (B, T, nh, hd).
+    """
+    cos, sin = ctx
+    return _rotate_pairs(dy, cos, -sin)
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal scaled dot-product attention with grouped KV heads (MHA / GQA / MQA)
+# ---------------------------------------------------------------------------------------------
+def causal_mask(xp, T: int, S: int, start_pos, window: int | None = None, segments=None):
+    r"""Boolean mask M_{b,t,j} = [j \le p_b + t]: query t of sequence b sits at absolute position
+    p_b + t and may read keys 0..p_b + t. ``start_pos`` is an int or a (B,) integer array.
+    With a sliding ``window`` W only the last W of them: M_{b,t,j} = [p_b + t - W < j \le p_b + t].
+    Packed sequences (``segments`` (B, T) example ids, S = T) read only their own example:
+    M_{b,t,j} = [j \le t] [\sigma_{b,t} = \sigma_{b,j}] (block-diagonal causal).
+
+    Returns a (1 or B, 1, 1, T, S) array that broadcasts over (B, KVH, G, T, S).
+    """
+    start = xp.asarray(start_pos).reshape(-1, 1, 1)  # (B or 1, 1, 1)
+    t = xp.arange(T).reshape(1, T, 1)
+    j = xp.arange(S).reshape(1, 1, S)
+    m = j <= start + t
+    if window is not None:
+        m &= j > start + t - window
+    if segments is not None:
+        m = m & (segments[:, :, None] == segments[:, None, :])  # (B, T, S)
+    return m[:, None, None, :, :]
+
+
+def segment_positions(segments):
+    r"""Positions that restart at every example of a packed row: m_{b,t} = t - (the first index
+    of \sigma_{b,t}'s run). segments: (B, T) example ids, each example one contiguous run.
+    Returns (B, T) int64, so RoPE turns a packed example exactly as it turns it alone."""
+    xp = array_module(segments)
+    B, T = segments.shape
+    t = xp.broadcast_to(xp.arange(T), (B, T))
+    new = xp.ones((B, T), dtype=bool)
+    new[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = xp.maximum.accumulate(xp.where(new, t, 0), axis=1)  # where the current run began
+    return (t - first).astype(xp.int64)
+
+
+def softmax(x, axis: int = -1):
+    r"""Softmax with the row maximum subtracted: p_j = e^{x_j - m} / \sum_k e^{x_k - m},
+    m = \max_k x_k. Entries equal to -inf get probability 0. Any shape; reduces ``axis``."""
+    xp = array_module(x)
+    e = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
+    return e / xp.sum(e, axis=axis, keepdims=True)
+
+
+def attention_forward(q, k, v, start_pos=0, window: int | None = None, segments=None):
+    r"""Causal scaled dot-product attention where query head h reads KV head h // G, G = H / KVH:
+
+    S = Q K^T / \sqrt{hd} + M  (M_{tj} = -\infty where j > p + t, and with a sliding ``window``
+    W also where j \le p + t - W, and for packed rows where \sigma_t \ne \sigma_j; else 0),
+    P = \mathrm{softmax}_j(S),  O = P V.
+
+    q: (B, T, H, hd); k, v: (B, S, KVH, hd) with S >= T (S > T when earlier positions come from a
+    KV cache); start_pos: int or (B,) ints, the absolute position of query 0; segments: None or
+    (B, T) example ids of packed rows (S = T). Returns o: (B, T, H, hd).
+    The G query heads of a group are one axis that broadcasts against their shared K and V.
+    """
+    xp = array_module(q)
+    B, T, H, hd = q.shape
+    S, KVH = k.shape[1], k.shape[2]
+    qg = q.reshape(B, T, KVH, H // KVH, hd).transpose(0, 2, 3, 1, 4)  # (B, KVH, G, T, hd)
+    kg = k.transpose(0, 2, 1, 3)[:, :, None]  # (B, KVH, 1, S, hd), shared by the group
+    vg = v.transpose(0, 2, 1, 3)[:, :, None]  # (B, KVH, 1, S, hd)
+    scale = 1.0 / math.sqrt(hd)
+    s = (qg @ kg.swapaxes(-1, -2)) * scale  # (B, KVH, G, T, S)
+    s = xp.where(causal_mask(xp, T, S, start_pos, window, segments), s, -xp.inf)
+    p = softmax(s, axis=-1)
+    o = p @ vg  # (B, KVH, G, T, hd)
+    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd), (qg, kg, vg, p, scale)
+
+
+def attention_backward(dout, ctx):
+    r"""Gradients of causal GQA attention. With dO the output gradient:
+
+    dP = dO V^T,  dS = P \odot (dP - \mathrm{rowsum}(P \odot dP)),  dQ = dS K / \sqrt{hd},
+    dK = \sum_{g \in group} dS^T Q / \sqrt{hd},  dV = \sum_{g \in group} P^T dO.
+
+    dout: (B, T, H, hd). Returns (dq: (B, T, H, hd), dk, dv: (B, S, KVH, hd)).
+    """
+    qg, kg, vg, p, scale = ctx
+    B, T, H, hd = dout.shape
+    KVH, G = qg.shape[1], qg.shape[2]
+    do = dout.reshape(B, T, KVH, G, hd).transpose(0, 2, 3, 1, 4)  # (B, KVH, G, T, hd)
+    dp = do @ vg.swapaxes(-1, -2)  # (B, KVH, G, T, S)
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    dq = (ds @ kg) * scale  # (B, KVH, G, T, hd)
+    dk = (ds.swapaxes(-1, -2) @ qg).sum(axis=2) * scale  # (B, KVH, S, hd), group summed
+    dv = (p.swapaxes(-1, -2) @ do).sum(axis=2)  # (B, KVH, S, hd)
+    dq = dq.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
+    return dq, dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# SwiGLU gate
+# ---------------------------------------------------------------------------------------------
+def sigmoid(a):
+    r"""\sigma(a) = 1 / (1 + e^{-a}). For a very negative, e^{-a} overflows to +inf and the result
+    is the correct limit 0 (the overflow warning is silenced); accurate in both tails."""
+    xp = array_module(a)
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + xp.exp(-a))
+
+
+def swiglu_forward(a, b):
+    r"""SwiGLU gate: h = \mathrm{silu}(a) \odot b, \mathrm{silu}(a) = a \sigma(a).
+
+    In the FFN, a = x W_1^T and b = x W_3^T, and the block returns h W_2^T.
+    a, b: (..., F). Returns h: (..., F). Saves a, b, \sigma(a) and silu(a).
+    """
+    s = sigmoid(a)
+    silu = a * s
+    return silu * b, (a, b, s, silu)
+
+
+def swiglu_backward(dh, ctx):
+    r"""Gradients of h = \mathrm{silu}(a) \odot b:
+    db = dh \odot \mathrm{silu}(a), da = dh \odot b \odot \sigma(a)(1 + a(1 - \sigma(a))).
+
+    dh: (..., F). Returns (da, db), each (..., F).
+    """
+    a, b, s, silu = ctx
+    return dh * b * s * (1.0 + a * (1.0 - s)), dh * silu
+
+
+# ---------------------------------------------------------------------------------------------
+# Softmax cross-entropy (fused), with an ignore index
+# ---------------------------------------------------------------------------------------------
+def cross_entropy_forward(logits, targets, ignore_index: int = -1):
+    r"""Mean softmax cross-entropy over the rows whose target is not ``ignore_index``:
+
+    \ell_n = \log \sum_v e^{z_{nv}} - z_{n, y_n},  L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} \ell_n
+
+    (L = 0 when every target is ignored). logits: (N, V); targets: (N,) integers.
+    Returns the scalar loss (a 0-d array) and saves the probabilities p = softmax(z): (N, V).
+    """
+    xp = array_module(logits)
+    valid = targets != ignore_index  # (N,)
+    t = xp.where(valid, targets, 0)
+    m = xp.max(logits, axis=-1)
+    lse = m + xp.log(xp.sum(xp.exp(logits - m[:, None]), axis=-1))  # (N,) log-sum-exp
+    picked = logits[xp.arange(logits.shape[0]), t]  # z_{n, y_n}
+    count = xp.maximum(valid.sum(), 1)
+    loss = xp.sum(xp.where(valid, lse - picked, 0.0)) / count
+    return loss.astype(logits.dtype), (xp.exp(logits - lse[:, None]), t, valid, count)
+
+
+def cross_entropy_backward(dloss, ctx):
+    r"""Gradient of the mean cross-entropy: \partial L / \partial z_{nv} = (p_{nv} - [v = y_n]) / |\mathcal{V}|
+    for kept rows, 0 for ignored rows, times the upstream scalar ``dloss``.
+
+    Returns dlogits: (N, V).
+    """
+    p, t, valid, count = ctx
+    xp = array_module(p)
+    dz = p.copy()
+    dz[xp.arange(p.shape[0]), t] -= 1.0  # p - onehot(y)
+    coef = (xp.asarray(dloss, dtype=p.dtype) * valid / count).astype(p.dtype)  # (N,)
+    return dz * coef[:, None]
+
+
+def linear_cross_entropy_forward(x, w, targets, ignore_index: int = -1):
+    r"""The output projection and the mean cross-entropy as one op (the training loss head):
+    z = x W^T, then L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} (\mathrm{lse}(z_n) - z_{n, y_n})
+    as in :func:`linear_forward` and :func:`cross_entropy_forward`.
+
+    x: (N, D); w: (V, D); targets: (N,). Returns the 0-d loss and ctx. Written here as the two ops
+    one after the other; a backend may compute it without ever holding all of z: (N, V).
+    """
+    z, c_lin = linear_forward(x, w)
+    loss, c_ce = cross_entropy_forward(z, targets, ignore_index)
+    return loss, (c_lin, c_ce)
+
+
+def linear_cross_entropy_backward(dloss, ctx):
+    r"""Gradients of :func:`linear_cross_entropy_forward`: \bar{z} from
+    :func:`cross_entropy_backward`, then dx = \bar{z} W and dW = \bar{z}^T x.
+
+    Returns (dx: (N, D), dW: (V, D)).
+    """
+    c_lin, c_ce = ctx
+    return linear_backward(cross_entropy_backward(dloss, c_ce), c_lin)
+
+
+# =============================================================================================
+# The notes' other pieces (what LLaMA chose against): LayerNorm, BatchNorm, absolute sinusoidal
+# positions, GELU/ReLU two-matrix FFNs, the post-norm residual, the logit scale, cross-attention
+# and the latent array of a Perceiver-style block. Plain bodies, array-module generic.
+# =============================================================================================
+def _norm_backward(dy, xhat, r, g, axes):
+    r"""Shared backward of y = \hat{x} \odot g (+ b), \hat{x} = (x - \mu) r, statistics over
+    ``axes``: dx = r (u - \mathrm{mean}(u) - \hat{x}\,\mathrm{mean}(u \odot \hat{x})), u = dy \odot g."""
+    u = dy * g
+    return r * (u - u.mean(axis=axes, keepdims=True)
+                - xhat * (u * xhat).mean(axis=axes, keepdims=True))
+
+
+def layernorm_forward(x, g, b, eps):
+    r"""LayerNorm over the last axis (biased variance):
+
+    \mu = \mathrm{mean}(x), \sigma^2 = \mathrm{mean}((x - \mu)^2), \hat{x} = (x - \mu) / \sqrt{\sigma^2 + \epsilon},
+    y = \hat{x} \odot g + b.
+
+    x: (..., D); g, b: (D,). Returns y: (..., D). Saves \hat{x} and r = 1/\sqrt{\sigma^2+\epsilon}: (..., 1).
+    """
+    xp = array_module(x)
+    xc = x - x.mean(axis=-1, keepdims=True)
+    r = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
+    xhat = xc * r
+    return xhat * g + b, (xhat, r, g)
+
+
+def layernorm_backward(dy, ctx):
+    r"""Gradients of LayerNorm, u = dy \odot g:
+    dx = r (u - \mathrm{mean}(u) - \hat{x}\,\mathrm{mean}(u \odot \hat{x})),
+    dg = \sum_{rows} dy \odot \hat{x}, db = \sum_{rows} dy.
+
+    dy: (..., D). Returns (dx: (..., D), dg: (D,), db: (D,)).
+    """
+    xhat, r, g = ctx
+    rows = tuple(range(dy.ndim - 1))
+    return (_norm_backward(dy, xhat, r, g, -1), (dy * xhat).sum(axis=rows), dy.sum(axis=rows))
+
+
+def _bn_axes_shape(x):
+    """BatchNorm's reduced axes (every axis but 1) and the broadcast shape (1, C, 1, ...)."""
+    return (0,) + tuple(range(2, x.ndim)), (1, x.shape[1]) + (1,) * (x.ndim - 2)
+
+
+def batchnorm_forward(x, g, b, eps, running=None, momentum=0.1):
+    r"""BatchNorm, training mode: per channel c, statistics over the batch and every spatial axis,
+
+    \mu_c = \mathrm{mean}_{n,*}(x_{n,c,*}), \sigma_c^2 = \mathrm{mean}_{n,*}((x - \mu_c)^2) (biased),
+    y = (x - \mu_c)/\sqrt{\sigma_c^2 + \epsilon} \odot g_c + b_c.
+
+    x: (N, C) or (N, C, *spatial); g, b: (C,). Returns y shaped like x. ``running`` (a dict with
+    ``mean`` and ``var``, each (C,)) is updated in place as PyTorch does:
+    m \leftarrow (1 - \mathrm{momentum})\, m + \mathrm{momentum}\, \mu,
+    v \leftarrow (1 - \mathrm{momentum})\, v + \mathrm{momentum}\, \sigma^2 n/(n-1) (unbiased),
+    n = the number of values per channel. Inference uses :func:`batchnorm_inference`.
+    """
+    xp = array_module(x)
+    axes, shape = _bn_axes_shape(x)
+    mu = x.mean(axis=axes, keepdims=True)
+    xc = x - mu
+    var = (xc * xc).mean(axis=axes, keepdims=True)
+    r = 1.0 / xp.sqrt(var + eps)
+    xhat = xc * r
+    if running is not None:
+        n = x.size // x.shape[1]
+        running["mean"] *= 1.0 - momentum
+        running["mean"] += momentum * mu.reshape(-1)
+        running["var"] *= 1.0 - momentum
+        running["var"] += momentum * var.reshape(-1) * (n / max(n - 1, 1))
+    return xhat * g.reshape(shape) + b.reshape(shape), (xhat, r, g.reshape(shape), axes)
+
+
+def batchnorm_backward(dy, ctx):
+    r"""Gradients of training-mode BatchNorm: the formula of LayerNorm's backward with the means
+    over (N, *spatial) instead of D, because every sample's output depends on the whole batch:
+    dx = r (u - \mathrm{mean}(u) - \hat{x}\,\mathrm{mean}(u \odot \hat{x})), u = dy \odot g;
+    dg_c = \sum_{n,*} dy \odot \hat{x}, db_c = \sum_{n,*} dy.
+
+    dy shaped like x. Returns (dx, dg: (C,), db: (C,)).
+    """
+    xhat, r, g, axes = ctx
+    return (_norm_backward(dy, xhat, r, g, axes), (dy * xhat).sum(axis=axes),
+            dy.sum(axis=axes))
+
+
+def batchnorm_inference(x, g, b, running_mean, running_var, eps):
+    r"""BatchNorm at inference: the running statistics replace the batch's, so each sample is
+    normalised on its own: y = (x - m_c) / \sqrt{v_c + \epsilon} \odot g_c + b_c.
+
+    x: (N, C, *spatial); g, b, running_mean, running_var: (C,). Returns y shaped like x.
+    """
+    xp = array_module(x)
+    _, shape = _bn_axes_shape(x)
+    scale = g / xp.sqrt(running_var + eps)
+    return (x - running_mean.reshape(shape)) * scale.reshape(shape) + b.reshape(shape)
+
+
+def sinusoidal_positions(max_seq_len: int, dim: int, base: float = 10000.0, dtype=np.float32,
+                         xp=np):
+    r"""The vanilla transformer's absolute positional encoding (Vaswani et al., 2017), added to
+    the token embeddings (h_0 = E[x] + P):
+
+    P_{p, 2i} = \sin(p / \mathrm{base}^{2i/D}),  P_{p, 2i+1} = \cos(p / \mathrm{base}^{2i/D}).
+
+    Computed in float64 and cast. Returns P: (max_seq_len, D). D must be even.
+    """
+    if dim % 2:
+        from minillama.core.errors import MinillamaError
+
+        raise MinillamaError(f"sinusoidal positions need an even model dimension, got {dim}")
+    angles = np.outer(np.arange(max_seq_len, dtype=np.float64),
+                      base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim))
+    table = np.empty((max_seq_len, dim))
+    table[:, 0::2], table[:, 1::2] = np.sin(angles), np.cos(angles)
+    return xp.asarray(table, dtype=dtype)
+
+
+#: \sqrt{2/\pi}, the constant of GELU's tanh form
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def gelu_forward(a):
+    r"""GELU in its tanh form (GPT-2, BERT; PyTorch's ``approximate="tanh"``):
+
+    \mathrm{gelu}(a) = \tfrac12 a (1 + \tanh u),  u = \sqrt{2/\pi}(a + 0.044715 a^3).
+
+    a: (..., F). Returns h: (..., F). Saves a and \tanh u.
+    """
+    xp = array_module(a)
+    t = xp.tanh(_GELU_C * (a + 0.044715 * a * a * a))
+    return 0.5 * a * (1.0 + t), (a, t)
+
+
+def gelu_backward(dh, ctx):
+    r"""d\,\mathrm{gelu}/da = \tfrac12 (1 + \tanh u) + \tfrac12 a (1 - \tanh^2 u) \sqrt{2/\pi}(1 + 3 \cdot 0.044715 a^2).
+
+    dh: (..., F). Returns da: (..., F).
+    """
+    a, t = ctx
+    return dh * (0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * _GELU_C * (1.0 + 0.134145 * a * a))
+
+
+def relu_forward(a):
+    r"""\mathrm{relu}(a) = \max(a, 0). a: (..., F). Returns h: (..., F); saves the mask a > 0."""
+    mask = a > 0
+    return a * mask, mask
+
+
+def relu_backward(dh, ctx):
+    r"""da = dh \odot [a > 0] (the subgradient 0 at a = 0). Returns da: (..., F)."""
+    return dh * ctx
+
+
+#: the activations of the two-matrix FFN, by config name
+ACTIVATIONS = {"gelu": (gelu_forward, gelu_backward), "relu": (relu_forward, relu_backward)}
+
+
+def mlp_forward(x, w1, w2, activation: str = "gelu"):
+    r"""The classic two-matrix FFN: y = \phi(x W_1^T) W_2^T, \phi = GELU or ReLU.
+
+    x: (..., D); w1: (F, D); w2: (D, F). Returns y: (..., D).
+    """
+    act_fwd, act_bwd = ACTIVATIONS[activation]
+    a, c1 = linear_forward(x, w1)
+    h, ca = act_fwd(a)
+    y, c2 = linear_forward(h, w2)
+    return y, (c1, ca, act_bwd, c2)
+
+
+def mlp_backward(dy, ctx):
+    r"""dh = dy W_2, dW_2 = dy^T h; da = \phi'(a) \odot dh; dx = da W_1, dW_1 = da^T x.
+
+    dy: (..., D). Returns (dx: (..., D), dw1: (F, D), dw2: (D, F)).
+    """
+    c1, ca, act_bwd, c2 = ctx
+    dh, dw2 = linear_backward(dy, c2)
+    dx, dw1 = linear_backward(act_bwd(dh, ca), c1)
+    return dx, dw1, dw2
+
+
+def postnorm_residual_forward(x, fx, g, b, eps):
+    r"""The post-norm residual (the original transformer's): y = \mathrm{Norm}(x + F(x)), with
+    LayerNorm when a bias ``b`` is given and RMSNorm when ``b`` is None. (Pre-norm, LLaMA's, is
+    y = x + F(\mathrm{Norm}(x)): the skip path bypasses the norm.)
+
+    x, fx: (..., D) (fx = F(x), computed by the caller); g, b: (D,). Returns y: (..., D).
+    """
+    s = x + fx
+    if b is None:
+        y, c = rmsnorm_forward(s, g, eps)
+    else:
+        y, c = layernorm_forward(s, g, b, eps)
+    return y, (b is None, c)
+
+
+def postnorm_residual_backward(dy, ctx):
+    r"""ds = \mathrm{Norm}'(dy); the sum sends ds to both x and F(x): dx = ds, dfx = ds.
+    Every gradient passes through the norm (no identity path as in pre-norm).
+
+    Returns (dx, dfx, dg, db) (db is None for RMSNorm).
+    """
+    rms, c = ctx
+    if rms:
+        ds, dg = rmsnorm_backward(dy, c)
+        db = None
+    else:
+        ds, dg, db = layernorm_backward(dy, c)
+    return ds, ds.copy(), dg, db
+
+
+def logit_scale_forward(z, scale: float):
+    r"""Scaled logits z' = s z. Without it std(z) grows like \sqrt{D}\,\sigma for unit-RMS
+    features and weights of std \sigma; s = 1/\sqrt{D} keeps it flat. z: (..., V)."""
+    return z * scale, scale
+
+
+def logit_scale_backward(dz, ctx):
+    r"""dz = s\, dz'. Returns dz: (..., V)."""
+    return dz * ctx
+
+
+def cross_attention_forward(q, k, v):
+    r"""Scaled dot-product cross-attention, no mask: M queries of one sequence against L keys and
+    values of another; query head h reads KV head h // G (G = H / KVH, so MHA, GQA and MQA):
+
+    S_{mj} = q_m \cdot k_j / \sqrt{hd},  P = \mathrm{softmax}_j(S),  o_m = \sum_j P_{mj} v_j.
+
+    q: (B, M, H, hd); k, v: (B, L, KVH, hd). Returns o: (B, M, H, hd). Cost O(B H M L hd).
+    """
+    xp = array_module(q)
+    B, M, H, hd = q.shape
+    KVH = k.shape[2]
+    G = H // KVH
+    scale = 1.0 / math.sqrt(hd)
+    qg = (q * scale).reshape(B, M, KVH, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, KVH, G * M, hd)
+    kk = k.transpose(0, 2, 1, 3)  # (B, KVH, L, hd)
+    vv = v.transpose(0, 2, 1, 3)
+    p = softmax(qg @ xp.swapaxes(kk, -1, -2))  # (B, KVH, G M, L)
+    o = p @ vv  # (B, KVH, G M, hd)
+    out = o.reshape(B, KVH, G, M, hd).transpose(0, 3, 1, 2, 4).reshape(B, M, H, hd)
+    return out, (qg, kk, vv, p, o, scale)
+
+
+def cross_attention_backward(dout, ctx):
+    r"""Gradients of cross-attention, D_m = dO_m \cdot o_m:
+    dV = P^T dO, dS = P \odot (dO V^T - D), dQ = dS K / \sqrt{hd}, dK = dS^T Q / \sqrt{hd}
+    (the G heads of a group are rows of one matrix, so dK, dV sum over the group).
+
+    dout: (B, M, H, hd). Returns (dq: (B, M, H, hd), dk, dv: (B, L, KVH, hd)).
+    """
+    qg, kk, vv, p, o, scale = ctx
+    xp = array_module(dout)
+    B, M, H, hd = dout.shape
+    KVH = kk.shape[1]
+    G = H // KVH
+    do = dout.reshape(B, M, KVH, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, KVH, G * M, hd)
+    dv = xp.swapaxes(p, -1, -2) @ do
+    ds = p * (do @ xp.swapaxes(vv, -1, -2) - (do * o).sum(axis=-1, keepdims=True))
+    dq = (ds @ kk) * scale
+    dk = xp.swapaxes(ds, -1, -2) @ qg  # qg carries 1/sqrt(hd)
+    dq = dq.reshape(B, KVH, G, M, hd).transpose(0, 3, 1, 2, 4).reshape(B, M, H, hd)
+    return dq, dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
+
+
+def latent_expand_forward(z, batch_size: int):
+    r"""The learned latent array Z: (M, D), shared by every sequence: z_b = Z for b < B.
+    Returns (B, M, D) (a broadcast view; do not write into it)."""
+    xp = array_module(z)
+    return xp.broadcast_to(z, (batch_size,) + z.shape), None
+
+
+def latent_expand_backward(dz, ctx):
+    r"""dZ = \sum_b dz_b: each sequence's gradient flows into the one shared array. Returns (M, D)."""
+    return dz.sum(axis=0)

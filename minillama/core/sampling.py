@@ -1,0 +1,172 @@
+r"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus), min-p and
+a repetition penalty.
+
+With logits z (V,) and temperature \tau > 0 the model's distribution is
+
+    p_v = e^{z_v / \tau} / \sum_u e^{z_u / \tau}.
+
+top-k keeps the k most likely tokens; top-p keeps the smallest set of most likely tokens whose
+mass reaches p; min-p keeps the tokens with p_v \ge p_{min} \max_u p_u (transformers'
+``min_p``: on the tempered distribution). All renormalise what is kept; a token must pass every
+filter. \tau = 0 is greedy: \arg\max_v z_v.
+
+The repetition penalty \theta (CTRL; transformers' ``repetition_penalty``, llama.cpp's
+``--repeat-penalty``) first rescales the logits of every token that occurs among the last n
+tokens of the context, before temperature and before greedy's argmax:
+z_v \leftarrow z_v / \theta if z_v > 0 else z_v \theta (each token once, however often it
+occurs).
+The candidate sets are found with ``np.argpartition`` (linear time); only the kept candidates are
+sorted, never the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minillama.core.errors import MinillamaError
+
+
+def check_sampling(temperature: float = 0.0, top_k: int | None = None,
+                   top_p: float | None = None, min_p: float | None = None,
+                   repeat_penalty: float = 1.0, repeat_last_n: int = 64) -> None:
+    """Raise :class:`MinillamaError` for settings outside their ranges."""
+    if min_p is not None and not (0.0 <= min_p <= 1.0):
+        raise MinillamaError(f"min_p must lie in [0, 1], got {min_p}")
+    if not (repeat_penalty > 0.0) or not np.isfinite(repeat_penalty):
+        raise MinillamaError(f"repeat_penalty must be a finite number > 0, got {repeat_penalty}")
+    if isinstance(repeat_last_n, bool) or int(repeat_last_n) != repeat_last_n \
+            or repeat_last_n < -1:
+        raise MinillamaError(f"repeat_last_n must be an integer >= -1, got {repeat_last_n}")
+    if not (temperature >= 0.0) or not np.isfinite(temperature):
+        raise MinillamaError(f"temperature must be a finite number >= 0, got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or int(top_k) != top_k or top_k < 1):
+        raise MinillamaError(f"top_k must be a positive integer, got {top_k}")
+    if top_p is not None and not (0.0 < top_p <= 1.0):
+        raise MinillamaError(f"top_p must lie in (0, 1], got {top_p}")
+
+
+def _top_indices(z: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest entries of z (V,), in descending order of z (ties: lower id first)."""
+    V = z.shape[0]
+    if k >= V:
+        idx = np.arange(V)
+    else:
+        idx = np.argpartition(-z, k - 1)[:k]
+    order = np.lexsort((idx, -z[idx]))
+    return idx[order]
+
+
+def apply_repetition_penalty(logits, history, penalty: float, last_n: int = 64) -> np.ndarray:
+    r"""The logits (V,) with the repetition penalty \theta applied to the distinct tokens of the
+    last ``last_n`` ids of ``history`` (-1: all of them, 0: none):
+    z_v \leftarrow z_v / \theta if z_v > 0 else z_v \theta. A new array; \theta = 1 returns
+    the input."""
+    z = np.asarray(logits)
+    if penalty == 1.0 or last_n == 0 or len(history) == 0:
+        return z
+    recent = history if last_n < 0 else history[-int(last_n):]
+    ids = np.unique(np.asarray(recent, dtype=np.int64))
+    ids = ids[(ids >= 0) & (ids < z.shape[-1])]
+    z = np.array(z, dtype=np.float64 if z.dtype == np.float64 else np.float32)
+    seen = z[ids]
+    z[ids] = np.where(seen > 0, seen / penalty, seen * penalty)
+    return z
+
+
+def candidates(logits, temperature: float = 1.0, top_k: int | None = None,
+               top_p: float | None = None,
+               min_p: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    r"""The tokens that may be sampled and their renormalised probabilities.
+
+    logits: (V,). Returns (ids (K,), probs (K,)) with probs summing to 1; with a filter the ids
+    are sorted by decreasing probability, without one they are the whole vocabulary in id order
+    (no sort needed to sample). top-p keeps the shortest prefix of that order whose mass
+    \sum p \ge top\_p (the token that crosses the threshold is kept). min-p then keeps those
+    with p_v \ge min\_p \cdot \max_u p_u (the most likely token always stays).
+    """
+    ids, p = _candidates(logits, temperature, top_k, top_p)
+    if min_p:
+        keep = p >= min_p * p.max()
+        ids, p = ids[keep], p[keep]
+        p = p / p.sum()
+    return ids, p
+
+
+def _candidates(logits, temperature, top_k, top_p) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`candidates` before min-p."""
+    z = np.asarray(logits, dtype=np.float64).reshape(-1)
+    V = z.shape[0]
+    t = float(temperature) if temperature > 0 else 1.0
+    k = V if top_k is None else min(int(top_k), V)
+    # log-sum-exp over the whole vocabulary gives exact probabilities of any candidate subset
+    zmax = z.max()
+    logZ = zmax / t + np.log(np.exp((z - zmax) / t).sum())
+    if top_p is None or top_p >= 1.0:
+        ids = np.arange(V) if top_k is None else _top_indices(z, k)
+        p = np.exp(z[ids] / t - logZ)
+        return ids, p / p.sum()
+    # nucleus: grow a partially selected candidate set until it holds mass >= top_p
+    m = min(k, 64)
+    while True:
+        ids = _top_indices(z, m)
+        p = np.exp(z[ids] / t - logZ)
+        c = np.cumsum(p)
+        if c[-1] >= top_p or m >= k:
+            n = min(int(np.searchsorted(c, top_p)) + 1, m)  # first index with c >= top_p
+            ids, p = ids[:n], p[:n]
+            return ids, p / p.sum()
+        m = min(4 * m, k)
+
+
+def sample(logits, rng: np.random.Generator | None = None, temperature: float = 0.0,
+           top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+           repeat_penalty: float = 1.0, repeat_last_n: int = 64, history=()) -> int:
+    """One token id from logits (V,): argmax when ``temperature == 0`` else a draw from the
+    (top-k / top-p / min-p filtered) tempered distribution using ``rng``; the repetition
+    penalty over the ids of ``history`` (the context so far) applies first in both cases."""
+    z = apply_repetition_penalty(logits, history, repeat_penalty, repeat_last_n)
+    if temperature == 0.0:
+        return int(np.argmax(z))
+    if rng is None:
+        raise MinillamaError("sampling with temperature > 0 needs a random generator")
+    ids, p = candidates(z, temperature, top_k, top_p, min_p)
+    u = rng.random()
+    j = int(np.searchsorted(np.cumsum(p), u, side="right"))
+    return int(ids[min(j, len(ids) - 1)])
+
+
+# ---------------------------------------------------------------------------------------------
+# the command-line flags `generate` and `chat` share
+# ---------------------------------------------------------------------------------------------
+def add_sampling_flags(p, temperature: float, top_p: float | None, min_p: float | None) -> None:
+    """The sampling flags ``generate`` and ``chat`` share."""
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help=f"sampling temperature, 0 = greedy (default {temperature})")
+    p.add_argument("--top-k", type=int, default=None, help="keep only the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=top_p,
+                   help=f"nucleus sampling mass, 1 disables it (default {top_p})")
+    p.add_argument("--min-p", type=float, default=min_p,
+                   help="keep tokens at least min-p times as likely as the most likely one, "
+                        f"0 disables it (default {min_p or 0})")
+    p.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="divide positive (multiply negative) logits of the last "
+                        "--repeat-last-n tokens by this, 1 disables it (default 1)")
+    p.add_argument("--repeat-last-n", type=int, default=64,
+                   help="how many recent tokens --repeat-penalty looks at, prompt included; "
+                        "-1 = all (default 64)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (reproducible sampling)")
+
+
+def sampling_kwargs(args) -> dict:
+    """:func:`minillama.core.sampling.sample`'s keywords from the shared flags, checked."""
+    kw = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+          "min_p": args.min_p, "repeat_penalty": args.repeat_penalty,
+          "repeat_last_n": args.repeat_last_n}
+    check_sampling(**kw)
+    if kw["top_p"] is not None and kw["top_p"] >= 1.0:
+        kw["top_p"] = None  # keeps everything
+    if not kw["min_p"]:
+        kw["min_p"] = None
+    if args.seed is not None and args.seed < 0:
+        raise MinillamaError(f"--seed must be a non-negative integer, got {args.seed}")
+    return kw

@@ -1,0 +1,599 @@
+r"""Text generation with a KV cache: prefill the prompt in one call, then one token per call.
+
+The loop for a batch of B prompts of lengths n_b (right-padded to the longest):
+
+1. **prefill**: one forward over the padded (B, max n_b) prompt block writes every prompt
+   position's K/V into the cache and returns only the logits at position n_b - 1 of each
+   sequence (``output_index``), so the V x D classifier runs B times, not B * T times;
+2. **decode**: each step feeds the token just chosen for every sequence at its own position
+   p_b (``start_pos`` is a (B,) array), appending one K/V row per layer and reading positions
+   0..p_b only; padding rows beyond p_b are masked and later overwritten.
+
+Each sequence stops on its own (a stop token, ``max_new_tokens`` or the end of the context);
+the batch ends when all have stopped. Sequence b samples with its own generator seeded
+``seed + b``, so a batch gives the same tokens as generating each prompt alone.
+"""
+
+from __future__ import annotations
+
+import codecs
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from minillama.core.decoding import ChunkDecoder, nonfinite_error, stream_greedy  # noqa: F401 (re-exported)
+from minillama.core.decoding import finite_logits as _finite
+from minillama.core.errors import MinillamaError
+from minillama.core.sampling import add_sampling_flags, check_sampling, sample, sampling_kwargs
+from minillama.io.tokenizer import ByteTokenizer
+
+#: where the default model ships (own format, byte tokenizer in the metadata)
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "weights" / "shakespeare.safetensors"
+
+
+@dataclass
+class GenerationStats:
+    """Token counts and wall times of one generation; ``cache_bytes`` is the KV cache size
+    2 * L * B * S * KVH * hd * itemsize."""
+
+    batch_size: int = 0
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    new_tokens: int = 0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    cache_bytes: int = 0
+    cache_shape: tuple = field(default_factory=tuple)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens produced by the decode steps (every sequence still running counts) per second."""
+        n = self.new_tokens - self.batch_size  # the first token of each sequence comes from prefill
+        return n / self.decode_s if self.decode_s > 0 and n > 0 else float("nan")
+
+
+def _as_prompts(prompts) -> tuple[list[list[int]], bool]:
+    """Normalise one prompt (a sequence of ints) or several into a list of int lists."""
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    prompts = list(prompts)
+    single = len(prompts) == 0 or not isinstance(prompts[0], (list, tuple, np.ndarray))
+    seqs = [prompts] if single else prompts
+    out = []
+    for s in seqs:
+        s = [int(t) for t in (s.tolist() if isinstance(s, np.ndarray) else s)]
+        if not s:
+            raise MinillamaError("every prompt needs at least one token (e.g. BOS)")
+        out.append(s)
+    if not out:
+        raise MinillamaError("no prompts given")
+    return out, single
+
+
+def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float = 0.0,
+                   top_k: int | None = None, top_p: float | None = None,
+                   seed: int | None = None, stop_ids: Iterable[int] = (),
+                   stats: GenerationStats | None = None, min_p: float | None = None,
+                   repeat_penalty: float = 1.0,
+                   repeat_last_n: int = 64) -> Iterator[list[tuple[int, int]]]:
+    """Generate, yielding after every model call the list of ``(sequence index, token)`` pairs
+    produced by it (stop tokens are not yielded). ``prompts`` is a list of token-id lists (or one
+    list). ``stats`` (optional) is filled in as the generation runs. ``min_p``,
+    ``repeat_penalty`` and ``repeat_last_n`` as :func:`minillama.core.sampling.sample` (the penalty
+    looks at each sequence's prompt and new tokens)."""
+    check_sampling(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
+    seqs, _ = _as_prompts(prompts)
+    if max_new_tokens < 0:
+        raise MinillamaError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    cfg, be = model.cfg, model.backend
+    B = len(seqs)
+    lens = _prompt_lengths(cfg, seqs)
+    stop = {int(t) for t in stop_ids}
+    stats = stats if stats is not None else GenerationStats()
+    stats.__dict__.update(GenerationStats().__dict__)  # a reused stats object starts afresh
+    stats.batch_size = B
+    if max_new_tokens == 0:
+        return
+    # the cache holds the longest prompt plus the new tokens, capped at the context
+    cache_len = int(min(cfg.max_seq_len, int((lens + max_new_tokens).max())))
+    stats.cache_shape = (2, cfg.n_layers, B, cache_len, cfg.n_kv_heads, cfg.head_dim)
+    rngs = _sequence_rngs(seed, B)
+    # token k of sequence b lands at position n_b + k - 1 and is sampled after feeding position
+    # n_b + k - 2, which must lie inside the context: k <= S - n_b + 1
+    budget = np.minimum(max_new_tokens, cfg.max_seq_len - lens + 1)
+    penalised = repeat_penalty != 1.0 and repeat_last_n != 0
+    hist = [list(s) for s in seqs] if penalised else None  # each sequence's context so far
+
+    def pick(b, z):
+        return sample(z, rngs[b], temperature, top_k, top_p, min_p, repeat_penalty,
+                      repeat_last_n, hist[b] if penalised else ())
+
+    if B == 1 and temperature == 0 and not penalised:  # a backend may decode many steps/call
+        make = getattr(be, "greedy_decoder", None)
+        dec = make(model, cache_len, stop) if make is not None else None
+        if dec is not None:
+            stats.cache_bytes = dec.cache.nbytes
+            yield from stream_greedy(dec, seqs[0], max_new_tokens, cfg.max_seq_len, stop, stats)
+            return
+    cache = model.new_cache(B, cache_len)
+    stats.cache_bytes = cache.nbytes
+    # greedy with several sequences: a backend may run up to 16 steps per call
+    many = getattr(be, "greedy_steps", None) if temperature == 0 and B > 1 \
+        and not penalised else None
+    yield from _prefill_and_decode(model, seqs, lens, cache, pick, many, stop, budget, hist,
+                                   stats)
+
+
+def _prompt_lengths(cfg, seqs) -> np.ndarray:
+    """The prompts' lengths (B,), each checked against the model context."""
+    lens = np.array([len(s) for s in seqs], dtype=np.int64)
+    longest = int(lens.max())
+    if longest > cfg.max_seq_len:
+        raise MinillamaError(
+            f"prompt of {longest} tokens is longer than the model context of {cfg.max_seq_len}")
+    return lens
+
+
+def _sequence_rngs(seed, B: int) -> list:
+    """One generator per sequence, seeded seed + b (a fresh seed when None)."""
+    if seed is None:
+        seed = int(np.random.SeedSequence().entropy % (1 << 63))
+    elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise MinillamaError(f"seed must be a non-negative integer, got {seed!r}")
+    return [np.random.default_rng(seed + b) for b in range(B)]
+
+
+def _prefill(model, seqs, lens, cache) -> np.ndarray:
+    """The prompts in one call (padded to the longest, the cache filled): each sequence's
+    last-position logits (B, V) on the host, checked finite."""
+    B = len(seqs)
+    block = np.zeros((B, int(lens.max())), dtype=np.int64)
+    for b, s in enumerate(seqs):
+        block[b, :len(s)] = s
+    if B == 1:
+        logits = model.forward(block, start_pos=0, cache=cache, last_only=True)
+    else:
+        logits = model.forward(block, start_pos=0, cache=cache, output_index=lens - 1)
+    return _finite(model.backend.to_numpy(logits), "the prompt")
+
+
+def _prefill_and_decode(model, seqs, lens, cache, pick, many, stop, budget, hist, stats):
+    """The prompts in one call (padded to the longest, each sequence's last position read),
+    then one token per running sequence per step until every one stops; yields each call's
+    ``(sequence index, token)`` pairs. ``many``: the backend's greedy_steps, or None."""
+    be, B, cache_len = model.backend, len(seqs), cache.max_seq_len
+    # -- prefill ----------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    z = _prefill(model, seqs, lens, cache)
+    stats.prompt_tokens = int(lens.sum())
+    alive = np.ones(B, dtype=bool)
+    pos = lens.copy()  # where each sequence's next token goes
+    last = np.zeros(B, dtype=np.int64)
+    emitted = np.zeros(B, dtype=np.int64)
+    step_out = _choose(lambda b: pick(b, z[b]), alive, stop, last, emitted, budget, hist)
+    stats.prefill_s = time.perf_counter() - t0
+    stats.new_tokens += len(step_out)
+    if step_out:
+        yield step_out
+    # -- decode (the time the caller spends between our yields is not counted) ---------------
+    # with ``many``, the ids of every sequence at each of up to 16 steps come from one call,
+    # replayed below step by step exactly as the loop does
+    ids, j = None, 0  # the steps of the last such call, and the next one to replay
+    while True:
+        t0 = time.perf_counter()
+        # a sequence keeps running while it may emit and its next token has a slot to go
+        alive &= pos < cache_len
+        if not alive.any():
+            break
+        feed_pos = np.minimum(pos, cache_len - 1)
+        if many is not None and (ids is None or j == ids.shape[1]):
+            left = np.minimum(budget - emitted, cache_len - pos)[alive]
+            ids, j = many(model, last, feed_pos, cache, int(min(16, left.max()))), 0
+            if ids is None:
+                many = None
+        if ids is not None:  # the step's ids from the call above
+            picked = ids[:, j]
+            j += 1
+            bad = alive & (picked < 0)
+            if bad.any():
+                raise nonfinite_error(f"position {int(feed_pos[bad].max())}")
+            pos = pos + alive
+            step_out = _choose(lambda b: int(picked[b]), alive, stop, last, emitted, budget,
+                               hist)
+        else:
+            sp = int(feed_pos[0]) if B == 1 else feed_pos
+            logits = model.forward(last[:, None], start_pos=sp, cache=cache, last_only=True)
+            z = _finite(be.to_numpy(logits), f"position {int(np.max(feed_pos))}")
+            pos = pos + alive
+            step_out = _choose(lambda b: pick(b, z[b]), alive, stop, last, emitted, budget,
+                               hist)
+        stats.decode_steps += 1
+        stats.new_tokens += len(step_out)
+        stats.decode_s += time.perf_counter() - t0
+        if step_out:
+            yield step_out
+
+
+def _choose(pick, alive, stop, last, emitted, budget, hist=None):
+    """Take the next token ``pick(b)`` of every running sequence b; update ``alive``/``last``/
+    ``emitted`` (and ``hist``, each sequence's ids, when given); the (b, token) pairs
+    emitted."""
+    out = []
+    for b in np.flatnonzero(alive):
+        if emitted[b] >= budget[b]:
+            alive[b] = False
+            continue
+        tok = pick(b)
+        if tok in stop:
+            alive[b] = False
+            continue
+        last[b] = tok
+        if hist is not None:
+            hist[b].append(tok)
+        emitted[b] += 1
+        if emitted[b] >= budget[b]:
+            alive[b] = False
+        out.append((int(b), tok))
+    return out
+
+
+def generate(model, prompts, max_new_tokens: int = 256, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+             stop_ids: Iterable[int] = (), callback: Callable[[int, int], None] | None = None,
+             stats: GenerationStats | None = None, **sampling):
+    """Generate continuations. One prompt (list of ints) -> its new tokens (list of ints);
+    several prompts -> a list of lists. ``callback(seq_index, token)`` is called for each token as
+    it is produced (streaming). Stop tokens end a sequence and are not included. ``sampling``:
+    ``min_p``, ``repeat_penalty``, ``repeat_last_n`` (see :func:`generate_steps`)."""
+    seqs, single = _as_prompts(prompts)
+    outs: list[list[int]] = [[] for _ in seqs]
+    for step in generate_steps(model, seqs, max_new_tokens, temperature, top_k, top_p, seed,
+                               stop_ids, stats, **sampling):
+        for b, tok in step:
+            outs[b].append(tok)
+            if callback is not None:
+                callback(b, tok)
+    return outs[0] if single else outs
+
+
+def stream(model, prompt: Sequence[int], **kwargs) -> Iterator[int]:
+    """Yield the new tokens of one prompt as they are produced (keyword arguments as
+    :func:`generate`)."""
+    for step in generate_steps(model, [list(prompt)], **kwargs):
+        for _, tok in step:
+            yield tok
+
+
+class TextStreamer:
+    """Turns a growing list of token ids into text pieces without splitting UTF-8 characters.
+
+    Uses the tokenizer's ``decode_bytes`` (prefix-stable bytes) with an incremental UTF-8 decoder
+    when it has one, else re-decodes the ids and emits the new suffix once it is stable.
+    """
+
+    def __init__(self, tokenizer, prefix_ids: Sequence[int] = ()):
+        self.tok = tokenizer
+        self.ids = list(prefix_ids)
+        self._bytes_mode = hasattr(tokenizer, "decode_bytes")
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._nbytes = 0
+        self._text = ""
+
+    def put(self, token: int) -> str:
+        self.ids.append(int(token))
+        if self._bytes_mode:
+            data = self.tok.decode_bytes(self.ids)
+            new = data[self._nbytes:]
+            self._nbytes = len(data)
+            return self._dec.decode(new)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self._text):
+            return ""
+        new = text[len(self._text):]
+        self._text = text
+        return new
+
+    def start(self) -> str:
+        """The text of the prefix ids (the prompt)."""
+        if self._bytes_mode:
+            data = self.tok.decode_bytes(self.ids)
+            self._nbytes = len(data)
+            return self._dec.decode(data)
+        self._text = self.tok.decode(self.ids)
+        return self._text
+
+    def flush(self) -> str:
+        if self._bytes_mode:
+            return self._dec.decode(b"", final=True)
+        text = self.tok.decode(self.ids)
+        new = text[len(self._text):] if text.startswith(self._text) else ""
+        self._text = text
+        return new
+
+
+# ---------------------------------------------------------------------------------------------
+# the `minillama generate` command
+# ---------------------------------------------------------------------------------------------
+def backend_help() -> str:
+    """The ``--backend`` help of the commands that run a model."""
+    from minillama.backends import backend_names
+
+    return (f"{', '.join(backend_names())} or auto (default: $MINILLAMA_BACKEND, else auto: the "
+            f"fastest for the model's size, see README)")
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="generate text from a checkpoint (streams to stdout)",
+        description="Generate text with a KV cache from a llama2.c .bin, a Hugging Face LLaMA "
+                    "directory or a minillama .safetensors checkpoint. Text streams to stdout; "
+                    "prefill/decode speed and KV-cache memory go to stderr.")
+    p.add_argument("--checkpoint", "-c", default=None,
+                   help=f"model file or folder (default: {DEFAULT_CHECKPOINT.name} shipped with "
+                        f"the package)")
+    p.add_argument("--tokenizer", "-t", default=None,
+                   help="tokenizer: llama2.c tokenizer.bin, Hugging Face tokenizer.json, or "
+                        "'byte' (default: the one stored with the checkpoint)")
+    p.add_argument("--adapter", default=None,
+                   help="a LoRA adapter folder (PEFT's adapter_config.json + "
+                        "adapter_model.safetensors, e.g. `minillama finetune --out`), merged "
+                        "into the weights on loading")
+    p.add_argument("--prompt", "-p", default="",
+                   help="prompt text, with BOS in front where the tokenizer says so (default: "
+                        "empty: start at BOS; byte-level models start at BOS and a newline)")
+    p.add_argument("--chat", action="store_true",
+                   help="send --prompt as a user message through the model's chat template "
+                        "(GGUF tokenizer.chat_template, tokenizer_config.json or "
+                        "chat_template.jinja; rendered with jinja2)")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=256,
+                   help="most tokens to generate (default 256; the model's context may cut it, "
+                        "which is noted on stderr)")
+    add_sampling_flags(p, temperature=1.0, top_p=0.9, min_p=None)
+    p.add_argument("--backend", default=None, help=backend_help())
+    p.add_argument("--dtype", default=None, choices=("float32", "float64"),
+                   help="compute precision (default float32)")
+    p.add_argument("--cuda-graph", default="auto", choices=CUDA_GRAPH_CHOICES,
+                   help="greedy decoding on the cupy backend with each decode step captured as "
+                        "one CUDA graph: auto (default: when --temperature 0, float32 and a plain "
+                        "LLaMA model), on (an error where it cannot), off (the eager loop)")
+    p.set_defaults(func=run_cli)
+
+
+CUDA_GRAPH_CHOICES = ("auto", "on", "off")
+
+
+def check_cuda_graph_flag(mode: str, backend_name: str, temperature: float) -> None:
+    """``--cuda-graph on`` needs what it cannot do without (checked before the model loads): the
+    cupy backend and greedy decoding (sampling with a temperature stays on the eager loop)."""
+    if mode not in CUDA_GRAPH_CHOICES:
+        raise MinillamaError(f"--cuda-graph must be one of {', '.join(CUDA_GRAPH_CHOICES)}, "
+                             f"got {mode!r}")
+    if mode != "on":
+        return
+    if backend_name != "cupy":
+        raise MinillamaError(f"--cuda-graph on needs --backend cupy (the backend is "
+                             f"{backend_name})")
+    if temperature != 0.0:
+        raise MinillamaError(f"--cuda-graph on decodes greedily; use --temperature 0 (got "
+                             f"{temperature}) or --cuda-graph off/auto to sample")
+
+
+def graph_decoder_for(model, mode: str, temperature: float, cache_len: int):
+    """The :class:`~minillama.backends.cupy.graph.GraphDecoder` that ``--cuda-graph mode`` asks
+    for, or None for the eager loop (``off``; ``auto`` where the graph does not apply); ``on``
+    where it does not apply is a one-line error saying why."""
+    if mode == "off" or temperature != 0.0 or getattr(model.backend, "name", "") != "cupy":
+        return None  # `on` with these was refused by check_cuda_graph_flag
+    from minillama.backends.cupy.graph import GraphDecoder, unsupported_reason
+
+    why = unsupported_reason(model, 1)
+    if why is not None:
+        if mode == "on":
+            raise MinillamaError(f"--cuda-graph on: the CUDA-graph decoder {why}")
+        return None
+    return GraphDecoder(model, 1, cache_len)
+
+
+#: backends that compile kernels on first use (Numba's JIT, NVRTC), cached on disk afterwards
+COMPILING_BACKENDS = ("numba", "cupy")
+
+
+def warm_up(model, prompt_ids: Sequence[int], temperature: float, top_k, top_p,
+            note_after: float = 1.0, say=None) -> float:
+    """Run the generation's code paths once (a prefill of a few prompt tokens and a few decode
+    steps, thrown away) on a backend that compiles kernels on first use, so the reported prefill
+    and decode speeds time the model and not the compiler. When it runs longer than
+    ``note_after`` seconds (compiling, not loading cached kernels), "compiling kernels (once,
+    cached)" goes to stderr while it runs, and its time once done. Returns the seconds spent."""
+    if getattr(model.backend, "name", "") not in COMPILING_BACKENDS:
+        return 0.0
+    import threading  # noqa: PLC0415
+
+    say = say or (lambda text: print(text, end="", file=sys.stderr, flush=True))
+    said = threading.Event()
+
+    def note() -> None:
+        said.set()
+        say(f"{model.backend.name}: compiling kernels (once, cached) ...")
+
+    timer = threading.Timer(note_after, note)
+    t0 = time.perf_counter()
+    timer.start()
+    try:
+        prompt = list(prompt_ids[-8:])
+        n = min(3, model.cfg.max_seq_len - len(prompt) + 1)
+        if n > 0:
+            for _ in generate_steps(model, [prompt], n, temperature, top_k, top_p, seed=0):
+                pass
+    finally:
+        timer.cancel()
+    dt = time.perf_counter() - t0
+    if said.is_set():
+        say(f" done in {dt:.1f} s\n")
+    return dt
+
+
+def resolve_tokenizer(spec: str | None, model_tokenizer, cfg, checkpoint: Path, fmt: str):
+    """The tokenizer to use: ``--tokenizer``, else the checkpoint's own, else (llama2.c) a
+    ``tokenizer.bin`` beside the checkpoint whose vocabulary fits; may be None."""
+    from minillama.io.tokenizer import load_tokenizer
+
+    if spec:
+        tok = load_tokenizer(spec)
+    elif model_tokenizer is not None:
+        tok = model_tokenizer
+    else:
+        tok = None
+        side = checkpoint.parent / "tokenizer.bin" if fmt == "llama2c" else None
+        if side is not None and side.is_file():
+            cand = load_tokenizer(str(side))
+            if cand.vocab_size == cfg.vocab_size:
+                tok = cand
+    from minillama.io.load import check_tokenizer
+
+    check_tokenizer(tok, cfg.vocab_size)
+    return tok
+
+
+def run_cli(args) -> int:
+    sampling = sampling_kwargs(args)
+    model, tok, checkpoint, fmt, graph_mode = _load_for_cli(args)
+    cfg = model.cfg
+    prompt_ids, stop = _cli_prompt(args, tok, cfg, checkpoint, fmt)
+    if len(prompt_ids) > cfg.max_seq_len:
+        raise MinillamaError(f"prompt of {len(prompt_ids)} tokens is longer than the model "
+                             f"context of {cfg.max_seq_len}")
+    room = cfg.max_seq_len - len(prompt_ids) + 1  # the last token needs no slot of its own
+    if args.max_new_tokens > room:
+        print(f"minillama: note: -n {args.max_new_tokens} is cut to {room} new tokens: the "
+              f"model's context is {cfg.max_seq_len} tokens and the prompt takes "
+              f"{len(prompt_ids)}", file=sys.stderr)
+    out = sys.stdout
+    stats = GenerationStats()
+    if tok is not None:
+        streamer = TextStreamer(tok, prompt_ids)
+        out.write(streamer.start())
+        out.flush()
+    cache_len = int(min(cfg.max_seq_len, len(prompt_ids) + args.max_new_tokens))
+    penalised = sampling["repeat_penalty"] != 1.0 and sampling["repeat_last_n"] != 0
+    decoder = graph_decoder_for(model, graph_mode, args.temperature, cache_len) \
+        if args.max_new_tokens > 0 and not penalised else None
+    if decoder is not None:
+        stats.cache_bytes = decoder.cache.nbytes
+        stats.cache_shape = (2, cfg.n_layers, 1, decoder.S, cfg.n_kv_heads, cfg.head_dim)
+        steps = stream_greedy(decoder, prompt_ids, args.max_new_tokens, cfg.max_seq_len, stop,
+                              stats)
+    else:
+        warm_up(model, prompt_ids, sampling["temperature"], sampling["top_k"], sampling["top_p"])
+        steps = generate_steps(model, [prompt_ids], args.max_new_tokens, seed=args.seed,
+                               stop_ids=stop, stats=stats, **sampling)
+    for step in steps:
+        for _, t in step:
+            out.write(streamer.put(t) if tok is not None else f"{t} ")
+        out.flush()
+    out.write((streamer.flush() if tok is not None else "") + "\n")
+    out.flush()
+    _print_stats(stats, model, decoder is not None)
+    return 0
+
+
+def _load_for_cli(args):
+    """The command's checks, then (model, tokenizer or None, checkpoint path, its format, CUDA
+    graph mode): the checkpoint (or the shipped default) loaded with its adapter."""
+    from minillama.backends import resolve_name
+
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise MinillamaError("--prompt is not valid UTF-8 text") from None
+    if args.max_new_tokens < 1:
+        raise MinillamaError(f"-n/--max-new-tokens must be at least 1, got "
+                             f"{args.max_new_tokens}")
+    graph_mode = getattr(args, "cuda_graph", "off")
+    check_cuda_graph_flag(graph_mode, resolve_name(args.backend), args.temperature)
+    if args.checkpoint is None:
+        if not DEFAULT_CHECKPOINT.is_file():
+            raise MinillamaError(
+                "no default checkpoint ships yet (minillama/weights/shakespeare.safetensors is "
+                "missing); pass --checkpoint PATH")
+        checkpoint = DEFAULT_CHECKPOINT
+    else:
+        checkpoint = Path(args.checkpoint)
+    model, tok, fmt = open_model(checkpoint, args)
+    return model, tok, checkpoint, fmt, graph_mode
+
+
+def open_model(checkpoint: Path, args):
+    """(model, tokenizer or None, format) of a command's checkpoint, with its ``--adapter``
+    applied and its ``--tokenizer``, ``--backend`` and ``--dtype`` taken."""
+    from minillama.io.load import detect_format, load_model
+
+    fmt = detect_format(checkpoint)
+    model, model_tok = load_model(checkpoint, backend=args.backend, dtype=args.dtype)
+    if getattr(args, "adapter", None):
+        from minillama.model.lora import apply_adapter
+
+        apply_adapter(model, args.adapter)
+    return model, resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt), fmt
+
+
+def _cli_prompt(args, tok, cfg, checkpoint, fmt) -> tuple[list[int], set[int]]:
+    """(prompt ids, stop ids) of ``--prompt`` (rendered as one user turn with ``--chat``); without
+    a tokenizer only an empty prompt works: BOS alone."""
+    if tok is None:
+        if args.prompt:
+            hint = ("--tokenizer byte (its vocabulary of 258 is minillama's byte tokenizer)"
+                    if cfg.vocab_size == ByteTokenizer.vocab_size else
+                    "--tokenizer (a llama2.c tokenizer.bin, a tokenizer.json, or byte)")
+            raise MinillamaError(f"{checkpoint} has no tokenizer; pass {hint} to use a text "
+                                 f"prompt")
+        bos, stop = 1, ({1, 2} if fmt == "llama2c" else set())
+        return [bos if bos < cfg.vocab_size else 0], stop
+    text = args.prompt
+    if not text and isinstance(tok, ByteTokenizer):
+        # Byte models are trained on windows at random offsets, so they almost never see a
+        # token right after BOS and sample noise there; start at the beginning of a line.
+        text = "\n"
+    if getattr(args, "chat", False):
+        from minillama.infer.chat import encode_rendered, render_chat, stop_ids
+
+        # the template writes BOS itself (as bos_token) when the model wants it
+        prompt_ids = encode_rendered(tok, render_chat(
+            tok, [{"role": "user", "content": args.prompt}]))
+        stop = stop_ids(tok)
+    else:
+        # BOS as the tokenizer's source says (add_bos)
+        prompt_ids = tok.encode(text, eos=False)  # a text to continue never ends in EOS
+        if not prompt_ids:  # an empty prompt of a model that wants no BOS
+            prompt_ids = [tok.bos_id if tok.bos_id is not None else tok.eos_id]
+        stop = {tok.eos_id} | set(getattr(tok, "stop_ids", ()))
+        if tok.bos_id is not None and tok.add_bos:
+            stop.add(tok.bos_id)  # a new document starts: the text is over (llama2.c)
+    stop.discard(None)
+    return prompt_ids, stop
+
+
+def _print_stats(stats: GenerationStats, model, graphed: bool) -> None:
+    """The prefill and decode speeds and the KV cache's size, on stderr."""
+    kib = stats.cache_bytes / 1024
+    L, B, S, KVH, hd = stats.cache_shape[1:] if stats.cache_shape else (0,) * 5
+    print(f"prefill: {stats.prompt_tokens} tokens in {stats.prefill_s * 1e3:.1f} ms "
+          f"({stats.prefill_tokens_per_s:.1f} tok/s); decode: {max(stats.new_tokens - 1, 0)} "
+          f"tokens in {stats.decode_s * 1e3:.1f} ms ({stats.decode_tokens_per_s:.1f} tok/s); "
+          f"KV cache: {kib:.1f} KiB (2 x L={L} x B={B} x S={S} x KVH={KVH} x hd={hd} x "
+          f"{model.dtype.itemsize} B); backend {model.backend.name}"
+          f"{', one CUDA graph per decode step' if graphed else ''}", file=sys.stderr)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from minillama.cli.main import main
+
+    raise SystemExit(main(["generate", *sys.argv[1:]]))
