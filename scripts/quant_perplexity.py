@@ -34,7 +34,7 @@ import numpy as np
 from minillama.core.errors import MinillamaError
 from minillama.io.load import load_params
 from minillama.io.gguf import save_gguf
-from minillama.infer.generate import DEFAULT_CHECKPOINT
+from minillama.io.load import DEFAULT_CHECKPOINT
 from minillama.model.transformer import Transformer
 from minillama.infer.perplexity import SHAKESPEARE_VAL, default_bos, perplexity, read_text
 from minillama.core.quant import QuantMatrix

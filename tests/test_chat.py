@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from minillama.cli import main as cli
-from minillama.infer.chat import render_chat, stop_ids
+from minillama.io.chat_template import render_chat, stop_ids
 from minillama.core.errors import MinillamaError
 from minillama.io.tokenizer import HFTokenizer
 
@@ -125,7 +125,7 @@ def test_family_templates_render_as_transformers(tmp_path, family, template, mes
     transformers = pytest.importorskip("transformers")
     from tokenizer_families import build_family
 
-    from minillama.infer.chat import encode_rendered
+    from minillama.io.chat_template import encode_rendered
 
     folder = build_family(tmp_path / family, family, chat_template=template)
     ref = transformers.AutoTokenizer.from_pretrained(str(folder))
@@ -165,7 +165,7 @@ def test_chat_template_jinja_file_wins(chat_folder):
 def test_sentencepiece_control_pieces_in_rendered_text(shared_data):
     """A SentencePiece vocabulary (tokenizer.bin, GGUF llama) does not split <s> out of text
     itself: encode_rendered does, and encodes the pieces between on their own."""
-    from minillama.infer.chat import encode_rendered
+    from minillama.io.chat_template import encode_rendered
     from minillama.io.tokenizer import Llama2cTokenizer
 
     tok = Llama2cTokenizer(shared_data / "tokenizer.bin")

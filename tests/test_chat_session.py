@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from minillama.cli import main as cli
-from minillama.infer.chat import ChatSession, encode_rendered, render_chat, stop_ids
+from minillama.infer.chat import ChatSession
+from minillama.io.chat_template import encode_rendered, render_chat, stop_ids
 from minillama.core.errors import MinillamaError
 from minillama.infer.generate import generate
 

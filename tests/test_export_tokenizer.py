@@ -147,7 +147,7 @@ def test_llama_cpp_reads_the_gguf_byte_vocabulary(tmp_path, capsys):
     exe = _llama_simple()
     if exe is None:
         pytest.skip("llama.cpp's llama-simple not found (set MINILLAMA_LLAMA_CPP_BIN)")
-    from minillama.infer.generate import DEFAULT_CHECKPOINT
+    from minillama.io.load import DEFAULT_CHECKPOINT
 
     path = tmp_path / "shakespeare.gguf"
     assert cli.main(["export", str(DEFAULT_CHECKPOINT), "--format", "gguf", "--out",

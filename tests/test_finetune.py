@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from minillama.cli import main as cli
-from minillama.infer.chat import encode_rendered, render_chat
+from minillama.io.chat_template import encode_rendered, render_chat
 from minillama.core.errors import MinillamaError
 from minillama.train.finetune import chat_example, load_examples, pad_batch, prompt_example
 from minillama.io.load import load_model
@@ -230,7 +230,7 @@ def test_full_finetune_writes_a_loadable_checkpoint(base, chat_data, tmp_path, c
 
 def test_lora_on_the_projects_own_checkpoint_with_plain_text(tmp_path, capsys):
     """The shipped byte-level Shakespeare model as a base, a plain text file as data."""
-    from minillama.infer.generate import DEFAULT_CHECKPOINT
+    from minillama.io.load import DEFAULT_CHECKPOINT
 
     text = "".join(f"The {n} sat on the {c} mat.\n" for n in NAMES for c in COLORS)
     (tmp_path / "notes.txt").write_text(text * 4)

@@ -108,7 +108,7 @@ def test_recompute_keeps_only_block_inputs_and_lowers_the_peak(backend):
 def test_finetune_recompute_writes_the_same_adapter(tmp_path, capsys):
     """The shipped byte-level model, plain text: with and without --recompute (dropout on), the
     same adapter bit for bit; the memory plan names the mode."""
-    from minillama.infer.generate import DEFAULT_CHECKPOINT
+    from minillama.io.load import DEFAULT_CHECKPOINT
 
     (tmp_path / "t.txt").write_text("the cat sat on the mat. the dog sat on the log. " * 30)
     common = ["finetune", "-c", str(DEFAULT_CHECKPOINT), "--data", str(tmp_path / "t.txt"),
@@ -126,7 +126,7 @@ def test_finetune_recompute_writes_the_same_adapter(tmp_path, capsys):
 
 
 def test_finetune_bad_max_memory_is_one_line(tmp_path, capsys):
-    from minillama.infer.generate import DEFAULT_CHECKPOINT
+    from minillama.io.load import DEFAULT_CHECKPOINT
 
     (tmp_path / "t.txt").write_text("abc " * 100)
     rc = cli.main(["finetune", "-c", str(DEFAULT_CHECKPOINT), "--data", str(tmp_path / "t.txt"),
@@ -153,7 +153,7 @@ def test_train_recompute_writes_the_same_weights(tmp_path, capsys):
 
 
 def test_finetune_pack_cannot_start_on_a_resume(tmp_path, capsys):
-    from minillama.infer.generate import DEFAULT_CHECKPOINT
+    from minillama.io.load import DEFAULT_CHECKPOINT
 
     (tmp_path / "t.txt").write_text("the cat sat on the mat. " * 40)
     assert cli.main(["finetune", "-c", str(DEFAULT_CHECKPOINT), "--data", str(tmp_path / "t.txt"),

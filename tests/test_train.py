@@ -311,7 +311,7 @@ def test_shipped_default_checkpoint():
     """The model `minillama generate` runs by default: small, GQA, float16 on disk, and it
     predicts the held-out plays at <= 1.6 nats per byte (the full split gave 1.4636)."""
     from minillama.io.data import VAL_PLAYS, encode_documents, shakespeare_documents
-    from minillama.infer.generate import DEFAULT_CHECKPOINT
+    from minillama.io.load import DEFAULT_CHECKPOINT
 
     assert DEFAULT_CHECKPOINT.is_file()
     assert DEFAULT_CHECKPOINT.stat().st_size < 8e6

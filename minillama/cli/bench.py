@@ -29,7 +29,7 @@ SHAPES = {
 
 
 def add_cli(sub) -> None:
-    from minillama.cli.main import positive_int
+    from minillama.cli.common import positive_int
 
     p = sub.add_parser("backends", help="list the backends and whether each can run here",
                        description="List every registered backend and whether it can run on "

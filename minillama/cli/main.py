@@ -16,20 +16,10 @@ import textwrap
 from minillama.core.errors import MinillamaError
 
 #: modules that provide ``add_cli(subparsers)``
-COMMAND_MODULES = ("minillama.infer.generate", "minillama.cli.train", "minillama.train.finetune",
-                   "minillama.cli.bench", "minillama.io.export", "minillama.io.convert", "minillama.core.quantize",
-                   "minillama.infer.perplexity", "minillama.infer.chat", "minillama.infer.serve")
+COMMAND_MODULES = ("minillama.cli.generate", "minillama.cli.train", "minillama.cli.finetune",
+                   "minillama.cli.bench", "minillama.cli.convert", "minillama.cli.perplexity",
+                   "minillama.cli.chat", "minillama.cli.serve")
 
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
 
 
 def plain_text(text: str) -> str:

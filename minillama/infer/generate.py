@@ -28,11 +28,9 @@ import numpy as np
 from minillama.core.decoding import ChunkDecoder, nonfinite_error, stream_greedy  # noqa: F401 (re-exported)
 from minillama.core.decoding import finite_logits as _finite
 from minillama.core.errors import MinillamaError
-from minillama.core.sampling import add_sampling_flags, check_sampling, sample, sampling_kwargs
+from minillama.core.sampling import check_sampling, sample
+from minillama.cli.common import add_sampling_flags, sampling_kwargs
 from minillama.io.tokenizer import ByteTokenizer
-
-#: where the default model ships (own format, byte tokenizer in the metadata)
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "weights" / "shakespeare.safetensors"
 
 
 @dataclass
@@ -319,16 +317,6 @@ class TextStreamer:
         return new
 
 
-# ---------------------------------------------------------------------------------------------
-# the `minillama generate` command
-# ---------------------------------------------------------------------------------------------
-def backend_help() -> str:
-    """The ``--backend`` help of the commands that run a model."""
-    from minillama.backends import backend_names
-
-    return (f"{', '.join(backend_names())} or auto (default: $MINILLAMA_BACKEND, else auto: the "
-            f"fastest for the model's size, see README)")
-
 
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
@@ -441,27 +429,6 @@ def warm_up(model, prompt_ids: Sequence[int], temperature: float, top_k, top_p,
     return dt
 
 
-def resolve_tokenizer(spec: str | None, model_tokenizer, cfg, checkpoint: Path, fmt: str):
-    """The tokenizer to use: ``--tokenizer``, else the checkpoint's own, else (llama2.c) a
-    ``tokenizer.bin`` beside the checkpoint whose vocabulary fits; may be None."""
-    from minillama.io.tokenizer import load_tokenizer
-
-    if spec:
-        tok = load_tokenizer(spec)
-    elif model_tokenizer is not None:
-        tok = model_tokenizer
-    else:
-        tok = None
-        side = checkpoint.parent / "tokenizer.bin" if fmt == "llama2c" else None
-        if side is not None and side.is_file():
-            cand = load_tokenizer(str(side))
-            if cand.vocab_size == cfg.vocab_size:
-                tok = cand
-    from minillama.io.load import check_tokenizer
-
-    check_tokenizer(tok, cfg.vocab_size)
-    return tok
-
 
 def run_cli(args) -> int:
     sampling = sampling_kwargs(args)
@@ -527,22 +494,10 @@ def _load_for_cli(args):
         checkpoint = DEFAULT_CHECKPOINT
     else:
         checkpoint = Path(args.checkpoint)
-    model, tok, fmt = open_model(checkpoint, args)
+    model, tok, fmt = open_model(checkpoint, args.backend, args.dtype, getattr(args, "adapter", None),
+                                args.tokenizer)
     return model, tok, checkpoint, fmt, graph_mode
 
-
-def open_model(checkpoint: Path, args):
-    """(model, tokenizer or None, format) of a command's checkpoint, with its ``--adapter``
-    applied and its ``--tokenizer``, ``--backend`` and ``--dtype`` taken."""
-    from minillama.io.load import detect_format, load_model
-
-    fmt = detect_format(checkpoint)
-    model, model_tok = load_model(checkpoint, backend=args.backend, dtype=args.dtype)
-    if getattr(args, "adapter", None):
-        from minillama.model.lora import apply_adapter
-
-        apply_adapter(model, args.adapter)
-    return model, resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt), fmt
 
 
 def _cli_prompt(args, tok, cfg, checkpoint, fmt) -> tuple[list[int], set[int]]:
@@ -563,7 +518,7 @@ def _cli_prompt(args, tok, cfg, checkpoint, fmt) -> tuple[list[int], set[int]]:
         # token right after BOS and sample noise there; start at the beginning of a line.
         text = "\n"
     if getattr(args, "chat", False):
-        from minillama.infer.chat import encode_rendered, render_chat, stop_ids
+        from minillama.io.chat_template import encode_rendered, render_chat, stop_ids
 
         # the template writes BOS itself (as bos_token) when the model wants it
         prompt_ids = encode_rendered(tok, render_chat(

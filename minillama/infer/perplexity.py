@@ -142,8 +142,8 @@ def read_text(spec: str) -> str:
 # the `minillama perplexity` command
 # ---------------------------------------------------------------------------------------------
 def add_cli(subparsers) -> None:
-    from minillama.cli.main import positive_int
-    from minillama.infer.generate import backend_help
+    from minillama.cli.common import positive_int
+    from minillama.cli.common import backend_help
 
     p = subparsers.add_parser(
         "perplexity", help="perplexity and bits per byte of a checkpoint on a text file",
@@ -176,7 +176,7 @@ def run_perplexity(args) -> int:
     import sys  # noqa: PLC0415
 
     from minillama.io.load import detect_format, load_model
-    from minillama.infer.generate import DEFAULT_CHECKPOINT, resolve_tokenizer
+    from minillama.io.load import DEFAULT_CHECKPOINT, resolve_tokenizer
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else DEFAULT_CHECKPOINT
     fmt = detect_format(checkpoint)

@@ -32,7 +32,7 @@ _TEXT_PREFIX = 16
 # ---------------------------------------------------------------------------------------------
 def _render(tok, messages: list[dict]) -> list[int]:
     """The prompt ids of ``messages`` through the model's chat template."""
-    from minillama.infer.chat import encode_rendered, render_chat
+    from minillama.io.chat_template import encode_rendered, render_chat
 
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "the model has no chat template; use /v1/completions with a prompt",
@@ -44,8 +44,8 @@ def _render(tok, messages: list[dict]) -> list[int]:
 
 
 def _stops(tok) -> set[int]:
-    """The ids that end a reply: EOS and the model's end-of-turn ids (minillama.infer.chat.stop_ids)."""
-    from minillama.infer.chat import stop_ids
+    """The ids that end a reply: EOS and the model's end-of-turn ids (minillama.io.chat_template.stop_ids)."""
+    from minillama.io.chat_template import stop_ids
 
     return stop_ids(tok)
 
@@ -517,8 +517,8 @@ async def _whole_reply(request, gen: _Generation, head: dict, chat: bool):
 # the command
 # ---------------------------------------------------------------------------------------------
 def add_cli(subparsers) -> None:
-    from minillama.cli.main import positive_int
-    from minillama.infer.generate import backend_help
+    from minillama.cli.common import positive_int
+    from minillama.cli.common import backend_help
 
     p = subparsers.add_parser(
         "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
@@ -560,7 +560,7 @@ def load_engine(args):
     """(engine, tokenizer, model name) for the command's arguments."""
     from minillama.infer.engine import Engine
     from minillama.io.load import detect_format, load_model
-    from minillama.infer.generate import DEFAULT_CHECKPOINT, resolve_tokenizer
+    from minillama.io.load import DEFAULT_CHECKPOINT, resolve_tokenizer
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else DEFAULT_CHECKPOINT
     fmt = detect_format(checkpoint)

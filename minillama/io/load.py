@@ -133,3 +133,41 @@ def load_model(path, backend=None, dtype=None):
     model = Transformer(cfg, params, backend=backend, dtype=np.dtype(dtype or np.float32))
     model.source_format = fmt
     return model, tok
+
+
+#: where the default model ships (own format, byte tokenizer in the metadata)
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "weights" / "shakespeare.safetensors"
+
+
+def resolve_tokenizer(spec: str | None, model_tokenizer, cfg, checkpoint: Path, fmt: str):
+    """The tokenizer to use: ``--tokenizer``, else the checkpoint's own, else (llama2.c) a
+    ``tokenizer.bin`` beside the checkpoint whose vocabulary fits; may be None."""
+    from minillama.io.tokenizer import load_tokenizer
+
+    if spec:
+        tok = load_tokenizer(spec)
+    elif model_tokenizer is not None:
+        tok = model_tokenizer
+    else:
+        tok = None
+        side = checkpoint.parent / "tokenizer.bin" if fmt == "llama2c" else None
+        if side is not None and side.is_file():
+            cand = load_tokenizer(str(side))
+            if cand.vocab_size == cfg.vocab_size:
+                tok = cand
+    check_tokenizer(tok, cfg.vocab_size)
+    return tok
+
+
+def open_model(checkpoint, backend=None, dtype=None, adapter=None, tokenizer: str | None = None):
+    """(model, tokenizer or None, format) of a checkpoint on ``backend`` in ``dtype``, with the
+    LoRA ``adapter`` folder merged in (if given) and the tokenizer of
+    :func:`resolve_tokenizer` for the spec ``tokenizer``."""
+    from minillama.model.lora import apply_adapter
+
+    checkpoint = Path(checkpoint)
+    fmt = detect_format(checkpoint)
+    model, model_tok = load_model(checkpoint, backend=backend, dtype=dtype)
+    if adapter:
+        apply_adapter(model, adapter)
+    return model, resolve_tokenizer(tokenizer, model_tok, model.cfg, checkpoint, fmt), fmt

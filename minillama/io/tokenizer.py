@@ -156,7 +156,7 @@ class HFTokenizer:
     ``TemplateProcessing`` when ``tokenizer.json`` has one (what the fast tokenizer does), else
     ``add_bos_token``/``add_eos_token`` of ``tokenizer_config.json``, else neither.
     ``chat_template``: ``chat_template.jinja`` beside the file, else ``tokenizer_config.json``'s
-    (rendered by :func:`minillama.infer.chat.render_chat`)."""
+    (rendered by :func:`minillama.io.chat_template.render_chat`)."""
 
     def __init__(self, path):
         from pathlib import Path  # noqa: PLC0415

@@ -77,7 +77,7 @@ def token_offsets(tok, text: str) -> tuple[list[int], list[int]]:
         enc = inner.encode(text, add_special_tokens=False)
         if hasattr(enc, "offsets"):
             return list(enc.ids), [int(s) for s, _ in enc.offsets]
-    from minillama.infer.chat import encode_rendered
+    from minillama.io.chat_template import encode_rendered
 
     ids = encode_rendered(tok, text)  # nothing added: the template wrote BOS where wanted
     if not hasattr(tok, "decode_bytes"):
@@ -109,8 +109,8 @@ def align(raw: bytes, pieces: list[bytes]) -> list[int]:
 
 
 def render(tok, messages, add_generation_prompt: bool) -> str:
-    """The conversation through the model's chat template (:func:`minillama.infer.chat.render_chat`)."""
-    from minillama.infer.chat import render_chat
+    """The conversation through the model's chat template (:func:`minillama.io.chat_template.render_chat`)."""
+    from minillama.io.chat_template import render_chat
 
     return render_chat(tok, messages, add_generation_prompt)
 
@@ -541,8 +541,8 @@ def saved_settings(out) -> dict[str, Any]:
 # CLI
 # ---------------------------------------------------------------------------------------------
 def add_cli(subparsers) -> None:
-    from minillama.cli.main import positive_int
-    from minillama.infer.generate import backend_help
+    from minillama.cli.common import positive_int
+    from minillama.cli.common import backend_help
 
     p = subparsers.add_parser(
         "finetune", help="LoRA or full fine-tuning of a checkpoint (text, prompt/completion, chat)",
