@@ -22,6 +22,15 @@ import os
 
 from minillama.core.errors import MinillamaError
 
+# what the layers above use of the backends' internals, named here so they import only this
+# package: the mixed-precision wrapper of training and OpenBLAS's thread control
+from .cupy.mixed_precision import PRECISIONS, check_precision, with_precision
+from .numpy.threads import openblas_api
+
+__all__ = ["BACKENDS", "ENV_VAR", "AUTO_REFERENCE_MAX_PARAMS", "PRECISIONS", "auto_backend",
+           "available_backends", "backend_names", "check_precision", "get_backend",
+           "graph_decoder", "openblas_api", "resolve_name", "with_precision"]
+
 #: name -> "module:Class", imported lazily
 BACKENDS: dict[str, str] = {
     "numpy": "minillama.backends.numpy.backend:NumpyBackend",
@@ -99,3 +108,19 @@ def available_backends() -> list[str]:
             continue
         names.append(key)
     return names
+
+
+def graph_decoder(model, batch_size: int = 1, max_seq_len: int | None = None):
+    """The CUDA-graph greedy decoder of ``model`` for ``batch_size`` sequences of up to
+    ``max_seq_len`` positions (:class:`~minillama.backends.cupy.graph.GraphDecoder`: each decode
+    step replayed as one CUDA graph, driven by :func:`minillama.core.decoding.stream_greedy`), or,
+    where it does not apply, why not as a string: a phrase that follows "the CUDA-graph decoder
+    ...", e.g. "needs the cupy backend (this model is on numpy)". The decoder's module is imported
+    only for a model on the cupy backend."""
+    name = getattr(getattr(model, "backend", None), "name", "?")
+    if name != "cupy":
+        return f"needs the cupy backend (this model is on {name})"
+    from minillama.backends.cupy.graph import GraphDecoder, unsupported_reason
+
+    why = unsupported_reason(model, batch_size)
+    return why if why is not None else GraphDecoder(model, batch_size, max_seq_len)

@@ -14,7 +14,7 @@ import pytest
 from minillama.backends import backend_names, get_backend
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
-from minillama.model.transformer import param_shapes
+from minillama.core.config import param_shapes
 
 #: the tolerance of an op-by-op parity test against ``get_backend("reference")`` on the same
 #: inputs, by backend and dtype (max abs error over max abs value of the reference). numpy

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import minillama.infer.generate as gen
+import minillama.cli.generate as gen
 from minillama.io.checkpoint import save_checkpoint
 from minillama.cli.main import main
 from minillama.core.config import ModelConfig

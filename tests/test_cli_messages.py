@@ -71,7 +71,7 @@ def test_warm_up_says_it_compiles_only_on_a_compiling_backend(ckpt):
 
 def test_generate_on_numba_says_compiling_on_stderr(ckpt, capsys, monkeypatch):
     pytest.importorskip("numba")
-    import minillama.infer.generate as g
+    import minillama.cli.generate as g
 
     real = g.warm_up
     monkeypatch.setattr(g, "warm_up", lambda *a, **k: real(*a, **{**k, "note_after": 0.0}))

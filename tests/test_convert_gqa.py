@@ -83,7 +83,7 @@ def test_train_init_from_starts_at_the_converted_weights(mha_ckpt, tmp_path, cap
 
 
 def test_convert_gqa_cannot_add_kv_heads():
-    from minillama.io.convert import convert_gqa
+    from minillama.model.gqa import convert_gqa
     from minillama.core.errors import MinillamaError
 
     cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=11, max_seq_len=8)
@@ -92,7 +92,7 @@ def test_convert_gqa_cannot_add_kv_heads():
 
 
 def test_convert_gqa_pools_kv_biases_too():
-    from minillama.io.convert import convert_gqa
+    from minillama.model.gqa import convert_gqa
     from minillama.model.transformer import Transformer
 
     cfg = ModelConfig(dim=16, n_layers=1, n_heads=4, vocab_size=11, max_seq_len=8, qkv_bias=True)

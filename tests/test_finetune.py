@@ -15,7 +15,8 @@ from minillama.io.chat_template import encode_rendered, render_chat
 from minillama.core.errors import MinillamaError
 from minillama.train.finetune import chat_example, load_examples, pad_batch, prompt_example
 from minillama.io.load import load_model
-from minillama.model.lora import LoRA, LoRAConfig, load_peft
+from minillama.io.peft import apply_adapter, load_peft, save_peft
+from minillama.model.lora import LoRA, LoRAConfig
 from minillama.io.tokenizer import HFTokenizer
 
 try:
@@ -158,7 +159,7 @@ def test_peft_loads_the_adapter_with_the_same_logits(base, tmp_path):
     rng = np.random.default_rng(0)
     for k in lora.params:
         lora.params[k][...] = rng.standard_normal(lora.params[k].shape) * 0.1
-    lora.attach(model).save_peft(tmp_path / "ad", base_model=str(base))
+    save_peft(lora.attach(model), tmp_path / "ad", base_model=str(base))
     ids = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38]]
     mine = model.forward(np.array(ids))[0]
     hf = transformers.LlamaForCausalLM.from_pretrained(str(base))
@@ -350,7 +351,6 @@ def test_smollm2_adapter_loads_in_peft_and_merges_with_the_same_logits(smollm2_h
     ``peft.PeftModel.from_pretrained`` with minillama's ``--adapter`` logits, and the model of
     ``minillama merge`` gives them too."""
     peft = pytest.importorskip("peft")
-    from minillama.model.lora import apply_adapter
 
     data = tmp_path / "fact.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},

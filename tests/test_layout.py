@@ -76,16 +76,33 @@ def top_level_imports(tree: ast.Module) -> list[ast.stmt]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the project modules its top-level imports load."""
+def all_imports(tree: ast.Module) -> list[ast.stmt]:
+    """Every import statement of the module, those inside functions included (but not those of
+    ``if TYPE_CHECKING:`` blocks, which never run)."""
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+            and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+            for child in node.body for n in ast.walk(child)}
+    return [n for n in ast.walk(tree)
+            if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skip]
+
+
+def import_graph(local: bool = False) -> dict[str, set[str]]:
+    """Module -> the project modules its top-level imports load (with ``local``: its imports
+    inside functions too)."""
+    return {name: set(targets) for name, targets in import_edges(local).items()}
+
+
+def import_edges(local: bool = False) -> dict[str, dict[str, ast.stmt]]:
+    """Module -> {imported project module: the import statement}."""
     files = {module_name(p): p for p in source_files()}
-    graph: dict[str, set[str]] = {}
+    graph: dict[str, dict[str, ast.stmt]] = {}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        edges: set[str] = set()
-        for node in top_level_imports(ast.parse(path.read_text(encoding="utf-8"))):
+        edges: dict[str, ast.stmt] = {}
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in (all_imports(tree) if local else top_level_imports(tree)):
             if isinstance(node, ast.Import):
-                edges |= {a.name for a in node.names if a.name in files}
+                edges |= {a.name: node for a in node.names if a.name in files}
                 continue
             base = node.module or ""
             if node.level:
@@ -93,10 +110,11 @@ def import_graph() -> dict[str, set[str]]:
                 anchor = anchor[:len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             subs = {f"{base}.{a.name}" for a in node.names} & set(files)
-            edges |= subs
+            edges |= dict.fromkeys(subs, node)
             if base in files and len(subs) < len(node.names):  # names read from base itself
-                edges.add(base)
-        graph[name] = edges - {name}
+                edges[base] = node
+        edges.pop(name, None)
+        graph[name] = edges
     return graph
 
 

@@ -215,7 +215,7 @@ def test_lora_on_a_quantized_base_equals_lora_on_its_dequantized_weights(qtype):
 def test_an_adapter_over_a_quantized_base_stays_attached(tmp_path):
     """`generate --adapter` on a quantized base (apply_adapter) keeps W in its blocks and the
     adapter attached; its logits equal the float base with the adapter merged in."""
-    from minillama.model.lora import apply_adapter
+    from minillama.io.peft import apply_adapter, save_peft
     from minillama.model.transformer import init_params
     from minillama.core.quant import QuantMatrix
 
@@ -230,7 +230,7 @@ def test_an_adapter_over_a_quantized_base_stays_attached(tmp_path):
     rng = np.random.default_rng(4)
     for _, b in lora.targets.values():  # B = 0 at init: give the adapter an effect
         lora.params[b] = rng.standard_normal(lora.params[b].shape).astype(np.float32)
-    lora.save_peft(tmp_path / "ad")
+    save_peft(lora, tmp_path / "ad")
     ids = np.array([[1, 5, 9, 2, 7]])
     merged = Transformer(cfg, fp, backend="reference")
     apply_adapter(merged, tmp_path / "ad")

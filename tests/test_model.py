@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from minillama import ModelConfig, Transformer
-from minillama.model.transformer import init_params, param_shapes
+from minillama.model.transformer import init_params
+from minillama.core.config import param_shapes
 
 from gradcheck import central_differences, rel_err
 from helpers import lively_params, require_float64, small_config

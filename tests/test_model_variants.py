@@ -12,7 +12,7 @@ import pytest
 
 from minillama import ModelConfig, Transformer
 from minillama.core.errors import MinillamaError
-from minillama.model.transformer import param_shapes
+from minillama.core.config import param_shapes
 
 from gradcheck import central_differences, rel_err
 from helpers import lively_params, small_config

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from minillama import ModelConfig, Transformer
 from minillama.model import latent
 from minillama.core import ops
-from minillama.io.convert import convert_gqa
+from minillama.model.gqa import convert_gqa
 from minillama.model.transformer import init_params
 
 FAST = settings(max_examples=25, deadline=None)

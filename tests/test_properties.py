@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from minillama import ModelConfig, Transformer
 from minillama.core import ops
-from minillama.model.transformer import param_shapes
+from minillama.core.config import param_shapes
 
 from helpers import lively_params, require_float64
 

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from minillama.core.errors import MinillamaError
-from minillama.core.sampling import apply_repetition_penalty, candidates, check_sampling, sample
+from minillama.core.sampling import (SamplingParams, apply_frequency_presence,
+                                     apply_repetition_penalty, candidates, check_sampling, sample)
 
 logits_st = arrays(np.float64, st.integers(2, 60),
                    elements=st.floats(-30, 30, allow_nan=False, allow_infinity=False))
@@ -98,3 +99,56 @@ def test_bad_settings_are_refused():
                {"repeat_penalty": float("nan")}, {"repeat_last_n": -2}):
         with pytest.raises(MinillamaError):
             check_sampling(**kw)
+
+
+@settings(max_examples=200)
+@given(z=logits_st, freq=st.floats(-2, 2), pres=st.floats(-2, 2), data=st.data())
+def test_frequency_and_presence_penalties_subtract_per_count(z, freq, pres, data):
+    """z_v - c_v freq - [c_v > 0] pres for the c_v times v occurs in the window; others kept."""
+    V = len(z)
+    history = data.draw(st.lists(st.integers(0, V - 1), max_size=12))
+    last_n = data.draw(st.integers(-1, 12))
+    out = apply_frequency_presence(z, history, freq, pres, last_n)
+    recent = (history if last_n < 0 else history[max(0, len(history) - last_n):] if last_n
+              else [])
+    for v in range(V):
+        c = recent.count(v)
+        want = z[v] - c * freq - (pres if c else 0.0)
+        assert out[v] == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_sample_applies_frequency_and_presence_penalties():
+    """Greedy picks the runner-up once the leader's count pushes it below; presence counts once."""
+    z = np.array([2.0, 1.5, 0.0])
+    assert sample(z) == 0
+    assert sample(z, history=[0], frequency_penalty=0.6) == 1
+    assert sample(z, history=[0], frequency_penalty=0.3) == 0
+    assert sample(z, history=[0, 0], frequency_penalty=0.3) == 1  # 2 - 2 * 0.3 < 1.5
+    assert sample(z, history=[0, 0, 0], presence_penalty=0.4) == 0  # once: 1.6 > 1.5
+    assert sample(z, history=[0], presence_penalty=0.6) == 1
+
+
+def test_sampling_params_check_and_normalise():
+    p = SamplingParams(temperature=0.7, top_p=1.0, min_p=0.0, stop="###")
+    assert p.top_p is None and p.min_p is None and p.stop == ("###",)
+    for bad in ({"temperature": -1}, {"top_k": 0}, {"top_p": 0.0}, {"min_p": 1.5},
+                {"repeat_penalty": 0}, {"repeat_last_n": -2}, {"frequency_penalty": 2.5},
+                {"presence_penalty": -3}, {"seed": -1}, {"max_tokens": -1}, {"stop": [1]}):
+        with pytest.raises(MinillamaError):
+            SamplingParams(**bad)
+    assert not SamplingParams().penalised
+    assert SamplingParams(presence_penalty=0.5).penalised
+    assert not SamplingParams(presence_penalty=0.5, repeat_last_n=0).penalised
+    with pytest.raises(MinillamaError):
+        p.replace(top_k=-1)
+
+
+def test_sampling_params_pick_is_sample():
+    rng_a, rng_b = np.random.default_rng(3), np.random.default_rng(3)
+    z = np.random.default_rng(0).normal(size=50)
+    p = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, repeat_penalty=1.3,
+                       frequency_penalty=0.2, presence_penalty=0.1)
+    hist = [1, 2, 2, 7]
+    for _ in range(20):
+        assert p.pick(z, rng_a, hist) == sample(z, rng_b, 0.8, 20, 0.9, 0.05, 1.3, 64, hist,
+                                                0.2, 0.1)

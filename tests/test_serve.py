@@ -327,7 +327,8 @@ def test_api_key(chat):
 
 
 def test_importing_minillama_loads_no_server_stack():
-    code = ("import sys, minillama, minillama.cli.main, minillama.infer.serve, minillama.infer.engine\n"
+    code = ("import sys, minillama, minillama.cli.main, minillama.cli.serve, minillama.infer.serve, "
+            "minillama.infer.engine\n"
             "minillama.cli.main.build_parser()\n"
             "stack = ('starlette', 'uvicorn', 'anyio', 'httpx', 'openai', 'asyncio')\n"
             "print(sorted(m for m in stack if m in sys.modules))")

@@ -16,7 +16,7 @@ import pytest
 
 from minillama import ModelConfig, Transformer
 from minillama.core import ops
-from minillama.model.transformer import param_shapes
+from minillama.core.config import param_shapes
 
 from helpers import lively_params
 

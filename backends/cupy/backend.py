@@ -40,6 +40,7 @@ from minillama.core import ops
 from minillama.core import quant
 from minillama.core.errors import MinillamaError
 from minillama.core.quant import QuantMatrix
+from minillama.core.sampling import check_sampling
 from . import build as cb
 from ..reference import ReferenceBackend
 from .backend_attention import AttentionOps
@@ -247,8 +248,6 @@ def sample_tokens(logits, temperature: float = 0.0, top_k=None, top_p=None,
     generator), else ``rng.random(B)``. With the same uniform, row b picks the token that
     :func:`minillama.core.sampling.sample` picks. Returns (B,) int64 ids on the host.
     """
-    from minillama.core.sampling import check_sampling
-
     _import_cupy()
     check_sampling(temperature, top_k, top_p)
     z = cp.asarray(logits)

@@ -11,6 +11,7 @@ import operator
 
 import numpy as np
 
+from minillama.core.config import param_shapes
 from minillama.core.errors import MinillamaError
 from minillama.core.decoding import ChunkDecoder, nonfinite_error
 from minillama.core.decoding import finite_logits as _finite
@@ -60,8 +61,6 @@ class DecodePlans:
             if f.name not in FUSED_DECODE_FIELDS and (
                     f.default is dataclasses.MISSING or getattr(cfg, f.name) != f.default):
                 return None
-        from minillama.model.transformer import param_shapes
-
         shapes = param_shapes(cfg)
         if set(p) != set(shapes):
             return None

@@ -30,6 +30,7 @@ from numba import njit, prange
 
 from minillama.core.quant import BLOCKS, QuantMatrix
 
+from ..numpy import threads as cpu_threads
 from . import blas, qsimd
 
 _opts = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
@@ -439,8 +440,6 @@ def qmatmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
             np.matmul(x, dequantize_rows(w, n0, n1).T, out=y[:, n0:n1])
         return y
     fn, ilp64 = blas.gemm_address(np.float32)
-    from ..numpy import threads as cpu_threads  # noqa: PLC0415
-
     with cpu_threads.single_threaded_blas():
         _gemm_tiles(qt, x, w.data, y, _F16, _KVALUES, fn, ilp64, TILE_N)
     return y
@@ -467,8 +466,6 @@ def qmatmul_t(dy: np.ndarray, w: QuantMatrix) -> np.ndarray:
     parts = max(1, min(numba.get_num_threads(), nt))
     acc = np.zeros((parts, M, K), dtype=np.float32)
     fn, ilp64 = blas.gemm_address(np.float32)
-    from ..numpy import threads as cpu_threads  # noqa: PLC0415
-
     with cpu_threads.single_threaded_blas():
         _gemm_t_tiles(CODES[w.qtype], dy, w.data, acc, _F16, _KVALUES, fn, ilp64, TILE_N)
     return acc.sum(axis=0) if parts > 1 else acc[0]

@@ -16,6 +16,9 @@ import numpy as np
 from minillama.backends import backend_names, get_backend
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
+from minillama.cli.common import positive_int
+from minillama.backends import AUTO_REFERENCE_MAX_PARAMS, ENV_VAR
+from minillama.model.transformer import Transformer, init_params
 
 #: model shapes used by the benchmarks (size letters as in the docs)
 SHAPES = {
@@ -29,8 +32,6 @@ SHAPES = {
 
 
 def add_cli(sub) -> None:
-    from minillama.cli.common import positive_int
-
     p = sub.add_parser("backends", help="list the backends and whether each can run here",
                        description="List every registered backend and whether it can run on "
                                    "this machine (and if not, what to install).")
@@ -65,7 +66,6 @@ def cmd_backends(args) -> int:
             print(f"{name:{width}s} ok ({getattr(be, 'device', 'cpu')})")
     import os  # noqa: PLC0415
 
-    from minillama.backends import AUTO_REFERENCE_MAX_PARAMS, ENV_VAR
 
     print(f"default: auto (generating with a model of at most {AUTO_REFERENCE_MAX_PARAMS / 1e6:g}M "
           f"parameters: reference; a larger one, and training: numpy)"
@@ -100,8 +100,6 @@ def _best(fn, repeats: int, sync) -> float:
 
 
 def cmd_bench(args) -> int:
-    from minillama.model.transformer import Transformer, init_params
-
     names = _chosen(args.backend)
     cfg = ModelConfig(**SHAPES[args.shape])
     if args.seq > cfg.max_seq_len or args.decode_tokens >= cfg.max_seq_len:

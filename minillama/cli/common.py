@@ -7,6 +7,7 @@ import argparse
 
 from minillama.core.errors import MinillamaError
 from minillama.core.sampling import check_sampling
+from minillama.backends import backend_names
 
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1."""
@@ -24,8 +25,6 @@ def positive_int(text: str) -> int:
 # ---------------------------------------------------------------------------------------------
 def backend_help() -> str:
     """The ``--backend`` help of the commands that run a model."""
-    from minillama.backends import backend_names
-
     return (f"{', '.join(backend_names())} or auto (default: $MINILLAMA_BACKEND, else auto: the "
             f"fastest for the model's size, see README)")
 

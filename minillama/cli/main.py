@@ -14,6 +14,8 @@ import sys
 import textwrap
 
 from minillama.core.errors import MinillamaError
+from minillama import __version__
+from minillama.core.extras import missing_error
 
 #: modules that provide ``add_cli(subparsers)``
 COMMAND_MODULES = ("minillama.cli.generate", "minillama.cli.train", "minillama.cli.finetune",
@@ -79,8 +81,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from minillama import __version__
-
     parser = _Parser(
         prog="minillama",
         description="A LLaMA-family model in NumPy with hand-written backprop.")
@@ -121,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:  # an optional dependency that some path imports directly
         if not e.name or e.name.split(".")[0] == "minillama":
             raise
-        from minillama.core.extras import missing_error
 
         print(f"minillama: error: {missing_error(e.name, f'`{command}`')}",
               file=sys.stderr)

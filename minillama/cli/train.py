@@ -18,6 +18,7 @@ from minillama.train.memplan import parse_size, plan, report
 from minillama.io.tokenizer import ByteTokenizer
 from minillama.train.trainer import Trainer, TrainingDiverged, export_model
 from minillama.train.config import (MODEL_FIELDS, VARIANT_FIELDS, TrainConfig, add_flags, flag_overrides, grad_accum_for, read_config_file)
+from minillama.io.load import load_params
 
 
 def add_cli(subparsers) -> None:
@@ -84,8 +85,6 @@ def build_config(args, world_size: int = 1) -> TrainConfig:
 
 def _model_defaults_from(path, base: TrainConfig) -> TrainConfig:
     """``base`` with the model fields (shape and variants) of the checkpoint at ``path``."""
-    from minillama.io.load import load_params
-
     _, cfg, _, _ = load_params(path)
     if cfg.vocab_size != ByteTokenizer.vocab_size:
         raise MinillamaError(f"--init-from: {path} has a vocabulary of {cfg.vocab_size}; training "

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from minillama.core.errors import MinillamaError
 from minillama.core.quant import QuantMatrix, dequantize, dequantize_rows
 from minillama.core.rope_scaling import rope_frequencies, rope_tables  # noqa: F401 (re-exported)
 
@@ -506,8 +507,6 @@ def sinusoidal_positions(max_seq_len: int, dim: int, base: float = 10000.0, dtyp
     Computed in float64 and cast. Returns P: (max_seq_len, D). D must be even.
     """
     if dim % 2:
-        from minillama.core.errors import MinillamaError
-
         raise MinillamaError(f"sinusoidal positions need an even model dimension, got {dim}")
     angles = np.outer(np.arange(max_seq_len, dtype=np.float64),
                       base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim))

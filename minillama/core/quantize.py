@@ -1,6 +1,6 @@
 r"""Quantizers: a float matrix W (N, K) to the GGML blocks of a
-:class:`~minillama.core.quant.QuantMatrix`, and the ``minillama quantize`` command that writes a
-quantized GGUF file.
+:class:`~minillama.core.quant.QuantMatrix`, and the choice of each tensor's type in a quantized
+GGUF file (the ``minillama quantize`` command is :mod:`minillama.cli.convert`).
 
 Every row is cut into blocks of B consecutive values (B = 32, or a super-block of 256 for the
 ``_K`` types); each block is stored as small integers q and one or two float16 numbers. One
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from minillama.core import quant
 from minillama.core.errors import MinillamaError
 from minillama.core.quant import BLOCKS, QuantMatrix
 
@@ -467,8 +468,6 @@ def quantize_params(cfg, params, qtype: str, output_type: str | None = None,
     per kind of fallback. A matrix that already is a QuantMatrix of its planned type is kept as
     it is; one of another type is dequantized first (requantizing loses more than quantizing
     the float original)."""
-    from minillama.core import quant
-
     plan = plan_types(cfg, params, qtype, output_type, embedding_type)
     out, types, notes = dict(params), {}, {}
     for name, kind in plan.items():
@@ -495,62 +494,3 @@ def quantize_params(cfg, params, qtype: str, output_type: str | None = None,
              f"({names[0]}{', ...' if len(names) > 1 else ''})" for note, names in notes.items()]
     return out, types, lines
 
-
-# ---------------------------------------------------------------------------------------------
-# the `minillama quantize` command
-# ---------------------------------------------------------------------------------------------
-def add_cli(subparsers) -> None:
-    types = ", ".join([*QUANTIZERS, *PRESETS, *FLOAT_TYPES])
-    p = subparsers.add_parser(
-        "quantize", help="write a quantized GGUF file (llama.cpp's block types)",
-        description="Quantize any checkpoint minillama loads (the shipped model, a minillama "
-                    ".safetensors, a Hugging Face folder, a GGUF file) into a GGUF file that "
-                    "llama.cpp and transformers read. Norms stay F32; the output head takes "
-                    "Q6_K (or the base type if it has 6 bits or more) unless --output-type "
-                    f"says otherwise. Types: {types}. See docs/QUANTIZATION.md.")
-    p.add_argument("input", help="checkpoint file or folder")
-    p.add_argument("output", help="GGUF file to write (atomically)")
-    p.add_argument("--type", required=True, dest="qtype", metavar="TYPE",
-                   help=f"matrix type or preset ({types})")
-    p.add_argument("--output-type", default=None, metavar="TYPE",
-                   help="type of the output head (default: Q6_K, or the base type if higher)")
-    p.add_argument("--embedding-type", default=None, metavar="TYPE",
-                   help="type of the token embeddings when not tied (default: the base type)")
-    p.set_defaults(func=run_quantize)
-
-
-def run_quantize(args) -> int:
-    import sys  # noqa: PLC0415
-    import time  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
-
-    from minillama.io.checkpoint import check_output_file
-    from minillama.io.load import load_params
-    from minillama.io.gguf import save_gguf
-
-    qtype = args.qtype.upper()
-    supported_type(qtype, presets=True)
-    out_type = supported_type(args.output_type.upper()) if args.output_type else None
-    emb_type = supported_type(args.embedding_type.upper()) if args.embedding_type else None
-    out = check_output_file(Path(args.output), "GGUF file")
-    if Path(args.input).resolve() == out.resolve():
-        raise MinillamaError("the output file is the input checkpoint; choose another path")
-    t0 = time.perf_counter()
-    _, cfg, params, tok = load_params(args.input)
-    before = sum(int(np.prod(a.shape)) * 4 for a in params.values())
-    qparams, types, notes = quantize_params(cfg, params, qtype, out_type, emb_type)
-    notes_tok: list[str] = []
-    save_gguf(out, cfg, qparams, tokenizer=tok, types=types, notes=notes_tok)
-    secs = time.perf_counter() - t0
-    counts: dict[str, int] = {}
-    for name, a in qparams.items():
-        kind = a.qtype if isinstance(a, QuantMatrix) else types.get(name, "F32")
-        counts[kind] = counts.get(kind, 0) + 1
-    n_weights = sum(int(np.prod(a.shape)) for a in params.values())
-    size = out.stat().st_size
-    for note in notes + notes_tok:
-        print(f"minillama: note: {note}", file=sys.stderr)
-    print(f"wrote {out}: {size / 2**20:.2f} MiB ({8 * size / n_weights:.2f} bits per weight; "
-          f"float32 {before / 2**20:.2f} MiB), tensors "
-          + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + f", {secs:.1f} s")
-    return 0

@@ -9,6 +9,8 @@ import math
 
 import numpy as np
 
+from minillama.core.errors import MinillamaError
+
 
 def rope_frequencies(head_dim: int, theta: float = 10000.0, scaling: dict | None = None,
                      seq_len: int | None = None):
@@ -36,8 +38,6 @@ def rope_frequencies(head_dim: int, theta: float = 10000.0, scaling: dict | None
     :func:`rope_tables` (multiplied by a, so q \cdot k gains a^2).
     """
     if head_dim % 2:
-        from minillama.core.errors import MinillamaError
-
         raise MinillamaError(f"RoPE needs an even head dimension, got {head_dim}")
     expo = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim  # 2i / hd
     inv_freq = theta ** -expo
@@ -56,8 +56,6 @@ def rope_frequencies(head_dim: int, theta: float = 10000.0, scaling: dict | None
         return inv_freq / np.asarray(scaling["factors"], dtype=np.float64), 1.0
     if kind == "yarn":
         return _rope_yarn(inv_freq, head_dim, theta, scaling)
-    from minillama.core.errors import MinillamaError
-
     raise MinillamaError(f"rope scaling type {kind!r} is not supported")
 
 

@@ -1,5 +1,6 @@
-r"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus), min-p and
-a repetition penalty.
+r"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus), min-p, a
+repetition penalty and frequency / presence penalties; :class:`SamplingParams` holds every setting
+once for all front ends (``generate``, ``chat``, the batching engine, the server).
 
 With logits z (V,) and temperature \tau > 0 the model's distribution is
 
@@ -15,11 +16,18 @@ The repetition penalty \theta (CTRL; transformers' ``repetition_penalty``, llama
 tokens of the context, before temperature and before greedy's argmax:
 z_v \leftarrow z_v / \theta if z_v > 0 else z_v \theta (each token once, however often it
 occurs).
+The frequency and presence penalties (OpenAI's ``frequency_penalty`` / ``presence_penalty``,
+llama.cpp's ``--frequency-penalty`` / ``--presence-penalty``) subtract from the logit of every
+token seen c_v > 0 times among the same last n tokens:
+z_v \leftarrow z_v - c_v \alpha_{freq} - [c_v > 0] \alpha_{pres}.
 The candidate sets are found with ``np.argpartition`` (linear time); only the kept candidates are
 sorted, never the whole vocabulary.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,6 +51,76 @@ def check_sampling(temperature: float = 0.0, top_k: int | None = None,
         raise MinillamaError(f"top_k must be a positive integer, got {top_k}")
     if top_p is not None and not (0.0 < top_p <= 1.0):
         raise MinillamaError(f"top_p must lie in (0, 1], got {top_p}")
+
+
+def check_penalties(frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> None:
+    """Raise :class:`MinillamaError` for frequency / presence penalties outside [-2, 2] (OpenAI's
+    range)."""
+    for name, v in (("frequency_penalty", frequency_penalty),
+                    ("presence_penalty", presence_penalty)):
+        if not (-2.0 <= v <= 2.0):
+            raise MinillamaError(f"{name} must lie in [-2, 2], got {v}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Every setting of how tokens are chosen, checked once when made: the one object that
+    ``generate``, ``chat``, :class:`~minillama.infer.engine.Engine` and the server take.
+
+    ``temperature`` 0 is greedy; ``top_p`` >= 1 and ``min_p`` 0 are stored as None (off);
+    ``repeat_last_n`` is the window of the repetition, frequency and presence penalties (-1: the
+    whole context); ``seed`` seeds the random draws; ``stop`` are texts that end the output;
+    ``max_tokens`` is the most new tokens (None: up to the context)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    max_tokens: int | None = None
+
+    def __post_init__(self):
+        check_sampling(self.temperature, self.top_k, self.top_p, self.min_p,
+                       self.repeat_penalty, self.repeat_last_n)
+        check_penalties(self.frequency_penalty, self.presence_penalty)
+        if self.seed is not None and (isinstance(self.seed, bool) or int(self.seed) != self.seed
+                                      or self.seed < 0):
+            raise MinillamaError(f"seed must be a non-negative integer, got {self.seed}")
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool)
+                                            or int(self.max_tokens) != self.max_tokens
+                                            or self.max_tokens < 0):
+            raise MinillamaError(f"max_tokens must be a non-negative integer, got "
+                                 f"{self.max_tokens}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(t, str) for t in stop):
+            raise MinillamaError("stop must be a text or a list of texts")
+        object.__setattr__(self, "stop", stop)
+        if self.top_p is not None and self.top_p >= 1.0:
+            object.__setattr__(self, "top_p", None)  # keeps everything
+        if not self.min_p:
+            object.__setattr__(self, "min_p", None)
+
+    def replace(self, **changes) -> SamplingParams:
+        """A copy with ``changes``, checked again."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty looks at the context (so a greedy pick depends on it)."""
+        return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0
+                                            or self.frequency_penalty != 0.0
+                                            or self.presence_penalty != 0.0)
+
+    def pick(self, logits, rng: np.random.Generator | None = None, history=()) -> int:
+        """One token id from logits (V,) under these settings (see :func:`sample`)."""
+        return sample(logits, rng, self.temperature, self.top_k, self.top_p, self.min_p,
+                      self.repeat_penalty, self.repeat_last_n, history,
+                      self.frequency_penalty, self.presence_penalty)
 
 
 def _top_indices(z: np.ndarray, k: int) -> np.ndarray:
@@ -70,6 +148,23 @@ def apply_repetition_penalty(logits, history, penalty: float, last_n: int = 64) 
     z = np.array(z, dtype=np.float64 if z.dtype == np.float64 else np.float32)
     seen = z[ids]
     z[ids] = np.where(seen > 0, seen / penalty, seen * penalty)
+    return z
+
+
+def apply_frequency_presence(logits, history, frequency: float, presence: float,
+                             last_n: int = 64) -> np.ndarray:
+    r"""The logits (V,) less c_v \alpha_{freq} + [c_v > 0] \alpha_{pres} for each token v seen
+    c_v times among the last ``last_n`` ids of ``history`` (-1: all, 0: none). A new array; both
+    0 return the input."""
+    z = np.asarray(logits)
+    if (frequency == 0.0 and presence == 0.0) or last_n == 0 or len(history) == 0:
+        return z
+    recent = history if last_n < 0 else history[-int(last_n):]
+    ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
+    keep = (ids >= 0) & (ids < z.shape[-1])
+    ids, counts = ids[keep], counts[keep]
+    z = np.array(z, dtype=np.float64 if z.dtype == np.float64 else np.float32)
+    z[ids] -= counts * frequency + presence
     return z
 
 
@@ -120,11 +215,14 @@ def _candidates(logits, temperature, top_k, top_p) -> tuple[np.ndarray, np.ndarr
 
 def sample(logits, rng: np.random.Generator | None = None, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
-           repeat_penalty: float = 1.0, repeat_last_n: int = 64, history=()) -> int:
+           repeat_penalty: float = 1.0, repeat_last_n: int = 64, history=(),
+           frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> int:
     """One token id from logits (V,): argmax when ``temperature == 0`` else a draw from the
     (top-k / top-p / min-p filtered) tempered distribution using ``rng``; the repetition
-    penalty over the ids of ``history`` (the context so far) applies first in both cases."""
+    penalty, then the frequency and presence penalties, over the ids of ``history`` (the context
+    so far) apply first in both cases."""
     z = apply_repetition_penalty(logits, history, repeat_penalty, repeat_last_n)
+    z = apply_frequency_presence(z, history, frequency_penalty, presence_penalty, repeat_last_n)
     if temperature == 0.0:
         return int(np.argmax(z))
     if rng is None:

@@ -9,7 +9,9 @@ r"""Chat sessions over a model's own chat template
   :math:`t_{n:}` at positions n, n+1, ... (rows past them still hold the old turn's K/V but
   are never read: attention reads positions below the one it feeds, and later writes overwrite
   them). When the conversation no longer fits the context, the oldest turns are dropped (a
-  system message stays) and the command says so.
+  system message stays) and :attr:`ChatSession.notice` says so.
+
+The ``minillama chat`` command around it is :mod:`minillama.cli.chat`.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from typing import Callable
 
 import numpy as np
 
+from minillama.core.decoding import finite_logits
 from minillama.core.errors import MinillamaError
 from minillama.core.sampling import check_sampling, sample
 from minillama.io.chat_template import common_prefix, encode_rendered, render_chat, stop_ids
-from minillama.cli.common import add_sampling_flags, sampling_kwargs
 
 
 class ChatSession:
@@ -94,8 +96,6 @@ class ChatSession:
         return ids
 
     def _logits(self, ids: list[int], start: int) -> np.ndarray:
-        from minillama.core.decoding import finite_logits
-
         block = np.asarray([ids], dtype=np.int64)
         out = self.model.forward(block, start_pos=start, cache=self.cache, last_only=True)
         return finite_logits(self.model.backend.to_numpy(out)[0], f"position {start}")
@@ -133,117 +133,3 @@ class ChatSession:
         if full:
             self.notice(f"[context full ({self.context} tokens): the reply is cut; older turns "
                         f"are dropped next turn]")
-
-
-# ---------------------------------------------------------------------------------------------
-# the `minillama chat` command
-# ---------------------------------------------------------------------------------------------
-def add_cli(subparsers) -> None:
-    from minillama.cli.common import backend_help
-
-    p = subparsers.add_parser(
-        "chat", help="talk with a chat model (multi-turn, streams each reply)",
-        description="An interactive conversation through the model's own chat template. Each "
-                    "line you type is a user turn; the reply streams to stdout. The KV cache "
-                    "is kept between turns, so a turn prefills only its new tokens. /reset "
-                    "starts over, /exit (or Ctrl-D) quits, Ctrl-C stops a reply. Reads one "
-                    "user turn per line from a pipe too. A turn that cannot be sent (longer "
-                    "than the context, refused by the template) is one error line; the chat "
-                    "goes on and exits with status 2 at the end.")
-    p.add_argument("--checkpoint", "-c", required=True,
-                   help="model file or folder with a chat template (GGUF or Hugging Face)")
-    p.add_argument("--adapter", default=None,
-                   help="a LoRA adapter folder (PEFT's adapter_config.json + "
-                        "adapter_model.safetensors, e.g. `minillama finetune --out`)")
-    p.add_argument("--tokenizer", "-t", default=None,
-                   help="tokenizer folder or file (default: the checkpoint's own)")
-    p.add_argument("--system", "-s", default=None, help="system message")
-    p.add_argument("-n", "--max-new-tokens", type=int, default=512,
-                   help="most tokens per reply (default 512)")
-    p.add_argument("--context", type=int, default=4096,
-                   help="KV cache positions for the conversation, capped at the model's "
-                        "context (default 4096)")
-    add_sampling_flags(p, temperature=0.8, top_p=0.95, min_p=0.05)
-    p.add_argument("--backend", default=None, help=backend_help())
-    p.add_argument("--dtype", default=None, choices=("float32", "float64"),
-                   help="compute precision (default float32)")
-    p.set_defaults(func=run_cli)
-
-
-def run_cli(args, stdin=None, stdout=None) -> int:
-    stdin = stdin if stdin is not None else sys.stdin
-    out = stdout if stdout is not None else sys.stdout
-    session, tok = _open_session(args)
-    interactive = stdin.isatty() if hasattr(stdin, "isatty") else False
-    if interactive:
-        print("chat: /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops a reply",
-              file=sys.stderr)
-    failed = False
-    while True:
-        if interactive:
-            out.write("> ")
-            out.flush()
-        try:
-            line = stdin.readline()
-        except KeyboardInterrupt:
-            out.write("\n")
-            continue
-        if not line:
-            break
-        text = line.rstrip("\r\n")
-        if text.strip() == "/exit":
-            break
-        if text.strip() == "/reset":
-            session.reset()
-            print("[conversation reset]", file=sys.stderr)
-            continue
-        if not text.strip():
-            continue
-        failed = not _stream_reply(session, tok, text, out) or failed
-    return 2 if failed else 0  # a refused turn: the chat went on, the exit status tells
-
-
-def _open_session(args):
-    """(ChatSession, tokenizer) of the command's checkpoint, adapter, tokenizer and settings."""
-    from minillama.io.load import open_model
-
-    sampling = sampling_kwargs(args)
-    if args.max_new_tokens < 1:
-        raise MinillamaError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.context < 2:
-        raise MinillamaError(f"--context must be >= 2, got {args.context}")
-    from pathlib import Path  # noqa: PLC0415
-
-    checkpoint = Path(args.checkpoint)
-    model, tok, _ = open_model(checkpoint, args.backend, args.dtype, getattr(args, "adapter", None),
-                                args.tokenizer)
-    if tok is None:
-        raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer")
-    session = ChatSession(model, tok, system=args.system, max_new_tokens=args.max_new_tokens,
-                          context=args.context, seed=args.seed, **sampling)
-    return session, tok
-
-
-def _stream_reply(session, tok, text: str, out) -> bool:
-    """Write the reply to ``text`` as it is generated; False when the turn was refused (too long,
-    the template objects: said on stderr). Ctrl-C stops the reply, keeping what was written."""
-    from minillama.infer.generate import TextStreamer
-
-    streamer = TextStreamer(tok)
-    steps = session.reply(text)
-    try:
-        for t in steps:
-            out.write(streamer.put(t))
-            out.flush()
-    except MinillamaError as e:  # this turn is refused (too long, the template objects)
-        print(f"minillama: error: {e}", file=sys.stderr)
-        return False
-    except KeyboardInterrupt:
-        steps.close()
-        out.write(streamer.flush() + "\n")
-        print("[reply stopped]", file=sys.stderr)
-        return True
-    out.write(streamer.flush() + "\n")
-    out.flush()
-    return True
-

@@ -14,6 +14,8 @@ N = C (n_ctx - 1 - n_ctx/2) scored tokens and
 
 the bytes being those of each scored token decoded alone (for the byte tokenizer, one per
 token: bits per byte = NLL / ln 2).
+
+The ``minillama perplexity`` command is :mod:`minillama.cli.perplexity`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from minillama.core.errors import MinillamaError
+from minillama.io.data import VAL_PLAYS, shakespeare_documents
+from minillama.io.tokenizer import ByteTokenizer, HFTokenizer, Llama2cTokenizer
 
 #: ``--data`` name of the shipped model's held-out text (minillama.io.data.VAL_PLAYS, in order)
 SHAKESPEARE_VAL = "shakespeare-val"
@@ -49,8 +53,6 @@ def default_bos(tok) -> bool:
     project's models are trained on [BOS] + bytes) and SentencePiece tokenizers do; a Hugging
     Face tokenizer does when its own encoding with special tokens starts with BOS; a byte-level
     BPE from a GGUF file does not (pass --bos to say otherwise)."""
-    from minillama.io.tokenizer import ByteTokenizer, HFTokenizer, Llama2cTokenizer
-
     if isinstance(tok, (ByteTokenizer, Llama2cTokenizer)):
         return True
     if isinstance(tok, HFTokenizer) and tok.bos_id is not None:
@@ -125,8 +127,6 @@ def read_text(spec: str) -> str:
     """The text of ``--data``: a UTF-8 file, or ``shakespeare-val`` (the held-out plays of the
     shipped model, joined by newlines)."""
     if spec == SHAKESPEARE_VAL:
-        from minillama.io.data import VAL_PLAYS, shakespeare_documents
-
         docs = dict(shakespeare_documents())
         return "\n".join(docs[name] for name in VAL_PLAYS if name in docs)
     p = Path(spec)
@@ -136,77 +136,3 @@ def read_text(spec: str) -> str:
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise MinillamaError(f"{spec} is not UTF-8 text (byte {e.start})") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# the `minillama perplexity` command
-# ---------------------------------------------------------------------------------------------
-def add_cli(subparsers) -> None:
-    from minillama.cli.common import positive_int
-    from minillama.cli.common import backend_help
-
-    p = subparsers.add_parser(
-        "perplexity", help="perplexity and bits per byte of a checkpoint on a text file",
-        description="llama.cpp's perplexity (non-overlapping windows of --ctx tokens, the "
-                    "second half of each scored) of any checkpoint minillama loads, quantized "
-                    "GGUF files included. Prints perplexity, bits per byte, tokens scored, time.")
-    p.add_argument("--checkpoint", "-c", default=None,
-                   help="model file or folder (default: the shipped model)")
-    p.add_argument("--data", required=True,
-                   help=f"UTF-8 text file, or {SHAKESPEARE_VAL} (the shipped model's held-out "
-                        f"plays)")
-    p.add_argument("--tokenizer", "-t", default=None,
-                   help="tokenizer: tokenizer.bin, tokenizer.json, or 'byte' (default: the "
-                        "checkpoint's own)")
-    p.add_argument("--ctx", type=positive_int, default=None,
-                   help="tokens per chunk (default: 512, or the model's context if shorter)")
-    p.add_argument("--limit-chunks", type=positive_int, default=None, metavar="N",
-                   help="score only the first N chunks")
-    p.add_argument("--batch-size", type=positive_int, default=4, help="chunks per forward")
-    p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
-                   help="replace each chunk's first token by BOS (auto: as the tokenizer's "
-                        "model does)")
-    p.add_argument("--backend", default=None, help=backend_help())
-    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    p.set_defaults(func=run_perplexity)
-
-
-def run_perplexity(args) -> int:
-    import json  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    from minillama.io.load import detect_format, load_model
-    from minillama.io.load import DEFAULT_CHECKPOINT, resolve_tokenizer
-
-    checkpoint = Path(args.checkpoint) if args.checkpoint else DEFAULT_CHECKPOINT
-    fmt = detect_format(checkpoint)
-    text = read_text(args.data)
-    model, model_tok = load_model(checkpoint, backend=args.backend)
-    tok = resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt)
-    if tok is None:
-        raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer (tokenizer.bin, "
-                             f"tokenizer.json or byte)")
-    bos = default_bos(tok) if args.bos == "auto" else args.bos == "yes"
-    if bos and tok.bos_id is None:
-        raise MinillamaError("the tokenizer has no BOS token; pass --bos no")
-    n_ctx = args.ctx or min(512, model.cfg.max_seq_len)
-    tokens = np.asarray(tok.encode(text, bos=bos), dtype=np.int64)
-
-    def progress(done, total, ppl):
-        print(f"\r[{done}/{total}] perplexity {ppl:.4f}", end="", file=sys.stderr, flush=True)
-
-    r = perplexity(model, tokens, n_ctx, tok.bos_id if bos else None, args.limit_chunks,
-                   args.batch_size, tok, progress=None if args.json else progress)
-    if not args.json:
-        print(file=sys.stderr)
-    fields = {"checkpoint": str(checkpoint), "data": args.data, "ppl": round(r.ppl, 4),
-              "bits_per_byte": round(r.bits_per_byte, 4), "nll": round(r.nll, 5),
-              "tokens_scored": r.tokens_scored, "bytes_scored": r.bytes_scored,
-              "chunks": r.chunks, "ctx": r.n_ctx, "bos": r.bos, "seconds": round(r.seconds, 1)}
-    if args.json:
-        print(json.dumps(fields))
-    else:
-        print(f"perplexity {r.ppl:.4f}  bits/byte {r.bits_per_byte:.4f}  "
-              f"({r.tokens_scored} tokens scored in {r.chunks} chunks of {r.n_ctx}, "
-              f"BOS {'yes' if r.bos else 'no'}, {r.seconds:.1f} s)")
-    return 0

@@ -1,5 +1,6 @@
-"""``minillama serve``: an OpenAI-compatible HTTP server over the continuous-batching
-:class:`~minillama.infer.engine.Engine`.
+"""An OpenAI-compatible HTTP server over the continuous-batching
+:class:`~minillama.infer.engine.Engine` (the ``minillama serve`` command is
+:mod:`minillama.cli.serve`).
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream`` as
 server-sent events), ``GET /v1/models`` (and ``/v1/models/{id}``) and ``GET /health``. Request fields: ``model``,
@@ -14,13 +15,17 @@ when the server is built: importing this module (the CLI does) loads neither, no
 
 from __future__ import annotations
 
+import contextlib
+import hmac
 import json
 import math
-import os
 import time
-from pathlib import Path
+import uuid
 
 from minillama.core.errors import MinillamaError
+from minillama.infer.engine import StopText
+from minillama.infer.generate import TextStreamer
+from minillama.io.chat_template import encode_rendered, render_chat, stop_ids
 
 #: the prompt ids kept before the generated ones when turning ids into text (enough for a
 #: tokenizer's context-dependent decoding, e.g. SentencePiece's leading space)
@@ -28,12 +33,10 @@ _TEXT_PREFIX = 16
 
 
 # ---------------------------------------------------------------------------------------------
-# chat rendering: the model's own template (minillama.infer.chat), its errors as 400s
+# chat rendering: the model's own template (minillama.io.chat_template), its errors as 400s
 # ---------------------------------------------------------------------------------------------
 def _render(tok, messages: list[dict]) -> list[int]:
     """The prompt ids of ``messages`` through the model's chat template."""
-    from minillama.io.chat_template import encode_rendered, render_chat
-
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "the model has no chat template; use /v1/completions with a prompt",
                        code="no_chat_template")
@@ -45,8 +48,6 @@ def _render(tok, messages: list[dict]) -> list[int]:
 
 def _stops(tok) -> set[int]:
     """The ids that end a reply: EOS and the model's end-of-turn ids (minillama.io.chat_template.stop_ids)."""
-    from minillama.io.chat_template import stop_ids
-
     return stop_ids(tok)
 
 
@@ -207,9 +208,6 @@ class _Generation:
                  max_tokens: int):
         import asyncio  # noqa: PLC0415
 
-        from minillama.infer.engine import StopText
-        from minillama.infer.generate import TextStreamer
-
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         q = self.queue
@@ -326,8 +324,6 @@ def build_app(engine, tok, model_name: str, api_key: str | None = None):
     """The Starlette application serving ``engine`` (its model's tokenizer ``tok``) as
     ``model_name``; with ``api_key`` every route but /health needs ``Authorization: Bearer
     api_key``."""
-    import contextlib  # noqa: PLC0415
-
     from starlette.applications import Starlette  # noqa: PLC0415
     from starlette.exceptions import HTTPException  # noqa: PLC0415
 
@@ -391,8 +387,6 @@ def _info_routes(engine, model_name: str, api_key: str | None) -> list:
 
 def _completion_routes(engine, tok, model_name: str, api_key: str | None) -> list:
     """POST /v1/chat/completions and /v1/completions, whole or streamed."""
-    import uuid  # noqa: PLC0415
-
     from starlette.routing import Route  # noqa: PLC0415
 
     stop_ids = _stops(tok)
@@ -434,8 +428,6 @@ def _error_response(e: APIError):
 def _check_key(request, api_key: str | None) -> None:
     """APIError(401) unless the request carries ``Authorization: Bearer api_key`` (no key: any
     request passes); compared in constant time."""
-    import hmac  # noqa: PLC0415
-
     if api_key is None:
         return
     got = request.headers.get("authorization", "")
@@ -511,99 +503,3 @@ async def _whole_reply(request, gen: _Generation, head: dict, chat: bool):
     obj = {**head, "object": "chat.completion" if chat else "text_completion",
            "choices": [_choice(chat, text, gen.finish_reason, False)], "usage": gen.usage()}
     return JSONResponse(obj)
-
-
-# ---------------------------------------------------------------------------------------------
-# the command
-# ---------------------------------------------------------------------------------------------
-def add_cli(subparsers) -> None:
-    from minillama.cli.common import positive_int
-    from minillama.cli.common import backend_help
-
-    p = subparsers.add_parser(
-        "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
-        description="Serve a checkpoint over HTTP with OpenAI's API (/v1/chat/completions, "
-                    "/v1/completions, /v1/models, /health), concurrent requests sharing the "
-                    "model through continuous batching. Needs pip install 'minillama[serve]'.")
-    p.add_argument("--checkpoint", "-c", default=None,
-                   help="model file or folder (default: the Shakespeare model shipped with the "
-                        "package)")
-    p.add_argument("--tokenizer", "-t", default=None,
-                   help="tokenizer (default: the one stored with the checkpoint)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    p.add_argument("--api-key", default=os.environ.get("MINILLAMA_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every request but /health "
-                        "(default: $MINILLAMA_API_KEY, which keeps the key out of `ps`)")
-    p.add_argument("--model-name", default=None,
-                   help="the model id clients send (default: the checkpoint's file or folder "
-                        "name)")
-    p.add_argument("--backend", default=None, help=backend_help())
-    p.add_argument("--dtype", default=None, choices=("float32", "float64"),
-                   help="compute precision (default float32)")
-    p.add_argument("--max-batch", type=positive_int, default=8,
-                   help="most requests decoded together (KV-cache slots, default 8)")
-    p.add_argument("--max-context", type=positive_int, default=2048,
-                   help="positions per request, prompt included (default 2048, capped at the "
-                        "model's context)")
-    p.set_defaults(func=run_cli)
-
-
-def model_name_for(checkpoint: Path) -> str:
-    """The default model id: the checkpoint's name without its extension."""
-    name = checkpoint.name if checkpoint.is_dir() else checkpoint.stem
-    return name or "minillama"
-
-
-def load_engine(args):
-    """(engine, tokenizer, model name) for the command's arguments."""
-    from minillama.infer.engine import Engine
-    from minillama.io.load import detect_format, load_model
-    from minillama.io.load import DEFAULT_CHECKPOINT, resolve_tokenizer
-
-    checkpoint = Path(args.checkpoint) if args.checkpoint else DEFAULT_CHECKPOINT
-    fmt = detect_format(checkpoint)
-    model, model_tok = load_model(checkpoint, backend=args.backend, dtype=args.dtype)
-    tok = resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt)
-    if tok is None:
-        raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer")
-    engine = Engine(model, max_batch=args.max_batch, max_seq_len=args.max_context)
-    return engine, tok, args.model_name or model_name_for(checkpoint)
-
-
-def run_cli(args) -> int:
-    import socket  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    try:
-        import starlette  # noqa: F401, PLC0415
-        import uvicorn  # noqa: PLC0415
-    except ImportError:
-        raise MinillamaError("minillama serve needs the optional server packages: "
-                             "pip install 'minillama[serve]'") from None
-    if not 0 <= args.port <= 65535:
-        raise MinillamaError(f"--port must lie in [0, 65535], got {args.port}")
-    try:  # bound before the model loads: a busy port is refused at once
-        info = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(info[0], socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(info[4])
-        sock.listen(128)
-    except OSError as e:
-        raise MinillamaError(f"cannot listen on {args.host}:{args.port}: "
-                             f"{e.strerror or e}") from None
-    try:
-        engine, tok, name = load_engine(args)
-    except BaseException:
-        sock.close()
-        raise
-    app = build_app(engine, tok, name, args.api_key)
-    host, port = sock.getsockname()[:2]
-    print(f"minillama: serving {name!r} on http://{host}:{port} (backend "
-          f"{engine.model.backend.name}, {engine.max_batch} slots of {engine.S} positions, "
-          f"KV cache {engine.cache.nbytes / 2**20:.1f} MiB)",
-          file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
-    uvicorn.Server(config).run(sockets=[sock])
-    return 0

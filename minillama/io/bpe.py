@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from minillama.core.errors import MinillamaError
+from minillama.core.extras import require
 
 #: GPT-2's pre-tokenizer regex (``ByteLevel`` with ``use_regex``)
 GPT2_PATTERN = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
@@ -144,7 +145,6 @@ class BPETokenizer:
                 patterns.append(GPT2_PATTERN)
             if len(patterns) != 1 or set(kinds) - {"ByteLevel", "Split"}:
                 raise MinillamaError(f"{self.path}: pre-tokenizer {kinds} is not supported")
-            from minillama.core.extras import require  # the \p{L} classes of the patterns
 
             regex = require("regex", "byte-level BPE without the `tokenizers` package")
             self.pattern = regex.compile(patterns[0])

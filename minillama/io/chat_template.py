@@ -17,6 +17,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from minillama.core.errors import MinillamaError
+from minillama.io.bpe import split_on
 
 #: spellings of end-of-turn / end-of-text tokens of the LLaMA family and its relatives
 STOP_NAMES = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>",
@@ -131,7 +132,6 @@ def encode_rendered(tok, text: str) -> list[int]:
         name = tok.token_text(i)
         if name:
             specials[name] = i
-    from minillama.io.bpe import split_on
 
     ids: list[int] = []
     for part, special in split_on(text, specials):

@@ -25,6 +25,7 @@ import numpy as np
 
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError, OutputError
+from minillama.io.safetensors_file import read_safetensors_file
 from minillama.model.transformer import check_params
 
 FORMAT = "minillama"
@@ -130,8 +131,6 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """All tensors (stored float dtype; BF16 widened to float32) and the metadata of a
     safetensors file; any corruption is a one-line MinillamaError
     (:mod:`minillama.io.safetensors_file` checks the header before reading)."""
-    from minillama.io.safetensors_file import read_safetensors_file
-
     return read_safetensors_file(path, native=True)
 
 

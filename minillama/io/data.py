@@ -31,6 +31,7 @@ import numpy as np
 
 from minillama.core.errors import MinillamaError
 from minillama.io.tokenizer import ByteTokenizer
+from minillama.io.checkpoint import check_output_dir
 
 #: held-out plays (whole documents) of the default Shakespeare corpus: a tragedy, a comedy and a
 #: Roman play, about 6.6 % of the bytes
@@ -81,8 +82,6 @@ def _write_tokens(path: Path, tokens: np.ndarray) -> None:
 
 def _write_split(out_dir: Path, train: list[tuple[str, str]], val: list[tuple[str, str]],
                  source: str, tokenizer) -> Path:
-    from minillama.io.checkpoint import check_output_dir
-
     check_output_dir(out_dir, "data output folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     meta: dict[str, Any] = {"source": source, "tokenizer": tokenizer.spec(),

@@ -32,10 +32,18 @@ from pathlib import Path
 import numpy as np
 
 from minillama.core import quant
-from minillama.core.config import ModelConfig
+from minillama.core.config import ModelConfig, param_shapes
 from minillama.core.errors import MinillamaError
+from minillama.core.extras import require
+from minillama.core.quant import QuantMatrix
+from minillama.core.quantize import quantize, resolve_type, supported_type
+from minillama.io.bpe import BPETokenizer
+from minillama.io.checkpoint import atomic_write, check_finite, check_output_file
 from minillama.io.gguf_file import GGUFFile, open_gguf as _open, meta as _meta  # noqa: F401
-from minillama.io.tokenizer import load_gguf_tokenizer, tokenizer_from_gguf  # noqa: F401 (re-exported)
+from minillama.io.hf import hf_to_interleaved, interleaved_to_hf
+from minillama.io.tokenizer import (ByteTokenizer, HFTokenizer, Llama2cTokenizer, _pre_patterns,
+                                    load_gguf_tokenizer, tokenizer_from_gguf)  # noqa: F401 (re-exported)
+from minillama.model.transformer import check_params
 
 ARCHITECTURES = ("llama", "qwen2")
 #: GGML float types: name -> type id
@@ -197,10 +205,6 @@ def load_gguf(path):
     """Read a LLaMA-family GGUF file: ``(cfg, params, tokenizer or None)`` with Meta names,
     interleaved RoPE rows, float32 vectors and float types, and the matrices of block types kept
     as :class:`~minillama.core.quant.QuantMatrix` (over the memory-mapped file)."""
-    from minillama.io.checkpoint import check_finite
-    from minillama.model.transformer import check_params, param_shapes
-    from minillama.io.hf import hf_to_interleaved
-
     path = Path(path)
     reader = _open(path)
     infos = _tensor_table(reader, path.stat().st_size, path)
@@ -249,13 +253,7 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
     (:func:`minillama.core.quantize.resolve_type`). What cannot be carried (a tokenizer without a GGUF
     form) is appended to ``notes`` as one line each. Configs GGUF cannot state (a RoPE scaling other
     than linear/yarn, MLP or output biases on qwen2) are refused. The write is atomic."""
-    from minillama.core.extras import require
-
     gguf = require("gguf", "writing GGUF files")
-    from minillama.io.checkpoint import atomic_write, check_output_file
-    from minillama.core.quant import QuantMatrix
-    from minillama.core.quantize import supported_type
-
     types = dict(types or {})
     for t in [matrix_type, *types.values()]:
         supported_type(t)
@@ -315,8 +313,6 @@ def _write_hparams(w, cfg: ModelConfig, arch: str) -> None:
 def _gguf_tensor_name(name: str, a, cfg: ModelConfig, arch: str):
     """(GGUF name, array) of parameter ``name``: ``blk.<l>.<tensor>.<weight|bias>`` for a block's,
     with q and k rows in the half-split RoPE order for qwen2."""
-    from minillama.io.hf import interleaved_to_hf
-
     inv_top = {v: k for k, v in _TOP.items()}
     if name in inv_top:
         return inv_top[name], a
@@ -332,9 +328,6 @@ def _gguf_tensor_name(name: str, a, cfg: ModelConfig, arch: str):
 def _gguf_tensor_data(gguf, a, type_name: str):
     """(array to write, raw GGML type or None) of one parameter: a QuantMatrix as its blocks,
     a vector as it is, a matrix as ``type_name`` (or llama.cpp's fallback for its row length)."""
-    from minillama.core.quant import QuantMatrix
-    from minillama.core.quantize import quantize, resolve_type
-
     if isinstance(a, QuantMatrix):
         return a.data, gguf.GGMLQuantizationType[a.qtype]
     if a.ndim != 2:
@@ -350,8 +343,6 @@ def _gguf_tensor_data(gguf, a, type_name: str):
 def _to_half_split(a, n_heads: int, interleaved_to_hf):
     """The q/k rows of ``a`` (a float array or a QuantMatrix, whose rows are whole blocks) in
     the half-split RoPE order of qwen2 files."""
-    from minillama.core.quant import QuantMatrix
-
     if not isinstance(a, QuantMatrix):
         return interleaved_to_hf(a, n_heads)
     order = interleaved_to_hf(np.arange(a.shape[0])[:, None], n_heads)[:, 0]
@@ -371,8 +362,6 @@ def _write_tokenizer(w, tok, vocab_size: int) -> str | None:
       vocabulary;
     * the byte tokenizer: a SentencePiece vocabulary of its 256 bytes as BYTE pieces (the space
       spelled U+2581, :meth:`~minillama.io.tokenizer.ByteTokenizer.gguf_pieces`) and BOS/EOS."""
-    from minillama.io.tokenizer import ByteTokenizer, HFTokenizer, Llama2cTokenizer
-
     if tok is None:
         return None
     spec = tok.spec() if hasattr(tok, "spec") else {}
@@ -421,9 +410,6 @@ def _write_tokenizer(w, tok, vocab_size: int) -> str | None:
 
 def _write_byte_level(w, tok, vocab_size: int) -> str | None:
     """A Hugging Face byte-level BPE ``tokenizer.json`` as ``tokenizer.ggml.model`` ``gpt2``."""
-    from minillama.io.bpe import BPETokenizer
-    from minillama.io.tokenizer import _pre_patterns
-
     try:
         bpe = BPETokenizer(tok.path)
     except MinillamaError as e:

@@ -28,7 +28,10 @@ import numpy as np
 
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
+from minillama.io.checkpoint import atomic_write, check_finite, check_output_dir
 from minillama.io.safetensors_file import read_safetensors_file
+from minillama.io.tokenizer import ByteTokenizer, HFTokenizer
+from minillama.model.transformer import check_params
 
 __all__ = ["config_from_hf", "config_to_hf", "load_hf", "save_hf", "read_safetensors_file",
            "hf_to_interleaved", "interleaved_to_hf", "is_hf_dir"]
@@ -246,9 +249,6 @@ def _weight_files(d: Path) -> list[Path]:
 def load_hf(path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read a HF LLaMA directory: returns ``(cfg, params)`` with Meta names and interleaved RoPE
     rows. Missing/extra tensors, wrong shapes and non-finite values raise."""
-    from minillama.io.checkpoint import check_finite
-    from minillama.model.transformer import check_params
-
     d = Path(path)
     try:
         c = json.loads((d / "config.json").read_text(encoding="utf-8"))
@@ -302,8 +302,6 @@ def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None,
     """Write a HF-style LLaMA directory (``config.json`` and float32 safetensors weights, sharded
     with an index when ``max_shard_bytes`` is given) and, with ``tokenizer``, its tokenizer files
     (:func:`save_hf_tokenizer`)."""
-    from minillama.io.checkpoint import atomic_write, check_output_dir
-
     cfg.require_llama("HF llama")
     d = check_output_dir(path, "Hugging Face output folder")
     try:
@@ -353,8 +351,6 @@ def _save_hf_weights(d: Path, out: dict[str, np.ndarray], max_shard_bytes: int |
     single-file weights file of an earlier export removed)."""
     from safetensors.numpy import save_file  # noqa: PLC0415
 
-    from minillama.io.checkpoint import atomic_write
-
     if not max_shard_bytes:
         atomic_write(d / "model.safetensors",
                      lambda t: save_file(out, t, metadata={"format": "pt"}), "weights file")
@@ -388,9 +384,6 @@ def save_hf_tokenizer(d: Path, tokenizer, model_max_length: int) -> None:
     (:meth:`~minillama.io.tokenizer.ByteTokenizer.hf_files`), a folder's own ``tokenizer.json`` (and
     the JSON files beside it) copied; other tokenizers (llama2.c ``tokenizer.bin``) are left out,
     and a stale ``tokenizer.json`` of an earlier export is removed."""
-    from minillama.io.checkpoint import atomic_write
-    from minillama.io.tokenizer import ByteTokenizer, HFTokenizer
-
     files: dict[str, bytes] = {}
     if isinstance(tokenizer, ByteTokenizer):
         files = {name: json.dumps(obj, indent=2, ensure_ascii=False).encode("utf-8")

@@ -15,10 +15,17 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+import numpy as np
+
+from minillama.backends import resolve_name
 from minillama.core.errors import MinillamaError
+from minillama.io.checkpoint import CKPT_NAME, load_checkpoint
 from minillama.io.gguf import is_gguf, load_gguf
 from minillama.io.hf import is_hf_dir, load_hf, save_hf
 from minillama.io.llama2c import is_llama2c, load_llama2c, save_llama2c
+from minillama.io.peft import apply_adapter
+from minillama.io.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_from_spec
+from minillama.model.transformer import Transformer
 
 __all__ = ["detect_format", "load_model", "load_params", "save_llama2c", "save_hf",
            "load_llama2c", "load_hf"]
@@ -40,8 +47,6 @@ def resolve_checkpoint(path) -> Path:
     """``path``, or the checkpoint inside it when it is a folder that ``minillama train --out``
     wrote (``ckpt.safetensors``, no ``config.json``): a run folder is accepted wherever a
     checkpoint is."""
-    from minillama.io.checkpoint import CKPT_NAME
-
     p = Path(path)
     if p.is_dir() and not is_hf_dir(p) and (p / CKPT_NAME).is_file():
         return p / CKPT_NAME
@@ -73,9 +78,6 @@ def detect_format(path) -> str:
 
 def load_params(path):
     """``(format, cfg, host params, tokenizer or None)`` of the checkpoint at ``path``."""
-    from minillama.io.checkpoint import load_checkpoint
-    from minillama.io.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec
-
     path = resolve_checkpoint(path)
     fmt = detect_format(path)
     tok = None
@@ -102,8 +104,6 @@ def check_tokenizer(tok, vocab_size: int, where="") -> None:
     vocabulary and every id the model samples decodes: V_tok = V, except that a Hugging Face
     model may pad its vocabulary beyond its tokenizer.json's (V_tok <= V; such ids decode to
     nothing)."""
-    from minillama.io.tokenizer import HFTokenizer
-
     if tok is None:
         return
     at = f" of {where}" if str(where) else ""
@@ -121,12 +121,6 @@ def check_tokenizer(tok, vocab_size: int, where="") -> None:
 def load_model(path, backend=None, dtype=None):
     """Load any supported checkpoint as a :class:`~minillama.model.transformer.Transformer` on ``backend``
     (compute ``dtype``, default float32). Returns ``(model, tokenizer or None)``."""
-    import numpy as np  # noqa: PLC0415
-
-    from minillama.model.transformer import Transformer
-
-    from minillama.backends import resolve_name
-
     fmt, cfg, params, tok = load_params(path)
     if backend is None or isinstance(backend, str):  # None/"auto": by the model's size
         backend = resolve_name(backend, cfg)
@@ -142,8 +136,6 @@ DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "weights" / "shakespe
 def resolve_tokenizer(spec: str | None, model_tokenizer, cfg, checkpoint: Path, fmt: str):
     """The tokenizer to use: ``--tokenizer``, else the checkpoint's own, else (llama2.c) a
     ``tokenizer.bin`` beside the checkpoint whose vocabulary fits; may be None."""
-    from minillama.io.tokenizer import load_tokenizer
-
     if spec:
         tok = load_tokenizer(spec)
     elif model_tokenizer is not None:
@@ -163,8 +155,6 @@ def open_model(checkpoint, backend=None, dtype=None, adapter=None, tokenizer: st
     """(model, tokenizer or None, format) of a checkpoint on ``backend`` in ``dtype``, with the
     LoRA ``adapter`` folder merged in (if given) and the tokenizer of
     :func:`resolve_tokenizer` for the spec ``tokenizer``."""
-    from minillama.model.lora import apply_adapter
-
     checkpoint = Path(checkpoint)
     fmt = detect_format(checkpoint)
     model, model_tok = load_model(checkpoint, backend=backend, dtype=dtype)

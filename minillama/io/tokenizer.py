@@ -27,6 +27,10 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from minillama.core.errors import MinillamaError
+from minillama.io.bpe import (GPT2_PATTERN, LLAMA3_PATTERN, BPETokenizer, LibraryShim, TextBPE,
+                              byte_level_json)
+from minillama.io.gguf_file import meta as gguf_meta
+from minillama.io.gguf_file import open_gguf as gguf_reader
 from minillama.io.tokenizer_llama2c import Llama2cTokenizer, _flags  # noqa: F401 (re-exported)
 
 
@@ -169,7 +173,6 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer  # noqa: PLC0415
         except ImportError:  # minillama's own BPE (byte-level or SentencePiece-style)
-            from minillama.io.bpe import LibraryShim
 
             Tokenizer = LibraryShim  # noqa: N806
         try:
@@ -347,10 +350,6 @@ GGUF_BOS_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixt
                 "lfm2", "tekken", "chameleon")
 
 
-from minillama.io.gguf_file import meta as gguf_meta  # noqa: E402
-from minillama.io.gguf_file import open_gguf as gguf_reader  # noqa: E402
-
-
 def _gguf_id(reader, key: str, n: int, where) -> int | None:
     v = gguf_meta(reader, f"tokenizer.ggml.{key}")
     if v is None:
@@ -418,8 +417,6 @@ def tokenizer_from_gguf(reader, vocab_size: int, where):
 
 #: ``tokenizer.ggml.pre`` -> (split pattern, ignore_merges) of byte-level tokenizers
 def _pre_patterns():
-    from minillama.io.bpe import GPT2_PATTERN, LLAMA3_PATTERN
-
     return {"default": (GPT2_PATTERN, False), "gpt-2": (GPT2_PATTERN, False),
             "llama-bpe": (LLAMA3_PATTERN, True), "llama3": (LLAMA3_PATTERN, True),
             "smollm": (GPT2_PATTERN, False),
@@ -429,8 +426,6 @@ def _pre_patterns():
 def _gguf_byte_level(reader, vocab_size: int, where, spec):
     """A GPT-2-style (``tokenizer.ggml.model`` ``gpt2``) tokenizer: tokens, merges, token types
     (3 = control: special) and the pre-tokenizer named by ``tokenizer.ggml.pre``."""
-    from minillama.io.bpe import BPETokenizer, TextBPE, byte_level_json
-
     tokens = gguf_meta(reader, "tokenizer.ggml.tokens")
     merges = gguf_meta(reader, "tokenizer.ggml.merges")
     types = gguf_meta(reader, "tokenizer.ggml.token_type") or []

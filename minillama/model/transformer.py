@@ -31,7 +31,7 @@ import numpy as np
 
 from minillama.model import packing, recompute
 from minillama.backends import get_backend
-from minillama.core.config import ModelConfig
+from minillama.core.config import ModelConfig, param_shapes
 from minillama.core.errors import MinillamaError
 from minillama.model.kvcache import KVCache
 from minillama.model.block import BlockWiring
@@ -39,74 +39,6 @@ from minillama.model.ends import EndsWiring
 from minillama.model.inputs import ModelInputs
 from minillama.model.variants import VariantPieces
 from minillama.core.ops import rope_tables, sinusoidal_positions
-
-#: the names of one block's parameters (prefix ``layers.{l}.``), Meta / llama2.c naming
-LAYER_PARAMS = (
-    "attention_norm.weight",
-    "attention.wq.weight",
-    "attention.wk.weight",
-    "attention.wv.weight",
-    "attention.wo.weight",
-    "ffn_norm.weight",
-    "feed_forward.w1.weight",
-    "feed_forward.w2.weight",
-    "feed_forward.w3.weight",
-)
-
-
-def layer_biases(cfg: ModelConfig) -> tuple[str, ...]:
-    """The bias parameters of one block that ``cfg`` asks for (``qkv_bias``: wq, wk, wv;
-    ``attn_out_bias``: wo; ``mlp_bias``: w1, w2, w3), each ``<linear>.bias``."""
-    names: list[str] = []
-    if cfg.qkv_bias:
-        names += ["attention.wq.bias", "attention.wk.bias", "attention.wv.bias"]
-    if cfg.attn_out_bias:
-        names.append("attention.wo.bias")
-    if cfg.mlp_bias:
-        names += ["feed_forward.w1.bias", "feed_forward.w2.bias"]
-        names += ["feed_forward.w3.bias"] if cfg.ffn == "swiglu" else []
-    return tuple(names)
-
-
-def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's name and shape, in a fixed order (embedding, layers, norm, head).
-
-    Linear weights are (out, in): wq (H*hd, D), wk/wv (KVH*hd, D), wo (D, H*hd), w1/w3 (F, D),
-    w2 (D, F); biases (out,) when the config has them (:func:`layer_biases`); norm gains (D,);
-    tok_embeddings and output (V, D). ``output.weight`` exists only when the head is not tied
-    to the embedding. Variants: a two-matrix FFN (``ffn`` gelu/relu) has no w3; LayerNorm adds a
-    bias (D,) next to each norm gain (``*_norm.bias``, ``norm.bias``).
-    """
-    D, F, V = cfg.dim, cfg.hidden_dim, cfg.vocab_size
-    qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    per_layer = {
-        "attention_norm.weight": (D,),
-        "attention.wq.weight": (qd, D),
-        "attention.wk.weight": (kvd, D),
-        "attention.wv.weight": (kvd, D),
-        "attention.wo.weight": (D, qd),
-        "ffn_norm.weight": (D,),
-        "feed_forward.w1.weight": (F, D),
-        "feed_forward.w2.weight": (D, F),
-        "feed_forward.w3.weight": (F, D),
-    }
-    biases = layer_biases(cfg)
-    for name in biases:
-        per_layer[name] = per_layer[name.replace(".bias", ".weight")][:1]
-    names = [n for n in LAYER_PARAMS if cfg.ffn == "swiglu" or n != "feed_forward.w3.weight"]
-    if cfg.norm == "layernorm":
-        per_layer["attention_norm.bias"] = per_layer["ffn_norm.bias"] = (D,)
-        names += ["attention_norm.bias", "ffn_norm.bias"]
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (V, D)}
-    for layer in range(cfg.n_layers):
-        for name in names + list(biases):
-            shapes[f"layers.{layer}.{name}"] = per_layer[name]
-    shapes["norm.weight"] = (D,)
-    if cfg.norm == "layernorm":
-        shapes["norm.bias"] = (D,)
-    if not cfg.tie_embeddings:
-        shapes["output.weight"] = (V, D)
-    return shapes
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:

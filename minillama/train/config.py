@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minillama.backends import backend_names, resolve_name
+from minillama.backends import backend_names, check_precision, resolve_name
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
 from minillama.io.tokenizer import ByteTokenizer
@@ -177,8 +177,6 @@ class TrainConfig:
         if self.backend is not None and not isinstance(self.backend, str):
             raise MinillamaError(f"train config: backend must be a name, got {self.backend!r}")
         backend = resolve_name(self.backend)  # an unknown name (or $MINILLAMA_BACKEND) fails now
-        from minillama.backends.cupy.mixed_precision import check_precision
-
         try:
             check_precision(self.precision, backend, self.dtype)
         except MinillamaError as e:

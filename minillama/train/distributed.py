@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from minillama.backends import openblas_api
 from minillama.core.errors import MinillamaError
 
 #: the largest piece of the flat gradient buffer one all-reduce call sends (bytes); a model whose
@@ -147,8 +148,6 @@ def blas_share(threads: int | None):
     other ranks slow every step. None, or a BLAS that is not OpenBLAS, leaves it alone."""
     api = None
     if threads:
-        from minillama.backends.numpy.threads import openblas_api
-
         api = openblas_api()
     if api is None:
         yield

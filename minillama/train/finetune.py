@@ -1,5 +1,6 @@
-r"""``minillama finetune``: LoRA or full fine-tuning of a real checkpoint with the hand-written
-backward pass, on plain text, prompt/completion pairs or chat conversations.
+r"""LoRA or full fine-tuning of a real checkpoint with the hand-written backward pass, on plain
+text, prompt/completion pairs or chat conversations: the examples, their masks and the run
+(:class:`Finetuner`). The ``finetune`` and ``merge`` commands are :mod:`minillama.cli.finetune`.
 
 Data (``--data``, ``--val-data``):
 
@@ -24,9 +25,10 @@ order) as fit in ``--context`` tokens: a token attends only within its own examp
 (block-diagonal causal mask) and RoPE positions restart at every example, so a packed example
 computes exactly what it computes alone (:mod:`minillama.model.packing`).
 
-Each step: A = ``--grad-accum`` micro-batches, g = mean of their gradients, global-norm clipping,
-AdamW on the trainable parameters only (the adapters, or everything with ``--full``), the warmup
-+ cosine schedule of :func:`minillama.train.optim.lr_at`. ``OUT/ckpt.safetensors`` (atomic) holds the
+Each step: A = ``--grad-accum`` micro-batches, g = mean of their gradients
+(:class:`minillama.train.step.DataParallelStep`, as pretraining), global-norm clipping, AdamW on
+the trainable parameters only (the adapters, or everything with ``--full``), the warmup + cosine
+schedule of :func:`minillama.train.optim.lr_at`. ``OUT/ckpt.safetensors`` (atomic) holds the
 trainable tensors, the AdamW moments and the state (step, data position, dropout RNG, history);
 ``--resume`` continues bit for bit. LoRA runs also write the adapter as PEFT does
 (``OUT/adapter_config.json`` + ``OUT/adapter_model.safetensors``); ``--full`` runs write a
@@ -37,16 +39,27 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors.numpy import save_file
 
 from minillama.core.errors import MinillamaError
-from minillama.model.packing import draw_packed, pack_batch  # noqa: F401 (the packed batches of --pack)
+from minillama.io.chat_template import encode_rendered, render_chat
+from minillama.io.checkpoint import atomic_write, read_safetensors, save_checkpoint
+from minillama.io.load import load_params
+from minillama.io.peft import save_peft
+from minillama.model.lora import LoRA, LoRAConfig, parse_targets
+from minillama.model.packing import draw_packed, pack_batch
+from minillama.model.transformer import Transformer
+from minillama.train.distributed import SingleProcess
+from minillama.train.memplan import plan
+from minillama.train.optim import AdamW, clip_grad_norm, lr_at
+from minillama.train.step import DataParallelStep
+from minillama.train.trainer import _progress
 
 CKPT_NAME = "ckpt.safetensors"
 FORMAT = "minillama-finetune"
@@ -77,8 +90,6 @@ def token_offsets(tok, text: str) -> tuple[list[int], list[int]]:
         enc = inner.encode(text, add_special_tokens=False)
         if hasattr(enc, "offsets"):
             return list(enc.ids), [int(s) for s, _ in enc.offsets]
-    from minillama.io.chat_template import encode_rendered
-
     ids = encode_rendered(tok, text)  # nothing added: the template wrote BOS where wanted
     if not hasattr(tok, "decode_bytes"):
         raise MinillamaError("chat data needs a tokenizer that reports token offsets")
@@ -109,9 +120,8 @@ def align(raw: bytes, pieces: list[bytes]) -> list[int]:
 
 
 def render(tok, messages, add_generation_prompt: bool) -> str:
-    """The conversation through the model's chat template (:func:`minillama.io.chat_template.render_chat`)."""
-    from minillama.io.chat_template import render_chat
-
+    """The conversation through the model's chat template
+    (:func:`minillama.io.chat_template.render_chat`)."""
     return render_chat(tok, messages, add_generation_prompt)
 
 
@@ -308,11 +318,6 @@ class Finetuner:
     """The base model, its adapters (or every weight with ``full``), the data and the optimizer."""
 
     def __init__(self, s: dict[str, Any], out, progress: bool = True, say=print):
-        from minillama.io.load import load_params
-        from minillama.model.lora import LoRA, LoRAConfig, parse_targets
-        from minillama.model.transformer import Transformer
-        from minillama.train.optim import AdamW
-
         self.s, self.out, self.progress, self.say = s, Path(out), progress, say
         fmt, cfg, params, tok = load_params(s["checkpoint"])
         if tok is None:
@@ -340,6 +345,10 @@ class Finetuner:
         self._load_data(say)
         self.step, self.history = 0, {"train": [], "val": []}
         self.train_seconds, self.tokens_seen, self.example_tokens = 0.0, 0, 0
+        self._step_tokens = 0  # positions (padding included) drawn in the step under way
+        self.grad_step = DataParallelStep(self.model, None, SingleProcess(), s["batch_size"],
+                                          s["grad_accum"], draw=self._draw,
+                                          params=self.trainable, skip_untrained=True)
 
     def _load_data(self, say) -> None:
         s = self.s
@@ -357,38 +366,29 @@ class Finetuner:
         self.pad_id = int(getattr(self.tok, "eos_id", None) or 0)
 
     # --- steps -------------------------------------------------------------------------------
-    def train_step(self) -> tuple[float, float]:
-        from minillama.train.optim import clip_grad_norm, lr_at
+    def _draw(self):
+        """One micro-batch for :attr:`grad_step`: (tokens, targets, forward keywords), counting
+        its positions and example tokens."""
+        x, y, seg, real = next_batch(self)
+        self._step_tokens += x.size
+        self.example_tokens += real
+        return x, y, ({} if seg is None else {"segments": seg})
 
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step: the mean loss and gradient of ``--grad-accum`` micro-batches
+        (:class:`~minillama.train.step.DataParallelStep`, one process), clipping, AdamW; returns
+        (loss, lr)."""
         s = self.s
         lr = lr_at(self.step, s["lr"], s["warmup"], s["steps"], s["min_lr"])
-        A, loss_sum, grads, ntok = s["grad_accum"], 0.0, None, 0
-        for _ in range(A):
-            x, y, seg, real = next_batch(self)
-            ntok += x.size
-            self.example_tokens += real
-            if not (y >= 0).any():
-                continue
-            kw = {} if seg is None else {"segments": seg}
-            loss, g = self.model.loss_and_grads(x, y, **kw)
-            loss_sum += loss
-            if grads is None:
-                grads = g
-            else:
-                for k in grads:
-                    grads[k] += g[k]
-        if grads is None:
-            raise MinillamaError("a whole step drew no trained token")
-        for k in grads:
-            grads[k] *= 1.0 / A
-        loss = loss_sum / A
+        self._step_tokens = 0
+        loss, grads = self.grad_step.mean_loss_and_grads()
         if not math.isfinite(loss):
             raise MinillamaError(f"fine-tuning diverged: loss {loss} at step {self.step + 1} "
                                  f"(try a lower --lr)")
         clip_grad_norm(grads, s["grad_clip"])
         self.opt.step(grads, lr=lr)
         self.step += 1
-        self.tokens_seen += ntok
+        self.tokens_seen += self._step_tokens
         self.history["train"].append([self.step, loss])
         return loss, lr
 
@@ -406,8 +406,6 @@ class Finetuner:
         return total / count if count else None
 
     def train(self, stop_at: int | None = None) -> dict[str, Any]:
-        from minillama.train.trainer import _progress
-
         s = self.s
         end = s["steps"] if stop_at is None else min(stop_at, s["steps"])
         bar = _progress(total=s["steps"], initial=self.step, enabled=self.progress)
@@ -450,8 +448,6 @@ class Finetuner:
         return st
 
     def save(self) -> Path:
-        from minillama.io.checkpoint import atomic_write, save_checkpoint
-
         be = self.model.backend
         optim = {}
         for k in self.trainable:
@@ -463,19 +459,15 @@ class Finetuner:
             save_checkpoint(path, self.cfg, self.model.params, tokenizer=self.tok,
                             extra_tensors=optim, extra_metadata=meta)
             return path
-        from safetensors.numpy import save_file  # noqa: PLC0415
-
         tensors = {f"lora.{k}": np.ascontiguousarray(be.to_numpy(v))
                    for k, v in self.lora.params.items()}
         tensors.update({k: np.ascontiguousarray(v) for k, v in optim.items()})
         md = {"format": FORMAT, "finetune_state": json.dumps(meta["finetune_state"])}
         atomic_write(path, lambda t: save_file(tensors, t, metadata=md), "checkpoint")
-        self.lora.save_peft(self.out, base_model=str(self.s["checkpoint"]))
+        save_peft(self.lora, self.out, base_model=str(self.s["checkpoint"]))
         return path
 
     def resume(self) -> None:
-        from minillama.io.checkpoint import read_safetensors
-
         path = self.out / CKPT_NAME
         tensors, raw = read_safetensors(path)
         st = json.loads(raw["finetune_state"])
@@ -504,8 +496,6 @@ class Finetuner:
 def memory_plan(ft: Finetuner):
     """The :class:`~minillama.train.memplan.MemoryPlan` of a step of the run ``ft`` (T = ``--context``,
     the longest a micro-batch can be)."""
-    from minillama.train.memplan import plan
-
     s = ft.s
     return plan(ft.model, ft.trainable, s["batch_size"], s["context"], s["grad_accum"],
                 bool(s.get("recompute")))
@@ -525,8 +515,6 @@ def next_batch(ft: Finetuner):
 
 def saved_settings(out) -> dict[str, Any]:
     """The settings of the run in ``out`` (for ``--resume``)."""
-    from minillama.io.checkpoint import read_safetensors
-
     path = Path(out) / CKPT_NAME
     if not path.is_file():
         raise MinillamaError(f"--resume: no checkpoint at {path}")
@@ -535,153 +523,3 @@ def saved_settings(out) -> dict[str, Any]:
         return dict(json.loads(raw["finetune_state"])["settings"])
     except (KeyError, ValueError, TypeError):
         raise MinillamaError(f"--resume: {path} is not a fine-tuning checkpoint") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------------
-def add_cli(subparsers) -> None:
-    from minillama.cli.common import positive_int
-    from minillama.cli.common import backend_help
-
-    p = subparsers.add_parser(
-        "finetune", help="LoRA or full fine-tuning of a checkpoint (text, prompt/completion, chat)",
-        description="Fine-tune a checkpoint with its own tokenizer: LoRA adapters (written as "
-                    "PEFT writes them) or every weight (--full).")
-    p.add_argument("--checkpoint", "-c", help="the base model (HF folder, minillama, GGUF...)")
-    p.add_argument("--data", help="training data: .jsonl records or a plain text file")
-    p.add_argument("--out", required=True, help="output folder (checkpoint, adapter)")
-    p.add_argument("--val-data", help="held-out data (default: --val-fraction of --data)")
-    p.add_argument("--val-fraction", type=float, default=0.1,
-                   help="share of --data held out for evaluation when there is no --val-data")
-    p.add_argument("--full", action="store_true", help="train every weight instead of adapters")
-    p.add_argument("--lora-rank", type=positive_int, default=8, help="adapter rank r")
-    p.add_argument("--lora-alpha", type=float, default=16.0,
-                   help="adapter scale alpha (s = alpha / r)")
-    p.add_argument("--lora-targets", default="q,k,v,o,gate,up,down",
-                   help="comma-separated among q,k,v,o,gate,up,down (or all)")
-    p.add_argument("--lora-dropout", type=float, default=0.0,
-                   help="dropout on the adapters' input while training")
-    p.add_argument("--rslora", action="store_true", help="scale alpha / sqrt(r) (rsLoRA)")
-    p.add_argument("--steps", type=positive_int, default=100, help="optimizer steps")
-    p.add_argument("--batch-size", type=positive_int, default=4, help="examples per micro-batch")
-    p.add_argument("--grad-accum", type=positive_int, default=1,
-                   help="micro-batches summed per optimizer step")
-    p.add_argument("--context", type=positive_int, default=None,
-                   help="longest example in tokens (default: min(512, the model's))")
-    p.add_argument("--lr", type=float, default=None, help="peak lr (2e-4 LoRA, 2e-5 full)")
-    p.add_argument("--min-lr", type=float, default=None, help="final lr (default lr / 10)")
-    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--grad-clip", type=float, default=1.0,
-                   help="clip the gradient norm to this (0: off)")
-    p.add_argument("--eval-interval", type=positive_int, default=50,
-                   help="steps between held-out evaluations")
-    p.add_argument("--seed", type=int, default=0, help="seed of the data order and dropout")
-    p.add_argument("--backend", default=None, help=backend_help())
-    p.add_argument("--skip-bad", action="store_true", help="skip bad records (with a warning)")
-    _add_memory_flags(p)
-    p.add_argument("--resume", action="store_true", help="continue the run in --out")
-    p.add_argument("--stop-at", type=positive_int, default=None,
-                   help="stop (with a checkpoint) after this step; the schedule spans --steps")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run_cli)
-
-    m = subparsers.add_parser(
-        "merge", help="merge a LoRA adapter into its base model (writes a HF folder)",
-        description="Write BASE with ADAPTER merged (W + s B A) as a Hugging Face llama folder; "
-                    "the base's tokenizer files are copied beside it.")
-    m.add_argument("base", help="the base checkpoint the adapter was trained on")
-    m.add_argument("adapter", help="the adapter folder (adapter_config.json + "
-                                   "adapter_model.safetensors)")
-    m.add_argument("--out", required=True, help="output folder")
-    m.set_defaults(func=run_merge)
-
-
-def _add_memory_flags(p) -> None:
-    """--pack, --recompute and --max-memory (the memory a step takes)."""
-    p.add_argument("--pack", action="store_true",
-                   help="pack several examples per --context tokens (each attends only within "
-                        "itself, positions restart per example) instead of padding each")
-    p.add_argument("--recompute", action="store_true",
-                   help="gradient checkpointing: keep only each block's input in the forward, "
-                        "recompute the block in the backward (same gradients, less memory)")
-    p.add_argument("--max-memory", default=None, metavar="SIZE",
-                   help="memory to plan for (e.g. 8G, 512M); default: what is free")
-
-
-def run_merge(args) -> int:
-    import shutil  # noqa: PLC0415
-
-    from minillama.io.checkpoint import check_output_dir
-    from minillama.io.load import load_params, save_hf
-    from minillama.io.hf import is_hf_dir
-    from minillama.model.lora import load_peft
-    from minillama.model.transformer import Transformer
-
-    out = check_output_dir(args.out, "output folder (--out)")
-    _, cfg, params, _ = load_params(args.base)
-    model = Transformer(cfg, params, backend="reference", dtype=np.float32)
-    lora = load_peft(model, args.adapter)
-    save_hf(out, cfg, lora.merged(model.params))
-    if is_hf_dir(args.base):
-        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                     "special_tokens_map.json"):
-            if (Path(args.base) / name).is_file():
-                shutil.copyfile(Path(args.base) / name, out / name)
-    print(f"wrote {out}: {args.base} with {args.adapter} merged "
-          f"({len(lora.targets)} linears, rank {lora.lc.rank})", file=sys.stderr)
-    return 0
-
-
-def settings_from_args(args) -> dict[str, Any]:
-    if args.resume:
-        return saved_settings(args.out)
-    if not args.checkpoint or not args.data:
-        raise MinillamaError("finetune needs --checkpoint and --data (or --resume)")
-    s = {k: getattr(args, k) for k in SETTINGS}
-    if s["lr"] is None:
-        s["lr"] = 2e-5 if s["full"] else 2e-4
-    if s["min_lr"] is None:
-        s["min_lr"] = s["lr"] / 10
-    if not (s["lr"] > 0 and 0 <= s["min_lr"] <= s["lr"]):
-        raise MinillamaError(f"--lr must be > 0 and --min-lr in [0, lr]; got {s['lr']}, "
-                             f"{s['min_lr']}")
-    if not 0 <= s["val_fraction"] < 1:
-        raise MinillamaError(f"--val-fraction must lie in [0, 1), got {s['val_fraction']}")
-    if s["warmup"] < 0 or s["weight_decay"] < 0 or s["grad_clip"] < 0:
-        raise MinillamaError("--warmup, --weight-decay and --grad-clip must be >= 0")
-    s["checkpoint"] = str(Path(s["checkpoint"]).resolve())
-    return s
-
-
-def run_cli(args) -> int:
-    from minillama.io.checkpoint import check_output_dir
-
-    def say(m):
-        print(m, file=sys.stderr)
-
-    from minillama.train.memplan import parse_size, report
-
-    check_output_dir(args.out, "output folder (--out)")
-    max_memory = parse_size(args.max_memory) if args.max_memory is not None else None
-    s = settings_from_args(args)
-    if args.resume:
-        if args.pack and not s.get("pack"):
-            raise MinillamaError(f"--pack: the run in {args.out} pads its batches; packing "
-                                 f"cannot start on a resume (it changes the data order)")
-        s["recompute"] = bool(args.recompute)  # the same gradients either way
-    ft = Finetuner(s, args.out, progress=not args.no_progress, say=say)
-    n = sum(int(v.size) for v in ft.trainable.values())
-    say(f"fine-tuning {s['checkpoint']}: {'every weight' if s['full'] else 'LoRA'} "
-        f"({n:,} trainable parameters); {len(ft.train_ex)} train / {len(ft.val_ex)} held-out "
-        f"examples; backend {ft.model.backend.name}"
-        f"{'; packed' if s.get('pack') else ''}{'; recomputing blocks' if s['recompute'] else ''}")
-    report(memory_plan(ft), ft.model.backend, max_memory, say)
-    if args.resume:
-        ft.resume()
-        say(f"resumed at step {ft.step}")
-    summary = ft.train(stop_at=args.stop_at)
-    print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v)
-                      for k, v in summary.items()}))
-    return 0

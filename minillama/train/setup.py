@@ -9,7 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
+from minillama.backends import get_backend, with_precision
 from minillama.io.checkpoint import CKPT_NAME
+from minillama.io.load import load_params
 from minillama.core.config import ModelConfig
 from minillama.io.data import TokenData, prepare_data
 from minillama.train.distributed import Communicator
@@ -48,17 +50,12 @@ def build_model(tc: TrainConfig, cfg: ModelConfig, out: Path) -> Transformer:
     must be the one this run asks for)."""
     params = None
     if tc.init_from and not (out / CKPT_NAME).is_file():
-        from minillama.io.load import load_params
-
         _, theirs_cfg, params, _ = load_params(tc.init_from)
         mine, theirs = cfg.to_dict(), theirs_cfg.to_dict()
         diff = [k for k in MODEL_FIELDS + ("vocab_size",) if mine[k] != theirs[k]]
         if diff:
             raise MinillamaError(f"--init-from: {tc.init_from} has {diff[0]}="
                                  f"{theirs[diff[0]]!r}, this run asks for {mine[diff[0]]!r}")
-    from minillama.backends import get_backend
-    from minillama.backends.cupy.mixed_precision import with_precision
-
     backend = with_precision(get_backend(tc.backend), tc.precision)
     model = Transformer(cfg, params, backend=backend, dtype=np.dtype(tc.dtype), seed=tc.seed)
     model.recompute = bool(tc.recompute)

@@ -9,6 +9,12 @@ With N ranks and A = ``grad_accum`` micro-batches each:
 
 Every rank draws all N x A micro-batches from the same sampler (so the data position stays the
 same everywhere) and computes on its own A; the sums go over the ranks in one flat buffer.
+
+Pretraining (:class:`minillama.train.trainer.Trainer`) and fine-tuning
+(:class:`minillama.train.finetune.Finetuner`) both take their step's gradient from
+:class:`DataParallelStep`; fine-tuning draws micro-batches with masked targets (and, packed, their
+segments), trains only some parameters (the adapters, the base frozen) and skips micro-batches
+without a trained target.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from minillama.core.errors import MinillamaError
 from minillama.train.distributed import Communicator
 
 
@@ -38,16 +45,32 @@ class TimeLimit:
 class DataParallelStep:
     """The mean loss and gradient of the global batch for ``model`` on ``data``; with several
     ranks, summed with one in-place all-reduce of a flat buffer that also carries the loss sum and
-    the time-limit vote (:attr:`stop_voted`, the same on every rank after a step)."""
+    the time-limit vote (:attr:`stop_voted`, the same on every rank after a step).
+
+    What fine-tuning changes, by keyword:
+
+    * ``draw``: () -> (x, y, keywords of ``model.loss_and_grads``), one micro-batch (default:
+      ``data.train_batch(batch_size)`` and no keywords); targets y = -1 are not trained, and
+      packed rows pass ``segments``;
+    * ``params``: the parameters that get gradients (default: all of ``model.params``; a LoRA
+      run's adapters, its base frozen), the layout of the flat buffer;
+    * ``skip_untrained``: a drawn micro-batch with no trained target (every y = -1) is not run
+      (it adds nothing to the sums and still counts in the mean); a step of which no micro-batch
+      ran raises :class:`MinillamaError`.
+    """
 
     def __init__(self, model, data, comm: Communicator, batch_size: int, grad_accum: int,
-                 time_limit: TimeLimit):
+                 time_limit: TimeLimit | None = None, *, draw=None, params=None,
+                 skip_untrained: bool = False):
         self.model = model
         self.data = data
         self.comm = comm
         self.batch_size = batch_size
         self.grad_accum = grad_accum
-        self.time_limit = time_limit
+        self.time_limit = time_limit if time_limit is not None else TimeLimit()
+        self.draw = draw if draw is not None else self._draw_from_data
+        self.params = params if params is not None else model.params
+        self.skip_untrained = skip_untrained
         self.stop_voted = False  # some rank's time limit has passed (decided in the last step)
         self._flat = None  # (buffer, views): the gradients of a data-parallel step, flat
 
@@ -72,24 +95,33 @@ class DataParallelStep:
         A, r = self.grad_accum, self.comm.rank
         loss_sum, grads = 0.0, None
         for j in range(self.comm.size * A):
-            x, y = self.data.train_batch(self.batch_size)
+            x, y, kw = self.draw()
             if j // A != r:
                 continue
-            loss, g = self.model.loss_and_grads(x, y)
+            if self.skip_untrained and not (y >= 0).any():
+                continue
+            loss, g = self.model.loss_and_grads(x, y, **kw)
             loss_sum += loss
             if grads is None:
                 grads = g
             else:
                 for k in grads:
                     grads[k] += g[k]
+        if grads is None:
+            raise MinillamaError("a whole step drew no trained token")
         return loss_sum, grads
+
+    def _draw_from_data(self):
+        """The default ``draw``: a micro-batch of ``data``, no keywords."""
+        x, y = self.data.train_batch(self.batch_size)
+        return x, y, {}
 
     def flat_buffer(self):
         """(buf, views): one contiguous array (in the parameters' array module: host or device)
         holding every gradient followed by two slots, the loss sum and the time-limit vote;
         ``views[name]`` is the gradient's piece, shaped like the parameter."""
         if self._flat is None:
-            params = self.model.params
+            params = self.params
             xp = self.model.backend.xp
             n = sum(int(p.size) for p in params.values())
             buf = xp.zeros(n + 2, dtype=self.model.dtype)

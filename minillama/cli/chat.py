@@ -1,0 +1,121 @@
+"""``minillama chat``: an interactive conversation with a chat model through its own chat
+template, each reply streamed to stdout as it is generated; one user turn per line, from a
+terminal or a pipe.
+
+The conversation and its KV cache are :class:`minillama.infer.chat.ChatSession`; this module is
+the command's flags, the input loop and the streamed output.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from minillama.cli.common import add_sampling_flags, backend_help, sampling_kwargs
+from minillama.core.errors import MinillamaError
+from minillama.infer.chat import ChatSession
+from minillama.infer.generate import TextStreamer
+from minillama.io.load import open_model
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "chat", help="talk with a chat model (multi-turn, streams each reply)",
+        description="An interactive conversation through the model's own chat template. Each "
+                    "line you type is a user turn; the reply streams to stdout. The KV cache "
+                    "is kept between turns, so a turn prefills only its new tokens. /reset "
+                    "starts over, /exit (or Ctrl-D) quits, Ctrl-C stops a reply. Reads one "
+                    "user turn per line from a pipe too. A turn that cannot be sent (longer "
+                    "than the context, refused by the template) is one error line; the chat "
+                    "goes on and exits with status 2 at the end.")
+    p.add_argument("--checkpoint", "-c", required=True,
+                   help="model file or folder with a chat template (GGUF or Hugging Face)")
+    p.add_argument("--adapter", default=None,
+                   help="a LoRA adapter folder (PEFT's adapter_config.json + "
+                        "adapter_model.safetensors, e.g. `minillama finetune --out`)")
+    p.add_argument("--tokenizer", "-t", default=None,
+                   help="tokenizer folder or file (default: the checkpoint's own)")
+    p.add_argument("--system", "-s", default=None, help="system message")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=512,
+                   help="most tokens per reply (default 512)")
+    p.add_argument("--context", type=int, default=4096,
+                   help="KV cache positions for the conversation, capped at the model's "
+                        "context (default 4096)")
+    add_sampling_flags(p, temperature=0.8, top_p=0.95, min_p=0.05)
+    p.add_argument("--backend", default=None, help=backend_help())
+    p.add_argument("--dtype", default=None, choices=("float32", "float64"),
+                   help="compute precision (default float32)")
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args, stdin=None, stdout=None) -> int:
+    stdin = stdin if stdin is not None else sys.stdin
+    out = stdout if stdout is not None else sys.stdout
+    session, tok = _open_session(args)
+    interactive = stdin.isatty() if hasattr(stdin, "isatty") else False
+    if interactive:
+        print("chat: /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops a reply",
+              file=sys.stderr)
+    failed = False
+    while True:
+        if interactive:
+            out.write("> ")
+            out.flush()
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:
+            out.write("\n")
+            continue
+        if not line:
+            break
+        text = line.rstrip("\r\n")
+        if text.strip() == "/exit":
+            break
+        if text.strip() == "/reset":
+            session.reset()
+            print("[conversation reset]", file=sys.stderr)
+            continue
+        if not text.strip():
+            continue
+        failed = not _stream_reply(session, tok, text, out) or failed
+    return 2 if failed else 0  # a refused turn: the chat went on, the exit status tells
+
+
+def _open_session(args):
+    """(ChatSession, tokenizer) of the command's checkpoint, adapter, tokenizer and settings."""
+    sampling = sampling_kwargs(args)
+    if args.max_new_tokens < 1:
+        raise MinillamaError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.context < 2:
+        raise MinillamaError(f"--context must be >= 2, got {args.context}")
+    checkpoint = Path(args.checkpoint)
+    model, tok, _ = open_model(checkpoint, args.backend, args.dtype,
+                               getattr(args, "adapter", None), args.tokenizer)
+    if tok is None:
+        raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer")
+    session = ChatSession(model, tok, system=args.system, max_new_tokens=args.max_new_tokens,
+                          context=args.context, seed=args.seed, **sampling)
+    return session, tok
+
+
+def _stream_reply(session, tok, text: str, out) -> bool:
+    """Write the reply to ``text`` as it is generated; False when the turn was refused (too long,
+    the template objects: said on stderr). Ctrl-C stops the reply, keeping what was written."""
+    streamer = TextStreamer(tok)
+    steps = session.reply(text)
+    try:
+        for t in steps:
+            out.write(streamer.put(t))
+            out.flush()
+    except MinillamaError as e:  # this turn is refused (too long, the template objects)
+        print(f"minillama: error: {e}", file=sys.stderr)
+        return False
+    except KeyboardInterrupt:
+        steps.close()
+        out.write(streamer.flush() + "\n")
+        print("[reply stopped]", file=sys.stderr)
+        return True
+    out.write(streamer.flush() + "\n")
+    out.flush()
+    return True
+

@@ -1,0 +1,109 @@
+"""``minillama serve``: the command that loads a checkpoint into a continuous-batching
+:class:`~minillama.infer.engine.Engine` and serves it over the OpenAI-compatible HTTP API of
+:mod:`minillama.infer.serve`.
+
+Starlette and uvicorn are an optional extra (``pip install 'minillama[serve]'``), imported only
+when the command runs: registering the command loads neither, nor asyncio.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+from minillama.cli.common import backend_help, positive_int
+from minillama.core.errors import MinillamaError
+from minillama.infer.engine import Engine
+from minillama.infer.serve import build_app
+from minillama.io.load import DEFAULT_CHECKPOINT, detect_format, load_model, resolve_tokenizer
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
+        description="Serve a checkpoint over HTTP with OpenAI's API (/v1/chat/completions, "
+                    "/v1/completions, /v1/models, /health), concurrent requests sharing the "
+                    "model through continuous batching. Needs pip install 'minillama[serve]'.")
+    p.add_argument("--checkpoint", "-c", default=None,
+                   help="model file or folder (default: the Shakespeare model shipped with the "
+                        "package)")
+    p.add_argument("--tokenizer", "-t", default=None,
+                   help="tokenizer (default: the one stored with the checkpoint)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("MINILLAMA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every request but /health "
+                        "(default: $MINILLAMA_API_KEY, which keeps the key out of `ps`)")
+    p.add_argument("--model-name", default=None,
+                   help="the model id clients send (default: the checkpoint's file or folder "
+                        "name)")
+    p.add_argument("--backend", default=None, help=backend_help())
+    p.add_argument("--dtype", default=None, choices=("float32", "float64"),
+                   help="compute precision (default float32)")
+    p.add_argument("--max-batch", type=positive_int, default=8,
+                   help="most requests decoded together (KV-cache slots, default 8)")
+    p.add_argument("--max-context", type=positive_int, default=2048,
+                   help="positions per request, prompt included (default 2048, capped at the "
+                        "model's context)")
+    p.set_defaults(func=run_cli)
+
+
+def model_name_for(checkpoint: Path) -> str:
+    """The default model id: the checkpoint's name without its extension."""
+    name = checkpoint.name if checkpoint.is_dir() else checkpoint.stem
+    return name or "minillama"
+
+
+def load_engine(args):
+    """(engine, tokenizer, model name) for the command's arguments."""
+    checkpoint = Path(args.checkpoint) if args.checkpoint else DEFAULT_CHECKPOINT
+    fmt = detect_format(checkpoint)
+    model, model_tok = load_model(checkpoint, backend=args.backend, dtype=args.dtype)
+    tok = resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt)
+    if tok is None:
+        raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer")
+    engine = Engine(model, max_batch=args.max_batch, max_seq_len=args.max_context)
+    return engine, tok, args.model_name or model_name_for(checkpoint)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` and listening (bound before the model loads, so that a
+    busy port is refused at once)."""
+    if not 0 <= port <= 65535:
+        raise MinillamaError(f"--port must lie in [0, 65535], got {port}")
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(128)
+    except OSError as e:
+        raise MinillamaError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def run_cli(args) -> int:
+    try:
+        import starlette  # noqa: F401, PLC0415
+        import uvicorn  # noqa: PLC0415
+    except ImportError:
+        raise MinillamaError("minillama serve needs the optional server packages: "
+                             "pip install 'minillama[serve]'") from None
+    sock = _listen(args.host, args.port)
+    try:
+        engine, tok, name = load_engine(args)
+    except BaseException:
+        sock.close()
+        raise
+    app = build_app(engine, tok, name, args.api_key)
+    host, port = sock.getsockname()[:2]
+    print(f"minillama: serving {name!r} on http://{host}:{port} (backend "
+          f"{engine.model.backend.name}, {engine.max_batch} slots of {engine.S} positions, "
+          f"KV cache {engine.cache.nbytes / 2**20:.1f} MiB)",
+          file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
