@@ -253,8 +253,8 @@ def run_llama2c(binary, model_path, tok_path, steps):
 
 def llama2c_main():
     """Decode speed against llama2.c's run.c on the same random checkpoints, interleaved."""
-    from minillama.io.load import load_model
     from minillama.io.llama2c import save_llama2c
+    from minillama.io.load import load_model
 
     binary = os.path.abspath(ARGS.llama2c)
     if not os.access(binary, os.X_OK):

@@ -48,11 +48,11 @@ _bench_common.pin_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402
 
-from minillama.train import memplan  # noqa: E402
-from minillama.train.finetune import Finetuner  # noqa: E402
 from minillama.io.load import load_params  # noqa: E402
 from minillama.model.lora import LoRA, LoRAConfig  # noqa: E402
 from minillama.model.transformer import Transformer  # noqa: E402
+from minillama.train import memplan  # noqa: E402
+from minillama.train.finetune import Finetuner  # noqa: E402
 
 MiB = 1024 ** 2
 

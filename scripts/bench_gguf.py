@@ -66,8 +66,8 @@ def child(args) -> None:
 
     import numpy as np  # noqa: PLC0415
 
-    from minillama.io.load import load_model
     from minillama.infer.generate import GenerationStats, generate
+    from minillama.io.load import load_model
 
     t0 = time.perf_counter()
     model, _ = load_model(args.child, backend=args.backend)
@@ -112,8 +112,8 @@ def make_files(args, work: Path) -> list[Path]:
 
     from minillama.core.config import ModelConfig
     from minillama.io.gguf import save_gguf
-    from minillama.model.transformer import init_params
     from minillama.io.tokenizer import load_tokenizer
+    from minillama.model.transformer import init_params
 
     f32 = work / "s110-F32.gguf"
     if not f32.exists():

@@ -41,14 +41,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
-import os
 import platform
 import sys
 import time
 
 import _bench_common
-
 import numpy as np
 
 sys.path.insert(0, _bench_common.REPO)
@@ -480,6 +477,7 @@ def bench_attention(args, argv=None) -> int:
         import cupy as cp
         import torch
         import torch.nn.functional as F
+
         from minillama.backends import get_backend
         be = get_backend("cupy")
     except (ImportError, MinillamaError) as e:
@@ -630,7 +628,7 @@ def main(argv=None) -> int:
             pass
     import cupy as cp  # noqa: PLC0415
 
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"# bench_gpu: {be.device}, {now}, cupy {cp.__version__}, torch {torch_ver}, "
           f"python {platform.python_version()}")
     print(f"# command: python scripts/bench_gpu.py {' '.join(sys.argv[1:] if argv is None else argv)}")

@@ -49,8 +49,8 @@ import os
 import platform
 import subprocess
 import sys
-import tracemalloc
 import time
+import tracemalloc
 
 import _bench_common
 
@@ -99,10 +99,11 @@ _bench_common.pin_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402  (after the thread settings)
 
-from minillama.core import ops  # noqa: E402
 from minillama.backends import get_backend  # noqa: E402
+from minillama.core import ops  # noqa: E402
 from minillama.core.config import ModelConfig  # noqa: E402
 from minillama.model.transformer import Transformer, init_params  # noqa: E402
+
 
 def peak_alloc(fn) -> int:
     """Peak bytes of NumPy/Python allocations alive at once while ``fn()`` runs (tracemalloc),
@@ -121,8 +122,8 @@ def numba_scratch_bytes(nb_threads: int, G: int, hd: int, itemsize: int = 4) -> 
     """Upper bound of the attention kernels' scratch: per running work item, for the loop
     kernels two (BR G, BC) tiles, a (BR G, hd) accumulator and a few (BR G) / (hd) vectors; for
     the BLAS-tiled kernels (T >= 16) two (TILE_BQ, TILE_BK) tiles and four TILE_BQ vectors."""
-    from minillama.backends.numba import backend_attention as NB  # noqa: PLC0415
     from minillama.backends.numba import attention as K  # noqa: PLC0415
+    from minillama.backends.numba import backend_attention as NB  # noqa: PLC0415
 
     R = K.BR * G
     loops = 2 * R * K.BC + R * hd + 4 * R + 2 * hd

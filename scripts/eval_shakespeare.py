@@ -24,11 +24,10 @@ import time
 
 import numpy as np
 
-from minillama.io.data import TokenData, prepare_shakespeare
 from minillama.core.errors import MinillamaError
-from minillama.io.load import load_model
 from minillama.infer.generate import generate
-from minillama.io.load import DEFAULT_CHECKPOINT
+from minillama.io.data import TokenData, prepare_shakespeare
+from minillama.io.load import DEFAULT_CHECKPOINT, load_model
 from minillama.io.tokenizer import ByteTokenizer
 
 

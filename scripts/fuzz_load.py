@@ -35,6 +35,7 @@ STATUSES = ("ok", "error", "traceback", "timeout", "crash", "nonfinite")
 def real_targets(root: Path) -> dict[str, Target]:
     """Mutated copies of real files when they are here: the shipped model and stories260K."""
     from fuzzing import _load_and_run  # noqa: PLC0415
+
     from minillama.io.load import DEFAULT_CHECKPOINT
 
     out = {}

@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from minillama.io.data import VAL_PLAYS, prepare_shakespeare
 from minillama.core.errors import MinillamaError
+from minillama.io.data import VAL_PLAYS, prepare_shakespeare
 
 
 def main(argv=None) -> int:

@@ -201,7 +201,8 @@ def profile_torch(name):
     """The PyTorch eager step of scripts/bench_train.py (with AdamW) under torch.profiler: self
     CPU time per aten op, grouped (matrix products, attention, the rest)."""
     import torch  # noqa: PLC0415
-    from torch.profiler import ProfilerActivity, profile as tprofile  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity  # noqa: PLC0415
+    from torch.profiler import profile as tprofile
 
     argv, sys.argv = sys.argv, [sys.argv[0], "--threads", str(ARGS.threads)]
     try:  # bench_train parses the command line on import: hand it only the thread count

@@ -32,14 +32,13 @@ from pathlib import Path
 import numpy as np
 
 from minillama.core.errors import MinillamaError
-from minillama.io.load import load_params
-from minillama.io.gguf import save_gguf
-from minillama.io.load import DEFAULT_CHECKPOINT
-from minillama.model.transformer import Transformer
-from minillama.infer.perplexity import SHAKESPEARE_VAL, default_bos, perplexity, read_text
 from minillama.core.quant import QuantMatrix
 from minillama.core.quantize import quantize_params
+from minillama.infer.perplexity import SHAKESPEARE_VAL, default_bos, perplexity, read_text
+from minillama.io.gguf import save_gguf
+from minillama.io.load import DEFAULT_CHECKPOINT, load_params
 from minillama.io.tokenizer import ByteTokenizer
+from minillama.model.transformer import Transformer
 
 
 def decode(params):

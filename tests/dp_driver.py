@@ -23,8 +23,8 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from minillama.train.distributed import MPIComm, NCCLComm
 from minillama.core.errors import MinillamaError
+from minillama.train.distributed import MPIComm, NCCLComm
 from minillama.train.trainer import TrainConfig, Trainer, TrainingDiverged
 
 

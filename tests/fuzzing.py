@@ -34,9 +34,10 @@ import signal
 import struct
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -115,7 +116,7 @@ def make_targets(root, names: list[str] | None = None) -> dict[str, Target]:
     """Write the seed of every target (or of ``names``) under ``root``; returns them by name.
     Targets whose optional package is missing (``tokenizers``, ``gguf``) are left out."""
     from minillama.io.checkpoint import save_checkpoint
-    from minillama.io.load import save_hf, save_llama2c
+    from minillama.io.load import save_llama2c
     from minillama.io.tokenizer import ByteTokenizer
 
     root = Path(root)
@@ -350,8 +351,8 @@ class NonFiniteLogits(Exception):
 def _load_and_run(path, tokenizer=None):
     """load_model on the NumPy backend, encode a short text (when there is a tokenizer), check
     the logits of up to 4 tokens are finite, greedy-decode 4 tokens and decode them to text."""
-    from minillama.io.load import check_tokenizer, load_model
     from minillama.infer.generate import generate
+    from minillama.io.load import check_tokenizer, load_model
     from minillama.io.tokenizer import load_tokenizer
 
     model, tok = load_model(path, backend="numpy")
@@ -394,7 +395,7 @@ def _load_own_bpe(folder: Path):
 
 
 def _load_train_config(folder: Path):
-    from minillama.train.trainer import TrainConfig, read_config_file
+    from minillama.train.config import TrainConfig, read_config_file
 
     for name in ("train.json", "train.toml"):
         tc = TrainConfig.from_dict(read_config_file(folder / name))

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from minillama.backends import backend_names, get_backend
-from minillama.core.config import ModelConfig
+from minillama.core.config import ModelConfig, param_shapes
 from minillama.core.errors import MinillamaError
-from minillama.core.config import param_shapes
 
 #: the tolerance of an op-by-op parity test against ``get_backend("reference")`` on the same
 #: inputs, by backend and dtype (max abs error over max abs value of the reference). numpy

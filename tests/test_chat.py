@@ -4,15 +4,14 @@ end-of-turn ids from generation_config.json."""
 from __future__ import annotations
 
 import json
-
 import sys
 from pathlib import Path
 
 import pytest
 
 from minillama.cli import main as cli
-from minillama.io.chat_template import render_chat, stop_ids
 from minillama.core.errors import MinillamaError
+from minillama.io.chat_template import render_chat, stop_ids
 from minillama.io.tokenizer import HFTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

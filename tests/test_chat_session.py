@@ -10,14 +10,13 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from minillama.cli import main as cli
-from minillama.infer.chat import ChatSession
-from minillama.io.chat_template import encode_rendered, render_chat, stop_ids
 from minillama.core.errors import MinillamaError
+from minillama.infer.chat import ChatSession
 from minillama.infer.generate import generate
+from minillama.io.chat_template import encode_rendered, render_chat, stop_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

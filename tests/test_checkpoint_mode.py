@@ -5,8 +5,8 @@ import stat
 
 import numpy as np
 
-from minillama.io.checkpoint import load_checkpoint, save_checkpoint
 from minillama.core.config import ModelConfig
+from minillama.io.checkpoint import load_checkpoint, save_checkpoint
 from minillama.model.transformer import init_params
 
 

@@ -16,15 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from fuzzing import _write_tokenizer_bin
 
 from minillama.cli import main as cli
-from minillama.io.checkpoint import save_checkpoint
 from minillama.core.config import ModelConfig
+from minillama.io.checkpoint import save_checkpoint
 from minillama.io.load import save_llama2c
-from minillama.model.transformer import init_params
 from minillama.io.tokenizer import ByteTokenizer
-
-from fuzzing import _write_tokenizer_bin
+from minillama.model.transformer import init_params
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 import minillama.cli.generate as gen
-from minillama.io.checkpoint import save_checkpoint
 from minillama.cli.main import main
 from minillama.core.config import ModelConfig
+from minillama.io.checkpoint import save_checkpoint
 from minillama.io.load import save_llama2c
-from minillama.model.transformer import init_params
 from minillama.io.tokenizer import ByteTokenizer
+from minillama.model.transformer import init_params
 
 ROOT = Path(__file__).resolve().parents[1]
 

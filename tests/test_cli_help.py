@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from minillama.cli import main as cli
 from minillama.backends import backend_names
+from minillama.cli import main as cli
 
 MARKUP = ("``", ":func:", ":class:", ":mod:", ":meth:", ".. math", ".. ", "%(")
 

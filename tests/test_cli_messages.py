@@ -9,13 +9,13 @@ import json
 import pytest
 
 from minillama.cli import main as cli
-from minillama.io.checkpoint import save_checkpoint
 from minillama.core.config import ModelConfig
+from minillama.infer.generate import warm_up
+from minillama.io.checkpoint import save_checkpoint
 from minillama.io.data import prepare_text_file
 from minillama.io.load import load_model
-from minillama.infer.generate import warm_up
-from minillama.model.transformer import init_params
 from minillama.io.tokenizer import ByteTokenizer
+from minillama.model.transformer import init_params
 
 CFG = ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=ByteTokenizer.vocab_size,
                   hidden_dim=24, max_seq_len=32)

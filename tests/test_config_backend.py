@@ -12,9 +12,8 @@ import pytest
 
 from minillama import MinillamaError, ModelConfig, Transformer
 from minillama.backends import BACKENDS, get_backend, resolve_name
-from minillama.core.config import llama_hidden_dim
+from minillama.core.config import llama_hidden_dim, param_shapes
 from minillama.model.transformer import check_params, init_params
-from minillama.core.config import param_shapes
 
 
 # ---------------------------------------------------------------------------------------------

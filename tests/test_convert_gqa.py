@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from minillama.cli import main as cli
-from minillama.io.checkpoint import load_checkpoint, save_checkpoint
 from minillama.core.config import ModelConfig
-from minillama.model.transformer import init_params
+from minillama.io.checkpoint import load_checkpoint, save_checkpoint
 from minillama.io.tokenizer import ByteTokenizer
+from minillama.model.transformer import init_params
 
 
 @pytest.fixture
@@ -83,8 +83,8 @@ def test_train_init_from_starts_at_the_converted_weights(mha_ckpt, tmp_path, cap
 
 
 def test_convert_gqa_cannot_add_kv_heads():
-    from minillama.model.gqa import convert_gqa
     from minillama.core.errors import MinillamaError
+    from minillama.model.gqa import convert_gqa
 
     cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=11, max_seq_len=8)
     with pytest.raises(MinillamaError, match="into a divisor of 2, not 4"):

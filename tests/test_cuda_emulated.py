@@ -19,12 +19,11 @@ import types
 
 import numpy as np
 import pytest
-
-from minillama.core import ops
-from minillama.backends.cupy import build as cb
-from minillama.backends.cupy import backend as cbk
-
 from helpers import max_rel_err
+
+from minillama.backends.cupy import backend as cbk
+from minillama.backends.cupy import build as cb
+from minillama.core import ops
 
 EMU_HEADER = r"""// Minimal CPU emulation of the CUDA features the minillama kernels use: one OS thread per CUDA
 // thread, blocks run one after another (so function-static "__shared__" arrays are per block),
@@ -485,8 +484,8 @@ def test_mixed_precision_cupy_path(be, monkeypatch, precision):
 def test_mixed_precision_whole_model(be, monkeypatch):
     """A bf16 training step of a whole model through the CuPy path (emulated kernels, the cuBLAS
     calls replayed in NumPy) gives the loss and gradients of the NumPy bf16 emulation."""
-    from minillama.backends.cupy import mixed_precision as mp  # noqa: PLC0415
     from minillama.backends import get_backend  # noqa: PLC0415
+    from minillama.backends.cupy import mixed_precision as mp  # noqa: PLC0415
     from minillama.core.config import ModelConfig
     from minillama.model.transformer import Transformer
 

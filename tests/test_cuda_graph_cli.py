@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from minillama.backends.cupy.graph import MAX_BATCH, stream_greedy, unsupported_reason
-from minillama.io.checkpoint import save_checkpoint
 from minillama.cli.main import main
 from minillama.core.config import ModelConfig
 from minillama.infer.generate import GenerationStats, generate_steps
-from minillama.model.transformer import Transformer, init_params
+from minillama.io.checkpoint import save_checkpoint
 from minillama.io.tokenizer import ByteTokenizer
+from minillama.model.transformer import Transformer, init_params
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=40,
                   max_seq_len=48)

@@ -15,14 +15,13 @@ import os
 
 import numpy as np
 import pytest
+from helpers import PARITY_TOL, max_rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama.core import ops
 from minillama.backends import get_backend
+from minillama.core import ops
 from minillama.core.errors import MinillamaError
-
-from helpers import PARITY_TOL, max_rel_err
 
 try:
     BE = get_backend("cupy")
@@ -32,8 +31,8 @@ except MinillamaError as _e:
 else:
     import cupy as cp
 
-    from minillama.backends.cupy import build as cb
     from minillama.backends.cupy import backend as cbk
+    from minillama.backends.cupy import build as cb
 
     pytestmark = pytest.mark.gpu
 
@@ -423,11 +422,11 @@ def test_graph_decoder_streams_in_chunks_like_the_eager_loop():
 def test_cli_generate_cuda_graph_gives_the_eager_text(tmp_path, capsys):
     """``minillama generate --backend cupy --temperature 0``: --cuda-graph on (and auto, the
     default) print the text of --cuda-graph off, and say that they ran the graph."""
-    from minillama.io.checkpoint import save_checkpoint
     from minillama.cli.main import main
     from minillama.core.config import ModelConfig
-    from minillama.model.transformer import init_params
+    from minillama.io.checkpoint import save_checkpoint
     from minillama.io.tokenizer import ByteTokenizer
+    from minillama.model.transformer import init_params
 
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258,
                       hidden_dim=96, max_seq_len=96)

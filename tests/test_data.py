@@ -7,8 +7,17 @@ import json
 import numpy as np
 import pytest
 
-from minillama.io.data import (VAL_PLAYS, TokenData, encode_documents, load_tokens, prepare_data, prepare_shakespeare, prepare_text_file, shakespeare_documents)
 from minillama.core.errors import MinillamaError
+from minillama.io.data import (
+    VAL_PLAYS,
+    TokenData,
+    encode_documents,
+    load_tokens,
+    prepare_data,
+    prepare_shakespeare,
+    prepare_text_file,
+    shakespeare_documents,
+)
 from minillama.io.tokenizer import ByteTokenizer
 
 BOS = ByteTokenizer.bos_id

@@ -22,18 +22,25 @@ from pathlib import Path
 import pytest
 
 from minillama.cli import main as cli
-from minillama.io.checkpoint import load_checkpoint
-from minillama.io.data import prepare_text_file
-from minillama.train.distributed import (Communicator, RanksFailed, blas_share, detect_launcher, find_mpiexec, share_cores)
 from minillama.core.errors import MinillamaError
-from minillama.train.trainer import CKPT_NAME, grad_accum_for
+from minillama.io.checkpoint import CKPT_NAME, load_checkpoint
+from minillama.io.data import prepare_text_file
+from minillama.train.config import grad_accum_for
+from minillama.train.distributed import (
+    Communicator,
+    RanksFailed,
+    blas_share,
+    detect_launcher,
+    find_mpiexec,
+    share_cores,
+)
 
 MPIEXEC = find_mpiexec()
 HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
 PROBE_TIMEOUT = 60  # seconds for the one probe launch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mpi_probe() -> str | None:
     """None when ``mpiexec -n 2`` really launches two ranks that see each other through mpi4py
     (one probe per test session, with a time limit); else why not, in one line.

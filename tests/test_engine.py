@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillama.core.config import ModelConfig
-from minillama.infer.engine import Engine, StopText
 from minillama.core.errors import MinillamaError
+from minillama.infer.engine import Engine, StopText
 from minillama.infer.generate import generate
 from minillama.model.transformer import Transformer, init_params
 

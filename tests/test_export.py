@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from minillama.cli import main as cli
-from minillama.io.checkpoint import save_checkpoint
 from minillama.core.config import ModelConfig
+from minillama.io.checkpoint import save_checkpoint
 from minillama.io.load import load_model
 from minillama.model.transformer import init_params
 

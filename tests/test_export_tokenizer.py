@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillama.cli import main as cli
-from minillama.io.checkpoint import save_checkpoint
 from minillama.core.config import ModelConfig
+from minillama.io.checkpoint import save_checkpoint
 from minillama.io.load import load_params
-from minillama.model.transformer import init_params
 from minillama.io.tokenizer import ByteTokenizer, HFTokenizer
+from minillama.model.transformer import init_params
 
 CFG = ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=ByteTokenizer.vocab_size,
                   hidden_dim=24, max_seq_len=64)

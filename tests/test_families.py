@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from minillama.core.errors import MinillamaError
-from minillama.io.load import load_model
-from minillama.io.hf import config_from_hf
 from minillama.infer.generate import generate
+from minillama.io.hf import config_from_hf
+from minillama.io.load import load_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

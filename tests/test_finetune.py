@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from minillama.cli import main as cli
-from minillama.io.chat_template import encode_rendered, render_chat
 from minillama.core.errors import MinillamaError
-from minillama.train.finetune import chat_example, load_examples, pad_batch, prompt_example
+from minillama.io.chat_template import encode_rendered, render_chat
 from minillama.io.load import load_model
 from minillama.io.peft import apply_adapter, load_peft, save_peft
-from minillama.model.lora import LoRA, LoRAConfig
 from minillama.io.tokenizer import HFTokenizer
+from minillama.model.lora import LoRA, LoRAConfig
+from minillama.train.finetune import chat_example, load_examples, pad_batch, prompt_example
 
 try:
     import torch

@@ -9,14 +9,14 @@ import struct
 import numpy as np
 import pytest
 
-from minillama.io.checkpoint import save_checkpoint
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
-from minillama.io.load import detect_format, load_model, load_params, save_hf, save_llama2c
+from minillama.io.checkpoint import save_checkpoint
 from minillama.io.hf import hf_to_interleaved, interleaved_to_hf
 from minillama.io.llama2c import MAGIC
-from minillama.model.transformer import Transformer, init_params
+from minillama.io.load import detect_format, load_model, load_params, save_hf, save_llama2c
 from minillama.io.tokenizer import ByteTokenizer
+from minillama.model.transformer import Transformer, init_params
 
 
 def _cfg(tie=True, kvh=2, V=40):
@@ -240,6 +240,7 @@ def test_non_finite_weights_are_rejected(tmp_path, fmt):
 
 def test_hf_wrong_shape_dtype_missing_and_unsupported(tmp_path):
     from safetensors.numpy import save_file
+
     from minillama.io.hf import read_safetensors_file
     cfg, params = _cfg(), _params(_cfg())
     d = save_hf(tmp_path / "hf", cfg, params)

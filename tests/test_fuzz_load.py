@@ -12,7 +12,6 @@ import collections
 import os
 
 import pytest
-
 from fuzzing import BAD, make_targets, run_case
 
 CASES = int(os.environ.get("MINILLAMA_FUZZ_CASES", "200"))

@@ -7,11 +7,11 @@ import pytest
 
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
-from minillama.io.load import load_model
-from minillama.infer.generate import (GenerationStats, TextStreamer, generate, generate_steps, stream)
-from minillama.model.transformer import Transformer, init_params
 from minillama.core.sampling import candidates, check_sampling, sample
+from minillama.infer.generate import GenerationStats, TextStreamer, generate, generate_steps, stream
+from minillama.io.load import load_model
 from minillama.io.tokenizer import ByteTokenizer
+from minillama.model.transformer import Transformer, init_params
 
 
 def _model(backend="numpy", dtype=np.float64, seed=0, **kw):

@@ -9,9 +9,9 @@ import pytest
 
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
-from minillama.io.load import detect_format, load_model
 from minillama.io.gguf import dequantize
 from minillama.io.hf import interleaved_to_hf
+from minillama.io.load import detect_format, load_model
 from minillama.model.transformer import Transformer, init_params
 
 gguf = pytest.importorskip("gguf")

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from minillama.cli import main as cli
-from minillama.io.checkpoint import check_finite, load_checkpoint, save_checkpoint
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError, OutputError
+from minillama.io.checkpoint import check_finite, load_checkpoint, save_checkpoint
 from minillama.io.load import load_model, save_hf, save_llama2c
 from minillama.io.safetensors_file import read_safetensors_file
-from minillama.model.transformer import init_params
 from minillama.io.tokenizer import ByteTokenizer, Llama2cTokenizer, tokenizer_from_spec
+from minillama.model.transformer import init_params
 
 
 def _cfg(**kw):

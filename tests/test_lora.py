@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradcheck import central_differences, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,8 +15,6 @@ from minillama.core.config import ModelConfig
 from minillama.model.lora import TARGETS, LoRA, LoRAConfig
 from minillama.model.transformer import Transformer
 from minillama.train.optim import AdamW
-
-from gradcheck import central_differences, rel_err
 
 
 def _op_inputs(rng, lead=(2, 3), din=5, dout=4, r=3):
@@ -194,9 +193,9 @@ def test_adamw_over_the_adapters_only_changes_the_adapters():
 def test_lora_on_a_quantized_base_equals_lora_on_its_dequantized_weights(qtype):
     """QLoRA-style: W stays in its GGML blocks; y, dx, dA and dB are those of the float W =
     deq(W) (the base term goes through the quantized product, dW is never formed)."""
-    from minillama.core.quant import BLOCKS, QuantMatrix, dequantize
-
     from quantblocks import random_quant_rows
+
+    from minillama.core.quant import BLOCKS, QuantMatrix, dequantize
 
     rng = np.random.default_rng(5)
     N, K, r = 6, BLOCKS[qtype][1], 3
@@ -215,11 +214,11 @@ def test_lora_on_a_quantized_base_equals_lora_on_its_dequantized_weights(qtype):
 def test_an_adapter_over_a_quantized_base_stays_attached(tmp_path):
     """`generate --adapter` on a quantized base (apply_adapter) keeps W in its blocks and the
     adapter attached; its logits equal the float base with the adapter merged in."""
+    from quantblocks import quantized_params
+
+    from minillama.core.quant import QuantMatrix
     from minillama.io.peft import apply_adapter, save_peft
     from minillama.model.transformer import init_params
-    from minillama.core.quant import QuantMatrix
-
-    from quantblocks import quantized_params
 
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=40, hidden_dim=64,
                       max_seq_len=16)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import BACKEND_PARAMS
+from helpers import max_rel_err as _rel
 
-from minillama.core import ops
 from minillama.backends import get_backend
+from minillama.core import ops
 from minillama.core.config import ModelConfig
 from minillama.model.lora import LoRA, LoRAConfig
 from minillama.model.transformer import Transformer
-
-from helpers import BACKEND_PARAMS, max_rel_err as _rel
 
 CPU = [p for p in BACKEND_PARAMS if getattr(p, "values", (p,))[0] in ("numpy", "numba")]
 TOL = {np.float32: 2e-5, np.float64: 1e-12}
@@ -109,9 +109,9 @@ def test_lora_ops_match_the_reference(cpu, dt, with_drop, shape, split):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_lora_ops_over_a_quantized_base(cpu, qtype):
-    from minillama.core.quant import BLOCKS, QuantMatrix
-
     from quantblocks import random_quant_rows
+
+    from minillama.core.quant import BLOCKS, QuantMatrix
 
     rng = np.random.default_rng(3)
     N, K, r = 40, BLOCKS[qtype][1], 4

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from minillama.cli import main as cli
-from minillama.train import memplan
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
 from minillama.model.lora import LoRA, LoRAConfig
 from minillama.model.transformer import Transformer
+from minillama.train import memplan
 from minillama.train.optim import AdamW
 
 CFG = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=300, max_seq_len=128)

@@ -11,9 +11,15 @@ import numpy as np
 import pytest
 
 from minillama.backends import get_backend
-from minillama.backends.cupy.mixed_precision import (MixedPrecisionBackend, bf16_bits, bf16_to_f32,
-                                                check_precision, round_bf16, round_tf32,
-                                                with_precision)
+from minillama.backends.cupy.mixed_precision import (
+    MixedPrecisionBackend,
+    bf16_bits,
+    bf16_to_f32,
+    check_precision,
+    round_bf16,
+    round_tf32,
+    with_precision,
+)
 from minillama.cli.main import main
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
@@ -80,9 +86,9 @@ def test_emulated_products_are_the_equations():
     assert be.name == "numpy" and be.emulate and with_precision(base, "fp32") is base
 
 
-TEXT = ("Shall I compare thee to a summer's day? Thou art more lovely and more temperate: "
-        "Rough winds do shake the darling buds of May, And summer's lease hath all too short a "
-        "date. ").encode()
+TEXT = (b"Shall I compare thee to a summer's day? Thou art more lovely and more temperate: "
+        b"Rough winds do shake the darling buds of May, And summer's lease hath all too short a "
+        b"date. ")
 
 
 def _loss_curve(precision: str, steps: int = 30) -> np.ndarray:

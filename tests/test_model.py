@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from minillama import ModelConfig, Transformer
-from minillama.model.transformer import init_params
-from minillama.core.config import param_shapes
-
 from gradcheck import central_differences, rel_err
 from helpers import lively_params, require_float64, small_config
+
+from minillama import Transformer
+from minillama.model.transformer import init_params
 
 H_STEP = 1e-5
 TOL = 1e-6

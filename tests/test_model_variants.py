@@ -9,13 +9,12 @@ import math
 
 import numpy as np
 import pytest
-
-from minillama import ModelConfig, Transformer
-from minillama.core.errors import MinillamaError
-from minillama.core.config import param_shapes
-
 from gradcheck import central_differences, rel_err
 from helpers import lively_params, small_config
+
+from minillama import ModelConfig, Transformer
+from minillama.core.config import param_shapes
+from minillama.core.errors import MinillamaError
 
 H_STEP = 1e-5
 TOL = 1e-6

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from minillama.model import latent
-from minillama.core import ops
-
 from test_ops_grad import numeric_grad, rel_err
+
+from minillama.core import ops
+from minillama.model import latent
 
 TOL = 1e-6
 

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillama import ModelConfig, Transformer
-from minillama.model import latent
 from minillama.core import ops
+from minillama.model import latent
 from minillama.model.gqa import convert_gqa
 from minillama.model.transformer import init_params
 

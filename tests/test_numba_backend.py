@@ -15,14 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import PARITY_TOL, max_rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama.core import ops
 from minillama.backends import get_backend
+from minillama.core import ops
 from minillama.core.errors import MinillamaError
-
-from helpers import PARITY_TOL, max_rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = PARITY_TOL["numba"]
@@ -314,7 +313,8 @@ def test_attention_tiled_gqa_offsets(dtype, blas, rng, monkeypatch):
     sequence at its own start position; and the same case through the loop kernels, the
     fallback when no OpenBLAS GEMM is found."""
     be = _numba_backend()
-    from minillama.backends.numba import backend_attention as tiles, blas as numba_blas
+    from minillama.backends.numba import backend_attention as tiles
+    from minillama.backends.numba import blas as numba_blas
 
     if blas and not numba_blas.available():
         pytest.skip("NumPy's BLAS is not an OpenBLAS whose GEMM could be found")
@@ -365,7 +365,8 @@ def test_loss_head_matches_reference(dtype, N, D, V, block, ignore_frac, dloss, 
     """The fused output projection + cross-entropy (Numba softmax pass per block of rows)
     against the two reference ops, in blocks of 1 and 4 rows and in one block, the rows split
     over the Numba threads (no size threshold)."""
-    from minillama.backends.numpy import backend as numpy_backend, threads as cpu_threads
+    from minillama.backends.numpy import backend as numpy_backend
+    from minillama.backends.numpy import threads as cpu_threads
 
     be = _numba_backend()
     rng = np.random.default_rng(seed)

@@ -12,8 +12,8 @@ import pytest
 from minillama.backends import get_backend
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
-from minillama.io.load import load_model
 from minillama.infer.generate import generate
+from minillama.io.load import load_model
 from minillama.model.transformer import Transformer, init_params
 
 try:

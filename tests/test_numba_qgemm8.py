@@ -13,12 +13,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minillama.backends import get_backend
-from minillama.core.quant import BLOCKS
 # skips where tests/test_numba_qint8.py skips (no gguf-py, no numba)
 from test_numba_qint8 import I8, Q, U, njit, oracle, random_matrix, rounded
 
+from minillama.backends import get_backend
 from minillama.backends.numba import qgemm8 as G8  # after the skips: it imports numba
+from minillama.core.quant import BLOCKS
 
 TYPES = sorted(t for t in BLOCKS if BLOCKS[t][0] in G8.GEMM8_TYPES)
 

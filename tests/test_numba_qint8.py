@@ -30,10 +30,10 @@ except MinillamaError as e:  # pragma: no cover - numba missing
     pytest.skip(f"numba backend unavailable: {e}", allow_module_level=True)
 
 from numba import njit  # noqa: E402
+from test_numba_quant import oracle, random_matrix  # noqa: E402
 
 from minillama.backends.numba import qint8 as I8  # noqa: E402
 from minillama.backends.numba import quant as Q  # noqa: E402
-from test_numba_quant import oracle, random_matrix  # noqa: E402
 
 U = 2.0 ** -24
 INT8 = sorted(t for t in BLOCKS if BLOCKS[t][0] in I8.INT8_TYPES)
@@ -146,9 +146,9 @@ def _quantized_init_model(types_, seed):
     quantized by minillama's quantizers to the given types (cycled), and the float model of the
     dequantized weights."""
     from minillama.core.config import ModelConfig
-    from minillama.model.transformer import Transformer, init_params
     from minillama.core.quant import dequantize
     from minillama.core.quantize import quantize
+    from minillama.model.transformer import Transformer, init_params
 
     cfg = ModelConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=67,
                       hidden_dim=512, multiple_of=256, max_seq_len=20)

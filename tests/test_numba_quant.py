@@ -308,10 +308,9 @@ def test_backend_fused_decode_with_quantized_linears(rng, monkeypatch):
     forward with a cache takes the fused quantized step for one sequence (counted), several
     sequences decline to the per-op path; both give the logits of the float model on the
     dequantized weights, and greedy generation its tokens."""
+    from minillama.backends.numba import qdecode
     from minillama.infer.generate import generate
     from minillama.model.transformer import Transformer
-
-    from minillama.backends.numba import qdecode
 
     cfg, quant, params, ref = _quant_model(("Q4_K", "Q8_0"), rng)
     fast = Transformer(cfg, params, backend="numba", dtype=np.float32)

@@ -10,14 +10,13 @@ import zlib
 
 import numpy as np
 import pytest
+from helpers import PARITY_TOL
 
-from minillama.core import ops
 from minillama.backends import get_backend
 from minillama.backends.numpy import threads as cpu_threads
 from minillama.backends.numpy.backend import NumpyBackend
 from minillama.backends.reference import ReferenceBackend
-
-from helpers import PARITY_TOL
+from minillama.core import ops
 
 #: max |fast - ref| / max |ref| allowed: float64 is exact up to reordered sums
 TOL = PARITY_TOL["numpy"]

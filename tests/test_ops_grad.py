@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradcheck import central_differences, rel_err
 
 from minillama.core import ops
-
-from gradcheck import central_differences, rel_err
 
 H_STEP = 1e-6
 TOL = 1e-6

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from minillama.core import ops
-from minillama.train.finetune import Example, Sampler, pad_batch
-from minillama.model.packing import draw_packed, pack_batch
-
 from gradcheck import central_differences, rel_err
 from test_finetune import base, chat_data  # noqa: F401 (fixtures)
+
+from minillama.core import ops
+from minillama.model.packing import draw_packed, pack_batch
+from minillama.train.finetune import Example, Sampler, pad_batch
 
 
 def test_segment_positions_restart_per_example():
@@ -106,9 +105,9 @@ def test_draw_packed_fills_rows_in_sampler_order_and_loses_nothing():
 def test_backend_packed_attention_matches_reference(backend, dtype, rng):
     """The numpy backend's attention with a segment mask (the numba backend runs the same pair
     for packed rows), forward and backward, against the reference."""
-    from minillama.backends import get_backend
-
     from helpers import PARITY_TOL
+
+    from minillama.backends import get_backend
 
     if backend == "numba":
         pytest.importorskip("numba")

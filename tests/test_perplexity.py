@@ -11,8 +11,8 @@ import pytest
 
 from minillama.cli.main import main
 from minillama.core.errors import MinillamaError
-from minillama.io.load import load_model
 from minillama.infer.perplexity import perplexity
+from minillama.io.load import load_model
 from minillama.io.tokenizer import ByteTokenizer
 
 SHIPPED = "minillama/weights/shakespeare.safetensors"

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import lively_params, require_float64
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from minillama import ModelConfig, Transformer
 from minillama.core import ops
-from minillama.core.config import param_shapes
-
-from helpers import lively_params, require_float64
 
 FIXTURE_OK = settings(max_examples=12, deadline=None,
                       suppress_health_check=[HealthCheck.function_scoped_fixture,

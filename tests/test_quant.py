@@ -8,10 +8,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from quantblocks import finite_f16, random_blocks, random_quant_rows
 
 from minillama.core.errors import MinillamaError
-from minillama.core.quant import (BLOCKS, DEQUANTIZE, SCALE_FIELDS, QuantMatrix, dequantize, dequantize_rows)
-from quantblocks import finite_f16, random_blocks, random_quant_rows
+from minillama.core.quant import (
+    BLOCKS,
+    DEQUANTIZE,
+    SCALE_FIELDS,
+    QuantMatrix,
+    dequantize,
+    dequantize_rows,
+)
 
 TYPES = list(BLOCKS)
 

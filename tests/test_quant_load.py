@@ -11,16 +11,16 @@ import sys
 
 import numpy as np
 import pytest
+from quantblocks import random_quant_rows
 
 from minillama.cli import main as cli
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
-from minillama.io.load import load_model
-from minillama.io.gguf import GGUFFile, load_gguf
-from minillama.model.transformer import Transformer, init_params
 from minillama.core.quant import BLOCKS, QuantMatrix
+from minillama.io.gguf import GGUFFile, load_gguf
+from minillama.io.load import load_model
 from minillama.io.tokenizer import ByteTokenizer
-from quantblocks import random_quant_rows
+from minillama.model.transformer import Transformer, init_params
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -221,8 +221,8 @@ def test_reading_needs_no_gguf_package(q8_file, monkeypatch):
 def test_qwen2_rows_are_permuted_in_their_blocks(tmp_path):
     """A qwen2 file keeps q/k rows in the half-split RoPE order; the loader reorders whole rows
     of blocks (a QuantMatrix row is a row of W) into the interleaved order."""
-    from minillama.io.hf import hf_to_interleaved
     from minillama.core.quant import dequantize
+    from minillama.io.hf import hf_to_interleaved
 
     path = tmp_path / "qwen2.gguf"
     held = write_quant_gguf(path, CFG, "Q4_K", arch="qwen2")

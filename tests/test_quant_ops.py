@@ -9,15 +9,15 @@ import types
 
 import numpy as np
 import pytest
+from quantblocks import quantized_params, random_quant_rows
 
-from minillama.core import ops
 from minillama.backends import get_backend
+from minillama.core import ops
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
+from minillama.core.quant import BLOCKS, QuantMatrix, dequantize
 from minillama.model.transformer import Transformer, init_params
 from minillama.train.optim import AdamW
-from minillama.core.quant import BLOCKS, QuantMatrix, dequantize
-from quantblocks import quantized_params, random_quant_rows
 
 
 def qmatrix(qtype, N, K, seed=0, scale=0.01):

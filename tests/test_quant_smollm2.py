@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minillama.io.load import load_model
-from minillama.infer.generate import generate
 from minillama.core.quant import QuantMatrix
+from minillama.infer.generate import generate
+from minillama.io.load import load_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -12,11 +12,11 @@ import pytest
 from minillama.cli.main import main
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
-from minillama.io.load import load_model, load_params
-from minillama.io.gguf import save_gguf
-from minillama.model.transformer import Transformer, init_params
 from minillama.core.quant import QuantMatrix
 from minillama.core.quantize import plan_types, quantize_params, resolve_type
+from minillama.io.gguf import save_gguf
+from minillama.io.load import load_model, load_params
+from minillama.model.transformer import Transformer, init_params
 
 gguf = pytest.importorskip("gguf")
 

@@ -6,19 +6,17 @@ step's peak allocation drops; ``minillama finetune --recompute`` writes the same
 
 from __future__ import annotations
 
-import json
 import tracemalloc
 
 import numpy as np
 import pytest
+from test_memplan import tape_bytes
 
 from minillama.cli import main as cli
-from minillama.train import memplan
 from minillama.core.config import ModelConfig
 from minillama.model.lora import LoRA, LoRAConfig
 from minillama.model.transformer import Transformer
-
-from test_memplan import tape_bytes
+from minillama.train import memplan
 
 CFG = dict(dim=48, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=211, max_seq_len=96)
 

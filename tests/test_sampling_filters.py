@@ -10,8 +10,14 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from minillama.core.errors import MinillamaError
-from minillama.core.sampling import (SamplingParams, apply_frequency_presence,
-                                     apply_repetition_penalty, candidates, check_sampling, sample)
+from minillama.core.sampling import (
+    SamplingParams,
+    apply_frequency_presence,
+    apply_repetition_penalty,
+    candidates,
+    check_sampling,
+    sample,
+)
 
 logits_st = arrays(np.float64, st.integers(2, 60),
                    elements=st.floats(-30, 30, allow_nan=False, allow_infinity=False))

@@ -23,12 +23,14 @@ openai = pytest.importorskip("openai")
 
 from minillama.cli import main as cli  # noqa: E402
 from minillama.infer.engine import Engine  # noqa: E402
-from minillama.io.load import load_model  # noqa: E402
 from minillama.infer.generate import generate
-from minillama.io.load import DEFAULT_CHECKPOINT  # noqa: E402
+from minillama.infer.serve import build_app  # noqa: E402
 from minillama.io.chat_template import encode_rendered, render_chat  # noqa: E402
 from minillama.io.chat_template import stop_ids as _stops  # noqa: E402
-from minillama.infer.serve import build_app  # noqa: E402
+from minillama.io.load import (
+    DEFAULT_CHECKPOINT,  # noqa: E402
+    load_model,  # noqa: E402
+)
 
 KEY = "sekret"
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"

@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 
 from minillama.core.errors import MinillamaError
 from minillama.infer.generate import TextStreamer
-from minillama.io.tokenizer import (ByteTokenizer, HFTokenizer, Llama2cTokenizer, load_tokenizer, tokenizer_from_spec)
+from minillama.io.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    Llama2cTokenizer,
+    load_tokenizer,
+    tokenizer_from_spec,
+)
 
 FIXED = [
     "", " ", "  ", "   ", "a", " a", "a ", "Hello world", " Hello", "Hello  world   x",

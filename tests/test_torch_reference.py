@@ -13,12 +13,10 @@ import math
 
 import numpy as np
 import pytest
+from helpers import lively_params
 
 from minillama import ModelConfig, Transformer
 from minillama.core import ops
-from minillama.core.config import param_shapes
-
-from helpers import lively_params
 
 torch = pytest.importorskip("torch")
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from minillama.cli import main as cli
-from minillama.io.checkpoint import load_checkpoint, read_safetensors
 from minillama.core.config import ModelConfig
+from minillama.io.checkpoint import load_checkpoint, read_safetensors
 from minillama.io.data import prepare_text_file, shakespeare_documents
 from minillama.model.transformer import Transformer
 from minillama.train.optim import AdamW, clip_grad_norm

@@ -26,8 +26,15 @@ SPLIT = {"llama3": LLAMA3_PATTERN, "qwen2": LLAMA3_PATTERN.replace(r"\p{N}{1,3}"
 def build_family(folder, family: str, config_extra: dict | None = None,
                  chat_template: str | None = None) -> Path:
     """Write tokenizer.json and tokenizer_config.json of ``family`` into ``folder``."""
-    from tokenizers import (Tokenizer, decoders, models, normalizers, pre_tokenizers,
-                            processors, trainers)
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     d = Path(folder)
     d.mkdir(parents=True, exist_ok=True)

@@ -36,17 +36,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from minillama.core import ops
-from minillama.core import quant
+from minillama.core import ops, quant
 from minillama.core.errors import MinillamaError
 from minillama.core.quant import QuantMatrix
 from minillama.core.sampling import check_sampling
-from . import build as cb
+
 from ..reference import ReferenceBackend
+from . import build as cb
 from .backend_attention import AttentionOps
 from .backend_rows import RowOps
-from .common import (QUANT_KERNELS, _KCtx, _c, _i32, _import_cupy, _launch, _scalar, _supported,
-                     cp)
+from .common import QUANT_KERNELS, _c, _i32, _import_cupy, _KCtx, _launch, _scalar, _supported, cp
 
 
 class CupyBackend(AttentionOps, RowOps, ReferenceBackend):

@@ -11,8 +11,9 @@ import numpy as np
 
 from minillama.core import ops
 from minillama.core.errors import MinillamaError
+
 from . import build as cb
-from .common import _KCtx, _aligned16, _c, _i32, _launch, _scalar, _supported, cp
+from .common import _aligned16, _c, _i32, _KCtx, _launch, _scalar, _supported, cp
 
 
 class AttentionOps:

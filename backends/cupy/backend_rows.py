@@ -9,10 +9,13 @@ import numpy as np
 
 from minillama.core import ops
 from minillama.core.errors import MinillamaError
-from ..reference import (composed_linear_cross_entropy_backward,
-                         composed_linear_cross_entropy_forward)
+
+from ..reference import (
+    composed_linear_cross_entropy_backward,
+    composed_linear_cross_entropy_forward,
+)
 from . import build as cb
-from .common import _KCtx, _c, _i32, _launch, _scalar, _supported, cp
+from .common import _c, _i32, _KCtx, _launch, _scalar, _supported, cp
 
 
 class RowOps:

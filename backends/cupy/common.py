@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from minillama.core.errors import MinillamaError
+
 from . import build as cb
 
 #: block types kept in their blocks on the device, with their (matvec, dequantize) kernels in

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from minillama.core.decoding import (
+    ChunkDecoder,
+    stream_greedy,  # noqa: F401  (the loop that drives a GraphDecoder)
+)
 from minillama.core.errors import MinillamaError
-from minillama.core.decoding import ChunkDecoder
-from minillama.core.decoding import stream_greedy  # noqa: F401  (the loop that drives a GraphDecoder)
 from minillama.core.quant import QuantMatrix
 
 _STEP_SRC = r"""

@@ -36,8 +36,11 @@ import copy
 import numpy as np
 
 from minillama.core.errors import MinillamaError
-from ..reference import (composed_linear_cross_entropy_backward,
-                                composed_linear_cross_entropy_forward)
+
+from ..reference import (
+    composed_linear_cross_entropy_backward,
+    composed_linear_cross_entropy_forward,
+)
 
 #: the training precisions, the default first
 PRECISIONS = ("fp32", "tf32", "bf16")

@@ -8,7 +8,6 @@ G = H / KVH, hd head dim.
 
 from __future__ import annotations
 
-
 import numpy as np
 from numba import njit, prange
 

@@ -47,10 +47,13 @@ import numpy as np
 
 from minillama.core.errors import MinillamaError
 from minillama.core.quant import QuantMatrix
+
 from ..numpy import threads as cpu_threads
 from ..numpy.backend import NumpyBackend
-from ..reference import (composed_linear_cross_entropy_backward,
-                         composed_linear_cross_entropy_forward)
+from ..reference import (
+    composed_linear_cross_entropy_backward,
+    composed_linear_cross_entropy_forward,
+)
 from .backend_attention import AttentionOps
 from .backend_decode import FusedDecode
 from .backend_rows import RowOps

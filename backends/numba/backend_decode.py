@@ -12,9 +12,9 @@ import operator
 import numpy as np
 
 from minillama.core.config import param_shapes
-from minillama.core.errors import MinillamaError
 from minillama.core.decoding import ChunkDecoder, nonfinite_error
 from minillama.core.decoding import finite_logits as _finite
+from minillama.core.errors import MinillamaError
 from minillama.core.quant import QuantMatrix
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))

@@ -9,6 +9,7 @@ import numpy as np
 
 from minillama.core import ops
 from minillama.core.errors import MinillamaError
+
 from ..numpy import threads as cpu_threads
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))

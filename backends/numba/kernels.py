@@ -13,15 +13,32 @@ Importing it imports Numba but compiles nothing (every kernel compiles on its fi
 
 from __future__ import annotations
 
-from .attention import (BC, BR, attn_dec_parallel, attn_dec_serial,
-                        attn_fwd_parallel, attn_fwd_serial)
+from .attention import (
+                        BC,
+                        BR,
+                        attn_dec_parallel,
+                        attn_dec_serial,
+                        attn_fwd_parallel,
+                        attn_fwd_serial,
+)
 from .attention_backward import attn_bwd_parallel, attn_bwd_serial
 from .attention_blas import attn_bwd_blas, attn_fwd_blas
 from .fastmath import FASTMATH, fexp
 from .rope import rope_parallel, rope_serial
-from .rows import (lce_fwd_blas, rmsnorm_bwd_par, rmsnorm_bwd_rows,
-                   rmsnorm_fwd_par, rmsnorm_fwd_rows, swiglu_bwd_par, swiglu_bwd_rows,
-                   swiglu_fwd_par, swiglu_fwd_rows, xent_bwd, xent_fwd, xent_grad_rows)
+from .rows import (
+                        lce_fwd_blas,
+                        rmsnorm_bwd_par,
+                        rmsnorm_bwd_rows,
+                        rmsnorm_fwd_par,
+                        rmsnorm_fwd_rows,
+                        swiglu_bwd_par,
+                        swiglu_bwd_rows,
+                        swiglu_fwd_par,
+                        swiglu_fwd_rows,
+                        xent_bwd,
+                        xent_fwd,
+                        xent_grad_rows,
+)
 
 __all__ = ["BC", "BR", "FASTMATH", "attn_bwd_blas", "attn_bwd_parallel", "attn_bwd_serial",
            "attn_dec_parallel", "attn_dec_serial", "attn_fwd_blas", "attn_fwd_parallel",

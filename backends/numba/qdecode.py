@@ -21,8 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .decode import (_argmax_finite, _attend_span, _join_spans, _pick, _rmsnorm_rows,
-                     _rope_store)
+from .decode import _argmax_finite, _attend_span, _join_spans, _pick, _rmsnorm_rows, _rope_store
 from .qint8 import idot, int8_enabled, quantize_row
 from .quant import _dequant_row, _dot
 

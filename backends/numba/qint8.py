@@ -34,8 +34,21 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qsimd import _F32, _I8, _I32, _I64, _const, _fma, _half, _kscales, _load, _reduce
-from .qsimd import _shuf, _splat, _vec
+from .qsimd import (
+    _F32,
+    _I8,
+    _I32,
+    _I64,
+    _const,
+    _fma,
+    _half,
+    _kscales,
+    _load,
+    _reduce,
+    _shuf,
+    _splat,
+    _vec,
+)
 
 
 def _host_features() -> str:

@@ -31,10 +31,14 @@ import numpy as np
 from minillama.core import ops
 from minillama.core.errors import MinillamaError
 from minillama.core.quant import QuantMatrix, dequantize_rows
+
+from ..reference import (
+    ReferenceBackend,
+    composed_linear_cross_entropy_backward,
+    composed_linear_cross_entropy_forward,
+)
 from .lora import LoRAOps
 from .threads import blas_for_rows, parallel_rows, split_gemm
-from ..reference import (ReferenceBackend, composed_linear_cross_entropy_backward,
-                         composed_linear_cross_entropy_forward)
 
 _MALLOC_TUNED: bool | None = None
 

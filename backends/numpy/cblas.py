@@ -21,6 +21,7 @@ from .threads import CBLAS_NO_TRANS as _NO_TRANS
 from .threads import CBLAS_ROW_MAJOR as _ROW_MAJOR
 from .threads import CBLAS_TRANS as _TRANS
 from .threads import num_threads, openblas_gemms, parallel_rows, single_threaded_blas
+
 #: products with fewer multiply-adds than this run on the calling thread
 SPLIT_MIN_MACS = 1 << 22
 SPLIT_MIN_ROWS = 64

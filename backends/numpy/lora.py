@@ -21,8 +21,9 @@ import numpy as np
 
 from minillama.core import ops
 from minillama.core.quant import QuantMatrix
-from .cblas import gemm_acc
+
 from . import threads
+from .cblas import gemm_acc
 from .threads import parallel_rows, single_threaded_blas
 
 

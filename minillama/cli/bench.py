@@ -13,11 +13,10 @@ import time
 
 import numpy as np
 
-from minillama.backends import backend_names, get_backend
+from minillama.backends import AUTO_REFERENCE_MAX_PARAMS, ENV_VAR, backend_names, get_backend
+from minillama.cli.common import positive_int
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
-from minillama.cli.common import positive_int
-from minillama.backends import AUTO_REFERENCE_MAX_PARAMS, ENV_VAR
 from minillama.model.transformer import Transformer, init_params
 
 #: model shapes used by the benchmarks (size letters as in the docs)
@@ -110,7 +109,7 @@ def cmd_bench(args) -> int:
     x, y = tok[:, :-1], tok[:, 1:]
     print(f"shape {args.shape}: {cfg.n_params() / 1e6:.2f}M params, train step B={args.batch} "
           f"T={args.seq}, decode {args.decode_tokens} tokens at B=1")
-    print(f"| backend | train tok/s | decode tok/s | max |dlogits| vs numpy | max |dgrad| vs numpy |")
+    print("| backend | train tok/s | decode tok/s | max |dlogits| vs numpy | max |dgrad| vs numpy |")
     print("|---|---|---|---|---|")
     ref_logits = ref_grads = None
     for name in names:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 
+from minillama.backends import backend_names
 from minillama.core.errors import MinillamaError
 from minillama.core.sampling import check_sampling
-from minillama.backends import backend_names
+
 
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1."""

@@ -15,8 +15,13 @@ import numpy as np
 
 from minillama.core.errors import MinillamaError
 from minillama.core.quant import QuantMatrix, dequantize_params
-from minillama.core.quantize import (FLOAT_TYPES, PRESETS, QUANTIZERS, quantize_params,
-                                     supported_type)
+from minillama.core.quantize import (
+    FLOAT_TYPES,
+    PRESETS,
+    QUANTIZERS,
+    quantize_params,
+    supported_type,
+)
 from minillama.io.checkpoint import check_output_file, save_checkpoint
 from minillama.io.export import FORMATS, export
 from minillama.io.gguf import save_gguf

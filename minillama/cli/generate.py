@@ -15,8 +15,13 @@ from minillama.cli.common import add_sampling_flags, backend_help, sampling_kwar
 from minillama.cli.main import main
 from minillama.core.decoding import stream_greedy
 from minillama.core.errors import MinillamaError
-from minillama.infer.generate import (GenerationStats, TextStreamer, generate_steps,
-                                      graph_decoder_for, warm_up)
+from minillama.infer.generate import (
+    GenerationStats,
+    TextStreamer,
+    generate_steps,
+    graph_decoder_for,
+    warm_up,
+)
 from minillama.io.chat_template import encode_rendered, render_chat, stop_ids
 from minillama.io.load import DEFAULT_CHECKPOINT, open_model
 from minillama.io.tokenizer import ByteTokenizer

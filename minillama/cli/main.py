@@ -13,8 +13,8 @@ import re
 import sys
 import textwrap
 
-from minillama.core.errors import MinillamaError
 from minillama import __version__
+from minillama.core.errors import MinillamaError
 from minillama.core.extras import missing_error
 
 #: modules that provide ``add_cli(subparsers)``

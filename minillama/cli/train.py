@@ -10,15 +10,31 @@ import sys
 from pathlib import Path
 
 from minillama.backends import resolve_name
+from minillama.core.errors import MinillamaError
 from minillama.io.checkpoint import CKPT_NAME, check_output_dir, check_output_file, load_checkpoint
 from minillama.io.data import prepare_shakespeare, prepare_text_file
-from minillama.train.distributed import (Communicator, NCCLComm, RanksFailed, blas_share, open_world, share_cores)
-from minillama.core.errors import MinillamaError
-from minillama.train.memplan import parse_size, plan, report
-from minillama.io.tokenizer import ByteTokenizer
-from minillama.train.trainer import Trainer, TrainingDiverged, export_model
-from minillama.train.config import (MODEL_FIELDS, VARIANT_FIELDS, TrainConfig, add_flags, flag_overrides, grad_accum_for, read_config_file)
 from minillama.io.load import load_params
+from minillama.io.tokenizer import ByteTokenizer
+from minillama.train.checkpoint import export_model
+from minillama.train.config import (
+    MODEL_FIELDS,
+    VARIANT_FIELDS,
+    TrainConfig,
+    add_flags,
+    flag_overrides,
+    grad_accum_for,
+    read_config_file,
+)
+from minillama.train.distributed import (
+    Communicator,
+    NCCLComm,
+    RanksFailed,
+    blas_share,
+    open_world,
+    share_cores,
+)
+from minillama.train.memplan import parse_size, plan, report
+from minillama.train.trainer import Trainer, TrainingDiverged
 
 
 def add_cli(subparsers) -> None:

@@ -169,7 +169,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(d, dict):
             raise MinillamaError(f"a model config must be a mapping, got {type(d).__name__}")

@@ -17,7 +17,7 @@ The ``minillama chat`` command around it is :mod:`minillama.cli.chat`.
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

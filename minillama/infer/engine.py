@@ -30,7 +30,7 @@ import collections
 import itertools
 import queue
 import threading
-from typing import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 

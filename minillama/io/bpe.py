@@ -16,8 +16,9 @@ normaliser or pre-tokenizer) is refused with one line naming it.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from minillama.core.errors import MinillamaError
 from minillama.core.extras import require
@@ -259,7 +260,7 @@ class LibraryShim:
         self.bpe = bpe
 
     @classmethod
-    def from_file(cls, path: str) -> "LibraryShim":
+    def from_file(cls, path: str) -> LibraryShim:
         return cls(BPETokenizer(path))
 
     @property

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from minillama.core.errors import MinillamaError
-from minillama.io.tokenizer import ByteTokenizer
 from minillama.io.checkpoint import check_output_dir
+from minillama.io.tokenizer import ByteTokenizer
 
 #: held-out plays (whole documents) of the default Shakespeare corpus: a tragedy, a comedy and a
 #: Roman play, about 6.6 % of the bytes

@@ -39,10 +39,18 @@ from minillama.core.quant import QuantMatrix
 from minillama.core.quantize import quantize, resolve_type, supported_type
 from minillama.io.bpe import BPETokenizer
 from minillama.io.checkpoint import atomic_write, check_finite, check_output_file
-from minillama.io.gguf_file import GGUFFile, open_gguf as _open, meta as _meta  # noqa: F401
+from minillama.io.gguf_file import GGUFFile  # noqa: F401
+from minillama.io.gguf_file import meta as _meta
+from minillama.io.gguf_file import open_gguf as _open
 from minillama.io.hf import hf_to_interleaved, interleaved_to_hf
-from minillama.io.tokenizer import (ByteTokenizer, HFTokenizer, Llama2cTokenizer, _pre_patterns,
-                                    load_gguf_tokenizer, tokenizer_from_gguf)  # noqa: F401 (re-exported)
+from minillama.io.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    Llama2cTokenizer,
+    _pre_patterns,
+    load_gguf_tokenizer,  # noqa: F401 (re-exported)
+    tokenizer_from_gguf,
+)
 from minillama.model.transformer import check_params
 
 ARCHITECTURES = ("llama", "qwen2")

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from minillama.io.checkpoint import atomic_write, check_finite
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
+from minillama.io.checkpoint import atomic_write, check_finite
 
 MAGIC = 0x616B3432
 V1_HEADER_BYTES = 256

@@ -24,11 +24,18 @@ here. The llama2.c family (:class:`Llama2cTokenizer`, SentencePiece BPE with sco
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from minillama.core.errors import MinillamaError
-from minillama.io.bpe import (GPT2_PATTERN, LLAMA3_PATTERN, BPETokenizer, LibraryShim, TextBPE,
-                              byte_level_json)
+from minillama.io.bpe import (
+    GPT2_PATTERN,
+    LLAMA3_PATTERN,
+    BPETokenizer,
+    LibraryShim,
+    TextBPE,
+    byte_level_json,
+)
 from minillama.io.gguf_file import meta as gguf_meta
 from minillama.io.gguf_file import open_gguf as gguf_reader
 from minillama.io.tokenizer_llama2c import Llama2cTokenizer, _flags  # noqa: F401 (re-exported)

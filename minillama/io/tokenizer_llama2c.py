@@ -5,7 +5,8 @@ in llama2.c's ``tokenizer.bin`` or taken from a GGUF file's metadata. Re-exporte
 from __future__ import annotations
 
 import heapq
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from minillama.core.errors import MinillamaError
 

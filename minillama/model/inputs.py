@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from minillama.model import packing
 from minillama.core.errors import MinillamaError
 from minillama.core.ops import rope_tables
+from minillama.model import packing
 
 
 class ModelInputs:

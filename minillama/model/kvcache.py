@@ -32,7 +32,7 @@ class KVCache:
         self.v = [xp.zeros(shape, dtype=dtype) for _ in range(cfg.n_layers)]
         self.xp = xp
 
-    def rows(self, lo: int, hi: int) -> "KVCache":
+    def rows(self, lo: int, hi: int) -> KVCache:
         """A cache over sequences lo..hi-1 of this one that shares its memory (basic slices, so
         writes through the view land here): continuous batching decodes the first n slots of a
         fixed cache, or prefills one slot, without copying."""

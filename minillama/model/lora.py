@@ -118,7 +118,7 @@ class LoRA:
                                      f"needs {shape}")
         self.params = {k: self.backend.asarray(params[k], dtype=model.dtype) for k in shapes}
 
-    def attach(self, model) -> "LoRA":
+    def attach(self, model) -> LoRA:
         """Make ``model`` run with these adapters (and train only them)."""
         model.lora = self
         return self

@@ -29,16 +29,16 @@ from typing import Any
 
 import numpy as np
 
-from minillama.model import packing, recompute
 from minillama.backends import get_backend
 from minillama.core.config import ModelConfig, param_shapes
 from minillama.core.errors import MinillamaError
-from minillama.model.kvcache import KVCache
+from minillama.core.ops import rope_tables, sinusoidal_positions
+from minillama.model import packing, recompute
 from minillama.model.block import BlockWiring
 from minillama.model.ends import EndsWiring
 from minillama.model.inputs import ModelInputs
+from minillama.model.kvcache import KVCache
 from minillama.model.variants import VariantPieces
-from minillama.core.ops import rope_tables, sinusoidal_positions
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:

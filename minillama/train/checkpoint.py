@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from minillama.io.checkpoint import check_finite, load_checkpoint, save_checkpoint
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
+from minillama.io.checkpoint import check_finite, load_checkpoint, save_checkpoint
 from minillama.io.tokenizer import ByteTokenizer
 
 

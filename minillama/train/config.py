@@ -214,7 +214,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], base: "TrainConfig | None" = None) -> "TrainConfig":
+    def from_dict(cls, d: dict[str, Any], base: TrainConfig | None = None) -> TrainConfig:
         """``base`` (default: the defaults) updated with ``d``; unknown keys are an error."""
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - set(known))

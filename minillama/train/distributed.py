@@ -35,10 +35,11 @@ import shutil
 import sys
 import sysconfig
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from minillama.backends import openblas_api
 from minillama.core.errors import MinillamaError
@@ -103,7 +104,7 @@ def _fail_before_mpi(launch: Launch, message: str):
     raise SystemExit(2)
 
 
-def open_world(environ=None) -> "Communicator":
+def open_world(environ=None) -> Communicator:
     """The communicator of this process: :class:`SingleProcess` unless a launcher started more
     than one rank, then :class:`MPIComm` (mpi4py is imported only in that case).
 

@@ -27,8 +27,6 @@ import os
 import re
 from dataclasses import dataclass
 
-import numpy as np
-
 from minillama.core.errors import MinillamaError
 from minillama.core.quant import QuantMatrix
 

@@ -9,7 +9,8 @@ handed to :class:`AdamW` sees the new weights without copying.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 
 from minillama.backends import get_backend, with_precision
-from minillama.io.checkpoint import CKPT_NAME
-from minillama.io.load import load_params
 from minillama.core.config import ModelConfig
-from minillama.io.data import TokenData, prepare_data
-from minillama.train.distributed import Communicator
 from minillama.core.errors import MinillamaError
+from minillama.io.checkpoint import CKPT_NAME
+from minillama.io.data import TokenData, prepare_data
+from minillama.io.load import load_params
 from minillama.model.transformer import Transformer
-from minillama.train.optim import AdamW
 from minillama.train.config import MODEL_FIELDS, TrainConfig
+from minillama.train.distributed import Communicator
+from minillama.train.optim import AdamW
 
 
 def open_data(tc: TrainConfig, comm: Communicator, out: Path, cfg: ModelConfig,

@@ -38,16 +38,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-from minillama.io.checkpoint import CKPT_NAME, check_output_dir
-from minillama.train.distributed import Communicator, SingleProcess
 from minillama.core.errors import MinillamaError
-from minillama.train.optim import clip_grad_norm, lr_at
-from minillama.train.checkpoint import (export_model, restore_training_checkpoint, training_state, write_training_checkpoint)
-from minillama.train.config import (MODEL_FIELDS, VARIANT_FIELDS, TrainConfig, grad_accum_for, read_config_file)
+from minillama.io.checkpoint import CKPT_NAME, check_output_dir
+from minillama.train.checkpoint import (
+    restore_training_checkpoint,
+    training_state,
+    write_training_checkpoint,
+)
+from minillama.train.config import (
+    TrainConfig,
+)
+from minillama.train.distributed import Communicator, SingleProcess
 from minillama.train.evaluate import Evaluator
+from minillama.train.optim import clip_grad_norm, lr_at
 from minillama.train.plot import PLOT_NAME, plot_losses
-from minillama.train.setup import (build_model, build_optimizer, check_share_of_data, check_weights_agree, open_data)
+from minillama.train.setup import (
+    build_model,
+    build_optimizer,
+    check_share_of_data,
+    check_weights_agree,
+    open_data,
+)
 from minillama.train.step import DataParallelStep, TimeLimit
+
 
 # ---------------------------------------------------------------------------------------------
 # The trainer
