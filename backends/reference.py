@@ -1,8 +1,9 @@
-"""The ``reference`` backend: NumPy arrays and the plain ops of :mod:`minillama.core.ops`, nothing else.
+"""The ``reference`` backend: NumPy arrays and the plain ops of :mod:`minillama.core.ops`,
+nothing else.
 
 No threads, no BLAS or allocator tuning: ``minillama generate --backend reference`` runs the math
-exactly as ``minillama/core/ops.py`` writes it. The other backends derive from this class and override
-only the op pairs they make faster (``numpy`` and ``numba`` on the CPU, ``cupy`` on a GPU).
+exactly as ``minillama/core/ops.py`` writes it. The other backends derive from this class and
+override only the op pairs they make faster (``numpy`` and ``numba`` on the CPU, ``cupy`` on a GPU).
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ Claims tested (docs/ABLATIONS.md says which the runs support):
 * MHA against GQA against MQA: loss, KV-cache bytes, cached-decode tokens/s;
 * the logit scale s = 1/\sqrt{D} on and off.
 
-Every run trains in this process with :class:`minillama.train.trainer.Trainer` and records its training
-loss at every step, its validation loss every ``--eval-interval`` steps (the same fixed validation
-batches for every run), and its training seconds. Results go to ``--json`` (default
+Every run trains in this process with :class:`minillama.train.trainer.Trainer` and records its
+training loss at every step, its validation loss every ``--eval-interval`` steps (the same fixed
+validation batches for every run), and its training seconds. Results go to ``--json`` (default
 docs/ablations.json) and a loss-curve figure to ``--plot`` (default docs/ablations.png); a
 markdown summary table (mean +- spread over seeds) is printed.
 
@@ -157,7 +157,8 @@ def summarise(results: list[dict]) -> str:
         v = np.array([r["final_val"] for r in rs])
         sps = np.array([r["seconds_per_step"] for r in rs])
         spread = (np.nanmax(v) - np.nanmin(v)) / 2 if np.isfinite(v).any() else float("nan")
-        lines.append(f"| {n} | {rs[0]['n_params']:,} | {np.nanmean(v) if np.isfinite(v).any() else float('nan'):.4f} ± "
+        mean = np.nanmean(v) if np.isfinite(v).any() else float("nan")
+        lines.append(f"| {n} | {rs[0]['n_params']:,} | {mean:.4f} ± "
                      f"{spread:.4f} | {', '.join(f'{x:.4f}' for x in v)} | {sps.mean():.3f} | "
                      f"{sum(r['diverged'] for r in rs)}/{len(rs)} |")
     return "\n".join(lines)

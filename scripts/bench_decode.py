@@ -306,7 +306,8 @@ def llama2c_main():
             rows.append(row)
             print(f"{name}: run.c {max(theirs):.0f} tok/s best, {np.median(theirs):.0f} median; "
                   f"minillama {max(ours):.0f} best, {np.median(ours):.0f} median; ratio "
-                  f"{max(ours) / max(theirs):.2f}x best, {np.median(ours) / np.median(theirs):.2f}x "
+                  f"{max(ours) / max(theirs):.2f}x best, "
+                  f"{np.median(ours) / np.median(theirs):.2f}x "
                   f"median; batch {ARGS.batch} {max(batch):.0f} tok/s = "
                   f"{max(batch) / max(theirs):.2f}x run.c batch 1; greedy agree "
                   f"{agree}/{row['n']}; load {row['load']:.2f}; weights streamed at "
@@ -368,7 +369,7 @@ def main():
     print("| shape | weights | KV cache (B=1) | roofline ms/tok | decode ms/tok | x roofline | "
           "decode tok/s | HF tok/s | ratio | prefill tok/s | batch-8 tok/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, cfg, wbytes, bw, roof_ms, ours, ms, hf in rows:
+    for name, _, wbytes, bw, roof_ms, ours, ms, hf in rows:
         hf_s = f"{hf['decode_tps']:.1f}" if hf else "n/a"
         ratio = f"{ours['decode_tps'] / hf['decode_tps']:.2f}x" if hf else "n/a"
         print(f"| {name} | {wbytes / 1e6:.0f} MB | {ours['cache_bytes_b1'] / 1e6:.2f} MB | "

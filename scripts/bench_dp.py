@@ -3,8 +3,8 @@
 efficiency.
 
 Each configuration launches ``mpiexec -n N`` of this script in worker mode: every rank builds the
-same :class:`minillama.train.trainer.Trainer` (one rank = ``--batch`` windows of ``--seq`` tokens per step,
-so N ranks train on N times the tokens per step), runs ``--warmup`` untimed steps, then
+same :class:`minillama.train.trainer.Trainer` (one rank = ``--batch`` windows of ``--seq`` tokens
+per step, so N ranks train on N times the tokens per step), runs ``--warmup`` untimed steps, then
 ``--steps`` timed ones. Rank 0 reports the median step time (wall clock; the all-reduce makes
 every rank's step end together), the time spent in the all-reduce, and each rank's CPU time.
 The configurations take turns round by round (A B C A B C ...) so that all see the same
@@ -14,8 +14,8 @@ background load, and each cell is the median over ``--rounds``.
 
 Scaling efficiency of N ranks = tokens/s(N) / (N x tokens/s(1 rank)) at the same threads per
 rank (wall clock); the CPU-time efficiency divides tokens per CPU-second of all ranks by that of
-one rank, which a machine shared with other jobs disturbs less. ``--also-threads 2`` adds one process with 2 threads: the same two cores used by threads
-instead of ranks.
+one rank, which a machine shared with other jobs disturbs less. ``--also-threads 2`` adds one
+process with 2 threads: the same two cores used by threads instead of ranks.
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@ The model has SmolLM2-135M's shape (D 576, 30 layers, 9 heads / 3 KV heads, F 15
 embeddings, RoPE theta 1e5), random weights shared by both sides; LoRA rank 16, alpha 32 on all
 seven linears of every block (q, k, v, o, gate, up, down); B x T = 4 x 256 (defaults). One step =
 forward, backward (adapter gradients only) and AdamW on the adapters: minillama's
-``loss_and_grads`` with a :class:`minillama.model.lora.LoRA` attached + ``minillama.train.optim.AdamW``,
-against transformers' ``LlamaForCausalLM`` wrapped by ``peft.get_peft_model`` + ``torch.optim.AdamW``
-(eager, SDPA attention). The two sides take turns step by step (A B A B ...), with ``--gap`` seconds
-of sleep before each timed step so the other side's BLAS threads have stopped spinning. Each side's
-wall time and CPU time (all its threads, ``time.process_time``) per step are reported: on a machine
-shared with other jobs the CPU time tells the work done from the time spent waiting for a core.
+``loss_and_grads`` with a :class:`minillama.model.lora.LoRA` attached +
+``minillama.train.optim.AdamW``, against transformers' ``LlamaForCausalLM`` wrapped by
+``peft.get_peft_model`` + ``torch.optim.AdamW`` (eager, SDPA attention). The two sides take turns
+step by step (A B A B ...), with ``--gap`` seconds of sleep before each timed step so the other
+side's BLAS threads have stopped spinning. Each side's wall time and CPU time (all its threads,
+``time.process_time``) per step are reported: on a machine shared with other jobs the CPU time tells
+the work done from the time spent waiting for a core.
 
     python scripts/bench_finetune.py --threads 2 --steps 5
 """

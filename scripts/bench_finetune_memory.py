@@ -136,7 +136,7 @@ def chat_set(path, n=96) -> None:
         for i in range(n):
             c, lang, a = PLACES[i % len(PLACES)]
             lines = ["system: you are brief."]
-            for t in range(1 + int(rng.integers(0, 3))):
+            for _ in range(1 + int(rng.integers(0, 3))):
                 k = int(rng.integers(0, len(CHAT_Q)))
                 q, ans = CHAT_Q[k].format(c=c, l=lang, a=a), CHAT_A[k].format(c=c, l=lang, a=a)
                 lines.append(f"user: {q}")
@@ -189,7 +189,8 @@ def pack() -> None:
 
 
 def main() -> int:
-    print(f"# fine-tuning memory and packing — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"# fine-tuning memory and packing — "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, {ARGS.threads} threads, "
           f"load {os.getloadavg()[0]:.2f}, numpy {np.__version__}")
     print()

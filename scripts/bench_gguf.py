@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} threads={args.threads} backend={args.backend} "
           f"tg={args.tg} pp={args.pp} reps={args.reps} load={load[0]:.2f},{load[1]:.2f}")
     results = {f: {"ml": [], "cpp": []} for f in files}
-    for rep in range(args.reps):
+    for _ in range(args.reps):
         for f in files:  # interleaved: llama.cpp then minillama, file by file, rep by rep
             if args.llama_cpp is not None:
                 results[f]["cpp"].append(run_llama_bench(f, args))

@@ -264,7 +264,8 @@ class TorchLlama:
                     a = F.scaled_dot_product_attention(
                         q.transpose(1, 2), ck[layer].transpose(1, 2), cv[layer].transpose(1, 2),
                         attn_mask=mask, enable_gqa=(KVH != H))
-                    x = x + a.transpose(1, 2).reshape(B, 1, H * hd) @ p[pre + "attention.wo.weight"].T
+                    x = x + (a.transpose(1, 2).reshape(B, 1, H * hd)
+                             @ p[pre + "attention.wo.weight"].T)
                     h2 = self._rms(x, p[pre + "ffn_norm.weight"])
                     g = F.silu(h2 @ p[pre + "feed_forward.w1.weight"].T) * \
                         (h2 @ p[pre + "feed_forward.w3.weight"].T)
@@ -318,7 +319,8 @@ def bench_train(name, args, torch_ok):
     if torch_ok:
         torch_s, peer_first = _time_torch(cfg, params, tok, tgt, args, "fp32")
         rel = abs(peer_first - first_loss) / abs(peer_first)
-        check = f"first loss {first_loss:.5f} vs {peer_first:.5f} ({'ok' if rel < 1e-4 else 'DIFFERS'})"
+        check = (f"first loss {first_loss:.5f} vs {peer_first:.5f} "
+                 f"({'ok' if rel < 1e-4 else 'DIFFERS'})")
         bf16_s, _ = _time_torch(cfg, params, tok, tgt, args, "bf16")  # bf16 matmuls, fp32 weights
     return dict(shape=name, B=B, T=T, ml=B * T / ml_s, ml_ms=1e3 * ml_s,
                 torch=None if torch_s is None else B * T / torch_s,
@@ -551,7 +553,8 @@ def bench_attention(args, argv=None) -> int:
 
             if ref:
                 got = fwd_bwd()
-                errs = [rel(torch.from_dlpack(x), ref[n]) for x, n in zip(got, ("o", "dq", "dk", "dv"))]
+                errs = [rel(torch.from_dlpack(x), ref[n])
+                        for x, n in zip(got, ("o", "dq", "dk", "dv"))]
                 row[f"err_{mode}"] = max(errs)
                 bad = not all(np.isfinite(errs))
                 print(f"  {row['shape']} {mode}: rel err o {errs[0]:.2e} dq {errs[1]:.2e} "
@@ -562,7 +565,8 @@ def bench_attention(args, argv=None) -> int:
         def sdpa(dtype, tf32):
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.backends.cudnn.allow_tf32 = tf32
-            qq, kk, vv = (x.to(dtype).transpose(1, 2).detach().requires_grad_() for x in (tq, tk, tv))
+            qq, kk, vv = (x.to(dtype).transpose(1, 2).detach().requires_grad_()
+                          for x in (tq, tk, tv))
             dd = tdo.to(dtype).transpose(1, 2)
 
             def fn():
@@ -578,7 +582,8 @@ def bench_attention(args, argv=None) -> int:
         rows.append(row)
         print(f"  {row}", flush=True)
 
-    print("\n| shape | ours fp32 (3xTF32) ms | SDPA fp32 ms | ratio | ours tf32 ms | SDPA tf32 ms | "
+    print("\n| shape | ours fp32 (3xTF32) ms | SDPA fp32 ms | ratio | "
+          "ours tf32 ms | SDPA tf32 ms | "
           "ratio | SDPA bf16 ms | old SIMT ms | max rel err fp32 / tf32 |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -631,7 +636,8 @@ def main(argv=None) -> int:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"# bench_gpu: {be.device}, {now}, cupy {cp.__version__}, torch {torch_ver}, "
           f"python {platform.python_version()}")
-    print(f"# command: python scripts/bench_gpu.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"# command: python scripts/bench_gpu.py "
+          f"{' '.join(sys.argv[1:] if argv is None else argv)}")
 
     if not args.no_train:
         print("\n## Training step (forward + backward + AdamW), float32, tokens/s\n")

@@ -372,7 +372,8 @@ def bench_latent(reps):
         tf = best(lambda: full_fwd_bwd(x), ARGS.reps)
         tl = best(lambda: latent_fwd_bwd(x), ARGS.reps)
         rows.append(f"| {L} | {M} | {fmt_ms(tf)} | {fmt_ms(tl)} | {tf / tl:.1f}x "
-                    f"| {B * H * L * L * 4 / 2**20:.1f} | {B * H * (M * L + M * M) * 4 / 2**20:.2f} |")
+                    f"| {B * H * L * L * 4 / 2**20:.1f} "
+                    f"| {B * H * (M * L + M * M) * 4 / 2**20:.2f} |")
     return rows
 
 

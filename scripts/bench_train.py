@@ -38,7 +38,8 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--threads", type=int, default=2, help="BLAS / torch threads (default 2)")
     ap.add_argument("--optimizer", action="store_true",
-                    help="also time the full step with AdamW (minillama.train.optim vs torch.optim)")
+                    help="also time the full step with AdamW "
+                         "(minillama.train.optim vs torch.optim)")
     ap.add_argument("--gap", type=float, default=0.3,
                     help="seconds of sleep before every timed step, so that the other side's "
                          "idle BLAS/OpenMP threads have stopped spinning (default 0.3; 0 = "
@@ -194,8 +195,10 @@ def main() -> int:
                   "optimizer columns skipped")
 
     peak = matmul_peak()
-    print(f"# minillama training-step benchmark — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, {platform.python_implementation()} "
+    print(f"# minillama training-step benchmark — "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, "
+          f"{platform.python_implementation()} "
           f"{platform.python_version()}, numpy {np.__version__}"
           + (f", torch {torch.__version__}" if torch else ", torch not installed")
           + f"; threads={args.threads}; clock={args.clock}; gap={args.gap:g} s; load average "

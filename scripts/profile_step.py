@@ -3,9 +3,10 @@
 KV-cached decode step.
 
 ``train``: every backend op of forward and backward timed by a wrapper (the CPU backends run
-synchronously, so each wrapper times the op's whole work), the linear layers split by weight, the rest of the step (residual adds, Python, the loss) as one line,
-and the AdamW update. Random weights of a benchmark shape and batch (those of
-``scripts/bench_train.py``); the median over ``--steps`` steps after one warm-up.
+synchronously, so each wrapper times the op's whole work), the linear layers split by weight, the
+rest of the step (residual adds, Python, the loss) as one line, and the AdamW update. Random weights
+of a benchmark shape and batch (those of ``scripts/bench_train.py``); the median over ``--steps``
+steps after one warm-up.
 
     python scripts/profile_step.py train --backend numba --configs tiny,s15 --threads 2
 
@@ -13,9 +14,9 @@ Prints one markdown table per config and backend: ms per step for each op, its s
 and for the linear layers the GFLOP/s reached against the measured 2048^3 matmul peak.
 
 ``decode``: per op on the per-op path (every backend op timed by a wrapper), and for the numba
-backend's fused step (one compiled call) the kernel against the Python work around it. Random weights of a benchmark shape, a 16-token
-prompt, then ``--steps`` greedy steps; the per-op and fused runs take turns ``--reps`` times and
-the best run of each counts.
+backend's fused step (one compiled call) the kernel against the Python work around it. Random
+weights of a benchmark shape, a 16-token prompt, then ``--steps`` greedy steps; the per-op and fused
+runs take turns ``--reps`` times and the best run of each counts.
 
     python scripts/profile_step.py decode --shape s15 --threads 2
 
@@ -238,7 +239,8 @@ def profile_torch(name):
             groups["attention (scaled_dot_product / flash)"] += ms
         else:
             groups["everything else"] += ms
-    print(f"\n### {name}, PyTorch {torch.__version__} eager with AdamW: {wall * 1e3:.1f} ms per step "
+    print(f"\n### {name}, PyTorch {torch.__version__} eager with AdamW: "
+          f"{wall * 1e3:.1f} ms per step "
           f"(profiled; self CPU time of the main thread's ops {total:.1f} ms)\n")
     print("| aten op | self CPU ms/step | share |")
     print("|---|---|---|")

@@ -11,10 +11,11 @@ from minillama.io.bpe import BPETokenizer
 tokenizers = pytest.importorskip("tokenizers")
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers  # noqa: E402
 
-CORPUS = ["the cat sat on the mat, didn't it? 42 cats!", "\u00e9t\u00e9 \u00e0 Paris \u2014 caf\u00e9",
+CORPUS = ["the cat sat on the mat, didn't it? 42 cats!",
+          "\u00e9t\u00e9 \u00e0 Paris \u2014 caf\u00e9",
           "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8", "naive  spaces\tand\nlines  "] * 30
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
-                r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>"]
 
 

@@ -96,11 +96,13 @@ QWEN2_TEMPLATE = """{%- if tools %}
     {%- if messages[0]['role'] == 'system' %}
         {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
     {%- else %}
-        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. \
+You are a helpful assistant.<|im_end|>\\n' }}
     {%- endif %}
 {%- endif %}
 {%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant") %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or \
+(message.role == "assistant") %}
         {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
     {%- endif %}
 {%- endfor %}

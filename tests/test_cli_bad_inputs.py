@@ -35,7 +35,8 @@ def files(tmp_path_factory):
     cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=ByteTokenizer.vocab_size,
                       hidden_dim=24, max_seq_len=32)
     f = {"d": d}
-    f["ckpt"] = save_checkpoint(d / "m.safetensors", cfg, init_params(cfg), tokenizer=ByteTokenizer())
+    f["ckpt"] = save_checkpoint(d / "m.safetensors", cfg, init_params(cfg),
+                                tokenizer=ByteTokenizer())
     lc = ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=40, hidden_dim=24, max_seq_len=32)
     f["l2c"] = save_llama2c(d / "m.bin", lc, init_params(lc))
     f["tokbin"] = _write_tokenizer_bin(d / "tokenizer.bin")  # 381 tokens: fits no model here

@@ -10,6 +10,7 @@ import pytest
 
 from minillama.cli import main as cli
 from minillama.core.config import ModelConfig
+from minillama.core.sampling import SamplingParams
 from minillama.infer.generate import warm_up
 from minillama.io.checkpoint import save_checkpoint
 from minillama.io.data import prepare_text_file
@@ -57,12 +58,13 @@ def test_n_below_one_is_refused(ckpt, capsys, n):
 def test_warm_up_says_it_compiles_only_on_a_compiling_backend(ckpt):
     said = []
     model, tok = load_model(ckpt, backend="numpy")
-    assert warm_up(model, tok.encode("x", bos=True), 0.0, None, None, note_after=0.0,
+    assert warm_up(model, tok.encode("x", bos=True), SamplingParams(), note_after=0.0,
                    say=said.append) == 0.0
     assert said == []
     pytest.importorskip("numba")
     model, tok = load_model(ckpt, backend="numba")
-    dt = warm_up(model, tok.encode("x", bos=True), 1.0, None, 0.9, note_after=0.0,
+    dt = warm_up(model, tok.encode("x", bos=True), SamplingParams(temperature=1.0, top_p=0.9),
+                 note_after=0.0,
                  say=said.append)
     assert dt > 0
     assert said[0] == "numba: compiling kernels (once, cached) ..."
@@ -111,7 +113,8 @@ def test_resuming_a_finished_run_says_how_to_extend_it(finished_run, capsys):
     rc = cli.main(["train", "--no-progress", "--resume", "--out", str(finished_run),
                    "--steps", "4"])
     out, err = capsys.readouterr()
-    assert rc == 0 and json.loads(out.strip().splitlines()[-1])["steps_run"] == 1 and "complete" not in err
+    assert (rc == 0 and json.loads(out.strip().splitlines()[-1])["steps_run"] == 1
+            and "complete" not in err)
 
 
 # --- warmup scaled to the run, and said ---------------------------------------------------------

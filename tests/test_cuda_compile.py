@@ -226,7 +226,8 @@ def _run(code: str, env=None) -> subprocess.CompletedProcess:
 def test_import_minillama_never_imports_cupy():
     r = _run("import sys, minillama, minillama.model.transformer, minillama.backends\n"
              "import minillama.backends.cupy.build\n"
-             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'cupy_backends')))")
+             "print(sorted(m for m in sys.modules "
+             "if m.split('.')[0] in ('cupy', 'cupy_backends')))")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
 

@@ -25,9 +25,9 @@ from minillama.backends.cupy import backend as cbk
 from minillama.backends.cupy import build as cb
 from minillama.core import ops
 
-EMU_HEADER = r"""// Minimal CPU emulation of the CUDA features the minillama kernels use: one OS thread per CUDA
-// thread, blocks run one after another (so function-static "__shared__" arrays are per block),
-// __syncthreads as a block barrier, warp shuffles through a per-warp exchange buffer.
+EMU_HEADER = r"""// Minimal CPU emulation of the CUDA features the minillama kernels use: one OS
+// thread per CUDA thread, blocks run one after another (so function-static "__shared__" arrays are
+// per block), __syncthreads as a block barrier, warp shuffles through a per-warp exchange buffer.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -64,7 +64,9 @@ template <typename T> T emu_exchange(T v, int src) {
     return r;
 }
 template <typename T> T __shfl_sync(unsigned, T v, int src) { return emu_exchange(v, src); }
-template <typename T> T __shfl_xor_sync(unsigned, T v, int m) { return emu_exchange(v, (emu_tid() % 32) ^ m); }
+template <typename T> T __shfl_xor_sync(unsigned, T v, int m) {
+    return emu_exchange(v, (emu_tid() % 32) ^ m);
+}
 inline void __syncwarp() { g_warps[emu_tid() / 32].bar->arrive_and_wait(); }
 struct alignas(16) float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
@@ -102,9 +104,13 @@ inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __int_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
-inline double __longlong_as_double(unsigned long long i) { double f; std::memcpy(&f, &i, 8); return f; }
+inline double __longlong_as_double(unsigned long long i) {
+    double f; std::memcpy(&f, &i, 8); return f;
+}
 inline std::mutex g_atomic_mu;
-template <typename T> T atomicAdd(T* p, T v) { std::lock_guard<std::mutex> g(g_atomic_mu); T o = *p; *p = o + v; return o; }
+template <typename T> T atomicAdd(T* p, T v) {
+    std::lock_guard<std::mutex> g(g_atomic_mu); T o = *p; *p = o + v; return o;
+}
 using std::exp; using std::log; using std::sqrt; using std::fabs; using std::fmax;
 #include <math.h>
 template <typename... P, typename... A>

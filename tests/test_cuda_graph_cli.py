@@ -135,10 +135,10 @@ class EagerStandIn:
 def test_stream_greedy_matches_the_eager_loop(prompt_len, n_new, chunk, stop_at):
     model = Transformer(CFG, backend="numpy", seed=5)
     prompt = list(np.random.default_rng(prompt_len).integers(0, CFG.vocab_size, prompt_len))
-    free = [t for step in generate_steps(model, [prompt], n_new, 0.0) for _, t in step]
+    free = [t for step in generate_steps(model, [prompt], n_new) for _, t in step]
     stop = {free[stop_at]} if stop_at is not None else set()
     ref_stats, got_stats = GenerationStats(), GenerationStats()
-    ref = [t for step in generate_steps(model, [prompt], n_new, 0.0, stop_ids=stop,
+    ref = [t for step in generate_steps(model, [prompt], n_new, stop_ids=stop,
                                         stats=ref_stats) for _, t in step]
     S = min(CFG.max_seq_len, prompt_len + n_new)
     dec = EagerStandIn(model, S)

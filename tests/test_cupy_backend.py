@@ -409,9 +409,9 @@ def test_graph_decoder_streams_in_chunks_like_the_eager_loop():
     model = Transformer(cfg, backend=BE, seed=11)
     for P, n_new, stop_at in ((5, 30, None), (5, 30, 7), (40, 30, None)):
         prompt = [int(t) for t in np.random.default_rng(P).integers(0, 97, P)]
-        free = [t for s in generate_steps(model, [prompt], n_new, 0.0) for _, t in s]
+        free = [t for s in generate_steps(model, [prompt], n_new) for _, t in s]
         stop = {free[stop_at]} if stop_at is not None else set()
-        ref = [t for s in generate_steps(model, [prompt], n_new, 0.0, stop_ids=stop)
+        ref = [t for s in generate_steps(model, [prompt], n_new, stop_ids=stop)
                for _, t in s]
         dec = GraphDecoder(model, 1, min(cfg.max_seq_len, P + n_new))
         got = [t for s in stream_greedy(dec, prompt, n_new, cfg.max_seq_len, stop, chunk=4)

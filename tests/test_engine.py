@@ -1,5 +1,5 @@
-"""The continuous-batching engine (minillama/infer/engine.py), without HTTP: batched decode of rows at
-different positions equals each row alone, requests sharing the batch get the tokens they get
+"""The continuous-batching engine (minillama/infer/engine.py), without HTTP: batched decode of rows
+at different positions equals each row alone, requests sharing the batch get the tokens they get
 alone (greedy and seeded sampling), slots are reused and freed, stop strings cut streamed text."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from minillama.core.config import ModelConfig
@@ -173,6 +173,7 @@ def test_bad_submissions_are_refused():
 @given(text=st.text(alphabet="ab\n.", max_size=30),
        stops=st.lists(st.text(alphabet="ab\n.", min_size=1, max_size=4), max_size=3),
        cuts=st.lists(st.integers(0, 30), max_size=8))
+@example(text="aaaaaaa.a", stops=[".", "a.a"], cuts=[8])  # a longer stop starting earlier
 def test_stop_text_cuts_at_the_first_stop_however_the_text_arrives(text, stops, cuts):
     found = [i for i in (text.find(s) for s in stops) if i >= 0]
     want = text[:min(found)] if found else text

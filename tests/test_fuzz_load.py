@@ -18,7 +18,8 @@ CASES = int(os.environ.get("MINILLAMA_FUZZ_CASES", "200"))
 SEED = 17
 TIME_LIMIT = 10.0  # seconds per case; loading a seed takes milliseconds
 TARGETS = ["minillama", "llama2c_v0", "llama2c_v1", "hf", "hf_sharded", "hf_qwen2", "hf_mistral",
-           "hf_bpe", "tokenizer_bin", "train_config", "data", "train_ckpt", "gguf", "gguf_qwen2", "gguf_quant"]
+           "hf_bpe", "tokenizer_bin", "train_config", "data", "train_ckpt", "gguf", "gguf_qwen2",
+           "gguf_quant"]
 
 
 @pytest.fixture(scope="module")

@@ -251,6 +251,7 @@ def test_rope_freqs_tensor_is_llama3_scaling(tmp_path):
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
     # and back out through the exporter
     from minillama.io.gguf import save_gguf
-    save_gguf(tmp_path / "again.gguf", model.cfg, {k: np.asarray(v) for k, v in model.params.items()})
+    save_gguf(tmp_path / "again.gguf", model.cfg,
+              {k: np.asarray(v) for k, v in model.params.items()})
     again, _ = load_model(tmp_path / "again.gguf", backend="numpy")
     np.testing.assert_array_equal(again.forward(np.array([TOKENS])), got)

@@ -30,7 +30,7 @@ def _model(cfg, backend, dtype, seed):
     # std 0.5 (not 0.02) so attention is far from uniform and position errors would show
     params = init_params(cfg, seed=seed, dtype=np.float64)
     rng = np.random.default_rng(seed)
-    for k, v in params.items():
+    for v in params.values():
         v[...] = rng.normal(0, 0.5, v.shape) if v.ndim == 2 else rng.uniform(0.5, 1.5, v.shape)
     return Transformer(cfg, params, backend=backend, dtype=dtype)
 

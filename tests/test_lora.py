@@ -1,6 +1,7 @@
-"""LoRA: the op (minillama/core/ops.py:lora_forward / lora_backward) against float64 central differences
-and torch.autograd, its properties, and the model with adapters (minillama/model/lora.py): only the
-adapters get gradients, and those match central differences of the whole model's loss."""
+"""LoRA: the op (minillama/core/ops.py:lora_forward / lora_backward) against float64 central
+differences and torch.autograd, its properties, and the model with adapters
+(minillama/model/lora.py): only the adapters get gradients, and those match central differences of
+the whole model's loss."""
 
 from __future__ import annotations
 

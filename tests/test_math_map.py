@@ -1,5 +1,5 @@
-"""docs/MATH.md is the math-to-code map, and minillama/core/ops.py the reference it points at: both are
-checked here so that neither drifts.
+"""docs/MATH.md is the math-to-code map, and minillama/core/ops.py the reference it points at: both
+are checked here so that neither drifts.
 
 * every ``path.py:name`` that MATH.md cites (and each bare ``name`` chained after it, as in
   "`minillama/core/ops.py:rope_forward`, `rope_backward`") exists in that file;

@@ -1,7 +1,7 @@
 """Mixed-precision training (``--precision tf32|bf16``) checked on the CPU: the bf16/TF32
-rounding, the emulated products (the equations of backends/cupy/mixed_precision.py), a short training
-run whose emulated-bf16 and emulated-TF32 loss curves track float32, and the option's validation.
-The CuPy code path (conversion kernel + cuBLAS call plan) is driven on the CPU by
+rounding, the emulated products (the equations of backends/cupy/mixed_precision.py), a short
+training run whose emulated-bf16 and emulated-TF32 loss curves track float32, and the option's
+validation. The CuPy code path (conversion kernel + cuBLAS call plan) is driven on the CPU by
 tests/test_cuda_emulated.py and on a GPU by tests/test_cupy_backend.py.
 """
 

@@ -240,7 +240,8 @@ def hamlet(tmp_path_factory):
 
 
 def test_train_flags_post_layernorm_sinusoidal_gelu(hamlet, tmp_path, capsys):
-    """The vanilla transformer's command trains with a falling loss, and the variants land in the checkpoint."""
+    """The vanilla transformer's command trains with a falling loss, and the variants land in the
+    checkpoint."""
     from minillama.io.checkpoint import load_checkpoint
     from minillama.train.trainer import CKPT_NAME
 

@@ -4,11 +4,11 @@ and dx = dy W for every block type, few rows (the decode kernels) and many (dequ
 GEMM), random valid blocks and the tensors of a real GGUF file; the backend's linear and loss
 head with a quantized W.
 
-These are the float32 kernels (``MINILLAMA_QUANT_DOTS=float``). Tolerance: the kernels decode each block exactly (the fp16 scales are widened exactly, the small
-integer codes are exact in float32) and sum the products in float32, in another order than
-NumPy. Any order of a float32 sum of K products is within (K + 2) u \\sum_k |w_k x_k|
-(u = 2^-24, two more roundings for the dequantized weight d q - m); the tests hold the error to
-that bound, per output entry."""
+These are the float32 kernels (``MINILLAMA_QUANT_DOTS=float``). Tolerance: the kernels decode each
+block exactly (the fp16 scales are widened exactly, the small integer codes are exact in float32)
+and sum the products in float32, in another order than NumPy. Any order of a float32 sum of K
+products is within (K + 2) u \\sum_k |w_k x_k| (u = 2^-24, two more roundings for the dequantized
+weight d q - m); the tests hold the error to that bound, per output entry."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Every reference op's backward (minillama.core.ops) against float64 central finite differences of its
-forward. The backends' own ops are held to these by parity tests (tests/test_numpy_backend.py, ...).
+"""Every reference op's backward (minillama.core.ops) against float64 central finite differences of
+its forward. The backends' own ops are held to these by parity tests (tests/test_numpy_backend.py,
+...).
 
 Each check turns the op into a scalar L = sum(out * R) with a fixed random R, so dL/dout = R, and
 compares the op's backward with (L(x + h e_i) - L(x - h e_i)) / 2h over every input entry (the
@@ -26,7 +27,8 @@ TOL = 1e-6
 
 
 def numeric_grad(f, x, h=H_STEP):
-    """Central differences of the scalar f() with respect to every entry of x (perturbed in place)."""
+    """Central differences of the scalar f() with respect to every entry of x (perturbed in
+    place)."""
     return central_differences(f, x.reshape(-1), range(x.size), h).reshape(x.shape)
 
 

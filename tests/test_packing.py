@@ -143,7 +143,7 @@ def _packed_model(backend, lora):
     if lora:
         LoRA(m, LoRAConfig(rank=4), seed=1).attach(m)
         rng = np.random.default_rng(2)
-        for k, v in m.lora.params.items():  # B = 0 would hide the adapters
+        for v in m.lora.params.values():  # B = 0 would hide the adapters
             v[...] = rng.standard_normal(v.shape) * 0.1
     return m
 
@@ -218,7 +218,7 @@ def test_packed_rows_refuse_bad_segments():
         m.loss_and_grads(x, y, segments=seg[:, :-1])
 
 
-def test_finetune_pack_trains_and_resumes_bit_for_bit(base, chat_data, tmp_path, capsys):
+def test_finetune_pack_trains_and_resumes_bit_for_bit(base, chat_data, tmp_path, capsys):  # noqa: F811 (fixture)
     """``--pack`` on chat data (the random HF llama and its chat template of
     tests/test_finetune.py): the held-out loss falls and an interrupted packed run resumes to the
     same adapter."""

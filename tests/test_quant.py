@@ -1,6 +1,6 @@
-"""Block dequantization (minillama/core/quant.py) held bit for bit to the `gguf` package's (the Python
-port llama.cpp's authors publish) on random valid blocks of every type, and properties the block
-equations imply: scaling the float16 d scales the values exactly, rows are independent."""
+"""Block dequantization (minillama/core/quant.py) held bit for bit to the `gguf` package's (the
+Python port llama.cpp's authors publish) on random valid blocks of every type, and properties the
+block equations imply: scaling the float16 d scales the values exactly, rows are independent."""
 
 from __future__ import annotations
 

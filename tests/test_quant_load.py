@@ -54,7 +54,8 @@ def write_quant_gguf(path, cfg, qtype: str, seed=0, tokenizer=True, arch="llama"
     for add, v in ((w.add_context_length, cfg.max_seq_len), (w.add_embedding_length, cfg.dim),
                    (w.add_block_count, cfg.n_layers), (w.add_feed_forward_length, cfg.hidden_dim),
                    (w.add_head_count, cfg.n_heads), (w.add_head_count_kv, cfg.n_kv_heads),
-                   (w.add_layer_norm_rms_eps, cfg.norm_eps), (w.add_rope_freq_base, cfg.rope_theta)):
+                   (w.add_layer_norm_rms_eps, cfg.norm_eps),
+                   (w.add_rope_freq_base, cfg.rope_theta)):
         add(v)
     if tokenizer:
         w.add_tokenizer_model("llama")

@@ -1,8 +1,8 @@
-"""Gradient checkpointing (``--recompute``, minillama/model/recompute.py): the forward keeps only each
-block's input and the backward rebuilds one block at a time. The gradients are those of the plain
-backward bit for bit (same backend), with LoRA (its dropout masks replayed) and full training, on
-the model's variants; the arrays kept by the forward shrink to the block inputs (measured) and the
-step's peak allocation drops; ``minillama finetune --recompute`` writes the same adapter."""
+"""Gradient checkpointing (``--recompute``, minillama/model/recompute.py): the forward keeps only
+each block's input and the backward rebuilds one block at a time. The gradients are those of the
+plain backward bit for bit (same backend), with LoRA (its dropout masks replayed) and full training,
+on the model's variants; the arrays kept by the forward shrink to the block inputs (measured) and
+the step's peak allocation drops; ``minillama finetune --recompute`` writes the same adapter."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _model(backend, lora=None, dtype=np.float32, **variant):
     if lora is not None:
         LoRA(m, LoRAConfig(rank=4, dropout=lora), seed=3).attach(m)
         rng = np.random.default_rng(4)
-        for k, v in m.lora.params.items():
+        for v in m.lora.params.values():
             v[...] = rng.standard_normal(v.shape).astype(v.dtype) * 0.05
     return m
 

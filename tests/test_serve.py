@@ -23,14 +23,11 @@ openai = pytest.importorskip("openai")
 
 from minillama.cli import main as cli  # noqa: E402
 from minillama.infer.engine import Engine  # noqa: E402
-from minillama.infer.generate import generate
+from minillama.infer.generate import generate  # noqa: E402
 from minillama.infer.serve import build_app  # noqa: E402
 from minillama.io.chat_template import encode_rendered, render_chat  # noqa: E402
 from minillama.io.chat_template import stop_ids as _stops  # noqa: E402
-from minillama.io.load import (
-    DEFAULT_CHECKPOINT,  # noqa: E402
-    load_model,  # noqa: E402
-)
+from minillama.io.load import DEFAULT_CHECKPOINT, load_model  # noqa: E402
 
 KEY = "sekret"
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
@@ -329,8 +326,8 @@ def test_api_key(chat):
 
 
 def test_importing_minillama_loads_no_server_stack():
-    code = ("import sys, minillama, minillama.cli.main, minillama.cli.serve, minillama.infer.serve, "
-            "minillama.infer.engine\n"
+    code = ("import sys, minillama, minillama.cli.main, minillama.cli.serve, "
+            "minillama.infer.serve, minillama.infer.engine\n"
             "minillama.cli.main.build_parser()\n"
             "stack = ('starlette', 'uvicorn', 'anyio', 'httpx', 'openai', 'asyncio')\n"
             "print(sorted(m for m in stack if m in sys.modules))")
@@ -387,3 +384,62 @@ def test_bad_serve_invocations_are_one_error_line(capsys, tmp_path):
             assert err[0].startswith("minillama: error: ") and words in err[0], (argv, err)
     finally:
         busy.close()
+
+
+#: one row per sampling setting (with what makes it matter: sampling for the filters, greedy for
+#: the penalties); each must reach generate, the CLI, chat, the engine and the server alike
+SETTINGS = [
+    {"temperature": 0.9, "seed": 11},
+    {"temperature": 0.9, "seed": 3, "top_k": 3},
+    {"temperature": 0.9, "seed": 3, "top_p": 0.5},
+    {"temperature": 0.9, "seed": 3, "min_p": 0.3},
+    {"temperature": 0.0, "repeat_penalty": 3.0},
+    {"temperature": 0.0, "repeat_penalty": 3.0, "repeat_last_n": 2},
+    {"temperature": 0.0, "frequency_penalty": 2.0},
+    {"temperature": 0.0, "presence_penalty": 2.0},
+]
+_FLAG = {"temperature": "--temperature", "seed": "--seed", "top_k": "--top-k", "top_p": "--top-p",
+         "min_p": "--min-p", "repeat_penalty": "--repeat-penalty",
+         "repeat_last_n": "--repeat-last-n", "frequency_penalty": "--frequency-penalty",
+         "presence_penalty": "--presence-penalty"}
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "-".join(s)[12:] or "seed")
+def test_every_sampling_setting_reaches_every_front_end(shakespeare, capsys, setting):
+    """The same SamplingParams give the same tokens through generate(), `minillama generate`,
+    the engine and the server (OpenAI fields, llama-server's names for the rest); each setting
+    changes the text compared with the same run without it."""
+    from minillama.core.sampling import SamplingParams
+
+    tok, engine, model = shakespeare.tok, shakespeare.engine, shakespeare.engine.model
+    prompt, stops, n = tok.encode("ROMEO.", bos=True), _stops(tok), 24
+    params = SamplingParams(**setting)
+    want = generate(model, prompt, n, params, stop_ids=stops)
+    base = {k: v for k, v in setting.items() if k in ("temperature", "seed")}
+    if setting != base:
+        assert want != generate(model, prompt, n, stop_ids=stops, **base), "no effect"
+    assert engine.generate(prompt, params, stop_ids=stops, max_tokens=n)[0] == want
+    flags = [str(x) for k, v in setting.items() for x in (_FLAG[k], v)]
+    defaults = ["--top-p", "1", "--temperature", "0"]  # generate's own defaults off
+    assert cli.main(["generate", "--prompt", "ROMEO.", "-n", str(n), *defaults, *flags]) == 0
+    text = _text_of(tok, prompt, want)
+    assert capsys.readouterr().out == "ROMEO." + text + "\n"
+    openai_names = ("temperature", "seed", "top_p", "frequency_penalty", "presence_penalty")
+    r = shakespeare.client().completions.create(
+        model="shakespeare", prompt="ROMEO.", max_tokens=n,
+        **{k: v for k, v in setting.items() if k in openai_names},
+        extra_body={k: v for k, v in setting.items() if k not in openai_names})
+    assert r.choices[0].text == text
+
+
+@pytest.mark.parametrize("setting", SETTINGS[1:], ids=lambda s: "-".join(s)[12:])
+def test_every_sampling_setting_reaches_a_chat_session(chat, setting):
+    """A chat turn under each setting gives the engine's tokens for the rendered prompt."""
+    from minillama.infer.chat import ChatSession
+
+    tok, engine = chat.tok, chat.engine
+    session = ChatSession(engine.model, tok, max_new_tokens=12, **setting)
+    got = list(session.reply("the cat"))
+    ids = encode_rendered(tok, render_chat(tok, [{"role": "user", "content": "the cat"}]))
+    want, _ = engine.generate(ids, stop_ids=_stops(tok), max_tokens=12, **setting)
+    assert got == want

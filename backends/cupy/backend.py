@@ -140,7 +140,8 @@ class CupyBackend(AttentionOps, RowOps, ReferenceBackend):
 
     # --- linear (cuBLAS) ------------------------------------------------------------------------
     def linear_forward(self, x, w):
-        r"""y = x W^T as one GEMM over the flattened rows. x: (..., in); w: (out, in) -> (..., out)."""
+        r"""y = x W^T as one GEMM over the flattened rows. x: (..., in); w: (out, in)
+        -> (..., out)."""
         if isinstance(w, QuantMatrix):
             return self._qlinear_forward(x, w)
         if not _supported(x, w):
@@ -204,11 +205,12 @@ def adamw_update(param, grad, m, v, lr, beta1, beta2, eps, wd, step) -> None:
     r"""One fused AdamW step over one parameter buffer, in place (one kernel launch):
 
     m \leftarrow \beta_1 m + (1-\beta_1) g,\quad v \leftarrow \beta_2 v + (1-\beta_2) g^2,
-    \theta \leftarrow \theta (1 - \eta\lambda) - \eta \frac{m / (1-\beta_1^t)}{\sqrt{v / (1-\beta_2^t)} + \epsilon}
+    \theta \leftarrow \theta (1 - \eta\lambda) -
+        \eta \frac{m / (1-\beta_1^t)}{\sqrt{v / (1-\beta_2^t)} + \epsilon}
 
-    (the update of :class:`minillama.train.optim.AdamW`; pass ``wd = 0`` for parameters without decay).
-    param, grad, m, v: CuPy arrays of one shape and dtype (any shape; C-contiguous, since they are
-    updated in place); step t >= 1.
+    (the update of :class:`minillama.train.optim.AdamW`; pass ``wd = 0`` for parameters without
+    decay). param, grad, m, v: CuPy arrays of one shape and dtype (any shape; C-contiguous, since
+    they are updated in place); step t >= 1.
     """
     _import_cupy()
     if not _supported(param, grad, m, v):

@@ -23,7 +23,8 @@ class RowOps:
 
     # --- embedding ------------------------------------------------------------------------------
     def embedding_forward(self, weight, tokens):
-        r"""h_{b,t} = E[x_{b,t}] (gather kernel). weight: (V, D); tokens: (B, T). Returns (B, T, D)."""
+        r"""h_{b,t} = E[x_{b,t}] (gather kernel). weight: (V, D); tokens: (B, T).
+        Returns (B, T, D)."""
         if not _supported(weight):
             return ops.embedding_forward(weight, tokens)
         tok = _c(cp.asarray(tokens).astype(cp.int64, copy=False))
@@ -98,7 +99,8 @@ class RowOps:
 
     # --- SwiGLU ---------------------------------------------------------------------------------
     def swiglu_forward(self, a, b):
-        r"""h = \mathrm{silu}(a) \odot b, \mathrm{silu}(a) = a\sigma(a). a, b: (..., F) -> h (..., F)."""
+        r"""h = \mathrm{silu}(a) \odot b, \mathrm{silu}(a) = a\sigma(a).
+        a, b: (..., F) -> h (..., F)."""
         if not _supported(a, b) or a.shape != b.shape:
             return ops.swiglu_forward(a, b)
         ac, bc = _c(a), _c(b)
@@ -153,8 +155,8 @@ class RowOps:
     linear_cross_entropy_backward = composed_linear_cross_entropy_backward
 
     def cross_entropy_backward(self, dloss, ctx):
-        r"""\partial L/\partial z_{nv} = dL\,(p_{nv} - [v = y_n]) / |\mathcal{V}| for kept rows, 0 for
-        ignored ones, p = e^{z - \mathrm{lse}} (one fused pass). Returns dlogits: (N, V)."""
+        r"""\partial L/\partial z_{nv} = dL\,(p_{nv} - [v = y_n]) / |\mathcal{V}| for kept rows,
+        0 for ignored ones, p = e^{z - \mathrm{lse}} (one fused pass). Returns dlogits: (N, V)."""
         if not isinstance(ctx, _KCtx):
             return ops.cross_entropy_backward(dloss, ctx)
         z, t, lse, count, ignore_index = ctx

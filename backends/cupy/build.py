@@ -8,8 +8,8 @@ instantiated for ``float`` and ``double`` through NVRTC name expressions.
   markers, so NVRTC messages name the real file and line (and CuPy's on-disk cache key covers the
   included text too).
 * :func:`nvrtc_check` compiles one file with NVRTC for a given ``sm_XX`` without a GPU or a driver
-  (the ``nvidia-cuda-nvrtc-cu12`` wheel, or ``nvidia-cuda-nvrtc`` 13.x, is enough); a failure raises :class:`KernelCompileError`
-  whose message starts with ``path:line:``.
+  (the ``nvidia-cuda-nvrtc-cu12`` wheel, or ``nvidia-cuda-nvrtc`` 13.x, is enough); a failure raises
+  :class:`KernelCompileError` whose message starts with ``path:line:``.
 * :func:`get_kernel` compiles a file once per device with ``cupy.RawModule`` (cached here and by
   CuPy on disk) and returns the kernel function for a dtype.
 * The launch configuration of every kernel is computed here (the ``*_launch`` functions) and
@@ -207,7 +207,9 @@ def load_nvrtc():
     try:
         nvrtc.getVersion()
     except Exception as e:  # noqa: BLE001 - CuPy raises several types when the .so is missing
-        where = f" (preloaded {preloaded})" if preloaded else " (no NVRTC wheel found: nvidia-cuda-nvrtc-cu12 for CUDA 12, nvidia-cuda-nvrtc for 13)"
+        where = (f" (preloaded {preloaded})" if preloaded
+                 else " (no NVRTC wheel found: nvidia-cuda-nvrtc-cu12 for CUDA 12, "
+                      "nvidia-cuda-nvrtc for 13)")
         raise MinillamaError(f"NVRTC could not be loaded{where}: "
                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     _nvrtc_state["module"] = nvrtc

@@ -1,7 +1,7 @@
 r"""Greedy decoding on the GPU with the whole decode step captured once as a CUDA graph.
 
-One decode step of a :class:`minillama.model.transformer.Transformer` on the CuPy backend is a few dozen
-kernel launches (per layer: RMSNorm, three projections, RoPE, the cache write, attention, the
+One decode step of a :class:`minillama.model.transformer.Transformer` on the CuPy backend is a few
+dozen kernel launches (per layer: RMSNorm, three projections, RoPE, the cache write, attention, the
 output projection, the FFN) whose host-side cost dominates at batch 1. :class:`GraphDecoder`
 records that step once with CuPy's stream capture and then replays it: the token ids and the
 positions live in device buffers that the step itself advances, so a replay needs no host work
@@ -11,10 +11,10 @@ The step is the model's own forward (the same backend ops, the same weights), wi
 differences that keep it free of host synchronisation: the RoPE tables are gathered at the
 positions held on the device, the new K/V rows are written by a small kernel at those positions,
 the matrix-vector products y = x W^T run in a small CUDA kernel (one warp per output row; CuPy
-refuses cuBLAS calls inside a stream capture), and attention reads the whole preallocated cache (the decode kernel stops at each sequence's own
-position, so the unused tail is never read). The next token is
-:math:`\arg\max_v z_v` on the device (greedy; sampling with a temperature stays on the eager
-path).
+refuses cuBLAS calls inside a stream capture), and attention reads the whole preallocated cache (the
+decode kernel stops at each sequence's own position, so the unused tail is never read). The next
+token is :math:`\arg\max_v z_v` on the device (greedy; sampling with a temperature stays on the
+eager path).
 
 A private CuPy memory pool holds the step's intermediate arrays, so the buffers the graph
 replays into are never handed to other code. Needs a CUDA GPU; the eager decode of
@@ -130,7 +130,8 @@ def unsupported_reason(model, batch_size: int = 1) -> str | None:
                 f"matrix, which the op-by-op path runs)")
     bad = [k for k, v in model.params.items() if v.ndim == 2 and v.shape[1] % 4]
     if bad:
-        return f"needs weight input widths divisible by 4 ({bad[0]} is {model.params[bad[0]].shape})"
+        return (f"needs weight input widths divisible by 4 ({bad[0]} is "
+                f"{model.params[bad[0]].shape})")
     return None
 
 

@@ -7,8 +7,8 @@ with float32 accumulation and float32 master weights.
 * ``tf32``: the three GEMMs of every linear layer (y = x W^T, dx = dy W, dW = dy^T x) run with
   cuBLAS's ``CUBLAS_COMPUTE_32F_FAST_TF32`` (operands rounded to TF32, 10 mantissa bits; float32
   accumulation and output), and attention uses the single-TF32 flash kernels.
-* ``bf16``: the GEMM operands are rounded to bfloat16 (7 stored mantissa bits, round to nearest even)
-  and stored so (x and W are kept in bf16 for the backward: half the activation memory of the
+* ``bf16``: the GEMM operands are rounded to bfloat16 (7 stored mantissa bits, round to nearest
+  even) and stored so (x and W are kept in bf16 for the backward: half the activation memory of the
   linear layers), multiplied on the bf16 tensor cores with float32 accumulation and float32
   output (``CUDA_R_16BF`` operands, ``CUBLAS_COMPUTE_32F``); attention as in ``tf32``.
 

@@ -110,8 +110,8 @@ class DecodePlans:
 
     def _quant_plan(self, model, shapes):
         """The decode plan of a float32 model whose linear weights are all GGML block matrices
-        (:class:`~minillama.core.quant.QuantMatrix`; the embedding and the classifier may be either):
-        the block arrays as typed lists and each matrix's type id. None otherwise."""
+        (:class:`~minillama.core.quant.QuantMatrix`; the embedding and the classifier may be
+        either): the block arrays as typed lists and each matrix's type id. None otherwise."""
         p, cfg = model.params, model.cfg
         L = cfg.n_layers
         names = [f"layers.{i}.{n}" for i in range(L) for n in self._QUANT_LINEAR]

@@ -14,9 +14,10 @@ tiles of :mod:`.qgemm8` for more (``MINILLAMA_QUANT_DOTS=float`` keeps both in f
   row kernel of :mod:`.qsimd` (explicit LLVM vector code: unpack, convert, scale, FMA into a
   vector accumulator, one horizontal sum per row), the rows of W split over the Numba threads
   from :data:`PARALLEL_MIN_WORK` on;
-* more rows (prefill, training), float32 activations: each thread dequantizes a tile of :data:`TILE_N` rows of W into
-  its own float32 buffer (the same vector decoding, stored) and multiplies it by x with
-  OpenBLAS's GEMM (:mod:`.blas`), or NumPy's matmul when no OpenBLAS was found.
+* more rows (prefill, training), float32 activations: each thread dequantizes a tile of
+  :data:`TILE_N` rows of W into its own float32 buffer (the same vector decoding, stored) and
+  multiplies it by x with OpenBLAS's GEMM (:mod:`.blas`), or NumPy's matmul when no OpenBLAS was
+  found.
 
 Every key of :data:`minillama.core.quant.BLOCKS` is supported; IQ4_XS (and IQ4_NL without AVX-512)
 runs plain Numba loops, whose fp16 fields are read through a 65536-entry float32 table.

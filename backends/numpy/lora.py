@@ -1,6 +1,6 @@
 r"""The frozen-weight ops of a LoRA step on the CPU backends: the adapted linear
-(:func:`minillama.core.ops.lora_forward` / ``lora_backward``), dx = dy W for a frozen linear, and the
-input gradient alone of a frozen loss head.
+(:func:`minillama.core.ops.lora_forward` / ``lora_backward``), dx = dy W for a frozen linear, and
+the input gradient alone of a frozen loss head.
 
 Same equations as the reference ops (held to them by ``tests/test_lora_fast.py``); what is
 faster:

@@ -7,8 +7,8 @@ OpenBLAS split every GEMM over its own threads: each split GEMM costs a synchron
 training step runs hundreds of them. The ops here therefore give whole row blocks to the threads
 of :func:`parallel_rows`, each running single-threaded BLAS (:class:`single_threaded_blas`).
 
-None of this is math: the equations are in :mod:`minillama.core.ops`, and the fast ops built on these
-helpers (:mod:`.backend`) are held to them by parity tests.
+None of this is math: the equations are in :mod:`minillama.core.ops`, and the fast ops built on
+these helpers (:mod:`.backend`) are held to them by parity tests.
 """
 
 from __future__ import annotations

@@ -109,16 +109,18 @@ def cmd_bench(args) -> int:
     x, y = tok[:, :-1], tok[:, 1:]
     print(f"shape {args.shape}: {cfg.n_params() / 1e6:.2f}M params, train step B={args.batch} "
           f"T={args.seq}, decode {args.decode_tokens} tokens at B=1")
-    print("| backend | train tok/s | decode tok/s | max |dlogits| vs numpy | max |dgrad| vs numpy |")
+    print("| backend | train tok/s | decode tok/s | max |dlogits| vs numpy "
+          "| max |dgrad| vs numpy |")
     print("|---|---|---|---|---|")
     ref_logits = ref_grads = None
     for name in names:
         be = get_backend(name)
         model = Transformer(cfg, params, backend=be)
         loss, grads = model.loss_and_grads(x, y)  # warm-up (and Numba compilation)
-        t_train = _best(lambda: model.loss_and_grads(x, y), args.repeats, be.synchronize)
+        t_train = _best(lambda model=model: model.loss_and_grads(x, y), args.repeats,
+                        be.synchronize)
 
-        def decode():
+        def decode(model=model, be=be):
             cache = model.new_cache(1, args.decode_tokens + 1)
             t = np.array([[1]])
             for pos in range(args.decode_tokens):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from minillama.cli.common import add_sampling_flags, backend_help, sampling_kwargs
+from minillama.cli.common import add_sampling_flags, backend_help, sampling_params
 from minillama.core.errors import MinillamaError
 from minillama.infer.chat import ChatSession
 from minillama.infer.generate import TextStreamer
@@ -83,7 +83,7 @@ def run_cli(args, stdin=None, stdout=None) -> int:
 
 def _open_session(args):
     """(ChatSession, tokenizer) of the command's checkpoint, adapter, tokenizer and settings."""
-    sampling = sampling_kwargs(args)
+    params = sampling_params(args)
     if args.max_new_tokens < 1:
         raise MinillamaError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.context < 2:
@@ -94,7 +94,7 @@ def _open_session(args):
     if tok is None:
         raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer")
     session = ChatSession(model, tok, system=args.system, max_new_tokens=args.max_new_tokens,
-                          context=args.context, seed=args.seed, **sampling)
+                          context=args.context, params=params)
     return session, tok
 
 

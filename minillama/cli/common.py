@@ -7,7 +7,7 @@ import argparse
 
 from minillama.backends import backend_names
 from minillama.core.errors import MinillamaError
-from minillama.core.sampling import check_sampling
+from minillama.core.sampling import SamplingParams
 
 
 def positive_int(text: str) -> int:
@@ -21,9 +21,6 @@ def positive_int(text: str) -> int:
     return v
 
 
-# ---------------------------------------------------------------------------------------------
-# the `minillama generate` command
-# ---------------------------------------------------------------------------------------------
 def backend_help() -> str:
     """The ``--backend`` help of the commands that run a model."""
     return (f"{', '.join(backend_names())} or auto (default: $MINILLAMA_BACKEND, else auto: the "
@@ -47,21 +44,26 @@ def add_sampling_flags(p, temperature: float, top_p: float | None, min_p: float 
                    help="divide positive (multiply negative) logits of the last "
                         "--repeat-last-n tokens by this, 1 disables it (default 1)")
     p.add_argument("--repeat-last-n", type=int, default=64,
-                   help="how many recent tokens --repeat-penalty looks at, prompt included; "
+                   help="how many recent tokens the penalties look at, prompt included; "
                         "-1 = all (default 64)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times a token's count among the last --repeat-last-n "
+                        "tokens from its logit, in [-2, 2] (default 0)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logit of every token among the last "
+                        "--repeat-last-n tokens, in [-2, 2] (default 0)")
     p.add_argument("--seed", type=int, default=None, help="random seed (reproducible sampling)")
 
 
-def sampling_kwargs(args) -> dict:
-    """:func:`minillama.core.sampling.sample`'s keywords from the shared flags, checked."""
-    kw = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-          "min_p": args.min_p, "repeat_penalty": args.repeat_penalty,
-          "repeat_last_n": args.repeat_last_n}
-    check_sampling(**kw)
-    if kw["top_p"] is not None and kw["top_p"] >= 1.0:
-        kw["top_p"] = None  # keeps everything
-    if not kw["min_p"]:
-        kw["min_p"] = None
-    if args.seed is not None and args.seed < 0:
-        raise MinillamaError(f"--seed must be a non-negative integer, got {args.seed}")
-    return kw
+def sampling_params(args) -> SamplingParams:
+    """The :class:`~minillama.core.sampling.SamplingParams` of the shared flags, checked (a bad
+    value is one error line naming its flag)."""
+    try:
+        return SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+            repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+            frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+            seed=args.seed)
+    except MinillamaError as e:
+        name = str(e).split(" ", 1)[0]
+        raise MinillamaError(f"--{name.replace('_', '-')}{str(e)[len(name):]}") from None

@@ -39,9 +39,10 @@ def add_cli(subparsers) -> None:
 # ---------------------------------------------------------------------------------------------
 # the `minillama export` command
 # ---------------------------------------------------------------------------------------------
-EXPORT_DESCRIPTION = """``minillama export``: write a checkpoint (the project's own ``.safetensors``, or
-anything :func:`~minillama.io.load.load_params` reads) as a Hugging Face folder, a llama2.c
-``.bin`` or a GGUF file. Each writer refuses, with one line, what its format cannot hold."""
+EXPORT_DESCRIPTION = """``minillama export``: write a checkpoint (the project's own
+``.safetensors``, or anything :func:`~minillama.io.load.load_params` reads) as a Hugging Face
+folder, a llama2.c ``.bin`` or a GGUF file. Each writer refuses, with one line, what its format
+cannot hold."""
 
 
 def _add_export(subparsers) -> None:

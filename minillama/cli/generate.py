@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from minillama.backends import resolve_name
-from minillama.cli.common import add_sampling_flags, backend_help, sampling_kwargs
+from minillama.cli.common import add_sampling_flags, backend_help, sampling_params
 from minillama.cli.main import main
 from minillama.core.decoding import stream_greedy
 from minillama.core.errors import MinillamaError
@@ -84,7 +84,7 @@ def check_cuda_graph_flag(mode: str, backend_name: str, temperature: float) -> N
 
 
 def run_cli(args) -> int:
-    sampling = sampling_kwargs(args)
+    params = sampling_params(args)
     model, tok, checkpoint, fmt, graph_mode = _load_for_cli(args)
     cfg = model.cfg
     prompt_ids, stop = _cli_prompt(args, tok, cfg, checkpoint, fmt)
@@ -103,18 +103,17 @@ def run_cli(args) -> int:
         out.write(streamer.start())
         out.flush()
     cache_len = int(min(cfg.max_seq_len, len(prompt_ids) + args.max_new_tokens))
-    penalised = sampling["repeat_penalty"] != 1.0 and sampling["repeat_last_n"] != 0
-    decoder = graph_decoder_for(model, graph_mode, args.temperature, cache_len) \
-        if args.max_new_tokens > 0 and not penalised else None
+    decoder = graph_decoder_for(model, graph_mode, params.temperature, cache_len) \
+        if args.max_new_tokens > 0 and not params.penalised else None
     if decoder is not None:
         stats.cache_bytes = decoder.cache.nbytes
         stats.cache_shape = (2, cfg.n_layers, 1, decoder.S, cfg.n_kv_heads, cfg.head_dim)
         steps = stream_greedy(decoder, prompt_ids, args.max_new_tokens, cfg.max_seq_len, stop,
                               stats)
     else:
-        warm_up(model, prompt_ids, sampling["temperature"], sampling["top_k"], sampling["top_p"])
-        steps = generate_steps(model, [prompt_ids], args.max_new_tokens, seed=args.seed,
-                               stop_ids=stop, stats=stats, **sampling)
+        warm_up(model, prompt_ids, params)
+        steps = generate_steps(model, [prompt_ids], args.max_new_tokens, params, stop_ids=stop,
+                               stats=stats)
     for step in steps:
         for _, t in step:
             out.write(streamer.put(t) if tok is not None else f"{t} ")

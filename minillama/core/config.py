@@ -13,7 +13,8 @@ import numpy as np
 from minillama.core.errors import MinillamaError
 
 
-def llama_hidden_dim(dim: int, multiple_of: int = 256, ffn_dim_multiplier: float | None = None) -> int:
+def llama_hidden_dim(dim: int, multiple_of: int = 256,
+                     ffn_dim_multiplier: float | None = None) -> int:
     r"""LLaMA's rule for the SwiGLU hidden size F.
 
     F = multiple\_of \cdot \lceil (m \cdot \lfloor 2 \cdot 4D / 3 \rfloor) / multiple\_of \rceil,
@@ -136,7 +137,8 @@ class ModelConfig:
         for name in names:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise MinillamaError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+                raise MinillamaError(f"ModelConfig.{name} must be a positive integer, "
+                                     f"got {value!r}")
 
     def validate(self) -> None:
         """Raise :class:`MinillamaError` naming the fields of the first broken rule: every

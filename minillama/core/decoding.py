@@ -44,8 +44,8 @@ def stream_greedy(decoder, prompt_ids, max_new_tokens: int, max_seq_len: int,
     call: :class:`~minillama.backends.numba.backend_decode.GreedyDecoder`, the CUDA-graph
     :class:`~minillama.backends.cupy.graph.GraphDecoder` with batch 1, or anything with their
     ``prefill`` / ``more`` / ``room`` methods), yielding lists of
-    ``(0, token)`` pairs like :func:`minillama.infer.generate.generate_steps`: the same tokens, the same
-    stop rule (a stop id ends the text and is not yielded) and the same budget
+    ``(0, token)`` pairs like :func:`minillama.infer.generate.generate_steps`: the same tokens, the
+    same stop rule (a stop id ends the text and is not yielded) and the same budget
     (``max_new_tokens``, capped where the context of ``max_seq_len`` positions ends).
 
     The decoder runs ``chunk`` steps per call, so Python (and for the graph the host) is back

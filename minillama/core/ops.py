@@ -32,7 +32,8 @@ from minillama.core.rope_scaling import rope_frequencies, rope_tables  # noqa: F
 
 
 def array_module(x: Any):
-    """The array module (``numpy`` or ``cupy``) that owns ``x``; never imports CuPy for NumPy input."""
+    """The array module (``numpy`` or ``cupy``) that owns ``x``; never imports CuPy for NumPy
+    input."""
     if type(x).__module__.startswith("cupy"):
         import cupy  # noqa: PLC0415 - only reached when x already is a CuPy array
 
@@ -346,7 +347,8 @@ def swiglu_backward(dh, ctx):
 def cross_entropy_forward(logits, targets, ignore_index: int = -1):
     r"""Mean softmax cross-entropy over the rows whose target is not ``ignore_index``:
 
-    \ell_n = \log \sum_v e^{z_{nv}} - z_{n, y_n},  L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} \ell_n
+    \ell_n = \log \sum_v e^{z_{nv}} - z_{n, y_n},
+    L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} \ell_n
 
     (L = 0 when every target is ignored). logits: (N, V); targets: (N,) integers.
     Returns the scalar loss (a 0-d array) and saves the probabilities p = softmax(z): (N, V).
@@ -363,8 +365,9 @@ def cross_entropy_forward(logits, targets, ignore_index: int = -1):
 
 
 def cross_entropy_backward(dloss, ctx):
-    r"""Gradient of the mean cross-entropy: \partial L / \partial z_{nv} = (p_{nv} - [v = y_n]) / |\mathcal{V}|
-    for kept rows, 0 for ignored rows, times the upstream scalar ``dloss``.
+    r"""Gradient of the mean cross-entropy:
+    \partial L / \partial z_{nv} = (p_{nv} - [v = y_n]) / |\mathcal{V}| for kept rows, 0 for
+    ignored rows, times the upstream scalar ``dloss``.
 
     Returns dlogits: (N, V).
     """
@@ -378,7 +381,8 @@ def cross_entropy_backward(dloss, ctx):
 
 def linear_cross_entropy_forward(x, w, targets, ignore_index: int = -1):
     r"""The output projection and the mean cross-entropy as one op (the training loss head):
-    z = x W^T, then L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} (\mathrm{lse}(z_n) - z_{n, y_n})
+    z = x W^T, then
+    L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} (\mathrm{lse}(z_n) - z_{n, y_n})
     as in :func:`linear_forward` and :func:`cross_entropy_forward`.
 
     x: (N, D); w: (V, D); targets: (N,). Returns the 0-d loss and ctx. Written here as the two ops
@@ -406,7 +410,8 @@ def linear_cross_entropy_backward(dloss, ctx):
 # =============================================================================================
 def _norm_backward(dy, xhat, r, g, axes):
     r"""Shared backward of y = \hat{x} \odot g (+ b), \hat{x} = (x - \mu) r, statistics over
-    ``axes``: dx = r (u - \mathrm{mean}(u) - \hat{x}\,\mathrm{mean}(u \odot \hat{x})), u = dy \odot g."""
+    ``axes``: dx = r (u - \mathrm{mean}(u) - \hat{x}\,\mathrm{mean}(u \odot \hat{x})),
+    u = dy \odot g."""
     u = dy * g
     return r * (u - u.mean(axis=axes, keepdims=True)
                 - xhat * (u * xhat).mean(axis=axes, keepdims=True))
@@ -415,10 +420,12 @@ def _norm_backward(dy, xhat, r, g, axes):
 def layernorm_forward(x, g, b, eps):
     r"""LayerNorm over the last axis (biased variance):
 
-    \mu = \mathrm{mean}(x), \sigma^2 = \mathrm{mean}((x - \mu)^2), \hat{x} = (x - \mu) / \sqrt{\sigma^2 + \epsilon},
+    \mu = \mathrm{mean}(x), \sigma^2 = \mathrm{mean}((x - \mu)^2),
+    \hat{x} = (x - \mu) / \sqrt{\sigma^2 + \epsilon},
     y = \hat{x} \odot g + b.
 
-    x: (..., D); g, b: (D,). Returns y: (..., D). Saves \hat{x} and r = 1/\sqrt{\sigma^2+\epsilon}: (..., 1).
+    x: (..., D); g, b: (D,). Returns y: (..., D). Saves \hat{x} and
+    r = 1/\sqrt{\sigma^2+\epsilon}: (..., 1).
     """
     xp = array_module(x)
     xc = x - x.mean(axis=-1, keepdims=True)
@@ -447,7 +454,8 @@ def _bn_axes_shape(x):
 def batchnorm_forward(x, g, b, eps, running=None, momentum=0.1):
     r"""BatchNorm, training mode: per channel c, statistics over the batch and every spatial axis,
 
-    \mu_c = \mathrm{mean}_{n,*}(x_{n,c,*}), \sigma_c^2 = \mathrm{mean}_{n,*}((x - \mu_c)^2) (biased),
+    \mu_c = \mathrm{mean}_{n,*}(x_{n,c,*}),
+    \sigma_c^2 = \mathrm{mean}_{n,*}((x - \mu_c)^2) (biased),
     y = (x - \mu_c)/\sqrt{\sigma_c^2 + \epsilon} \odot g_c + b_c.
 
     x: (N, C) or (N, C, *spatial); g, b: (C,). Returns y shaped like x. ``running`` (a dict with
@@ -532,7 +540,8 @@ def gelu_forward(a):
 
 
 def gelu_backward(dh, ctx):
-    r"""d\,\mathrm{gelu}/da = \tfrac12 (1 + \tanh u) + \tfrac12 a (1 - \tanh^2 u) \sqrt{2/\pi}(1 + 3 \cdot 0.044715 a^2).
+    r"""d\,\mathrm{gelu}/da = \tfrac12 (1 + \tanh u) +
+    \tfrac12 a (1 - \tanh^2 u) \sqrt{2/\pi}(1 + 3 \cdot 0.044715 a^2).
 
     dh: (..., F). Returns da: (..., F).
     """
@@ -670,5 +679,6 @@ def latent_expand_forward(z, batch_size: int):
 
 
 def latent_expand_backward(dz, ctx):
-    r"""dZ = \sum_b dz_b: each sequence's gradient flows into the one shared array. Returns (M, D)."""
+    r"""dZ = \sum_b dz_b: each sequence's gradient flows into the one shared array.
+    Returns (M, D)."""
     return dz.sum(axis=0)

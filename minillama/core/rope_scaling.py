@@ -78,7 +78,8 @@ def _rope_yarn(inv_freq, hd: int, theta: float, scaling):
     def pair_index(n_rot):  # the pair that turns n_rot times over L0
         return hd * math.log(L0 / (n_rot * 2 * math.pi)) / (2 * math.log(theta))
 
-    low, high = pair_index(scaling.get("beta_fast") or 32), pair_index(scaling.get("beta_slow") or 1)
+    low, high = (pair_index(scaling.get("beta_fast") or 32),
+                 pair_index(scaling.get("beta_slow") or 1))
     if scaling.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, hd - 1)

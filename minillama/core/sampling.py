@@ -105,6 +105,16 @@ class SamplingParams:
         if not self.min_p:
             object.__setattr__(self, "min_p", None)
 
+    @classmethod
+    def of(cls, params: SamplingParams | None = None, **settings) -> SamplingParams:
+        """``params`` (default: greedy) with the named ``settings`` replaced (fields of this
+        class); an unknown name is a :class:`MinillamaError`."""
+        base = params if params is not None else cls()
+        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise MinillamaError(f"unknown sampling setting {unknown[0]!r}")
+        return dataclasses.replace(base, **settings) if settings else base
+
     def replace(self, **changes) -> SamplingParams:
         """A copy with ``changes``, checked again."""
         return dataclasses.replace(self, **changes)
@@ -124,7 +134,8 @@ class SamplingParams:
 
 
 def _top_indices(z: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest entries of z (V,), in descending order of z (ties: lower id first)."""
+    """Indices of the k largest entries of z (V,), in descending order of z (ties: lower id
+    first)."""
     V = z.shape[0]
     if k >= V:
         idx = np.arange(V)

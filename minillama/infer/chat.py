@@ -23,7 +23,7 @@ import numpy as np
 
 from minillama.core.decoding import finite_logits
 from minillama.core.errors import MinillamaError
-from minillama.core.sampling import check_sampling, sample
+from minillama.core.sampling import SamplingParams
 from minillama.io.chat_template import common_prefix, encode_rendered, render_chat, stop_ids
 
 
@@ -33,11 +33,12 @@ class ChatSession:
 
     :meth:`reply` adds a user turn and yields the reply's tokens as they are chosen; the reply
     joins the history when the generator finishes (or is closed, e.g. after Ctrl-C: the text
-    so far is kept). ``sampling`` holds :func:`minillama.core.sampling.sample`'s keywords
-    (temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n); ``seed`` seeds it."""
+    so far is kept). ``params`` (a :class:`~minillama.core.sampling.SamplingParams`, default
+    greedy) with ``settings`` (its field names) replaced says how tokens are chosen; its
+    ``seed`` seeds the draws."""
 
     def __init__(self, model, tok, system: str | None = None, max_new_tokens: int = 512,
-                 context: int | None = None, seed: int | None = None, **sampling):
+                 context: int | None = None, params: SamplingParams | None = None, **settings):
         cfg = model.cfg
         self.model, self.tok = model, tok
         self.context = int(min(context or cfg.max_seq_len, cfg.max_seq_len))
@@ -46,11 +47,8 @@ class ChatSession:
         if max_new_tokens < 1:
             raise MinillamaError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.max_new_tokens = int(max_new_tokens)
-        check_sampling(sampling.get("temperature", 0.0), sampling.get("top_k"),
-                       sampling.get("top_p"), sampling.get("min_p"),
-                       sampling.get("repeat_penalty", 1.0), sampling.get("repeat_last_n", 64))
-        self.sampling = sampling
-        self.rng = np.random.default_rng(seed)
+        self.params = SamplingParams.of(params, **settings)
+        self.rng = np.random.default_rng(self.params.seed)
         self.system = system
         self.stop = stop_ids(tok)
         self.reset()
@@ -118,7 +116,7 @@ class ChatSession:
             z = self._logits(ids[n:], n)
             self.cached = list(ids)
             while len(out) < self.max_new_tokens:
-                t = sample(z, self.rng, history=self.cached, **self.sampling)
+                t = self.params.pick(z, self.rng, self.cached)
                 if t in self.stop:
                     break
                 out.append(t)

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from minillama.core.errors import MinillamaError
-from minillama.core.sampling import check_sampling, sample
+from minillama.core.sampling import SamplingParams
 
 #: an event handed to a request's listener: ("token", id), ("done", finish_reason) or
 #: ("error", message); "done" and "error" are the last event of a request
@@ -48,15 +48,14 @@ class Request:
 
     _ids = itertools.count()
 
-    def __init__(self, engine, prompt_ids: list[int], max_tokens: int, temperature: float,
-                 top_k: int | None, top_p: float | None, seed: int | None, stop_ids: set[int],
-                 on_event: Callable[[Event], None] | None):
+    def __init__(self, engine, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
+                 stop_ids: set[int], on_event: Callable[[Event], None] | None):
         self.id = next(self._ids)
         self.prompt_ids = prompt_ids
         self.max_tokens = max_tokens
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.params = params
         self.stop_ids = stop_ids
-        self.rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(params.seed)
         self.tokens: list[int] = []  #: the ids generated so far (stop ids excluded)
         self.finish_reason: str | None = None  #: "stop", "length", "cancelled" or "error"
         self._engine = engine
@@ -111,10 +110,10 @@ class _Slot:
 
 
 class Engine:
-    r"""Continuous batching over ``model`` (a :class:`~minillama.model.transformer.Transformer`) with up to
-    ``max_batch`` concurrent requests, each within a context of ``max_seq_len`` positions
-    (default and cap: the model's). The cache holds
-    2 \cdot L \cdot max\_batch \cdot S \cdot KVH \cdot hd floats, allocated once.
+    r"""Continuous batching over ``model`` (a
+    :class:`~minillama.model.transformer.Transformer`) with up to ``max_batch`` concurrent
+    requests, each within a context of ``max_seq_len`` positions (default and cap: the model's).
+    The cache holds 2 \cdot L \cdot max\_batch \cdot S \cdot KVH \cdot hd floats, allocated once.
 
     :meth:`submit` queues a request and returns at once; the scheduler thread starts on the first
     submit (or :meth:`start`) and stops with :meth:`close`.
@@ -152,13 +151,17 @@ class Engine:
         """How many submitted requests wait for a slot."""
         return len(self._pending)
 
-    def submit(self, prompt_ids: Sequence[int], max_tokens: int = 16, temperature: float = 0.0,
-               top_p: float | None = None, seed: int | None = None,
-               stop_ids: Iterable[int] = (), top_k: int | None = None,
-               on_event: Callable[[Event], None] | None = None) -> Request:
-        """Queue one generation and return its :class:`Request`. Bad arguments (an empty prompt
-        or one longer than the context, ids outside the vocabulary, a negative ``max_tokens``,
-        sampling settings out of range) raise :class:`MinillamaError` before anything runs."""
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+               stop_ids: Iterable[int] = (), on_event: Callable[[Event], None] | None = None,
+               **settings) -> Request:
+        """Queue one generation and return its :class:`Request`: ``params`` (a
+        :class:`~minillama.core.sampling.SamplingParams`, default greedy) with ``settings`` (its
+        field names, e.g. ``max_tokens=64, temperature=0.7``) replaced; ``max_tokens`` defaults
+        to 16. Bad arguments (an empty prompt or one longer than the context, ids outside the
+        vocabulary, settings out of range) raise :class:`MinillamaError` before anything
+        runs."""
+        params = SamplingParams.of(params, **settings)
+        max_tokens = 16 if params.max_tokens is None else params.max_tokens
         prompt = [int(t) for t in prompt_ids]
         V = self.model.cfg.vocab_size
         if not prompt:
@@ -168,14 +171,7 @@ class Engine:
         if len(prompt) > self.S:
             raise MinillamaError(f"the prompt of {len(prompt)} tokens is longer than the context "
                                  f"of {self.S} tokens")
-        if isinstance(max_tokens, bool) or int(max_tokens) != max_tokens or max_tokens < 0:
-            raise MinillamaError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
-        check_sampling(float(temperature), top_k, top_p)
-        if seed is not None and (isinstance(seed, bool) or int(seed) != seed or seed < 0):
-            raise MinillamaError(f"seed must be a non-negative integer, got {seed!r}")
-        top_p = None if top_p is None or top_p >= 1.0 else float(top_p)
-        req = Request(self, prompt, int(max_tokens), float(temperature), top_k, top_p,
-                      None if seed is None else int(seed), {int(t) for t in stop_ids}, on_event)
+        req = Request(self, prompt, int(max_tokens), params, {int(t) for t in stop_ids}, on_event)
         with self._cv:
             if self._closed:
                 raise MinillamaError("the engine is closed")
@@ -184,9 +180,11 @@ class Engine:
         self.start()
         return req
 
-    def generate(self, prompt_ids: Sequence[int], **kw) -> tuple[list[int], str]:
-        """Submit one request and wait for it: (generated ids, finish reason)."""
-        req = self.submit(prompt_ids, **kw)
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                 **kw) -> tuple[list[int], str]:
+        """Submit one request (arguments as :meth:`submit`) and wait for it: (generated ids,
+        finish reason)."""
+        req = self.submit(prompt_ids, params, **kw)
         for kind, val in req.events():
             if kind == "error":
                 raise MinillamaError(val)
@@ -356,7 +354,7 @@ class SlotBatch:
             r._fail("the model's logits hold NaN/inf values (its weights overflow the compute "
                     "dtype)")
             return
-        t = sample(z, r.rng, r.temperature, r.top_k, r.top_p)
+        t = r.params.pick(z, r.rng, r.prompt_ids + r.tokens if r.params.penalised else ())
         if t in r.stop_ids:
             s.done = True
             r._finish("stop")
@@ -402,24 +400,28 @@ class StopText:
         if self.hit:
             return ""
         text = self.held + piece
-        if not self.stops:
-            self.held = ""
-            return text
+        first = self._first_stop(text)
+        end = len(text) if first is None else first
+        # a tail that begins a stop which more text could complete before `end`: wait for it
+        longest = max((len(s) for s in self.stops), default=1)
+        for j in range(max(0, len(text) - longest + 1), end):
+            if any(len(s) > len(text) - j and s.startswith(text[j:]) for s in self.stops):
+                self.held = text[j:]
+                return text[:j]
+        self.held = ""
+        self.hit = first is not None
+        return text[:end]
+
+    def _first_stop(self, text: str) -> int | None:
+        """Where the earliest complete stop string in ``text`` starts (None: nowhere)."""
         found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if found:
-            self.hit = True
-            self.held = ""
-            return text[:min(found)]
-        keep = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(text)), keep, -1):
-                if text.endswith(s[:k]):
-                    keep = k
-                    break
-        self.held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep]
+        return min(found) if found else None
 
     def flush(self) -> str:
-        """The held-back tail, once no more text comes."""
+        """The held-back tail, once no more text comes (cut at a stop string it holds)."""
         out, self.held = ("" if self.hit else self.held), ""
+        first = self._first_stop(out)
+        if first is not None:
+            self.hit = True
+            out = out[:first]
         return out

@@ -29,7 +29,7 @@ from minillama.backends import graph_decoder
 from minillama.core.decoding import ChunkDecoder, nonfinite_error, stream_greedy  # noqa: F401 (re-exported)
 from minillama.core.decoding import finite_logits as _finite
 from minillama.core.errors import MinillamaError
-from minillama.core.sampling import check_sampling, sample
+from minillama.core.sampling import SamplingParams
 
 
 @dataclass
@@ -75,18 +75,20 @@ def _as_prompts(prompts) -> tuple[list[list[int]], bool]:
     return out, single
 
 
-def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float = 0.0,
-                   top_k: int | None = None, top_p: float | None = None,
-                   seed: int | None = None, stop_ids: Iterable[int] = (),
-                   stats: GenerationStats | None = None, min_p: float | None = None,
-                   repeat_penalty: float = 1.0,
-                   repeat_last_n: int = 64) -> Iterator[list[tuple[int, int]]]:
+def generate_steps(model, prompts, max_new_tokens: int | None = None,
+                   params: SamplingParams | None = None, *, stop_ids: Iterable[int] = (),
+                   stats: GenerationStats | None = None,
+                   **settings) -> Iterator[list[tuple[int, int]]]:
     """Generate, yielding after every model call the list of ``(sequence index, token)`` pairs
     produced by it (stop tokens are not yielded). ``prompts`` is a list of token-id lists (or one
-    list). ``stats`` (optional) is filled in as the generation runs. ``min_p``,
-    ``repeat_penalty`` and ``repeat_last_n`` as :func:`minillama.core.sampling.sample` (the penalty
-    looks at each sequence's prompt and new tokens)."""
-    check_sampling(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
+    list). ``params`` (a :class:`~minillama.core.sampling.SamplingParams`, default greedy) with
+    ``settings`` (its field names: ``temperature=...``, ``top_k=...``, ``seed=...``) replaced says
+    how tokens are chosen; the penalties look at each sequence's prompt and new tokens.
+    ``max_new_tokens`` defaults to ``params.max_tokens``, else 256. ``stats`` (optional) is
+    filled in as the generation runs."""
+    params = SamplingParams.of(params, **settings)
+    if max_new_tokens is None:
+        max_new_tokens = 256 if params.max_tokens is None else params.max_tokens
     seqs, _ = _as_prompts(prompts)
     if max_new_tokens < 0:
         raise MinillamaError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -102,18 +104,18 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
     # the cache holds the longest prompt plus the new tokens, capped at the context
     cache_len = int(min(cfg.max_seq_len, int((lens + max_new_tokens).max())))
     stats.cache_shape = (2, cfg.n_layers, B, cache_len, cfg.n_kv_heads, cfg.head_dim)
-    rngs = _sequence_rngs(seed, B)
+    rngs = _sequence_rngs(params.seed, B)
     # token k of sequence b lands at position n_b + k - 1 and is sampled after feeding position
     # n_b + k - 2, which must lie inside the context: k <= S - n_b + 1
     budget = np.minimum(max_new_tokens, cfg.max_seq_len - lens + 1)
-    penalised = repeat_penalty != 1.0 and repeat_last_n != 0
+    penalised = params.penalised
     hist = [list(s) for s in seqs] if penalised else None  # each sequence's context so far
+    greedy = params.temperature == 0
 
     def pick(b, z):
-        return sample(z, rngs[b], temperature, top_k, top_p, min_p, repeat_penalty,
-                      repeat_last_n, hist[b] if penalised else ())
+        return params.pick(z, rngs[b], hist[b] if penalised else ())
 
-    if B == 1 and temperature == 0 and not penalised:  # a backend may decode many steps/call
+    if B == 1 and greedy and not penalised:  # a backend may decode many steps/call
         make = getattr(be, "greedy_decoder", None)
         dec = make(model, cache_len, stop) if make is not None else None
         if dec is not None:
@@ -123,7 +125,7 @@ def generate_steps(model, prompts, max_new_tokens: int = 256, temperature: float
     cache = model.new_cache(B, cache_len)
     stats.cache_bytes = cache.nbytes
     # greedy with several sequences: a backend may run up to 16 steps per call
-    many = getattr(be, "greedy_steps", None) if temperature == 0 and B > 1 \
+    many = getattr(be, "greedy_steps", None) if greedy and B > 1 \
         and not penalised else None
     yield from _prefill_and_decode(model, seqs, lens, cache, pick, many, stop, budget, hist,
                                    stats)
@@ -203,15 +205,15 @@ def _prefill_and_decode(model, seqs, lens, cache, pick, many, stop, budget, hist
             if bad.any():
                 raise nonfinite_error(f"position {int(feed_pos[bad].max())}")
             pos = pos + alive
-            step_out = _choose(lambda b: int(picked[b]), alive, stop, last, emitted, budget,
-                               hist)
+            step_out = _choose(lambda b, picked=picked: int(picked[b]), alive, stop, last,
+                               emitted, budget, hist)
         else:
             sp = int(feed_pos[0]) if B == 1 else feed_pos
             logits = model.forward(last[:, None], start_pos=sp, cache=cache, last_only=True)
             z = _finite(be.to_numpy(logits), f"position {int(np.max(feed_pos))}")
             pos = pos + alive
-            step_out = _choose(lambda b: pick(b, z[b]), alive, stop, last, emitted, budget,
-                               hist)
+            step_out = _choose(lambda b, z=z: pick(b, z[b]), alive, stop, last, emitted,
+                               budget, hist)
         stats.decode_steps += 1
         stats.new_tokens += len(step_out)
         stats.decode_s += time.perf_counter() - t0
@@ -242,18 +244,18 @@ def _choose(pick, alive, stop, last, emitted, budget, hist=None):
     return out
 
 
-def generate(model, prompts, max_new_tokens: int = 256, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             stop_ids: Iterable[int] = (), callback: Callable[[int, int], None] | None = None,
-             stats: GenerationStats | None = None, **sampling):
+def generate(model, prompts, max_new_tokens: int | None = None,
+             params: SamplingParams | None = None, *, stop_ids: Iterable[int] = (),
+             callback: Callable[[int, int], None] | None = None,
+             stats: GenerationStats | None = None, **settings):
     """Generate continuations. One prompt (list of ints) -> its new tokens (list of ints);
     several prompts -> a list of lists. ``callback(seq_index, token)`` is called for each token as
-    it is produced (streaming). Stop tokens end a sequence and are not included. ``sampling``:
-    ``min_p``, ``repeat_penalty``, ``repeat_last_n`` (see :func:`generate_steps`)."""
+    it is produced (streaming). Stop tokens end a sequence and are not included. ``params`` and
+    ``settings``: how tokens are chosen (see :func:`generate_steps`)."""
     seqs, single = _as_prompts(prompts)
     outs: list[list[int]] = [[] for _ in seqs]
-    for step in generate_steps(model, seqs, max_new_tokens, temperature, top_k, top_p, seed,
-                               stop_ids, stats, **sampling):
+    for step in generate_steps(model, seqs, max_new_tokens, params, stop_ids=stop_ids,
+                               stats=stats, **settings):
         for b, tok in step:
             outs[b].append(tok)
             if callback is not None:
@@ -334,7 +336,7 @@ def graph_decoder_for(model, mode: str, temperature: float, cache_len: int):
 COMPILING_BACKENDS = ("numba", "cupy")
 
 
-def warm_up(model, prompt_ids: Sequence[int], temperature: float, top_k, top_p,
+def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = None,
             note_after: float = 1.0, say=None) -> float:
     """Run the generation's code paths once (a prefill of a few prompt tokens and a few decode
     steps, thrown away) on a backend that compiles kernels on first use, so the reported prefill
@@ -357,7 +359,7 @@ def warm_up(model, prompt_ids: Sequence[int], temperature: float, top_k, top_p,
         prompt = list(prompt_ids[-8:])
         n = min(3, model.cfg.max_seq_len - len(prompt) + 1)
         if n > 0:
-            for _ in generate_steps(model, [prompt], n, temperature, top_k, top_p, seed=0):
+            for _ in generate_steps(model, [prompt], n, params, seed=0):
                 pass
     finally:
         timer.cancel()

@@ -3,11 +3,12 @@
 :mod:`minillama.cli.serve`).
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream`` as
-server-sent events), ``GET /v1/models`` (and ``/v1/models/{id}``) and ``GET /health``. Request fields: ``model``,
-``messages`` / ``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
-``stream`` (and ``stream_options.include_usage``); answers carry ``usage`` and a
-``finish_reason`` of ``stop`` or ``length``. A bad request gets a 4xx JSON error shaped like
-OpenAI's, ``{"error": {"message", "type", "param", "code"}}``, and the server goes on serving.
+server-sent events), ``GET /v1/models`` (and ``/v1/models/{id}``) and ``GET /health``. Request
+fields: ``model``, ``messages`` / ``prompt``, ``max_tokens``, ``stop``, ``stream`` (and
+``stream_options.include_usage``) and the sampling settings of :func:`sampling_params`; answers
+carry ``usage`` and a ``finish_reason`` of ``stop`` or ``length``. A bad request gets a 4xx JSON
+error shaped like OpenAI's, ``{"error": {"message", "type", "param", "code"}}``, and the
+server goes on serving.
 
 Starlette and uvicorn are an optional extra (``pip install 'minillama[serve]'``), imported only
 when the server is built: importing this module (the CLI does) loads neither, nor asyncio.
@@ -23,6 +24,7 @@ import time
 import uuid
 
 from minillama.core.errors import MinillamaError
+from minillama.core.sampling import SamplingParams
 from minillama.infer.engine import StopText
 from minillama.infer.generate import TextStreamer
 from minillama.io.chat_template import encode_rendered, render_chat, stop_ids
@@ -47,7 +49,8 @@ def _render(tok, messages: list[dict]) -> list[int]:
 
 
 def _stops(tok) -> set[int]:
-    """The ids that end a reply: EOS and the model's end-of-turn ids (minillama.io.chat_template.stop_ids)."""
+    """The ids that end a reply: EOS and the model's end-of-turn ids
+    (:func:`minillama.io.chat_template.stop_ids`)."""
     return stop_ids(tok)
 
 
@@ -105,9 +108,36 @@ def _integer(body: dict, name: str, default: int | None, lo: int = 0) -> int | N
     return v
 
 
+def sampling_params(body: dict) -> SamplingParams:
+    """The request's :class:`~minillama.core.sampling.SamplingParams`, each field checked with a
+    400 naming it: OpenAI's ``temperature`` (default 1), ``top_p``, ``frequency_penalty``,
+    ``presence_penalty``, ``seed``, and llama-server's ``top_k`` (0: off), ``min_p``,
+    ``repeat_penalty`` and ``repeat_last_n`` (-1: the whole context), the window of all three
+    penalties."""
+    top_k = _integer(body, "top_k", 0)
+    try:
+        return _params(body, top_k)
+    except MinillamaError as e:
+        raise APIError(400, str(e), code="invalid_value") from None
+
+
+def _params(body: dict, top_k: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_k=top_k or None,
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or None,
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        repeat_penalty=_number(body, "repeat_penalty", 1.0, 1e-6, 1e6),
+        repeat_last_n=_integer(body, "repeat_last_n", 64, lo=-1),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        seed=_integer(body, "seed", None))
+
+
 def sampling_fields(body: dict, model_name: str) -> dict:
-    """The fields both endpoints share, checked: model, max_tokens (None: not given),
-    temperature, top_p, seed, stop (a list of strings), stream, include_usage."""
+    """The fields both endpoints share, checked: model, max_tokens (None: not given), the
+    sampling settings as ``params`` (:func:`sampling_params`), stop (a list of strings), stream,
+    include_usage."""
     if "model" not in body:
         raise APIError(400, "missing required field 'model'", param="model",
                        code="missing_field")
@@ -139,10 +169,7 @@ def sampling_fields(body: dict, model_name: str) -> dict:
     if not isinstance(opts, dict):
         raise APIError(400, "'stream_options' must be an object", param="stream_options",
                        code="invalid_type")
-    return {"max_tokens": max_tokens,
-            "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
-            "top_p": _number(body, "top_p", 1.0, 0.0, 1.0),
-            "seed": _integer(body, "seed", None),
+    return {"max_tokens": max_tokens, "params": sampling_params(body),
             "stop": stop, "stream": stream,
             "include_usage": bool(opts.get("include_usage", False))}
 
@@ -222,9 +249,8 @@ class _Generation:
         self.streamer.start()
         self.stopper = StopText(fields["stop"])
         try:
-            self.req = engine.submit(prompt_ids, max_tokens=max_tokens,
-                                     temperature=fields["temperature"], top_p=fields["top_p"],
-                                     seed=fields["seed"], stop_ids=stop_ids, on_event=on_event)
+            self.req = engine.submit(prompt_ids, fields["params"], stop_ids=stop_ids,
+                                     on_event=on_event, max_tokens=max_tokens)
         except MinillamaError as e:
             raise APIError(400, str(e), code="invalid_value") from None
 

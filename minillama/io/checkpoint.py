@@ -55,7 +55,8 @@ def save_checkpoint(path, cfg: ModelConfig, params: dict[str, Any], *, tokenizer
         tensors[k] = np.ascontiguousarray(_host(v))
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": cfg.to_json()}
     if tokenizer is not None:
-        meta["tokenizer"] = json.dumps(tokenizer.spec() if hasattr(tokenizer, "spec") else tokenizer)
+        meta["tokenizer"] = json.dumps(tokenizer.spec() if hasattr(tokenizer, "spec")
+                                       else tokenizer)
     for k, v in (extra_metadata or {}).items():
         meta[k] = json.dumps(v)
     return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), "checkpoint")

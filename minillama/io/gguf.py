@@ -258,9 +258,9 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
     GGML type. A float matrix is written as ``types[name]`` when given, else ``matrix_type``:
     F32, F16 or a type of :data:`minillama.core.quantize.QUANTIZERS` (quantized here); a row length
     that is not whole blocks of that type takes llama.cpp's fallback
-    (:func:`minillama.core.quantize.resolve_type`). What cannot be carried (a tokenizer without a GGUF
-    form) is appended to ``notes`` as one line each. Configs GGUF cannot state (a RoPE scaling other
-    than linear/yarn, MLP or output biases on qwen2) are refused. The write is atomic."""
+    (:func:`minillama.core.quantize.resolve_type`). What cannot be carried (a tokenizer without a
+    GGUF form) is appended to ``notes`` as one line each. Configs GGUF cannot state (a RoPE scaling
+    other than linear/yarn, MLP or output biases on qwen2) are refused. The write is atomic."""
     gguf = require("gguf", "writing GGUF files")
     types = dict(types or {})
     for t in [matrix_type, *types.values()]:

@@ -119,8 +119,8 @@ def check_tokenizer(tok, vocab_size: int, where="") -> None:
 
 
 def load_model(path, backend=None, dtype=None):
-    """Load any supported checkpoint as a :class:`~minillama.model.transformer.Transformer` on ``backend``
-    (compute ``dtype``, default float32). Returns ``(model, tokenizer or None)``."""
+    """Load any supported checkpoint as a :class:`~minillama.model.transformer.Transformer` on
+    ``backend`` (compute ``dtype``, default float32). Returns ``(model, tokenizer or None)``."""
     fmt, cfg, params, tok = load_params(path)
     if backend is None or isinstance(backend, str):  # None/"auto": by the model's size
         backend = resolve_name(backend, cfg)

@@ -1,17 +1,18 @@
-"""One residual block's wiring, a mixin of :class:`~minillama.model.transformer.Transformer`: the attention
-and FFN sublayers and the block (pre-norm or post-norm), forward first, then the backward of each
-in reverse. The single pieces (norm, linear, attention pair) come from
+"""One residual block's wiring, a mixin of :class:`~minillama.model.transformer.Transformer`: the
+attention and FFN sublayers and the block (pre-norm or post-norm), forward first, then the backward
+of each in reverse. The single pieces (norm, linear, attention pair) come from
 :class:`~minillama.model.variants.VariantPieces`."""
 
 from __future__ import annotations
 
 
 class BlockWiring:
-    """The forward and backward of one block for :class:`~minillama.model.transformer.Transformer`."""
+    """The forward and backward of one block for
+    :class:`~minillama.model.transformer.Transformer`."""
 
     def _attention_sublayer(self, layer: int, h, cos, sin, cache, start_pos):
-        r"""\mathrm{Attn}(h) = W_o\, \mathrm{attn}(\mathrm{RoPE}(W_q h), \mathrm{RoPE}(W_k h), W_v h)
-        (no RoPE when ``cos`` is None), h the block's (pre-norm: normalised) input.
+        r"""\mathrm{Attn}(h) = W_o\, \mathrm{attn}(\mathrm{RoPE}(W_q h), \mathrm{RoPE}(W_k h),
+        W_v h) (no RoPE when ``cos`` is None), h the block's (pre-norm: normalised) input.
 
         h: (B, T, D). With a ``cache`` the new K/V are written at ``start_pos`` and attention reads
         every cached position. Returns the branch output (B, T, D) (not yet added to x) and ctx.

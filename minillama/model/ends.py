@@ -1,7 +1,7 @@
-"""The two ends of the stack, a mixin of :class:`~minillama.model.transformer.Transformer`: the embedding
-(with sinusoidal positions when the config has them) and the head (final norm, output matrix or
-the tied embedding, logit scale), forward first, then each backward. It reads ``self.cfg``,
-``self.backend``, ``self.params`` and the position table ``self.pos_table``."""
+"""The two ends of the stack, a mixin of :class:`~minillama.model.transformer.Transformer`: the
+embedding (with sinusoidal positions when the config has them) and the head (final norm, output
+matrix or the tied embedding, logit scale), forward first, then each backward. It reads
+``self.cfg``, ``self.backend``, ``self.params`` and the position table ``self.pos_table``."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Ainslie et al. (2023) convert a multi-head checkpoint to grouped-query attention
 the key and value projection heads of each group, then uptraining briefly. With H query heads and
 G groups, group g serves the query heads g H/G .. (g+1) H/G - 1, and its projections are
 
-    W_k^{(g)} = \frac{G}{H} \sum_{h \in g} W_k^{(h)},   W_v^{(g)} = \frac{G}{H} \sum_{h \in g} W_v^{(h)}
+    W_k^{(g)} = \frac{G}{H} \sum_{h \in g} W_k^{(h)},
+    W_v^{(g)} = \frac{G}{H} \sum_{h \in g} W_v^{(h)}
 
 (each W^{(h)} the hd rows of head h in Meta's (KVH hd, D) layout). A model that already shares
 its KV heads (KVH < H) pools its KVH heads in runs of KVH / G, which is the same mean over the

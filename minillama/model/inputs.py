@@ -1,7 +1,7 @@
 """The checks and position tables of a forward's inputs, a mixin of
-:class:`~minillama.model.transformer.Transformer`: token and target arrays, positions in the context and the
-RoPE rows at them. It reads ``self.cfg``, ``self.backend``, ``self.dtype`` and the RoPE tables
-``self.cos``, ``self.sin`` that the model sets up."""
+:class:`~minillama.model.transformer.Transformer`: token and target arrays, positions in the context
+and the RoPE rows at them. It reads ``self.cfg``, ``self.backend``, ``self.dtype`` and the RoPE
+tables ``self.cos``, ``self.sin`` that the model sets up."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@ r"""LoRA adapters on a :class:`~minillama.model.transformer.Transformer`.
 
 A :class:`LoRA` holds one pair (A (r, in), B (out, r)) per targeted linear weight W (out, in) of
 every block; attached to a model (``model.lora = lora``) each targeted layer computes
-y = x W^T + s (x A^T) B^T (:func:`minillama.core.ops.lora_forward`, s = alpha / r, or alpha / \sqrt{r}
-with rsLoRA) and the backward fills only the adapters' gradients: W, the norms, the embedding and
-the head stay frozen and get neither gradients nor optimizer state.
+y = x W^T + s (x A^T) B^T (:func:`minillama.core.ops.lora_forward`, s = alpha / r, or
+alpha / \sqrt{r} with rsLoRA) and the backward fills only the adapters' gradients: W, the norms,
+the embedding and the head stay frozen and get neither gradients nor optimizer state.
 
 Adapter names: ``layers.{l}.{weight}.lora_A`` / ``.lora_B`` with ``{weight}`` the base weight's
 name without ``.weight`` (``layers.0.attention.wq.lora_A``). Their files, as PEFT writes them, are
@@ -110,8 +110,8 @@ class LoRA:
         missing = [k for k in shapes if k not in params]
         extra = [k for k in params if k not in shapes]
         if missing or extra:
-            raise MinillamaError(f"adapter tensors do not fit the model: "
-                                 f"{'missing ' + missing[0] if missing else 'unexpected ' + extra[0]}")
+            what = "missing " + missing[0] if missing else "unexpected " + extra[0]
+            raise MinillamaError(f"adapter tensors do not fit the model: {what}")
         for k, shape in shapes.items():
             if tuple(params[k].shape) != shape:
                 raise MinillamaError(f"adapter {k} has shape {tuple(params[k].shape)}, the model "

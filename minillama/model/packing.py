@@ -107,8 +107,8 @@ def attention_ops(model, S: int, window=None):
 # ---------------------------------------------------------------------------------------------
 def pack_batch(rows: list[list], pad_id: int = 0):
     """(tokens, targets, segments), each (B, T) with T = the fullest row: row b is its examples'
-    (:class:`minillama.train.finetune.Example`) x = ids[:-1] one after the other, targets ids[1:] where
-    trained and -1 elsewhere, ``segments`` the index of the example each token belongs to; the
+    (:class:`minillama.train.finetune.Example`) x = ids[:-1] one after the other, targets ids[1:]
+    where trained and -1 elsewhere, ``segments`` the index of the example each token belongs to; the
     padding after the last example is one more segment, its targets ignored."""
     T = max(sum(len(e.ids) - 1 for e in row) for row in rows)
     x = np.full((len(rows), T), pad_id, dtype=np.int64)

@@ -1,9 +1,10 @@
 r"""Gradient checkpointing (``--recompute``): keep each block's input, rebuild its ``ctx`` in the
 backward.
 
-Without it the forward keeps every op's ``ctx`` for all L blocks (:mod:`minillama.train.memplan` counts
-them). With ``model.recompute`` set, :meth:`Transformer._run <minillama.model.transformer.Transformer._run>`
-keeps per block only what :func:`keep` returns: the block input x_{l-1} (B, T, D) and the state
+Without it the forward keeps every op's ``ctx`` for all L blocks (:mod:`minillama.train.memplan`
+counts them). With ``model.recompute`` set,
+:meth:`Transformer._run <minillama.model.transformer.Transformer._run>` keeps per block only what
+:func:`keep` returns: the block input x_{l-1} (B, T, D) and the state
 of the LoRA dropout generator; the backward, going from the last block down, calls
 :func:`rebuild` to run that block's forward again from x_{l-1} (the same ops on the same inputs,
 with the same dropout masks) and hands its fresh ``ctx`` to the block's backward, which then drops

@@ -102,8 +102,8 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         if self.dtype not in (np.float32, np.float64):
             raise MinillamaError(f"compute dtype must be float32 or float64, got {self.dtype}")
         self.params = {k: self.backend.asarray(v, dtype=self.dtype) for k, v in params.items()}
-        #: LoRA adapters (:class:`minillama.model.lora.LoRA`): when set, the targeted linears add their
-        #: adapter and :meth:`loss_and_grads` returns the adapters' gradients only
+        #: LoRA adapters (:class:`minillama.model.lora.LoRA`): when set, the targeted linears add
+        #: their adapter and :meth:`loss_and_grads` returns the adapters' gradients only
         self.lora = None
         #: gradient checkpointing; the packed rows of a call given ``segments`` (while it runs)
         self.recompute, self.segments = False, None
@@ -176,7 +176,8 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         for the others; ``output_index`` ((B,) ints) picks one position per sequence likewise.
         A backend with ``decode_step(model, tok, start_pos, cache)`` may compute a one-token
         cached step in one fused call (same logits; None from it means the per-op path).
-        ``segments`` ((B, T) example ids, no cache) runs packed rows (:mod:`minillama.model.packing`).
+        ``segments`` ((B, T) example ids, no cache) runs packed rows
+        (:mod:`minillama.model.packing`).
         """
         tok = self._tokens(tokens)
         if cache is not None and tok.shape[1] == 1 and hasattr(self.backend, "decode_step") \
@@ -266,7 +267,8 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
 
 
 def check_params(cfg: ModelConfig, params: dict[str, Any]) -> None:
-    """Raise :class:`MinillamaError` unless ``params`` has exactly the names and shapes of ``cfg``."""
+    """Raise :class:`MinillamaError` unless ``params`` has exactly the names and shapes of
+    ``cfg``."""
     shapes = param_shapes(cfg)
     missing = [k for k in shapes if k not in params]
     if missing:

@@ -1,7 +1,7 @@
 """The pieces of a block that the config's variants swap, a mixin of
-:class:`~minillama.model.transformer.Transformer`: the norm (RMSNorm | LayerNorm), a linear with its optional
-bias and LoRA adapter, and the attention pair with a sliding window; forward first, then each
-backward. It reads ``self.cfg``, ``self.backend``, ``self.params`` and ``self.lora``."""
+:class:`~minillama.model.transformer.Transformer`: the norm (RMSNorm | LayerNorm), a linear with its
+optional bias and LoRA adapter, and the attention pair with a sliding window; forward first, then
+each backward. It reads ``self.cfg``, ``self.backend``, ``self.params`` and ``self.lora``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from minillama.model import packing
 
 
 class VariantPieces:
-    """Norm, linear and attention-pair choices for :class:`~minillama.model.transformer.Transformer`."""
+    """Norm, linear and attention-pair choices for
+    :class:`~minillama.model.transformer.Transformer`."""
 
     def _norm(self, x, name: str):
         r"""RMSNorm(x; g) or LayerNorm(x; g, b) (``cfg.norm``) with the parameters ``name``.weight

@@ -352,7 +352,10 @@ class Finetuner:
 
     def _load_data(self, say) -> None:
         s = self.s
-        warn = (lambda m: say(f"minillama: warning: {m}"))
+
+        def warn(m):
+            return say(f"minillama: warning: {m}")
+
         ex = load_examples(s["data"], self.tok, s["context"], s["skip_bad"], warn)
         if s["val_data"]:
             val = load_examples(s["val_data"], self.tok, s["context"], s["skip_bad"], warn)
@@ -494,8 +497,8 @@ class Finetuner:
 
 
 def memory_plan(ft: Finetuner):
-    """The :class:`~minillama.train.memplan.MemoryPlan` of a step of the run ``ft`` (T = ``--context``,
-    the longest a micro-batch can be)."""
+    """The :class:`~minillama.train.memplan.MemoryPlan` of a step of the run ``ft``
+    (T = ``--context``, the longest a micro-batch can be)."""
     s = ft.s
     return plan(ft.model, ft.trainable, s["batch_size"], s["context"], s["grad_accum"],
                 bool(s.get("recompute")))

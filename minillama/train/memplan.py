@@ -13,8 +13,8 @@ Five parts, in bytes:
   ``ctx``), counted op by op from what each backend's forward keeps (:func:`block_saved`,
   :func:`head_saved`), plus the backward's workspace (:func:`workspace_bytes`).
 
-With ``recompute`` (gradient checkpointing, :mod:`minillama.model.recompute`) the forward keeps only each
-block's input (B, T, D); the backward rebuilds one block's saved set at a time:
+With ``recompute`` (gradient checkpointing, :mod:`minillama.model.recompute`) the forward keeps only
+each block's input (B, T, D); the backward rebuilds one block's saved set at a time:
 L B T D + one block + the head, instead of L blocks + the head.
 
 :func:`saved_bytes` measures the same quantity on a real tape (every distinct array buffer it

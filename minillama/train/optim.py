@@ -2,8 +2,8 @@ r"""Optimisation: AdamW with decoupled weight decay, global-norm gradient clippi
 learning-rate schedule (linear warmup, then cosine decay).
 
 Everything is written against the array module of the parameters (NumPy or CuPy), and updates the
-parameter arrays **in place**, so a :class:`~minillama.model.transformer.Transformer` whose ``params`` dict is
-handed to :class:`AdamW` sees the new weights without copying.
+parameter arrays **in place**, so a :class:`~minillama.model.transformer.Transformer` whose
+``params`` dict is handed to :class:`AdamW` sees the new weights without copying.
 """
 
 from __future__ import annotations

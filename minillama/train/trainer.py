@@ -75,8 +75,8 @@ class Trainer:
     ``Trainer(tc)`` starts fresh; :meth:`resume` restores a checkpoint; :meth:`train` runs to
     ``tc.steps`` (or the time limit) and saves checkpoints every ``ckpt_interval`` steps.
 
-    ``comm`` (a :class:`~minillama.train.distributed.Communicator`, default one process) makes it one
-    rank of a data-parallel run: every rank builds the same model from the same seed, draws the
+    ``comm`` (a :class:`~minillama.train.distributed.Communicator`, default one process) makes it
+    one rank of a data-parallel run: every rank builds the same model from the same seed, draws the
     same global batch of ``size x grad_accum`` micro-batches and trains on its own share, the
     gradients are summed over the ranks in one flat buffer, and only rank 0 evaluates, prints and
     writes checkpoints.
