@@ -165,10 +165,10 @@ def summarise(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     groups = list(dict.fromkeys(g for _, g, _ in VARIANTS if g != "baseline"))
     fig, axes = plt.subplots(2, math.ceil(len(groups) / 2), figsize=(15, 8), sharey=True)

@@ -227,7 +227,7 @@ def hf_peer(cfg, params):
 def write_piece_tokenizer(path, vocab_size: int) -> None:
     """A llama2.c ``tokenizer.bin`` whose piece for id i >= 3 is ``~i`` (ids 0-2 as llama2.c:
     ``<unk>``, BOS, EOS), so the ids can be read back from ``run``'s printed text."""
-    import struct  # noqa: PLC0415
+    import struct
 
     pieces = [b"<unk>", b"\n<s>\n", b"\n</s>\n"] + [f"~{i}".encode() for i in range(3, vocab_size)]
     with open(path, "wb") as f:
@@ -238,8 +238,8 @@ def write_piece_tokenizer(path, vocab_size: int) -> None:
 
 def run_llama2c(binary, model_path, tok_path, steps):
     """One greedy run of llama2.c: (tok/s it reports, generated ids)."""
-    import re  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
+    import re
+    import subprocess
 
     env = dict(os.environ, OMP_NUM_THREADS=str(ARGS.threads))
     r = subprocess.run([binary, model_path, "-z", tok_path, "-t", "0", "-n", str(steps)],

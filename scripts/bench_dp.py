@@ -58,7 +58,7 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------------------------
 def worker(spec: dict) -> None:
     _bench_common.pin_threads(spec["threads"])
-    import numpy as np  # noqa: PLC0415  (after the thread settings)
+    import numpy as np  # after the thread settings
 
     from minillama.train.distributed import open_world
     from minillama.train.trainer import TrainConfig, Trainer
@@ -102,7 +102,7 @@ def worker(spec: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 def write_tokens(folder: str, n_train: int = 2_000_000, n_val: int = 50_000) -> None:
     """Random byte tokens (the speed does not depend on the text)."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     rng = np.random.default_rng(0)
     for name, n in (("train", n_train), ("val", n_val)):

@@ -70,8 +70,8 @@ def minillama_step(cfg, params, tokens, targets):
 
 
 def torch_step(torch, cfg, params, tokens, targets):
-    import peft  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
+    import peft
+    import transformers
 
     from minillama.io.hf import config_to_hf, interleaved_to_hf
 
@@ -118,7 +118,7 @@ def torch_step(torch, cfg, params, tokens, targets):
 def main() -> int:
     torch = None
     if not ARGS.no_torch:
-        import torch  # noqa: PLC0415
+        import torch
 
         torch.set_num_threads(ARGS.threads)
     cfg = ModelConfig(n_layers=ARGS.layers, **SMOLLM2)

@@ -62,9 +62,9 @@ def parse_args(argv=None):
 def child(args) -> None:
     """One minillama measurement in this fresh process; prints one JSON line."""
     _bench_common.pin_threads(args.threads)
-    import resource  # noqa: PLC0415
+    import resource
 
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     from minillama.infer.generate import GenerationStats, generate
     from minillama.io.load import load_model
@@ -108,7 +108,7 @@ def run_llama_bench(path: Path, args) -> dict:
 
 def make_files(args, work: Path) -> list[Path]:
     """s110 as F32 with llama2.c's tokenizer, and each requested type made by llama-quantize."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     from minillama.core.config import ModelConfig
     from minillama.io.gguf import save_gguf

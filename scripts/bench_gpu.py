@@ -85,7 +85,7 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------------------------------
 def ml_train_step(model, opt_state, tok, tgt):
     """One step: loss_and_grads, then the fused AdamW kernel on every parameter."""
-    from minillama.backends.cupy.backend import adamw_update  # noqa: PLC0415
+    from minillama.backends.cupy.backend import adamw_update
 
     loss, grads = model.loss_and_grads(tok, tgt)
     opt_state["t"] += 1
@@ -123,7 +123,7 @@ class TorchLlama:
     """A LLaMA in PyTorch eager ops over the minillama parameter dict (names, (out, in) layout)."""
 
     def __init__(self, cfg: ModelConfig, params: dict, device: str):
-        import torch  # noqa: PLC0415
+        import torch
 
         self.torch = torch
         self.cfg = cfg
@@ -330,10 +330,10 @@ def bench_train(name, args, torch_ok):
 
 def _time_ml(cfg, params, tok, tgt, args, precision: str):
     """(median seconds per step, first loss) of minillama's training step in ``precision``."""
-    import cupy as cp  # noqa: PLC0415
+    import cupy as cp
 
-    from minillama.backends import get_backend  # noqa: PLC0415
-    from minillama.backends.cupy.mixed_precision import with_precision  # noqa: PLC0415
+    from minillama.backends import get_backend
+    from minillama.backends.cupy.mixed_precision import with_precision
 
     be = with_precision(get_backend("cupy"), precision)
     model = Transformer(cfg, params, backend=be, dtype=np.float32)
@@ -356,7 +356,7 @@ def _time_ml(cfg, params, tok, tgt, args, precision: str):
 
 def _time_torch(cfg, params, tok, tgt, args, precision: str):
     """(median seconds per step, first loss) of the PyTorch peer at ``precision``."""
-    import torch  # noqa: PLC0415
+    import torch
 
     tf32 = precision == "tf32"
     torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -418,7 +418,7 @@ def bench_decode(name, batch, args, torch_ok):
     model = Transformer(cfg, params, backend="cupy", dtype=np.float32)
     ml_decode(model, prompt, min(8, n))  # warm-up: compiles the decode kernels
     ml_ids, ml_s = ml_decode(model, prompt, n)
-    from minillama.backends.cupy.graph import GraphDecoder  # noqa: PLC0415
+    from minillama.backends.cupy.graph import GraphDecoder
 
     GraphDecoder(model, batch, args.prompt + n).generate(prompt, min(8, n))  # warm-up
     dec = GraphDecoder(model, batch, args.prompt + n)
@@ -605,7 +605,7 @@ def main(argv=None) -> int:
     if args.attention:
         return bench_attention(args, argv)
     try:
-        from minillama.backends import get_backend  # noqa: PLC0415
+        from minillama.backends import get_backend
 
         be = get_backend("cupy")
     except MinillamaError as e:
@@ -620,7 +620,7 @@ def main(argv=None) -> int:
     torch_ver = "not installed"
     if not args.no_torch:
         try:
-            import torch  # noqa: PLC0415
+            import torch
 
             torch_ver = torch.__version__
             torch_ok = torch.cuda.is_available()
@@ -631,7 +631,7 @@ def main(argv=None) -> int:
                 torch_ver += " (no CUDA)"
         except ImportError:
             pass
-    import cupy as cp  # noqa: PLC0415
+    import cupy as cp
 
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"# bench_gpu: {be.device}, {now}, cupy {cp.__version__}, torch {torch_ver}, "
@@ -655,7 +655,7 @@ def main(argv=None) -> int:
 
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     if not args.no_train and precisions:
-        from minillama.backends.cupy.mixed_precision import PRECISIONS  # noqa: PLC0415
+        from minillama.backends.cupy.mixed_precision import PRECISIONS
 
         bad = [p for p in precisions if p not in PRECISIONS]
         if bad:

@@ -122,8 +122,8 @@ def numba_scratch_bytes(nb_threads: int, G: int, hd: int, itemsize: int = 4) -> 
     """Upper bound of the attention kernels' scratch: per running work item, for the loop
     kernels two (BR G, BC) tiles, a (BR G, hd) accumulator and a few (BR G) / (hd) vectors; for
     the BLAS-tiled kernels (T >= 16) two (TILE_BQ, TILE_BK) tiles and four TILE_BQ vectors."""
-    from minillama.backends.numba import attention as K  # noqa: PLC0415
-    from minillama.backends.numba import backend_attention as NB  # noqa: PLC0415
+    from minillama.backends.numba import attention as K
+    from minillama.backends.numba import backend_attention as NB
 
     R = K.BR * G
     loops = 2 * R * K.BC + R * hd + 4 * R + 2 * hd
@@ -135,7 +135,7 @@ def bench_attention_torch(nb, reps):
     """Causal attention forward and backward, the numba backend against PyTorch's
     scaled_dot_product_attention (its CPU flash kernel; GQA through ``enable_gqa``) on the
     training benchmarks' attention shapes, float32. Rows of a markdown table."""
-    import torch  # noqa: PLC0415
+    import torch
 
     torch.set_num_threads(ARGS.threads)
     F = torch.nn.functional
@@ -393,7 +393,7 @@ def best_after_gap(fn, reps):
 def bench_gemm() -> int:
     """--gemm: each product of one training step, ours / OpenBLAS threads / PyTorch."""
     try:
-        import torch  # noqa: PLC0415
+        import torch
         torch.set_num_threads(ARGS.threads)
     except ImportError:
         torch = None
@@ -460,9 +460,9 @@ AB_RUNS = {"tiny": (16, 128, 15), "s15": (8, 256, 3)}
 
 def backend_with_ops(path: str):
     """A NumpyBackend whose public forward/backward functions come from the ops.py at ``path``."""
-    import importlib.util  # noqa: PLC0415
+    import importlib.util
 
-    from minillama.backends.numpy.backend import NumpyBackend  # noqa: PLC0415
+    from minillama.backends.numpy.backend import NumpyBackend
 
     spec = importlib.util.spec_from_file_location("minillama_old_ops", path)
     old = importlib.util.module_from_spec(spec)
@@ -522,7 +522,7 @@ def main() -> int:
         return 0
     nb = get_backend("numba")
     if ARGS.torch:
-        import torch  # noqa: PLC0415
+        import torch
 
         print(f"# bench_ops --torch: causal attention, numba vs PyTorch SDPA — "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")

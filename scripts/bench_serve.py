@@ -127,7 +127,7 @@ def main() -> int:
     args = ap.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
     pin_threads(args.threads)
-    import httpx  # noqa: PLC0415
+    import httpx
 
     if args.url:
         proc, url = None, args.url.rstrip("/")

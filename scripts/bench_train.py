@@ -87,7 +87,7 @@ def median_times(fns, steps: int, warmup: int, sync=lambda: None) -> list[float]
 def matmul_peak(n: int = 2048, reps: int = 5) -> float:
     """Best float32 GEMM rate here, FLOP/s (2 n^3 per n x n product): the best of NumPy's
     BLAS-threaded matmul and the same product split by rows over minillama's op threads."""
-    from minillama.backends.numpy import threads as cpu_threads  # noqa: PLC0415
+    from minillama.backends.numpy import threads as cpu_threads
 
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float32)
@@ -182,7 +182,7 @@ def main() -> int:
     torch = None
     if not args.no_torch:
         try:
-            import torch  # noqa: PLC0415
+            import torch
             torch.set_num_threads(args.threads)
         except ImportError:
             torch = None

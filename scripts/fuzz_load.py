@@ -34,7 +34,7 @@ STATUSES = ("ok", "error", "traceback", "timeout", "crash", "nonfinite")
 
 def real_targets(root: Path) -> dict[str, Target]:
     """Mutated copies of real files when they are here: the shipped model and stories260K."""
-    from fuzzing import _load_and_run  # noqa: PLC0415
+    from fuzzing import _load_and_run
 
     from minillama.io.load import DEFAULT_CHECKPOINT
 
@@ -94,7 +94,7 @@ class Runner:
         self.proc.kill()
         self.proc.join(5)
         self.proc = None
-        from fuzzing import prepare_case  # noqa: PLC0415
+        from fuzzing import prepare_case
 
         work = self.args[2] / name / "replay"
         desc = prepare_case(self.args[0][name], index, self.args[1], work)

@@ -201,13 +201,13 @@ def profile(name, backend, peak):
 def profile_torch(name):
     """The PyTorch eager step of scripts/bench_train.py (with AdamW) under torch.profiler: self
     CPU time per aten op, grouped (matrix products, attention, the rest)."""
-    import torch  # noqa: PLC0415
-    from torch.profiler import ProfilerActivity  # noqa: PLC0415
+    import torch
+    from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
     argv, sys.argv = sys.argv, [sys.argv[0], "--threads", str(ARGS.threads)]
     try:  # bench_train parses the command line on import: hand it only the thread count
-        import bench_train  # noqa: PLC0415
+        import bench_train
     finally:
         sys.argv = argv
 
@@ -344,7 +344,7 @@ def main_decode() -> int:
             return out
         return run_kernel
 
-    import types  # noqa: PLC0415
+    import types
 
     # batch 1 runs decode_step_one, more sequences decode_step: both timed
     be._decode = types.SimpleNamespace(decode_step=timed(mod.decode_step),

@@ -47,7 +47,7 @@ class MpiNccl:
             MpiNccl.seen["ids"] = world.allgather(comm_id)  # every rank must hold rank 0's id
             self.world = world
 
-        def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):  # noqa: N802
+        def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
             assert sendbuf == recvbuf and op == MpiNccl.NCCL_SUM and stream == 0
             ctype = {MpiNccl.NCCL_FLOAT32: ctypes.c_float,
                      MpiNccl.NCCL_FLOAT64: ctypes.c_double}[datatype]
@@ -65,9 +65,9 @@ class FakeCuda:
 
     selected = None
 
-    class runtime:  # noqa: N801
+    class runtime:
         @staticmethod
-        def getDeviceCount():  # noqa: N802
+        def getDeviceCount():
             return int(os.environ.get("FAKE_GPUS", "2"))
 
     class Device:

@@ -211,7 +211,7 @@ def _make_hf_target(d: Path, name: str, shard: int | None, extra: dict) -> Targe
     """A HF folder: config.json, safetensors weights (sharded with an index when ``shard``),
     tokenizer.json, tokenizer_config.json, generation_config.json. None without the
     ``tokenizers`` package or when ModelConfig lacks an option of ``extra``."""
-    import dataclasses  # noqa: PLC0415
+    import dataclasses
 
     from minillama.core.config import ModelConfig
     from minillama.io.load import save_hf
@@ -273,7 +273,7 @@ def _make_gguf_targets(mk, want) -> dict[str, Target]:
     ``gguf_qwen2`` (q/k/v biases, F16 matrices) and ``gguf_quant`` (block-quantized matrices,
     written by :func:`_write_quant_gguf`)."""
     try:
-        import gguf  # noqa: F401, PLC0415
+        import gguf  # noqa: F401
 
         from minillama.io.gguf import save_gguf
     except ImportError:
@@ -302,7 +302,7 @@ def _make_gguf_targets(mk, want) -> dict[str, Target]:
 def _write_quant_gguf(path, cfg, tok) -> None:
     """A llama GGUF (seed ``gguf_quant``) whose matrices cycle through the block types the
     ``gguf`` package quantizes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): they load as QuantMatrix."""
-    import gguf  # noqa: PLC0415
+    import gguf
 
     from minillama.io.gguf import _LAYER, _TOP, _write_tokenizer
 
@@ -374,7 +374,7 @@ def _load_and_run(path, tokenizer=None):
 def _load_own_bpe(folder: Path):
     """HFTokenizer as it works without the `tokenizers` package (minillama.io.bpe): load, encode,
     decode."""
-    import sys  # noqa: PLC0415
+    import sys
 
     from minillama.io.tokenizer import HFTokenizer
 
@@ -603,7 +603,7 @@ def _mutate_structured(data: bytes, rng, name: str) -> tuple[bytes, str] | None:
         doc, d = _json_edit(doc, rng)
         return _dumps(doc), d
     if name.endswith(".toml"):
-        import tomllib  # noqa: PLC0415
+        import tomllib
 
         try:
             doc = tomllib.loads(data.decode("utf-8"))
@@ -723,7 +723,7 @@ def run_case(t: Target, index: int, seed: int, work: Path, time_limit: float = 1
         status, detail = "nonfinite", str(e)
     except (KeyboardInterrupt, SystemExit):
         raise
-    except BaseException as e:  # noqa: BLE001 - what we look for (Rust panics are BaseException)
+    except BaseException as e:  # what we look for (Rust panics are BaseException)
         tb = traceback.extract_tb(e.__traceback__)
         where = f"{Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else "?"
         status, detail = "traceback", f"{type(e).__name__} at {where}: {str(e)[:200]}"

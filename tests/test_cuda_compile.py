@@ -106,7 +106,7 @@ __global__ void broken(T* x, int n) {
 def test_graph_decoder_step_kernels_compile(nvrtc, arch, tmp_path):
     """The CUDA-graph decoder's own kernels (inline in backends/cupy/graph.py: cache write, matvec
     products, the token/position advance) compile for the A100 and the H100 without spills."""
-    from minillama.backends.cupy.graph import _STEP_SRC  # noqa: PLC0415
+    from minillama.backends.cupy.graph import _STEP_SRC
 
     src = tmp_path / "graph_step.cu"
     src.write_text(_STEP_SRC)
@@ -180,7 +180,7 @@ def test_launch_tables_match_the_sources():
         body = re.search(rf"struct AttnCfg<{ctype}> \{{(.*?)\}};", att, re.S).group(1)
         got = {m.group(1): int(m.group(2))
                for m in re.finditer(r"constexpr int (\w+) = (\d+);", body)}
-        import numpy as np  # noqa: PLC0415
+        import numpy as np
 
         assert got == cb.ATTN_TILES[np.dtype(dtype)], (ctype, got)
 
@@ -194,7 +194,7 @@ def test_launch_configurations():
     assert grid[0] * block[0] >= 1000
     grid, block, parts = cb.rms_dg_launch(5000, 70)
     assert grid == (3, parts) and block == (32, cb.RMS_DG_ROWS) and parts >= 1
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     for dt in (np.float32, np.float64):
         tiles = cb.ATTN_TILES[np.dtype(dt)]
@@ -254,7 +254,7 @@ def test_choosing_cupy_without_a_gpu_is_one_line():
              "except MinillamaError as e:\n    print(repr(str(e)))\n",
              env={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr
-    msg = eval(r.stdout.strip())  # noqa: S307 - our own repr
+    msg = eval(r.stdout.strip())  # our own repr
     assert msg.startswith("no CUDA GPU found (") and msg.endswith(")")
     assert "\n" not in msg
     assert "Traceback" not in r.stderr

@@ -432,7 +432,7 @@ def test_flash_attention(be, case, precision):
 def _colmajor_gemm(plan, A, B, C, dtype_code, compute):
     """cublasGemmEx in NumPy: A, B, C are flat buffers read as column-major matrices with the
     plan's leading dimensions; C = op(A) op(B) (bf16 operands as their bit patterns)."""
-    from minillama.backends.cupy import mixed_precision as mp  # noqa: PLC0415
+    from minillama.backends.cupy import mixed_precision as mp
 
     def mat(buf, rows, cols, ld):
         v = buf.reshape(-1)
@@ -461,7 +461,7 @@ def test_mixed_precision_cupy_path(be, monkeypatch, precision):
     plans of gemm_plan run by a column-major NumPy GEMM) gives the NumPy emulation's products:
     the kernel's bf16 bits equal mixed_precision.bf16_bits bit for bit (ties, NaN, infinities,
     overflow, denormals), and y, dx, dW agree to float32 rounding."""
-    from minillama.backends.cupy import mixed_precision as mp  # noqa: PLC0415
+    from minillama.backends.cupy import mixed_precision as mp
 
     monkeypatch.setattr(mp, "_cublas_gemm", _colmajor_gemm)
     be.name = "cupy"
@@ -490,8 +490,8 @@ def test_mixed_precision_cupy_path(be, monkeypatch, precision):
 def test_mixed_precision_whole_model(be, monkeypatch):
     """A bf16 training step of a whole model through the CuPy path (emulated kernels, the cuBLAS
     calls replayed in NumPy) gives the loss and gradients of the NumPy bf16 emulation."""
-    from minillama.backends import get_backend  # noqa: PLC0415
-    from minillama.backends.cupy import mixed_precision as mp  # noqa: PLC0415
+    from minillama.backends import get_backend
+    from minillama.backends.cupy import mixed_precision as mp
     from minillama.core.config import ModelConfig
     from minillama.model.transformer import Transformer
 
@@ -531,7 +531,7 @@ def test_quant_kernels_match_gguf(be, qtype, dtype):
     """quant.cu against the gguf package's dequantization: the matvec kernel (few rows of x), the
     dequantize-then-GEMM path (many rows) and dx = dy W of a frozen quantized weight."""
     gquants = pytest.importorskip("gguf.quants")
-    from gguf import GGMLQuantizationType  # noqa: PLC0415
+    from gguf import GGMLQuantizationType
 
     rng = np.random.default_rng(3)
     N, K = 9, 512  # N not a multiple of the warps per block

@@ -335,7 +335,7 @@ def test_smollm2_lora_learns_a_fact(smollm2_hf, tmp_path, capsys, monkeypatch):
                    "--prompt", q, "-n", "16", "--temperature", "0"])
     after = capsys.readouterr().out
     assert rc == 0 and "Mirabel Quint" in after, after
-    import io  # noqa: PLC0415
+    import io
 
     monkeypatch.setattr("sys.stdin", io.StringIO(q + "\n"))  # one piped user turn
     rc = cli.main(["chat", "-c", str(smollm2_hf), "--adapter", str(tmp_path / "ad"), "-n", "16",

@@ -109,7 +109,7 @@ def test_cli(tmp_path, capsys):
 def test_quantized_gguf_costs_little(tmp_path):
     """The shipped model quantized to Q8_0 (a type the loader reads) scores close to the float
     model; Q4_0 costs more than Q8_0."""
-    gguf = pytest.importorskip("gguf")  # noqa: F841
+    pytest.importorskip("gguf")
     model, tok = load_model(SHIPPED, backend="numpy")
     ids = tok.encode(TEXT * 2, bos=True)
     base = perplexity(model, ids, 64, bos_id=tok.bos_id, tok=tok)

@@ -67,21 +67,21 @@ class CupyBackend(AttentionOps, RowOps, ReferenceBackend):
     #: MINILLAMA_CUDA_ATTENTION when set.
     attention_precision = "fp32"
 
-    def __init__(self) -> None:  # noqa: D107 - documented on the class
+    def __init__(self) -> None:  # documented on the class
         super().__init__()
         self.xp = _import_cupy()
         dev = cp.cuda.Device()
         try:
             props = cp.cuda.runtime.getDeviceProperties(dev.id)
             label = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-        except Exception:  # noqa: BLE001 - the name is cosmetic
+        except Exception:  # the name is cosmetic
             label = "GPU"
         self.device = f"cuda:{dev.id} ({label})"
-        import os  # noqa: PLC0415
+        import os
 
         try:
             cc = int(dev.compute_capability)
-        except Exception:  # noqa: BLE001 - unknown: stay on the SIMT kernels
+        except Exception:  # unknown: stay on the SIMT kernels
             cc = 0
         self.flash = cc >= 80 and os.environ.get("MINILLAMA_CUDA_FLASH", "1") != "0"
         prec = os.environ.get("MINILLAMA_CUDA_ATTENTION", "fp32").lower()

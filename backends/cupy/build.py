@@ -180,7 +180,7 @@ def _preload_nvrtc_wheel() -> str | None:
 
 def _cupy_cuda_major() -> int | None:
     """12 for cupy-cuda12x, 13 for cupy-cuda13x (whichever wheel is installed), else None."""
-    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+    from importlib.metadata import PackageNotFoundError, version
 
     for major in SUPPORTED_CUDA_MAJORS[::-1]:
         try:
@@ -200,13 +200,13 @@ def load_nvrtc():
         return _nvrtc_state["module"]
     preloaded = _preload_nvrtc_wheel()
     try:
-        from cupy_backends.cuda.libs import nvrtc  # noqa: PLC0415
+        from cupy_backends.cuda.libs import nvrtc
     except ImportError as e:
         raise MinillamaError(f"CuPy is not installed ({e}); install the GPU extra: "
                              f'pip install -e ".[gpu]"') from None
     try:
         nvrtc.getVersion()
-    except Exception as e:  # noqa: BLE001 - CuPy raises several types when the .so is missing
+    except Exception as e:  # CuPy raises several types when the .so is missing
         where = (f" (preloaded {preloaded})" if preloaded
                  else " (no NVRTC wheel found: nvidia-cuda-nvrtc-cu12 for CUDA 12, "
                       "nvidia-cuda-nvrtc for 13)")
@@ -298,7 +298,7 @@ _lock = threading.Lock()
 
 def get_module(name: str | Path):
     """The compiled ``cupy.RawModule`` of kernel file ``name`` on the current device (cached)."""
-    import cupy  # noqa: PLC0415
+    import cupy
 
     path = _resolve(name)
     dev = cupy.cuda.Device().id
@@ -322,7 +322,7 @@ def get_module(name: str | Path):
 
 def get_kernel(name: str | Path, kernel: str, dtype):
     """The function ``kernel<ctype(dtype)>`` of kernel file ``name`` on the current device."""
-    import cupy  # noqa: PLC0415
+    import cupy
 
     ctype = CTYPES.get(np.dtype(dtype))
     if ctype is None:
@@ -340,7 +340,7 @@ def get_kernel_expr(name: str | Path, expr: str, shared_mem: int = 0):
     """The kernel of file ``name`` whose name expression is ``expr`` (as written on its
     ``// KERNELS:`` line, e.g. ``flash_fwd<64,true>``), allowed ``shared_mem`` bytes of dynamic
     shared memory (above the default 48 KiB when asked)."""
-    import cupy  # noqa: PLC0415
+    import cupy
 
     dev = cupy.cuda.Device().id
     key = (dev, str(name), expr)

@@ -55,13 +55,13 @@ def _import_cupy():
     if cp.module is not None:
         return cp.module
     try:
-        import cupy  # noqa: PLC0415
-    except Exception as e:  # noqa: BLE001 - ImportError, or a broken install raising anything
+        import cupy
+    except Exception as e:  # ImportError, or a broken install raising anything
         detail = "" if isinstance(e, ModuleNotFoundError) else f" ({_first_line(e)})"
         raise MinillamaError(f"CuPy is not installed{detail}; {INSTALL_HINT}") from None
     try:
         n = int(cupy.cuda.runtime.getDeviceCount())
-    except Exception as e:  # noqa: BLE001 - CUDARuntimeError without a driver, etc.
+    except Exception as e:  # CUDARuntimeError without a driver, etc.
         raise MinillamaError(f"no CUDA GPU found ({_first_line(e)})") from None
     if n < 1:
         raise MinillamaError("no CUDA GPU found (the CUDA runtime sees 0 devices)")

@@ -147,7 +147,7 @@ class GraphDecoder(ChunkDecoder):
         why = unsupported_reason(model, batch_size)
         if why is not None:
             raise MinillamaError(f"the CUDA-graph decoder {why}")
-        import cupy as cp  # noqa: PLC0415
+        import cupy as cp
 
         self.cp = cp
         self.model = model

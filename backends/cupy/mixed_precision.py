@@ -113,7 +113,7 @@ ROUNDING = {"bf16": round_bf16, "tf32": round_tf32}
 def _xp(a):
     mod = type(a).__module__.split(".")[0]
     if mod == "cupy":
-        import cupy  # noqa: PLC0415
+        import cupy
 
         return cupy
     return np
@@ -147,8 +147,8 @@ def gemm_plan(kind: str, M: int, N: int, K: int) -> dict:
 def _cublas_gemm(plan: dict, A, B, C, dtype_code: int, compute: int) -> None:
     """C = op(A) op(B) through ``cublasGemmEx`` on the current stream (float32 alpha = 1,
     beta = 0, host pointers); A and B hold ``dtype_code`` data, C float32."""
-    import cupy  # noqa: PLC0415
-    from cupy_backends.cuda.libs import cublas  # noqa: PLC0415
+    import cupy
+    from cupy_backends.cuda.libs import cublas
 
     one = np.ones(1, dtype=np.float32)
     zero = np.zeros(1, dtype=np.float32)
@@ -234,7 +234,7 @@ class MixedPrecisionBackend:
         a = xp.ascontiguousarray(a)
         if self.precision == "tf32":
             return a
-        from . import build as cb  # noqa: PLC0415
+        from . import build as cb
 
         out = xp.empty(a.shape, dtype=xp.uint16)
         n = a.size

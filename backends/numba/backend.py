@@ -74,9 +74,9 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
     def __init__(self) -> None:
         super().__init__()
         try:
-            import numba  # noqa: PLC0415
+            import numba
 
-            from . import kernels as numba_kernels  # noqa: PLC0415
+            from . import kernels as numba_kernels
         except ImportError as e:
             if (e.name or "numba").split(".")[0] not in ("numba", "llvmlite"):
                 raise
@@ -85,10 +85,10 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
             ) from None
         self._numba = numba
         self._k = numba_kernels
-        from . import gemv as numba_gemv  # noqa: PLC0415
+        from . import gemv as numba_gemv
 
         self._gemv = numba_gemv
-        from . import blas as numba_blas  # noqa: PLC0415
+        from . import blas as numba_blas
 
         self._blas = numba_blas
         self._decode_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -150,7 +150,7 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
     def exact_products(self):
         """A context in which products with GGML block matrices keep float32 activations
         (:func:`.qint8.exact_products`); the model's training forward runs in it."""
-        from . import qint8  # noqa: PLC0415
+        from . import qint8
 
         return qint8.exact_products()
 
@@ -164,7 +164,7 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
     def _quant(self):
         """:mod:`.quant` (imported on first use: it compiles nothing until called)."""
         if self._quant_module is None:
-            from . import quant as numba_quant  # noqa: PLC0415
+            from . import quant as numba_quant
 
             NumbaBackend._quant_module = numba_quant
         return self._quant_module
@@ -208,7 +208,7 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
         if step < 1:
             raise MinillamaError(f"adamw_update: step must be >= 1, got {step}")
         if self._optim is None:
-            from . import optim as numba_optim  # noqa: PLC0415
+            from . import optim as numba_optim
 
             type(self)._optim = numba_optim
         k = self._optim

@@ -94,7 +94,7 @@ class DecodePlans:
             "eps": float(cfg.norm_eps), "heads": int(cfg.n_heads), "zero": dt.type(0),
         }
         if self._decode is None:
-            from . import decode as numba_decode  # noqa: PLC0415
+            from . import decode as numba_decode
 
             self._decode = numba_decode
         self._decode_plans[model] = plan
@@ -136,7 +136,7 @@ class DecodePlans:
         mats = tuple(lst([p[f"layers.{i}.{n}"].data for i in range(L)])
                      for n in self._QUANT_LINEAR)
         if self._qdecode is None:
-            from . import qdecode as numba_qdecode  # noqa: PLC0415
+            from . import qdecode as numba_qdecode
 
             DecodePlans._qdecode = numba_qdecode
         return {

@@ -54,7 +54,7 @@ from .qsimd import (
 def _host_features() -> str:
     try:
         return binding.get_host_cpu_features().flatten()
-    except Exception:  # noqa: BLE001 - no feature string: the portable code
+    except Exception:  # no feature string: the portable code
         return ""
 
 

@@ -100,10 +100,10 @@ def _tofloat(builder, q):
 
 def _host_has_avx512() -> bool:
     try:
-        from llvmlite import binding  # noqa: PLC0415
+        from llvmlite import binding
 
         return "+avx512f" in binding.get_host_cpu_features().flatten()
-    except Exception:  # noqa: BLE001 - no feature string: the portable code
+    except Exception:  # no feature string: the portable code
         return False
 
 

@@ -397,7 +397,7 @@ def dequantize_rows(w: QuantMatrix, n0: int = 0, n1: int | None = None) -> np.nd
 
 
 def _parallel() -> bool:
-    import numba  # noqa: PLC0415
+    import numba
 
     return numba.get_num_threads() > 1
 
@@ -416,9 +416,9 @@ def qmatmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
     y = np.empty((M, N), dtype=np.float32)
     if M == 0 or N == 0:
         return y
-    import numba  # noqa: PLC0415
+    import numba
 
-    from . import qint8  # noqa: PLC0415
+    from . import qint8
 
     int8 = qt in qint8.INT8_TYPES and qint8.int8_enabled()
     if M <= GEMV_MAX_ROWS:
@@ -431,7 +431,7 @@ def qmatmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
             _gemv_serial(qt, x, w.data, y, _F16, _KVALUES, 16)
         return y
     if int8:
-        from . import qgemm8  # noqa: PLC0415
+        from . import qgemm8
 
         qgemm8.gemm(qt, x, w.data, y, numba.get_num_threads())
         return y
@@ -461,7 +461,7 @@ def qmatmul_t(dy: np.ndarray, w: QuantMatrix) -> np.ndarray:
             n1 = min(N, n0 + 4 * TILE_N)
             dx += dy[:, n0:n1] @ dequantize_rows(w, n0, n1)
         return dx
-    import numba  # noqa: PLC0415
+    import numba
 
     nt = -(-N // TILE_N)
     parts = max(1, min(numba.get_num_threads(), nt))

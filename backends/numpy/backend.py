@@ -60,8 +60,8 @@ def tune_malloc() -> bool:
     if os.environ.get("MINILLAMA_MALLOC_TUNE", "1") == "0" or not sys.platform.startswith("linux"):
         return False
     try:
-        import ctypes  # noqa: PLC0415
-        import platform  # noqa: PLC0415
+        import ctypes
+        import platform
 
         if platform.libc_ver()[0] != "glibc":
             return False

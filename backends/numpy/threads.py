@@ -63,7 +63,7 @@ def parallel_rows(fn, n_rows: int, n_elements: int, xp=np) -> None:
     global _pool
     with _pool_lock:
         if _pool is None or _pool._max_workers < nt - 1:
-            from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+            from concurrent.futures import ThreadPoolExecutor
 
             _pool = ThreadPoolExecutor(max_workers=nt - 1, thread_name_prefix="minillama-ops")
         pool = _pool
@@ -100,7 +100,7 @@ def openblas_library():
         return _blas_lib or None
     _blas_lib = False
     try:
-        import ctypes  # noqa: PLC0415
+        import ctypes
 
         np.ones(2) @ np.ones(2)  # NumPy loads its BLAS lazily on some builds
         with open("/proc/self/maps") as f:
@@ -127,7 +127,7 @@ def openblas_gemms():
     found = openblas_library()
     if found is None:
         return None
-    import ctypes  # noqa: PLC0415
+    import ctypes
 
     lib, prefix, suffix = found
     try:
@@ -148,7 +148,7 @@ def openblas_api():
     _blas_api = False
     found = openblas_library()
     if found is not None:
-        import ctypes  # noqa: PLC0415
+        import ctypes
 
         lib, prefix, suffix = found
         getter = getattr(lib, f"{prefix}openblas_get_num_threads{suffix}")
@@ -158,7 +158,7 @@ def openblas_api():
     return _blas_api or None
 
 
-class single_threaded_blas:  # noqa: N801 - used like a function: ``with single_threaded_blas():``
+class single_threaded_blas:  # used like a function: ``with single_threaded_blas():``
     """Run the block with OpenBLAS on one thread, then restore its thread count.
 
     Attention is a stack of small GEMMs (one per sequence and KV head); letting OpenBLAS split

@@ -63,7 +63,7 @@ def cmd_backends(args) -> int:
             print(f"{name:{width}s} unavailable: {e}")
         else:
             print(f"{name:{width}s} ok ({getattr(be, 'device', 'cpu')})")
-    import os  # noqa: PLC0415
+    import os
 
 
     print(f"default: auto (generating with a model of at most {AUTO_REFERENCE_MAX_PARAMS / 1e6:g}M "

@@ -87,8 +87,8 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def run_cli(args) -> int:
     try:
-        import starlette  # noqa: F401, PLC0415
-        import uvicorn  # noqa: PLC0415
+        import starlette  # noqa: F401
+        import uvicorn
     except ImportError:
         raise MinillamaError("minillama serve needs the optional server packages: "
                              "pip install 'minillama[serve]'") from None

@@ -35,7 +35,7 @@ def array_module(x: Any):
     """The array module (``numpy`` or ``cupy``) that owns ``x``; never imports CuPy for NumPy
     input."""
     if type(x).__module__.startswith("cupy"):
-        import cupy  # noqa: PLC0415 - only reached when x already is a CuPy array
+        import cupy  # only reached when x already is a CuPy array
 
         return cupy
     return np

@@ -85,7 +85,7 @@ class Request:
     def _emit(self, ev: Event) -> None:
         try:
             self._on_event(ev)
-        except Exception:  # noqa: BLE001 - a listener's failure must not stop the batch
+        except Exception:  # a listener's failure must not stop the batch
             self._cancelled = True
 
     def _finish(self, reason: str) -> None:
@@ -226,7 +226,7 @@ class Engine:
                     new.append(self._pending.popleft())
             try:
                 self.batch.step(new)
-            except Exception as e:  # noqa: BLE001 - an unexpected failure ends these requests,
+            except Exception as e:  # an unexpected failure ends these requests,
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__  # not the server
                 for r in new + [s.req for s in self._slots]:
                     if r.finish_reason is None:

@@ -233,7 +233,7 @@ class _Generation:
 
     def __init__(self, engine, tok, prompt_ids: list[int], fields: dict, stop_ids: set[int],
                  max_tokens: int):
-        import asyncio  # noqa: PLC0415
+        import asyncio
 
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -292,7 +292,7 @@ class _Generation:
 async def _until_disconnect(receive, work, on_disconnect):
     """Run the coroutine ``work`` while watching ``receive`` for the client going away: then
     ``work`` is cancelled and ``on_disconnect()`` called. Returns work's result (None if cut)."""
-    import asyncio  # noqa: PLC0415
+    import asyncio
 
     async def watch():
         while True:
@@ -350,8 +350,8 @@ def build_app(engine, tok, model_name: str, api_key: str | None = None):
     """The Starlette application serving ``engine`` (its model's tokenizer ``tok``) as
     ``model_name``; with ``api_key`` every route but /health needs ``Authorization: Bearer
     api_key``."""
-    from starlette.applications import Starlette  # noqa: PLC0415
-    from starlette.exceptions import HTTPException  # noqa: PLC0415
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
 
     async def http_error(request, exc):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
@@ -378,8 +378,8 @@ def build_app(engine, tok, model_name: str, api_key: str | None = None):
 
 def _info_routes(engine, model_name: str, api_key: str | None) -> list:
     """GET /health (no key needed), /v1/models and /v1/models/{model}."""
-    from starlette.responses import JSONResponse  # noqa: PLC0415
-    from starlette.routing import Route  # noqa: PLC0415
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
 
     created = int(time.time())
 
@@ -413,7 +413,7 @@ def _info_routes(engine, model_name: str, api_key: str | None) -> list:
 
 def _completion_routes(engine, tok, model_name: str, api_key: str | None) -> list:
     """POST /v1/chat/completions and /v1/completions, whole or streamed."""
-    from starlette.routing import Route  # noqa: PLC0415
+    from starlette.routing import Route
 
     stop_ids = _stops(tok)
 
@@ -446,7 +446,7 @@ def _completion_routes(engine, tok, model_name: str, api_key: str | None) -> lis
 
 def _error_response(e: APIError):
     """The JSON error body of ``e`` with its status."""
-    from starlette.responses import JSONResponse  # noqa: PLC0415
+    from starlette.responses import JSONResponse
 
     return JSONResponse(e.body(), status_code=e.status)
 
@@ -515,7 +515,7 @@ async def _stream_chunks(gen: _Generation, head: dict, chat: bool, include_usage
 
 async def _whole_reply(request, gen: _Generation, head: dict, chat: bool):
     """The reply in one JSON body once generated (499 when the client went away first)."""
-    from starlette.responses import JSONResponse  # noqa: PLC0415
+    from starlette.responses import JSONResponse
 
     async def collect():
         return "".join([p async for p in gen.pieces()])

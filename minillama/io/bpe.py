@@ -122,7 +122,7 @@ class BPETokenizer:
             self._configure(data.get("normalizer"), data.get("pre_tokenizer"))
         except MinillamaError:
             raise
-        except Exception as e:  # noqa: BLE001 - a malformed normalizer/pre-tokenizer/pattern
+        except Exception as e:  # a malformed normalizer/pre-tokenizer/pattern
             raise MinillamaError(f"{self.path}: corrupt normalizer or pre-tokenizer "
                                  f"({type(e).__name__}: {str(e)[:80]})") from None
         self._cache: dict[str, list[int]] = {}
@@ -203,7 +203,7 @@ class BPETokenizer:
             return self._word_ids(self.prefix + (seg.replace(" ", SPACE) if self.spaces_marked
                                                  else seg))
         if self.nfc:
-            import unicodedata  # noqa: PLC0415
+            import unicodedata
 
             seg = unicodedata.normalize("NFC", seg)
         ids: list[int] = []

@@ -30,13 +30,13 @@ STOP_NAMES = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<
 @lru_cache(maxsize=8)
 def _compiled(template: str):
     try:
-        import jinja2  # noqa: PLC0415
-        from jinja2.ext import Extension, loopcontrols  # noqa: PLC0415
-        from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+        import jinja2
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise MinillamaError("chat templates need the optional `jinja2` package: "
                              "pip install 'minillama[hf]'") from None
-    import json  # noqa: PLC0415
+    import json
 
     class GenerationBlock(Extension):
         """``{% generation %}...{% endgeneration %}`` (marks assistant text for training
@@ -57,7 +57,7 @@ def _compiled(template: str):
                           sort_keys=sort_keys)
 
     def strftime_now(fmt):
-        import datetime  # noqa: PLC0415
+        import datetime
 
         return datetime.datetime.now().strftime(fmt)
 

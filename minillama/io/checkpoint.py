@@ -42,7 +42,7 @@ def save_checkpoint(path, cfg: ModelConfig, params: dict[str, Any], *, tokenizer
     ``params`` may live on any backend (they are copied to the host). ``dtype`` (e.g. float16)
     converts the parameters for storage; loading converts them back to the compute dtype.
     """
-    from safetensors.numpy import save_file  # noqa: PLC0415
+    from safetensors.numpy import save_file
 
     path = Path(path)
     tensors: dict[str, np.ndarray] = {}

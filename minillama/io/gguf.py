@@ -147,7 +147,7 @@ def _type_name(tid: int, name: str, where) -> str:
     if tid in TYPE_NAMES:
         return TYPE_NAMES[tid]
     try:
-        import gguf  # noqa: PLC0415 - optional: only to name a type minillama does not read
+        import gguf  # optional: only to name a type minillama does not read
 
         known = gguf.GGMLQuantizationType(tid).name
     except (ImportError, ValueError):
@@ -374,7 +374,7 @@ def _write_tokenizer(w, tok, vocab_size: int) -> str | None:
         return None
     spec = tok.spec() if hasattr(tok, "spec") else {}
     if spec.get("type") == "gguf" and is_gguf(spec.get("path", "")):
-        import gguf  # noqa: PLC0415 (writing GGUF already needs it)
+        import gguf  # writing GGUF already needs it
 
         reader = gguf.GGUFReader(spec["path"], "r")
         for key, field in reader.fields.items():
@@ -396,7 +396,7 @@ def _write_tokenizer(w, tok, vocab_size: int) -> str | None:
             w.add_chat_template(tok.chat_template)
         return None
     if isinstance(tok, ByteTokenizer):  # its bytes as BYTE pieces (llama.cpp reads them)
-        import gguf  # noqa: PLC0415
+        import gguf
 
         pieces = ByteTokenizer.gguf_pieces()
         w.add_tokenizer_model("llama")

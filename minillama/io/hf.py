@@ -349,7 +349,7 @@ def _hf_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
 def _save_hf_weights(d: Path, out: dict[str, np.ndarray], max_shard_bytes: int | None) -> None:
     """``model.safetensors``, or shards of at most ``max_shard_bytes`` with their index (and a
     single-file weights file of an earlier export removed)."""
-    from safetensors.numpy import save_file  # noqa: PLC0415
+    from safetensors.numpy import save_file
 
     if not max_shard_bytes:
         atomic_write(d / "model.safetensors",

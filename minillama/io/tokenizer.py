@@ -170,7 +170,7 @@ class HFTokenizer:
     (rendered by :func:`minillama.io.chat_template.render_chat`)."""
 
     def __init__(self, path):
-        from pathlib import Path  # noqa: PLC0415
+        from pathlib import Path
 
         self.path = Path(path)
         if self.path.is_dir():
@@ -178,15 +178,15 @@ class HFTokenizer:
         if not self.path.is_file():
             raise MinillamaError(f"tokenizer not found: {self.path}")
         try:
-            from tokenizers import Tokenizer  # noqa: PLC0415
+            from tokenizers import Tokenizer
         except ImportError:  # minillama's own BPE (byte-level or SentencePiece-style)
 
-            Tokenizer = LibraryShim  # noqa: N806
+            Tokenizer = LibraryShim
         try:
             self._tok = Tokenizer.from_file(str(self.path))
         except (KeyboardInterrupt, SystemExit):
             raise
-        except BaseException as e:  # noqa: BLE001 - its own error types, and Rust panics
+        except BaseException as e:  # its own error types, and Rust panics
             msg = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
             raise MinillamaError(f"cannot read tokenizer {self.path}: {msg}") from None
         names = {}
@@ -228,7 +228,7 @@ class HFTokenizer:
     def _special_flags(self, conf: dict) -> tuple[bool, bool]:
         """(add_bos, add_eos): the ``single`` template of a ``TemplateProcessing`` post-processor
         (also inside a ``Sequence``) when there is one, else the config's flags."""
-        import json  # noqa: PLC0415
+        import json
 
         try:
             post = json.loads(self.path.read_text(encoding="utf-8")).get("post_processor")
@@ -287,7 +287,7 @@ class HFTokenizer:
             return call()
         except (KeyboardInterrupt, SystemExit):
             raise
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             msg = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
             raise MinillamaError(f"tokenizer {self.path} failed to {what}: {msg}") from None
 
@@ -308,7 +308,7 @@ class HFTokenizer:
 
 def _read_json_object(path) -> dict:
     """A JSON object file beside a tokenizer.json; anything else is one clear error."""
-    import json  # noqa: PLC0415
+    import json
 
     try:
         conf = json.loads(path.read_text(encoding="utf-8"))
@@ -334,7 +334,7 @@ def _pick_chat_template(value, where) -> str | None:
 def load_tokenizer(spec: str):
     """A tokenizer from a command-line spec: ``byte``, a llama2.c ``tokenizer.bin``, a HF
     ``tokenizer.json`` or a folder holding one."""
-    from pathlib import Path  # noqa: PLC0415
+    from pathlib import Path
 
     if spec == "byte":
         return ByteTokenizer()
@@ -384,7 +384,7 @@ def tokenizer_from_gguf(reader, vocab_size: int, where):
     add-BOS/EOS flags (with llama.cpp's defaults), end-of-turn ids (``eot_token_id``,
     ``eom_token_id``, kept in ``stop_ids``) and ``tokenizer.chat_template`` come along.
     Another tokenizer model is refused with one line."""
-    from pathlib import Path  # noqa: PLC0415
+    from pathlib import Path
 
     model = gguf_meta(reader, "tokenizer.ggml.model")
     if model is None:
@@ -456,7 +456,7 @@ def _gguf_byte_level(reader, vocab_size: int, where, spec):
 
 def load_gguf_tokenizer(path):
     """The tokenizer stored in the metadata of the GGUF file at ``path`` (None if it has none)."""
-    from pathlib import Path  # noqa: PLC0415
+    from pathlib import Path
 
     if not isinstance(path, str) or not Path(path).is_file():
         raise MinillamaError(f"GGUF tokenizer file not found: {str(path)[:200]}")

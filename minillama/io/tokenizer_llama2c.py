@@ -53,7 +53,7 @@ class Llama2cTokenizer:
         """Read ``path`` (a tokenizer.bin), or take ``pieces`` and ``scores`` as they are (the
         same vocabulary from elsewhere, e.g. a GGUF file's metadata, whose ``spec`` names it).
         ``add_bos``/``add_eos``: what ``encode`` adds by default (llama2.c: BOS only)."""
-        from pathlib import Path  # noqa: PLC0415
+        from pathlib import Path
 
         self.path = Path(path) if path is not None else None
         self._spec = spec
@@ -218,7 +218,7 @@ class Llama2cTokenizer:
 
 def read_tokenizer_bin(path) -> tuple[list[bytes], list[float], int]:
     """(pieces, scores, max_token_length) of a llama2.c tokenizer.bin (checked)."""
-    import struct  # noqa: PLC0415
+    import struct
 
     if not path.is_file():
         raise MinillamaError(f"tokenizer not found: {path}")

@@ -25,7 +25,7 @@ from minillama.core.errors import MinillamaError
 from minillama.io.tokenizer import ByteTokenizer
 
 
-def setting(default, help: str, *, model: bool = False, variant: bool = False,  # noqa: A002
+def setting(default, help: str, *, model: bool = False, variant: bool = False,
             metavar: str | None = None):
     """A :class:`TrainConfig` field: its default and its ``--help`` line; ``model``: a field of
     the :class:`~minillama.core.config.ModelConfig` of the same name, ``variant``: one of the
@@ -295,7 +295,7 @@ def read_config_file(path) -> dict[str, Any]:
                              f"{e.start})") from None
     try:
         if path.suffix.lower() == ".toml":
-            import tomllib  # noqa: PLC0415
+            import tomllib
 
             d = tomllib.loads(text)
         else:

@@ -114,7 +114,7 @@ def open_world(environ=None) -> Communicator:
     if launch is None or launch.size <= 1:
         return SingleProcess()
     try:
-        from mpi4py import MPI  # noqa: PLC0415
+        from mpi4py import MPI
     except ImportError as e:
         _fail_before_mpi(launch, f"started by an MPI launcher ({launch.source}={launch.size}) but "
                                  f"mpi4py cannot be imported ({e}); install the mpi extra: "
@@ -309,7 +309,7 @@ class MPIComm(Communicator):
 
     def __init__(self, comm=None, bucket_bytes: int = BUCKET_BYTES):
         super().__init__()
-        from mpi4py import MPI  # noqa: PLC0415
+        from mpi4py import MPI
 
         self._MPI = MPI
         self.comm = comm if comm is not None else MPI.COMM_WORLD
@@ -345,12 +345,12 @@ class MPIComm(Communicator):
 def import_nccl():
     """``cupy.cuda.nccl`` when CuPy has NCCL, else a :class:`MinillamaError` saying what to
     install."""
-    import warnings  # noqa: PLC0415
+    import warnings
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # CuPy warns when libnccl is missing; we say it once
-            from cupy.cuda import nccl  # noqa: PLC0415
+            from cupy.cuda import nccl
     except ImportError as e:
         raise MinillamaError(f"--backend cupy on several ranks needs CuPy with NCCL: {e}") \
             from None
@@ -361,7 +361,7 @@ def import_nccl():
 
 
 def _cuda():
-    import cupy  # noqa: PLC0415
+    import cupy
 
     return cupy.cuda
 
@@ -430,6 +430,6 @@ class NCCLComm(Communicator):
     def abort(self, code: int):
         try:
             self.comm.abort()
-        except Exception:  # noqa: BLE001 - ending the world matters more than NCCL's own cleanup
+        except Exception:  # ending the world matters more than NCCL's own cleanup
             pass
         self.host.abort(code)

@@ -228,7 +228,7 @@ def available_bytes(backend) -> int | None:
         try:
             free, _ = backend.xp.cuda.runtime.memGetInfo()
             return int(free)
-        except Exception:  # noqa: BLE001 - no device query: no limit from it
+        except Exception:  # no device query: no limit from it
             return None
     try:
         with open("/proc/meminfo", encoding="ascii") as f:

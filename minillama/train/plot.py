@@ -13,10 +13,10 @@ PLOT_NAME = "loss.png"
 def plot_losses(history: dict[str, list], path, title: str = "") -> Path:
     """Draw the training loss (raw and smoothed) and the validation loss against the step
     into a PNG, atomically."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     path = Path(path)
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)

@@ -260,7 +260,7 @@ class Trainer:
 
 
 def _progress(total: int, initial: int, enabled: bool):
-    from tqdm import tqdm  # noqa: PLC0415
+    from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, disable=not enabled, unit="step",
                 dynamic_ncols=True, mininterval=2.0, file=sys.stderr)
