@@ -18,6 +18,7 @@ never imports CuPy nor compiles Numba code.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 
 from minillama.core.errors import MinillamaError
@@ -28,7 +29,7 @@ from .cupy.mixed_precision import PRECISIONS, check_precision, with_precision
 from .numpy.threads import openblas_api
 
 __all__ = ["BACKENDS", "ENV_VAR", "AUTO_REFERENCE_MAX_PARAMS", "PRECISIONS", "auto_backend",
-           "available_backends", "backend_names", "check_precision", "get_backend",
+           "available_backends", "backend_help", "backend_names", "check_precision", "get_backend",
            "graph_decoder", "openblas_api", "resolve_name", "with_precision"]
 
 #: name -> "module:Class", imported lazily
@@ -48,31 +49,53 @@ def backend_names() -> list[str]:
     return list(BACKENDS)
 
 
-#: ``auto`` (the default): models of at most this many parameters decode fastest on the
-#: ``reference`` backend (no thread hand-offs: a step of a small model is too short to share),
-#: larger ones on ``numpy`` (its row threads pay off once the matrices are large). Measured with
-#: ``scripts/bench_default_backend.py`` on a 2-core machine: reference ahead up to 42M
-#: parameters, numpy ahead at 110M; figures in README (the backends table).
+#: ``auto`` (the default) for running a model: one of at most this many float parameters runs on
+#: ``reference`` (no compile, no thread hand-offs: a step of a small model is too short to
+#: share); a larger one, or one whose weights stay in GGML blocks, on ``numba`` (its fused decode
+#: step and block kernels: 40x numpy on SmolLM2-135M Q4_1, at or above llama.cpp; the first run
+#: compiles its kernels once, says so, and caches them). Without Numba: ``numpy`` above the
+#: threshold. Measured with ``scripts/bench_default_backend.py``; figures in README.
 AUTO_REFERENCE_MAX_PARAMS = 50_000_000
 
 
-def auto_backend(cfg=None, task: str = "decode") -> str:
-    """The backend ``auto`` picks for a model of config ``cfg`` doing ``task`` (``decode``, or
-    ``train``: numpy at every size): never one that compiles on first use, so the first run is as
-    quick as the next."""
+def numba_installed() -> bool:
+    """Whether Numba can be imported here (looked up, not imported)."""
+    return importlib.util.find_spec("numba") is not None
+
+
+def auto_backend(cfg=None, task: str = "decode", quantized: bool = False) -> str:
+    """The backend ``auto`` picks for a model of config ``cfg`` (``quantized``: its linear
+    weights kept in GGML blocks) doing ``task``: ``decode`` (generate, chat, serve, perplexity)
+    as :data:`AUTO_REFERENCE_MAX_PARAMS` says; ``train``: numpy at every size."""
     if cfg is None or task != "decode":
         return "numpy"
-    return "reference" if cfg.n_params() <= AUTO_REFERENCE_MAX_PARAMS else "numpy"
+    large = cfg.n_params() > AUTO_REFERENCE_MAX_PARAMS
+    if (large or quantized) and numba_installed():
+        return "numba"
+    return "numpy" if large else "reference"
 
 
-def resolve_name(name: str | None = None, cfg=None, task: str = "decode") -> str:
+#: what ``auto`` picks, by task, in a ``--backend`` help (see :func:`auto_backend`)
+_AUTO_HELP = {"decode": "picks by the model: numba for quantized or large ones, see README",
+              "train": "trains on numpy"}
+
+
+def backend_help(task: str = "decode") -> str:
+    """The help of a ``--backend`` that takes one name: every registered backend, or auto, and
+    what the default is for ``task`` (``decode``: running a model, ``train``: training one)."""
+    return (f"{', '.join(backend_names())} or auto (default: ${ENV_VAR}, else auto, which "
+            f"{_AUTO_HELP[task]})")
+
+
+def resolve_name(name: str | None = None, cfg=None, task: str = "decode",
+                 quantized: bool = False) -> str:
     """``name``, else ``$MINILLAMA_BACKEND``, else ``auto``; ``auto`` is :func:`auto_backend`
     (``numpy`` without a ``cfg``); an unknown name is a clear error."""
     if name is None or name == "":
         name = os.environ.get(ENV_VAR) or "auto"
     key = name.strip().lower()
     if key == "auto":
-        return auto_backend(cfg, task)
+        return auto_backend(cfg, task, quantized)
     if key not in BACKENDS:
         raise MinillamaError(
             f"unknown backend {name!r}; available backends: {', '.join(BACKENDS)} (or auto)")

@@ -56,19 +56,14 @@ import numpy as np  # noqa: E402
 
 from minillama.backends.numba import blas, gemv  # noqa: E402
 from minillama.backends.numba import quant as Q  # noqa: E402
-from minillama.core.quant import BLOCKS, QuantMatrix  # noqa: E402
-
-#: byte offsets of the fp16 fields of each block type
-FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-               "IQ4_NL": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-               "Q6_K": (208,), "IQ4_XS": (0,)}
+from minillama.core.quant import QUANT_TYPES, QuantMatrix  # noqa: E402
 
 
 def random_matrix(qtype, N, K, rng):
-    _, per, size = BLOCKS[qtype]
+    per, size = QUANT_TYPES[qtype].block_elems, QUANT_TYPES[qtype].block_bytes
     nb = K // per
     data = rng.integers(0, 256, size=(N, nb, size), dtype=np.uint8)
-    for o in FP16_FIELDS[qtype]:
+    for o in QUANT_TYPES[qtype].scale_fields:
         h = (rng.uniform(-1, 1, size=(N, nb)) * 0.01).astype(np.float16)
         data[:, :, o:o + 2] = h.view(np.uint8).reshape(N, nb, 2)
     return QuantMatrix(qtype, (N, K), data.reshape(N, nb * size))

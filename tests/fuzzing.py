@@ -304,7 +304,8 @@ def _write_quant_gguf(path, cfg, tok) -> None:
     ``gguf`` package quantizes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): they load as QuantMatrix."""
     import gguf
 
-    from minillama.io.gguf import _LAYER, _TOP, _write_tokenizer
+    from minillama.io.families import GGUF_TENSORS
+    from minillama.io.gguf import _write_tokenizer
 
     w = gguf.GGUFWriter(str(path), "llama")
     for key, value in (("context_length", cfg.max_seq_len), ("embedding_length", cfg.dim),
@@ -314,15 +315,9 @@ def _write_quant_gguf(path, cfg, tok) -> None:
         w.add_uint32(f"llama.{key}", value)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg.norm_eps)
     _write_tokenizer(w, tok, cfg.vocab_size)
-    top, layer_names = {v: k for k, v in _TOP.items()}, {v: k for k, v in _LAYER.items()}
     types = [gguf.GGMLQuantizationType[t] for t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")]
     for i, (name, a) in enumerate(_params(cfg).items()):
-        if name in top:
-            gname = top[name]
-        else:
-            _, layer, rest = name.split(".", 2)
-            base, kind = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{layer_names[base]}.{kind}"
+        gname = GGUF_TENSORS.theirs(name)
         if a.ndim == 2:
             q = types[i % len(types)]
             w.add_tensor(gname, gguf.quants.quantize(a, q), raw_dtype=q)

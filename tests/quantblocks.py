@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minillama.core.quant import BLOCKS, SCALE_FIELDS
+from minillama.core.quant import QUANT_TYPES
 
 
 def finite_f16(rng, n: int, scale: float | None = None) -> np.ndarray:
@@ -20,16 +20,16 @@ def finite_f16(rng, n: int, scale: float | None = None) -> np.ndarray:
 
 def random_blocks(qtype: str, n_blocks: int, rng, scale: float | None = None) -> np.ndarray:
     """uint8 (n_blocks, bytes per block): random bytes, finite float16 scale fields."""
-    size = BLOCKS[qtype][2]
+    size = QUANT_TYPES[qtype].block_bytes
     b = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
-    for at in SCALE_FIELDS[qtype]:
+    for at in QUANT_TYPES[qtype].scale_fields:
         b[:, at:at + 2] = finite_f16(rng, n_blocks, scale).view(np.uint8).reshape(-1, 2)
     return b
 
 
 def random_quant_rows(qtype: str, N: int, K: int, rng, scale: float | None = None):
     """uint8 (N, row bytes) of random valid blocks for a matrix (N, K)."""
-    _, per, size = BLOCKS[qtype]
+    per, size = QUANT_TYPES[qtype].block_elems, QUANT_TYPES[qtype].block_bytes
     return random_blocks(qtype, N * K // per, rng, scale).reshape(N, K // per * size)
 
 

@@ -142,22 +142,44 @@ def test_train_says_its_schedule(finished_run, capsys):
 
 
 # --- the auto backend ---------------------------------------------------------------------------
-def test_auto_backend_by_model_size(monkeypatch):
+def test_auto_backend_by_model_size_and_type(monkeypatch):
+    import minillama.backends as backends
     from minillama.backends import AUTO_REFERENCE_MAX_PARAMS, auto_backend, resolve_name
 
     monkeypatch.delenv("MINILLAMA_BACKEND", raising=False)
     big = ModelConfig(dim=768, n_layers=12, n_heads=12, vocab_size=32000)
     assert CFG.n_params() <= AUTO_REFERENCE_MAX_PARAMS < big.n_params()
-    assert auto_backend(CFG) == "reference" and auto_backend(big) == "numpy"
+    assert auto_backend(CFG) == "reference" and auto_backend(big) == "numba"
+    assert auto_backend(CFG, quantized=True) == "numba"  # GGML blocks: numba's kernels
     assert auto_backend(CFG, task="train") == "numpy"
+    assert auto_backend(big, task="train", quantized=True) == "numpy"
     assert resolve_name(None, CFG) == resolve_name("auto", CFG) == "reference"
-    assert resolve_name(None, big) == "numpy"
+    assert resolve_name(None, big) == "numba"
+    assert resolve_name(None, CFG, quantized=True) == "numba"
     assert resolve_name(None) == "numpy"  # no model to size: numpy
     monkeypatch.setenv("MINILLAMA_BACKEND", "numba")  # the environment overrides auto
     assert resolve_name(None, CFG) == "numba"
     assert resolve_name("numpy", CFG) == "numpy"  # and a flag overrides the environment
     monkeypatch.setenv("MINILLAMA_BACKEND", "auto")
-    assert resolve_name(None, big) == "numpy"
+    assert resolve_name(None, big) == "numba"
+    monkeypatch.setattr(backends, "numba_installed", lambda: False)  # no Numba: numpy if large
+    assert auto_backend(big) == "numpy" and auto_backend(CFG, quantized=True) == "reference"
+
+
+def test_load_model_picks_numba_for_a_quantized_file(tmp_path, monkeypatch):
+    """A GGUF file whose weights stay in blocks loads on numba under auto, even when small."""
+    pytest.importorskip("gguf")
+    from minillama.io.gguf import save_gguf
+    from minillama.io.load import load_model
+    from minillama.model.transformer import init_params
+
+    monkeypatch.delenv("MINILLAMA_BACKEND", raising=False)
+    cfg = ModelConfig(dim=64, n_layers=1, n_heads=2, vocab_size=64, hidden_dim=64,
+                      max_seq_len=16)
+    save_gguf(tmp_path / "q.gguf", cfg, init_params(cfg, seed=0), matrix_type="Q8_0")
+    save_gguf(tmp_path / "f.gguf", cfg, init_params(cfg, seed=0))
+    assert load_model(tmp_path / "q.gguf")[0].backend.name == "numba"
+    assert load_model(tmp_path / "f.gguf")[0].backend.name == "reference"
 
 
 def test_generate_defaults_to_auto(ckpt, capsys, monkeypatch):

@@ -218,6 +218,21 @@ def test_loader_expands_includes_with_line_markers():
         cb.load_source("no_such_kernel")
 
 
+def test_block_sizes_come_from_the_quant_type_table():
+    """quant.cu takes its block sizes from the generated quant_types.h (QUANT_TYPES), pasted in
+    once with #line markers, and defines none of its own."""
+    from minillama.core.quant import QUANT_TYPES
+
+    text = (cb.KERNEL_DIR / "quant.cu").read_text()
+    assert not re.search(r"#define ML_\w+_(BYTES|ELEMS)\b", text)
+    src = cb.load_source("quant")
+    assert src.count('#line 1 "quant_types.h"') == 1
+    for name, t in QUANT_TYPES.items():
+        assert f"#define ML_{name}_BYTES {t.block_bytes}\n" in src
+        assert f"#define ML_{name}_ELEMS {t.block_elems}\n" in src
+    assert not any(ln.startswith("#include") for ln in src.splitlines())
+
+
 def _run(code: str, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=REPO, env={**os.environ, **(env or {})}, timeout=120)

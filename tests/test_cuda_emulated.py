@@ -514,9 +514,9 @@ def test_mixed_precision_whole_model(be, monkeypatch):
 
 def _random_blocks(qtype, N, K, rng):
     """A QuantMatrix of random bytes whose fp16 fields are finite, modest scales."""
-    from minillama.core.quant import BLOCKS, QuantMatrix
+    from minillama.core.quant import QUANT_TYPES, QuantMatrix
 
-    _, per, size = BLOCKS[qtype]
+    per, size = QUANT_TYPES[qtype].block_elems, QUANT_TYPES[qtype].block_bytes
     data = rng.integers(0, 256, size=(N, K // per, size), dtype=np.uint8)
     halves = 1 if qtype == "Q8_0" else 2  # Q8_0: d; Q4_K: d, dmin
     for h in range(halves):

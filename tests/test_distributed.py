@@ -140,7 +140,7 @@ def single(data, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """One process, --grad-accum 2 (no launcher); the command reports whether mpi4py was
     imported."""
     out = tmp_path_factory.mktemp("single") / "run"
-    code = ("import sys\nfrom minillama import cli\n"
+    code = ("import sys\nfrom minillama.cli import main as cli\n"
             f"rc = cli.main(['train', *{TINY_FLAGS!r}, '--grad-accum=2', '--data={data}', "
             f"'--out={out}'])\n"
             "print('mpi4py imported:', 'mpi4py' in sys.modules)\nsys.exit(rc)\n")

@@ -1,4 +1,10 @@
-"""Parity with `transformers` for every supported checkpoint family: a tiny random model is built
+"""The model families (:data:`minillama.io.families.FAMILIES`, one entry each).
+
+The table: every family round-trips through its own names (``model_type``, class, GGUF
+architecture), an entry added in a test is read and written by the HF and GGUF code with nothing
+else changed, and no module outside the table spells a family's name.
+
+Parity with `transformers` for every supported checkpoint family: a tiny random model is built
 and saved by transformers here, loaded by minillama, and must give the same float32 logits (within
 1e-4 of the largest logit) and the same greedy tokens, on every backend that runs here.
 
@@ -9,16 +15,27 @@ shorter than the sequence) and qwen2 (q/k/v biases).
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
 from minillama.infer.generate import generate
-from minillama.io.hf import config_from_hf
+from minillama.io import families
+from minillama.io.hf import config_from_hf, config_to_hf
 from minillama.io.load import load_model
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+try:
+    import torch
+    import transformers
+except ImportError:
+    torch = transformers = None
+needs_transformers = pytest.mark.skipif(transformers is None, reason="needs torch, transformers")
 
 BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -71,6 +88,8 @@ def build_hf(family: str, folder):
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def hf_family(request, tmp_path_factory):
+    if transformers is None:
+        pytest.skip("needs torch, transformers")
     folder = tmp_path_factory.mktemp(request.param)
     model = build_hf(request.param, folder)
     ids = torch.tensor([PROMPT])
@@ -91,6 +110,7 @@ def test_logits_and_greedy_tokens_match_transformers(hf_family, backend):
     assert got == ref_greedy, family
 
 
+@needs_transformers
 def test_family_options_reach_the_config(tmp_path):
     """What each family turns on in ModelConfig (so the parity above exercises it)."""
     def cfg_of(family):
@@ -107,6 +127,7 @@ def test_family_options_reach_the_config(tmp_path):
     assert dyn.max_seq_len == 24 and dyn.rope_scaling["original_max_position_embeddings"] == 12
 
 
+@needs_transformers
 @pytest.mark.parametrize("change, needle", [
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
@@ -125,26 +146,20 @@ def test_unsupported_settings_are_one_clear_line(change, needle):
 
 def _hf_grads_as_ours(model, cfg):
     """The gradients of a transformers model under minillama's names and RoPE row order."""
-    from minillama.io.hf import _LAYER_MAP, hf_to_interleaved
+    from minillama.io.families import HF_TENSORS
+    from minillama.io.hf import hf_to_interleaved
 
     out = {}
     for name, p in model.named_parameters():
         g = p.grad.detach().numpy()
-        if name == "model.embed_tokens.weight":
-            out["tok_embeddings.weight"] = g
-        elif name == "model.norm.weight":
-            out["norm.weight"] = g
-        elif name == "lm_head.weight":
-            out["output.weight"] = g
-        else:
-            layer, sub = name[len("model.layers."):].split(".", 1)
-            ours = f"layers.{layer}.{_LAYER_MAP[sub]}"
-            if ".wq." in ours or ".wk." in ours:
-                g = hf_to_interleaved(g, cfg.n_heads if ".wq." in ours else cfg.n_kv_heads)
-            out[ours] = g
+        ours = HF_TENSORS.ours(name)
+        if ".wq." in ours or ".wk." in ours:
+            g = hf_to_interleaved(g, cfg.n_heads if ".wq." in ours else cfg.n_kv_heads)
+        out[ours] = g
     return out
 
 
+@needs_transformers
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "llama-biases", "llama-head-dim",
                                     "llama3-scaling"])
 def test_gradients_match_torch_autograd(family, tmp_path):
@@ -200,3 +215,120 @@ def test_bias_and_window_gradients_by_central_differences():
             num = (Transformer(cfg, plus, backend="numpy").loss(x, y)
                    - Transformer(cfg, minus, backend="numpy").loss(x, y)) / (2 * eps)
             assert abs(num - grads[k][idx]) < 1e-7, (k, idx)
+
+
+# ---------------------------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------------------------
+#: family -> ModelConfig options of a config that family claims (a new family adds its row)
+CLAIMED = {"llama": {"qkv_bias": True, "attn_out_bias": True, "mlp_bias": True},
+           "mistral": {"sliding_window": 5},
+           "qwen2": {"qkv_bias": True}}
+SMALL = dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=23, hidden_dim=24,
+             max_seq_len=16, tie_embeddings=False)
+
+
+def test_every_family_has_a_claimed_config():
+    assert set(CLAIMED) == set(families.FAMILIES)
+
+
+@pytest.mark.parametrize("name", list(CLAIMED))
+def test_each_family_round_trips_through_its_own_names(name):
+    fam = families.FAMILIES[name]
+    cfg = ModelConfig(**SMALL, **CLAIMED[name])
+    assert families.family_for(cfg) is fam
+    hf = config_to_hf(cfg)
+    assert hf["model_type"] == name and hf["architectures"] == [fam.hf_class]
+    back = config_from_hf(json.loads(json.dumps(hf)))
+    for key in ("qkv_bias", "attn_out_bias", "mlp_bias", "sliding_window"):
+        assert getattr(back, key) == getattr(cfg, key), (name, key)
+    if fam.gguf_arch is not None:
+        assert families.gguf_family(fam.gguf_arch, "x.gguf") is fam
+    for pre, (pattern, _) in list(fam.gguf_pre.items())[:1]:
+        assert families.pre_tokenizers()[pre][0] == pattern
+        assert families.pre_tokenizer_name(pattern) == pre
+    assert set(fam.stop_names) <= set(families.stop_names())
+
+
+def test_unknown_names_are_one_line():
+    with pytest.raises(MinillamaError, match="model_type 'gpt2' is not supported "
+                                             r"\(supported: llama, mistral, qwen2\)"):
+        families.hf_family({"model_type": "gpt2"}, "config.json")
+    with pytest.raises(MinillamaError, match="model_type"):
+        families.hf_family({"model_type": ["llama"]}, "config.json")
+    with pytest.raises(MinillamaError, match=r"GGUF architecture 'mistral' is not supported "
+                                             r"\(supported: llama, qwen2\)"):
+        families.gguf_family("mistral", "x.gguf")
+
+
+def _toy_family():
+    """A family that exists only in this test: MLP biases alone, GGUF architecture ``toy``
+    with qwen2's half-split q/k rows, its own pre-tokenizer name and stop token."""
+    return dataclasses.replace(
+        families.FAMILIES["qwen2"], name="toy", hf_class="ToyForCausalLM", gguf_arch="toy",
+        hf_options=lambda c, where: {"mlp_bias": bool(c.get("toy_mlp_bias"))},
+        hf_fields=lambda cfg: {"toy_mlp_bias": cfg.mlp_bias},
+        claims=lambda cfg: cfg.mlp_bias and not cfg.qkv_bias and not cfg.attn_out_bias,
+        gguf_pre={}, stop_names=("<|toy_end|>",))
+
+
+def test_a_new_family_is_one_entry(monkeypatch, tmp_path):
+    """An entry added to the table (and nothing else) is written and read back by the HF and
+    GGUF code under its own names, with the same logits."""
+    from minillama.io.gguf import load_gguf, save_gguf
+    from minillama.io.hf import load_hf, save_hf
+    from minillama.model.transformer import Transformer, init_params
+
+    monkeypatch.setitem(families.FAMILIES, "toy", _toy_family())
+    cfg = ModelConfig(**SMALL, mlp_bias=True)
+    params = init_params(cfg, seed=3)
+    rng = np.random.default_rng(0)
+    for k in params:
+        if k.endswith(".bias"):
+            params[k] = rng.normal(0, 0.5, params[k].shape).astype(np.float32)
+    x = np.array([[1, 5, 7, 2, 9, 11]])
+    want = Transformer(cfg, params, backend="numpy").forward(x)
+
+    save_hf(tmp_path / "hf", cfg, params)
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["model_type"] == "toy" and written["architectures"] == ["ToyForCausalLM"]
+    assert written["toy_mlp_bias"] is True
+    cfg2, params2 = load_hf(tmp_path / "hf")
+    np.testing.assert_allclose(Transformer(cfg2, params2, backend="numpy").forward(x), want,
+                               rtol=1e-5, atol=1e-5)
+    assert "<|toy_end|>" in families.stop_names()
+
+    pytest.importorskip("gguf")
+    save_gguf(tmp_path / "toy.gguf", cfg, params)
+    import gguf
+
+    reader = gguf.GGUFReader(str(tmp_path / "toy.gguf"))
+    assert reader.fields["general.architecture"].contents() == "toy"
+    assert "toy.block_count" in reader.fields
+    cfg3, params3, _ = load_gguf(tmp_path / "toy.gguf")
+    assert cfg3.mlp_bias and not cfg3.qkv_bias
+    np.testing.assert_allclose(Transformer(cfg3, params3, backend="numpy").forward(x), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_no_family_is_spelled_outside_the_table():
+    """No string constant of the package (docstrings aside) names a family, its class or its
+    GGUF architecture but the table's module: per-family branches read the table. (``llama`` is
+    left out: it is also llama.cpp's name of the SentencePiece tokenizer model.)"""
+    names = {n for f in families.FAMILIES.values() for n in (f.name, f.hf_class, f.gguf_arch)
+             if n and n != "llama"}
+    root = Path(families.__file__).resolve().parents[1]
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "families.py" and path.parent.name == "io":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                        ast.AsyncFunctionDef))
+                      and n.body and isinstance(n.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and id(node) not in docstrings and node.value in names:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
+    assert not found, "family names outside minillama/io/families.py:\n" + "\n".join(found)

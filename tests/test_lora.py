@@ -196,10 +196,10 @@ def test_lora_on_a_quantized_base_equals_lora_on_its_dequantized_weights(qtype):
     deq(W) (the base term goes through the quantized product, dW is never formed)."""
     from quantblocks import random_quant_rows
 
-    from minillama.core.quant import BLOCKS, QuantMatrix, dequantize
+    from minillama.core.quant import QUANT_TYPES, QuantMatrix, dequantize
 
     rng = np.random.default_rng(5)
-    N, K, r = 6, BLOCKS[qtype][1], 3
+    N, K, r = 6, QUANT_TYPES[qtype].block_elems, 3
     w = QuantMatrix(qtype, (N, K), random_quant_rows(qtype, N, K, rng, scale=0.01))
     wf = dequantize(w).astype(np.float64)
     x = rng.standard_normal((2, 3, K))

@@ -111,10 +111,10 @@ def test_lora_ops_match_the_reference(cpu, dt, with_drop, shape, split):
 def test_lora_ops_over_a_quantized_base(cpu, qtype):
     from quantblocks import random_quant_rows
 
-    from minillama.core.quant import BLOCKS, QuantMatrix
+    from minillama.core.quant import QUANT_TYPES, QuantMatrix
 
     rng = np.random.default_rng(3)
-    N, K, r = 40, BLOCKS[qtype][1], 4
+    N, K, r = 40, QUANT_TYPES[qtype].block_elems, 4
     w = QuantMatrix(qtype, (N, K), random_quant_rows(qtype, N, K, rng, scale=0.01))
     x = rng.standard_normal((2, 9, K)).astype(np.float32)
     a = rng.standard_normal((r, K)).astype(np.float32)

@@ -533,7 +533,7 @@ def test_attention_ctx_is_linear_in_T(rng):
 MEM_SCRIPT = """
 import json
 import numpy as np
-from minillama import ops
+from minillama.core import ops
 
 which = WHICH
 B, T, H, hd = 1, 2048, 4, 16

@@ -18,9 +18,9 @@ from test_numba_qint8 import I8, Q, U, njit, oracle, random_matrix, rounded
 
 from minillama.backends import get_backend
 from minillama.backends.numba import qgemm8 as G8  # after the skips: it imports numba
-from minillama.core.quant import BLOCKS
+from minillama.core.quant import QUANT_TYPES
 
-TYPES = sorted(t for t in BLOCKS if BLOCKS[t][0] in G8.GEMM8_TYPES)
+TYPES = sorted(t for t in QUANT_TYPES if QUANT_TYPES[t].type_id in G8.GEMM8_TYPES)
 
 
 def rounded_rows(x):
@@ -41,9 +41,9 @@ def test_gemm_against_the_rounded_activations(qtype):
     """Row counts that leave partial tiles on both sides (x: not a multiple of 32, W: not of 4
     or 16), one and two threads: within the bound of W x^, and within the rounding bound of
     the exact product."""
-    rng = np.random.default_rng(BLOCKS[qtype][0])
-    per = BLOCKS[qtype][1]
-    qt = BLOCKS[qtype][0]
+    rng = np.random.default_rng(QUANT_TYPES[qtype].type_id)
+    per = QUANT_TYPES[qtype].block_elems
+    qt = QUANT_TYPES[qtype].type_id
     for M, N, K in ((37, 21, max(per, 256)), (9, 35, 768), (70, 16, 2 * max(per, 256))):
         w = random_matrix(qtype, N, K, rng)
         W = oracle(w)
@@ -66,7 +66,7 @@ def test_gemm_against_the_rounded_activations(qtype):
 def test_vnni_and_portable_tiles_agree(G):
     """The same integer sums, the same float operations: bit for bit."""
     qtype = "Q4_K" if G == 32 else "Q6_K"
-    qt, K = BLOCKS[qtype][0], 512
+    qt, K = QUANT_TYPES[qtype].type_id, 512
     rng = np.random.default_rng(G)
     w = random_matrix(qtype, 4, K, rng)
     x = rng.standard_normal((32, K)).astype(np.float32)

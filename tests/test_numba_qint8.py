@@ -20,7 +20,7 @@ import pytest
 
 from minillama.backends import get_backend
 from minillama.core.errors import MinillamaError
-from minillama.core.quant import BLOCKS
+from minillama.core.quant import QUANT_TYPES
 
 pytest.importorskip("gguf", reason="gguf-py (the format's reference dequantizer)")
 
@@ -36,7 +36,7 @@ from minillama.backends.numba import qint8 as I8  # noqa: E402
 from minillama.backends.numba import quant as Q  # noqa: E402
 
 U = 2.0 ** -24
-INT8 = sorted(t for t in BLOCKS if BLOCKS[t][0] in I8.INT8_TYPES)
+INT8 = sorted(t for t in QUANT_TYPES if QUANT_TYPES[t].type_id in I8.INT8_TYPES)
 VARIANTS = [False] + ([True] if I8.VNNI else [])
 _KERNELS = {}
 
@@ -46,7 +46,7 @@ def kernel(qt: int, vnni: bool):
     key = (qt, vnni)
     if key not in _KERNELS:
         irow = I8._make(qt, vnni)
-        per = 8 if qt in I8._SIZEK else 1
+        per = 8 if qt in I8._TYPESK else 1
 
         @njit
         def rows(w, xq, xd, xs, y):
@@ -63,6 +63,16 @@ def rounded(x):
     xq, xd, xs = np.empty(K, np.int8), np.empty(K // 32, np.float32), np.empty(K // 16, np.float32)
     I8.quantize_row(x, xq, xd, xs)
     return xq, xd, xs
+
+
+def test_the_int8_types_are_those_the_fused_decode_step_takes():
+    """INT8_TYPES (qint8's kernel lists) and qdecode's compiled test agree on every id; every
+    int8 type is a type of QUANT_TYPES."""
+    from minillama.backends.numba import qdecode
+
+    ids = {t.type_id for t in QUANT_TYPES.values()}
+    assert set(I8.INT8_TYPES) <= ids
+    assert [qt for qt in range(40) if qdecode._int8(qt)] == sorted(I8.INT8_TYPES)
 
 
 def test_quantize_row():
@@ -84,8 +94,8 @@ def test_quantize_row():
 def test_kernel_against_the_rounded_activations(qtype, vnni):
     """The row kernel equals the float64 product of the dequantized W with the rounded x
     (odd and even numbers of 32-blocks), and the exact product within the rounding bound."""
-    rng = np.random.default_rng(BLOCKS[qtype][0])
-    qt, per = BLOCKS[qtype][0], BLOCKS[qtype][1]
+    rng = np.random.default_rng(QUANT_TYPES[qtype].type_id)
+    qt, per = QUANT_TYPES[qtype].type_id, QUANT_TYPES[qtype].block_elems
     for K in ([512, 768] if per == 256 else [160, 192, 32]):
         w = random_matrix(qtype, 23, K, rng)
         W = oracle(w)
@@ -112,7 +122,7 @@ def test_vnni_and_portable_kernels_agree(qtype):
     xq, xd, xs = rounded(rng.standard_normal(K).astype(np.float32))
     ys = [np.empty(17, np.float32) for _ in range(2)]
     for y, v in zip(ys, (False, True)):
-        kernel(BLOCKS[qtype][0], v)(w.data, xq, xd, xs, y)
+        kernel(QUANT_TYPES[qtype].type_id, v)(w.data, xq, xd, xs, y)
     np.testing.assert_array_equal(ys[0], ys[1])
 
 
@@ -178,7 +188,7 @@ def test_fused_decode_step_logits_within_tolerance(types_, monkeypatch):
 
     L = cfg.n_layers
     lst = numba.typed.List
-    codes = np.array([[Q.CODES[quant[f"layers.{i}.{n}"].qtype] for n in LINEAR]
+    codes = np.array([[Q.qcode(quant[f"layers.{i}.{n}"].qtype) for n in LINEAR]
                       for i in range(L)], dtype=np.int64)
     emb = quant["tok_embeddings.weight"]
     norms = (lst([params[f"layers.{i}.attention_norm.weight"] for i in range(L)]),
@@ -193,8 +203,8 @@ def test_fused_decode_step_logits_within_tolerance(types_, monkeypatch):
         for p, t in enumerate(toks):
             logits = np.empty((1, cfg.vocab_size), dtype=np.float32)
             qdecode.decode_step_one_q(
-                np.array([t]), np.array([p]), emb.data, Q.CODES[emb.qtype], NO_F, emb.data,
-                Q.CODES[emb.qtype], NO_F, codes, params["norm.weight"], norms[0], *mats[:4],
+                np.array([t]), np.array([p]), emb.data, Q.qcode(emb.qtype), NO_F, emb.data,
+                Q.qcode(emb.qtype), NO_F, codes, params["norm.weight"], norms[0], *mats[:4],
                 norms[1], *mats[4:], kc, vc, ref.cos, ref.sin, float(cfg.norm_eps),
                 cfg.n_heads, logits, numba.get_num_threads(), np.zeros(0, np.int64),
                 np.zeros(0, np.int64), Q._F16, Q._KVALUES)

@@ -17,7 +17,7 @@ import pytest
 
 from minillama.backends import get_backend
 from minillama.core.errors import MinillamaError
-from minillama.core.quant import BLOCKS, QuantMatrix
+from minillama.core.quant import QUANT_TYPES, QuantMatrix, QuantType
 
 gguf = pytest.importorskip("gguf", reason="gguf-py (the format's reference dequantizer)")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
@@ -29,11 +29,7 @@ except MinillamaError as e:  # pragma: no cover - numba missing
 
 from minillama.backends.numba import quant as Q  # noqa: E402
 
-#: byte offsets of the fp16 fields (scales, mins) in each block type
-FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-               "IQ4_NL": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-               "Q6_K": (208,), "IQ4_XS": (0,)}
-TYPES = sorted(BLOCKS)
+TYPES = sorted(QUANT_TYPES)
 U = 2.0 ** -24
 
 
@@ -45,10 +41,10 @@ def float_dots(monkeypatch):
 
 def random_matrix(qtype, N, K, rng):
     """Random valid blocks: random bytes, every fp16 field a finite value of modest size."""
-    _, per, size = BLOCKS[qtype]
+    per, size = QUANT_TYPES[qtype].block_elems, QUANT_TYPES[qtype].block_bytes
     nb = K // per
     data = rng.integers(0, 256, size=(N, nb, size), dtype=np.uint8)
-    for o in FP16_FIELDS[qtype]:
+    for o in QUANT_TYPES[qtype].scale_fields:
         h = rng.uniform(-0.05, 0.05, size=(N, nb)).astype(np.float16)
         data[:, :, o:o + 2] = h.view(np.uint8).reshape(N, nb, 2)
     return QuantMatrix(qtype, (N, K), data.reshape(N, nb * size))
@@ -67,6 +63,17 @@ def assert_within(got, want, scale, K):
     bound = (K + 2) * U * scale + 1e-30
     worst = float((err / bound).max())
     assert worst <= 1.0, f"error {worst:.2f} x the float32 bound"
+
+
+def test_every_type_of_the_table_has_a_kernel(monkeypatch):
+    """The kernels cover QUANT_TYPES; a type added to the table without a kernel is refused by
+    name (its id would otherwise run another type's branch)."""
+    assert sorted(Q.KERNEL_TYPES) == sorted(t.type_id for t in QUANT_TYPES.values())
+    assert [Q.qcode(k) for k in QUANT_TYPES] == [t.type_id for t in QUANT_TYPES.values()]
+    q4 = QUANT_TYPES["Q4_0"]
+    monkeypatch.setitem(QUANT_TYPES, "Q9_9", QuantType("Q9_9", 99, 32, 18, (0,), q4.dequantize))
+    with pytest.raises(MinillamaError, match="no kernel for GGML type Q9_9"):
+        Q.qcode("Q9_9")
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -194,7 +201,7 @@ def test_real_gguf_tensors(smollm2_gguf, rng):
         if not (t.name.startswith("blk.0.") or t.name == "token_embd.weight"):
             continue
         qtype = t.tensor_type.name
-        if qtype not in BLOCKS:
+        if qtype not in QUANT_TYPES:
             continue
         data = np.ascontiguousarray(t.data)
         if t.name == "token_embd.weight":
@@ -259,7 +266,7 @@ def test_fused_quant_decode_step(types_, rng):
     def mats(name):
         return lst([quant[f"layers.{i}.{name}"].data for i in range(L)])
 
-    codes = np.array([[Q.CODES[quant[f"layers.{i}.{n}"].qtype] for n in LINEAR]
+    codes = np.array([[Q.qcode(quant[f"layers.{i}.{n}"].qtype) for n in LINEAR]
                       for i in range(L)], dtype=np.int64)
     emb = quant["tok_embeddings.weight"]
     out = quant.get("output.weight", emb)
@@ -273,8 +280,8 @@ def test_fused_quant_decode_step(types_, rng):
     def call(tok, p, ids):
         logits = np.empty((1, cfg.vocab_size), dtype=np.float32)
         n = qdecode.decode_step_one_q(
-            np.array([tok]), np.array([p]), emb.data, Q.CODES[emb.qtype], NO_F, out.data,
-            Q.CODES[out.qtype], NO_F, codes, params["norm.weight"], norms[0], mats(LINEAR[0]),
+            np.array([tok]), np.array([p]), emb.data, Q.qcode(emb.qtype), NO_F, out.data,
+            Q.qcode(out.qtype), NO_F, codes, params["norm.weight"], norms[0], mats(LINEAR[0]),
             mats(LINEAR[1]), mats(LINEAR[2]), mats(LINEAR[3]), norms[1], mats(LINEAR[4]),
             mats(LINEAR[5]), mats(LINEAR[6]), kc, vc, ref.cos, ref.sin, float(cfg.norm_eps),
             cfg.n_heads, logits, threads, np.zeros(0, np.int64), ids, Q._F16, Q._KVALUES)

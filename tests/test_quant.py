@@ -12,15 +12,13 @@ from quantblocks import finite_f16, random_blocks, random_quant_rows
 
 from minillama.core.errors import MinillamaError
 from minillama.core.quant import (
-    BLOCKS,
-    DEQUANTIZE,
-    SCALE_FIELDS,
+    QUANT_TYPES,
     QuantMatrix,
     dequantize,
     dequantize_rows,
 )
 
-TYPES = list(BLOCKS)
+TYPES = list(QUANT_TYPES)
 
 
 def same_bits(a, b) -> bool:
@@ -30,10 +28,13 @@ def same_bits(a, b) -> bool:
 
 def test_every_type_has_a_dequantizer_and_the_ggml_sizes():
     gguf = pytest.importorskip("gguf")
-    assert set(DEQUANTIZE) == set(BLOCKS)
-    for name, (tid, per, size) in BLOCKS.items():
+    assert len({t.type_id for t in QUANT_TYPES.values()}) == len(QUANT_TYPES)
+    for name, t in QUANT_TYPES.items():
         q = gguf.GGMLQuantizationType[name]
-        assert q.value == tid and gguf.GGML_QUANT_SIZES[q] == (per, size), name
+        assert t.name == name and callable(t.dequantize), name
+        assert q.value == t.type_id, name
+        assert gguf.GGML_QUANT_SIZES[q] == (t.block_elems, t.block_bytes), name
+        assert all(0 <= at <= t.block_bytes - 2 for at in t.scale_fields), name
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -41,7 +42,7 @@ def test_every_type_has_a_dequantizer_and_the_ggml_sizes():
 def test_bit_for_bit_equal_to_the_gguf_package(qtype, scale):
     gguf = pytest.importorskip("gguf")
     rng = np.random.default_rng(sum(map(ord, qtype)))
-    N, K = 6, BLOCKS[qtype][1] * 5
+    N, K = 6, QUANT_TYPES[qtype].block_elems * 5
     data = random_quant_rows(qtype, N, K, rng, scale)
     want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype])
     got = dequantize(QuantMatrix(qtype, (N, K), data))
@@ -53,7 +54,7 @@ def test_bit_for_bit_equal_to_the_gguf_package(qtype, scale):
 def test_rows_are_independent(qtype):
     """Dequantizing any subset of rows, in any order, gives those rows of the whole."""
     rng = np.random.default_rng(1)
-    N, K = 9, BLOCKS[qtype][1] * 2
+    N, K = 9, QUANT_TYPES[qtype].block_elems * 2
     data = random_quant_rows(qtype, N, K, rng)
     whole = dequantize_rows(qtype, data, K)
     rows = np.array([7, 2, 2, 0])
@@ -84,14 +85,14 @@ def test_doubling_d_doubles_the_block_exactly(qtype, seed, n):
     finite) doubles every value exactly, in float32."""
     rng = np.random.default_rng(seed)
     b = random_blocks(qtype, n, rng)
-    at = SCALE_FIELDS[qtype][0]
+    at = QUANT_TYPES[qtype].scale_fields[0]
     d = finite_f16(rng, n)
     d[np.abs(d.astype(np.float32)) >= 32768] = np.float16(1.0)
     b[:, at:at + 2] = d.view(np.uint8).reshape(n, 2)
     b2 = b.copy()
     b2[:, at:at + 2] = (d * np.float16(2)).view(np.uint8).reshape(n, 2)
-    K = BLOCKS[qtype][1]
-    x, x2 = DEQUANTIZE[qtype](b), DEQUANTIZE[qtype](b2)
+    K = QUANT_TYPES[qtype].block_elems
+    x, x2 = QUANT_TYPES[qtype].dequantize(b), QUANT_TYPES[qtype].dequantize(b2)
     assert x.shape == (n, K)
     assert same_bits(x2, (2 * x).astype(np.float32))
 
@@ -104,7 +105,7 @@ def test_zero_scale_gives_the_offset(qtype, seed):
     b = random_blocks(qtype, 3, rng)
     b[:, 0:2] = 0
     m = b[:, 2:4].copy().view(np.float16).astype(np.float32)
-    assert np.array_equal(DEQUANTIZE[qtype](b), np.broadcast_to(m, (3, 32)))
+    assert np.array_equal(QUANT_TYPES[qtype].dequantize(b), np.broadcast_to(m, (3, 32)))
 
 
 def test_quant_matrix_refuses_a_wrong_shape():

@@ -1,8 +1,8 @@
-"""GGUF files with block-quantized tensors: every type of ``minillama.core.quant.BLOCKS`` loads, its
-matrices stay quantized (a QuantMatrix over the file's bytes), and the model gives the logits of
-the same model with the matrices dequantized by the `gguf` package; malformed tensor tables are
-one-line errors (exit 2 through the CLI). The real-file checks against transformers are in
-``test_quant_smollm2.py``."""
+"""GGUF files with block-quantized tensors: every type of ``minillama.core.quant.QUANT_TYPES``
+loads, its matrices stay quantized (a QuantMatrix over the file's bytes), and the model gives the
+logits of the same model with the matrices dequantized by the `gguf` package; malformed tensor
+tables are one-line errors (exit 2 through the CLI). The real-file checks against transformers
+are in ``test_quant_smollm2.py``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from quantblocks import random_quant_rows
 from minillama.cli import main as cli
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
-from minillama.core.quant import BLOCKS, QuantMatrix
+from minillama.core.quant import QUANT_TYPES, QuantMatrix
 from minillama.io.gguf import GGUFFile, load_gguf
 from minillama.io.load import load_model
 from minillama.io.tokenizer import ByteTokenizer
@@ -71,8 +71,8 @@ def write_quant_gguf(path, cfg, qtype: str, seed=0, tokenizer=True, arch="llama"
         try:
             raw = gguf.quants.quantize(a, Q[qtype])
         except NotImplementedError:  # K-quant scales multiply 6-bit sub-block scales
-            raw = random_quant_rows(qtype, *a.shape, rng, 0.0002 if BLOCKS[qtype][1] == 256
-                                    else 0.002)
+            raw = random_quant_rows(qtype, *a.shape, rng,
+                                    0.0002 if QUANT_TYPES[qtype].block_elems == 256 else 0.002)
         w.add_tensor(gguf_name(name), raw, raw_dtype=Q[qtype])
         held[name] = gguf.quants.dequantize(raw, Q[qtype]).reshape(a.shape).astype(np.float32)
     w.write_header_to_file()
@@ -82,7 +82,7 @@ def write_quant_gguf(path, cfg, qtype: str, seed=0, tokenizer=True, arch="llama"
     return held
 
 
-@pytest.mark.parametrize("qtype", list(BLOCKS))
+@pytest.mark.parametrize("qtype", list(QUANT_TYPES))
 def test_every_block_type_loads_quantized_with_the_dequantized_logits(qtype, tmp_path):
     cfg = ModelConfig(**{**CFG.to_dict(), "tie_embeddings": qtype in ("Q4_1", "Q6_K", "IQ4_NL")})
     path = tmp_path / f"tiny-{qtype}.gguf"

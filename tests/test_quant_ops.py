@@ -15,7 +15,7 @@ from minillama.backends import get_backend
 from minillama.core import ops
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
-from minillama.core.quant import BLOCKS, QuantMatrix, dequantize
+from minillama.core.quant import QUANT_TYPES, QuantMatrix, dequantize
 from minillama.model.transformer import Transformer, init_params
 from minillama.train.optim import AdamW
 
@@ -28,7 +28,7 @@ def qmatrix(qtype, N, K, seed=0, scale=0.01):
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "IQ4_XS"])
 def test_reference_ops_are_the_dequantized_equations(qtype):
     rng = np.random.default_rng(0)
-    K = BLOCKS[qtype][1] * 2
+    K = QUANT_TYPES[qtype].block_elems * 2
     w = qmatrix(qtype, 7, K)
     W = dequantize(w)
     x = rng.standard_normal((2, 3, K)).astype(np.float32)
@@ -66,7 +66,7 @@ def test_tiled_backend_matches_the_reference(fast, qtype, dtype, M, threaded, mo
     if threaded:
         monkeypatch.setattr(cpu_threads, "PARALLEL_MIN_ELEMENTS", 1)
     rng = np.random.default_rng(1)
-    K = BLOCKS[qtype][1] * 2
+    K = QUANT_TYPES[qtype].block_elems * 2
     w = qmatrix(qtype, 11, K, seed=2)
     x = rng.standard_normal((M, 2, K)).astype(dtype)
     dy = rng.standard_normal((M, 2, 11)).astype(dtype)
@@ -114,7 +114,8 @@ def test_model_logits_and_grads_match_the_dequantized_model(cfg, qtype, backend,
         pytest.importorskip("numba")
         # float32 activations in the decode products (the 8-bit ones: test_numba_qint8.py)
         monkeypatch.setenv("MINILLAMA_QUANT_DOTS", "float")
-    scale = 0.002 if BLOCKS[qtype][1] == 32 else 0.0002  # K-quant scales multiply 6-bit ones
+    # K-quant scales multiply 6-bit ones
+    scale = 0.002 if QUANT_TYPES[qtype].block_elems == 32 else 0.0002
     quant, floats = quantized_params(init_params(cfg, seed=3), qtype, np.random.default_rng(4),
                                      scale)
     mq = Transformer(cfg, quant, backend=backend)

@@ -76,20 +76,38 @@ def test_smollm2_q4_1_greedy_tokens_equal_transformers(smollm2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dots,tol", [("float", 1e-3), ("int8", 5e-2)])
+# int8: 0.051-0.058 measured on an AVX-512 VNNI CPU (where the 8-bit products run in integers)
+@pytest.mark.parametrize("dots,tol", [("float", 1e-3), ("int8", 8e-2)])
 def test_smollm2_q4_1_on_numba_gives_transformers_greedy_tokens(smollm2, dots, tol, monkeypatch):
     """numba computes from the blocks: with float32 activations (exact to float32 rounding) or
     activations rounded to 8-bit blocks (its default, a few 1e-2 of the largest logit, docs/MATH.md
-    "Quantized products"); both give transformers' greedy tokens on this prompt."""
+    "Quantized products"). The greedy tokens are transformers'; where they part, transformers'
+    two best logits at that step lie closer than twice the largest logit error measured there
+    (a near-tie the rounding may break either way: with 8-bit activations the 6th new token of
+    this prompt, 0.22 apart at logits of ~14), and never before the 5th token."""
     pytest.importorskip("numba")
     monkeypatch.setenv("MINILLAMA_QUANT_DOTS", dots)
     path, hf, ids = smollm2
     n = 16
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, pad_token_id=0)
+                          do_sample=False, pad_token_id=0, output_scores=True,
+                          return_dict_in_generate=True)
+    want = out.sequences[0, len(ids):].tolist()
     model, _ = load_model(path, backend="numba")
-    assert generate(model, ids, max_new_tokens=n) == out[0, len(ids):].tolist()
+    got = generate(model, ids, max_new_tokens=n)
+    d = next((i for i in range(n) if got[i] != want[i]), n)
+    if dots == "float":
+        assert d == n, (got, want)
+    else:
+        assert d >= 5, (got, want)
+    if d < n:
+        z_hf = out.scores[d][0].numpy()
+        z = model.forward(np.array([ids + want[:d]]))[0, -1]
+        finite = np.isfinite(z_hf)
+        err = np.abs(z - z_hf)[finite].max()
+        top2 = np.sort(z_hf[finite])[-2:]
+        assert top2[1] - top2[0] < 2 * err, (d, top2, err)
     assert rel_err(model.forward(np.array([ids]))[0], hf_logits(hf, ids)) <= tol
 
 

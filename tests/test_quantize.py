@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillama.core.errors import MinillamaError
-from minillama.core.quant import BLOCKS, QuantMatrix
+from minillama.core.quant import QUANT_TYPES, QuantMatrix
 from minillama.core.quantize import QUANTIZERS, quantize
 
 gguf = pytest.importorskip("gguf")
@@ -79,7 +79,7 @@ def test_legacy_bit_exact_property(qtype, values):
 
 @pytest.mark.parametrize("qtype", QUANTIZERS)
 def test_layout_and_size(qtype):
-    _, per, size = BLOCKS[qtype]
+    per, size = QUANT_TYPES[qtype].block_elems, QUANT_TYPES[qtype].block_bytes
     x = gaussian(3, 512)
     m = quantize(x, qtype)
     assert m.data.shape == (3, 512 // per * size)

@@ -121,7 +121,7 @@ class DecodePlans:
 
         def side(w):  # (block data, type id, float matrix); type 0 for a float matrix
             if isinstance(w, QuantMatrix):
-                return w.data, q.CODES[w.qtype], np.zeros((1, 1), np.float32)
+                return w.data, q.qcode(w.qtype), np.zeros((1, 1), np.float32)
             return np.zeros((1, 1), np.uint8), 0, np.require(w, np.float32, ("C", "W"))
 
         rest = [k for k in shapes if k not in names and k not in (
@@ -143,7 +143,7 @@ class DecodePlans:
             "keys": list(shapes), "arrays": [p[k] for k in shapes], "quant": True,
             "V": cfg.vocab_size, "emb": side(p["tok_embeddings.weight"]),
             "out": side(model.output_weight),
-            "codes": np.array([[q.CODES[p[f"layers.{i}.{n}"].qtype] for n in self._QUANT_LINEAR]
+            "codes": np.array([[q.qcode(p[f"layers.{i}.{n}"].qtype) for n in self._QUANT_LINEAR]
                                for i in range(L)], dtype=np.int64),
             "norm": arr(p["norm.weight"]),
             "g_att": lst([arr(p[f"layers.{i}.attention_norm.weight"]) for i in range(L)]),

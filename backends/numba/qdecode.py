@@ -23,13 +23,16 @@ from numba import njit, prange
 
 from .decode import _argmax_finite, _attend_span, _join_spans, _pick, _rmsnorm_rows, _rope_store
 from .qint8 import idot, int8_enabled, quantize_row
+from .qtypes import Q2_K, Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0
 from .quant import _dequant_row, _dot
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline="always")
 def _int8(qt):  # pragma: no cover - compiled
-    """Whether GGML type qt has an integer kernel (:data:`.qint8.INT8_TYPES`)."""
-    return qt == 8 or qt == 2 or qt == 3 or qt == 6 or qt == 7 or (qt >= 10 and qt <= 14)
+    """Whether GGML type qt has an integer kernel (:data:`.qint8.INT8_TYPES`; Q2_K to Q6_K have
+    consecutive ids; tests/test_numba_qint8.py checks the two agree)."""
+    return (qt == Q8_0 or qt == Q4_0 or qt == Q4_1 or qt == Q5_0 or qt == Q5_1
+            or (qt >= Q2_K and qt <= Q6_K))
 
 
 @njit(fastmath=True, cache=True, nogil=True)

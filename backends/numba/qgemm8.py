@@ -30,14 +30,14 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qint8 import _KNAME, _SIZE32, _SIZEK, VNNI, _b, _block32, _dot4, _kchunk, quantize_row
+from .qint8 import _OFFSET, _TYPES32, _TYPESK, VNNI, _b, _block32, _dot4, _kchunk, quantize_row
 from .qsimd import _F32, _I8, _I32, _I64, _at, _fma, _half, _kscales, _load, _splat, _vec
+from .qtypes import BY_ID, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
 #: the GGML type ids with an integer GEMM (those of :data:`.qint8.INT8_TYPES`)
-GEMM8_TYPES = tuple(sorted(_SIZE32) + sorted(_SIZEK))
+GEMM8_TYPES = tuple(sorted(_TYPES32) + sorted(_TYPESK))
 #: sub-block length G of each type
-GROUP = {**{t: 32 for t in _SIZE32}, 12: 32, 13: 32, 14: 16, 11: 16, 10: 16}
-_OFFSET = {14: -32.0, 11: -4.0}
+GROUP = {**{t: 32 for t in _TYPES32}, Q4_K: 32, Q5_K: 32, Q6_K: 16, Q3_K: 16, Q2_K: 16}
 
 
 def _store(builder, v, addr, off):
@@ -50,24 +50,24 @@ def _store(builder, v, addr, off):
 def _codes(qt, builder, blk, dst):
     """Store the codes of the block (K super-block) at blk to dst; return its (A, C): float
     scalars for a block of 32, vectors of one entry per sub-block for a K super-block."""
-    if qt == 8:  # Q8_0: the signed codes as stored, C = 0
+    if qt == Q8_0:  # the signed codes as stored, C = 0
         _store(builder, _b(builder, blk, 2, 32), dst, 0)
         return _half(builder, blk, 0), ir.Constant(_F32, 0.0)
-    if qt in _SIZE32:
+    if qt in _TYPES32:
         u, a, c = _block32(qt, builder, blk)
         _store(builder, u, dst, 0)
         return a, c
     for c in range(4):
         _store(builder, _kchunk(qt, builder, blk, c), dst, 64 * c)
-    A, B = _kscales(_KNAME[qt], builder, blk)
+    A, B = _kscales(BY_ID[qt].name, builder, blk)
     n = A.type.count
     if B is None:
-        return A, builder.fmul(A, _splat(builder, ir.Constant(_F32, _OFFSET[qt]), n))
+        return A, builder.fmul(A, _splat(builder, ir.Constant(_F32, -_OFFSET[qt]), n))
     return A, builder.fsub(_splat(builder, ir.Constant(_F32, 0.0), n), B)
 
 
 def _unpack_ir(qt):
-    size, per = (_SIZE32[qt], 32) if qt in _SIZE32 else (_SIZEK[qt], 256)
+    size, per = BY_ID[qt].block_bytes, BY_ID[qt].block_elems
 
     def codegen(context, builder, signature, args):
         pw, pu, pa, pc, nb = args
@@ -169,7 +169,8 @@ def _make_tile(G, vnni):
 
 tile32, tile16 = _make_tile(32, VNNI), _make_tile(16, VNNI)
 (unpack_q4_0, unpack_q4_1, unpack_q5_0, unpack_q5_1, unpack_q8_0, unpack_q2_k, unpack_q3_k,
- unpack_q4_k, unpack_q5_k, unpack_q6_k) = (_make_unpack(t) for t in GEMM8_TYPES)
+ unpack_q4_k, unpack_q5_k, unpack_q6_k) = (
+    _make_unpack(t) for t in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K))
 
 _opts = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 
@@ -180,23 +181,23 @@ def _unpack(qt, w, n, u, a, c, s, G):  # pragma: no cover - compiled
     pw = w.ctypes.data + n * w.shape[1]
     pu, pa, pc = u.ctypes.data, a.ctypes.data, c.ctypes.data
     nb = u.shape[0] // 32
-    if qt == 8:
+    if qt == Q8_0:
         unpack_q8_0(pw, pu, pa, pc, nb)
-    elif qt == 2:
+    elif qt == Q4_0:
         unpack_q4_0(pw, pu, pa, pc, nb)
-    elif qt == 3:
+    elif qt == Q4_1:
         unpack_q4_1(pw, pu, pa, pc, nb)
-    elif qt == 6:
+    elif qt == Q5_0:
         unpack_q5_0(pw, pu, pa, pc, nb)
-    elif qt == 7:
+    elif qt == Q5_1:
         unpack_q5_1(pw, pu, pa, pc, nb)
-    elif qt == 10:
+    elif qt == Q2_K:
         unpack_q2_k(pw, pu, pa, pc, nb // 8)
-    elif qt == 11:
+    elif qt == Q3_K:
         unpack_q3_k(pw, pu, pa, pc, nb // 8)
-    elif qt == 12:
+    elif qt == Q4_K:
         unpack_q4_k(pw, pu, pa, pc, nb // 8)
-    elif qt == 13:
+    elif qt == Q5_K:
         unpack_q5_k(pw, pu, pa, pc, nb // 8)
     else:
         unpack_q6_k(pw, pu, pa, pc, nb // 8)

@@ -49,6 +49,7 @@ from .qsimd import (
     _splat,
     _vec,
 )
+from .qtypes import BY_ID, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
 
 def _host_features() -> str:
@@ -64,8 +65,11 @@ VNNI = "+avx512vnni" in _FEATS and "+avx512bw" in _FEATS
 #: LLVM 21 on takes the byte operands of the VNNI intrinsics as byte vectors (before: i32 lanes)
 _VNNI_BYTES = binding.llvm_version_info[0] >= 21
 
+#: the GGML type ids with an integer kernel, blocks of 32 and K super-blocks of 256
+_TYPES32 = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)
+_TYPESK = (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K)
 #: the GGML type ids with an integer kernel (the others take the float32 kernels of .quant)
-INT8_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)
+INT8_TYPES = tuple(sorted(_TYPES32 + _TYPESK))
 
 
 _EXACT = threading.local()
@@ -152,19 +156,18 @@ def _qh_bits(builder, blk, off):
 
 
 # blocks of 32: (u <32 x i8>, A, M) with M = -(o A + B) as float scalars
-_SIZE32 = {8: 34, 2: 18, 3: 20, 6: 22, 7: 24}
 
 
 def _block32(qt, builder, blk):
     d = _half(builder, blk, 0)
-    if qt == 8:  # Q8_0
+    if qt == Q8_0:
         u = builder.xor(_b(builder, blk, 2, 32), _const(_I8, 32, 128 - 256))
         return u, d, builder.fmul(d, ir.Constant(_F32, -128.0))
-    if qt == 2:  # Q4_0
+    if qt == Q4_0:
         return _nib32(builder, blk, 2), d, builder.fmul(d, ir.Constant(_F32, -8.0))
-    if qt == 3:  # Q4_1: w = d q + m
+    if qt == Q4_1:  # w = d q + m
         return _nib32(builder, blk, 4), d, _half(builder, blk, 2)
-    if qt == 6:  # Q5_0
+    if qt == Q5_0:
         u = builder.or_(_nib32(builder, blk, 6), _qh_bits(builder, blk, 2))
         return u, d, builder.fmul(d, ir.Constant(_F32, -16.0))
     u = builder.or_(_nib32(builder, blk, 8), _qh_bits(builder, blk, 4))  # Q5_1
@@ -172,7 +175,7 @@ def _block32(qt, builder, blk):
 
 
 def _rows32(qt, vnni):
-    size = _SIZE32[qt]
+    size = BY_ID[qt].block_bytes
 
     def codegen(context, builder, signature, args):
         pw, pq, pd, ps, nb = args
@@ -218,24 +221,23 @@ def _rows32(qt, vnni):
 
 
 # K-quants: chunk c (0..3) of a super-block is the values 64c .. 64c + 63 (32-runs 2c, 2c + 1)
-_SIZEK = {12: 144, 13: 176, 14: 210, 11: 110, 10: 84}
-_KNAME = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 11: "Q3_K", 10: "Q2_K"}
-_OFFSET = {14: 32.0, 11: 4.0}
+# the code offset o of the K types without mins
+_OFFSET = {Q6_K: 32.0, Q3_K: 4.0}
 
 
 def _kchunk(qt, builder, blk, c):
     """The unsigned codes u of chunk c of the super-block at blk, <64 x i8>."""
-    if qt in (12, 13):  # Q4_K / Q5_K: 32 bytes, low nibbles run 2c, high run 2c + 1
-        a = _b(builder, blk, (16 if qt == 12 else 48) + 32 * c, 32)
+    if qt in (Q4_K, Q5_K):  # 32 bytes, low nibbles run 2c, high run 2c + 1
+        a = _b(builder, blk, (16 if qt == Q4_K else 48) + 32 * c, 32)
         u = _cat(builder, _and(builder, a, 15), _shr(builder, a, 4))
-        if qt == 13:  # fifth bits: bit r of the 32 bytes at 16
+        if qt == Q5_K:  # fifth bits: bit r of the 32 bytes at 16
             h = _b(builder, blk, 16, 32)
             hb = _cat(builder, _and(builder, _shr(builder, h, 2 * c), 1),
                       _and(builder, _shr(builder, h, 2 * c + 1), 1))
             u = builder.or_(u, _shl(builder, hb, 4))
         return u
     half, k = divmod(c, 2)
-    if qt == 14:  # Q6_K: runs 4 half + 2k + {0, 1}: ql at 64 half (+32), nibble k
+    if qt == Q6_K:  # runs 4 half + 2k + {0, 1}: ql at 64 half (+32), nibble k
         lo = _cat(builder, _and(builder, _shr(builder, _b(builder, blk, 64 * half, 32), 4 * k), 15),
                   _and(builder, _shr(builder, _b(builder, blk, 64 * half + 32, 32), 4 * k), 15))
         h = _b(builder, blk, 128 + 32 * half, 32)
@@ -243,10 +245,10 @@ def _kchunk(qt, builder, blk, c):
                   _and(builder, _shr(builder, h, 4 * k + 2), 3))
         return builder.or_(lo, _shl(builder, hi, 4))
     # Q3_K / Q2_K: 2-bit fields of the 32 bytes at q0 + 32 half, shifts 2 g, g = 2k, 2k + 1
-    a = _b(builder, blk, (32 if qt == 11 else 16) + 32 * half, 32)
+    a = _b(builder, blk, (32 if qt == Q3_K else 16) + 32 * half, 32)
     u = _cat(builder, _and(builder, _shr(builder, a, 4 * k), 3),
              _and(builder, _shr(builder, a, 4 * k + 2), 3))
-    if qt == 11:  # + 4 where bit r of hmask byte l is set (runs r = 2c, 2c + 1)
+    if qt == Q3_K:  # + 4 where bit r of hmask byte l is set (runs r = 2c, 2c + 1)
         h = _b(builder, blk, 0, 32)
         hb = _cat(builder, _and(builder, _shr(builder, h, 2 * c), 1),
                   _and(builder, _shr(builder, h, 2 * c + 1), 1))
@@ -255,8 +257,7 @@ def _kchunk(qt, builder, blk, c):
 
 
 def _rowsk(qt, vnni):
-    size = _SIZEK[qt]
-    kind = _KNAME[qt]
+    size, kind = BY_ID[qt].block_bytes, BY_ID[qt].name
 
     def codegen(context, builder, signature, args):
         pw, pq, pd, ps, nb = args
@@ -300,7 +301,7 @@ def _rowsk(qt, vnni):
 
 
 def _make(qt, vnni):
-    gen = _rowsk(qt, vnni) if qt in _SIZEK else _rows32(qt, vnni)
+    gen = _rowsk(qt, vnni) if qt in _TYPESK else _rows32(qt, vnni)
 
     @intrinsic
     def irow(typingctx, pw, pq, pd, ps, nblocks):
@@ -312,9 +313,8 @@ def _make(qt, vnni):
     return irow
 
 
-irow_q8_0, irow_q4_0, irow_q4_1, irow_q5_0, irow_q5_1 = (_make(t, VNNI) for t in (8, 2, 3, 6, 7))
-irow_q4_k, irow_q5_k, irow_q6_k, irow_q3_k, irow_q2_k = (_make(t, VNNI)
-                                                         for t in (12, 13, 14, 11, 10))
+irow_q8_0, irow_q4_0, irow_q4_1, irow_q5_0, irow_q5_1 = (_make(t, VNNI) for t in _TYPES32)
+irow_q4_k, irow_q5_k, irow_q6_k, irow_q3_k, irow_q2_k = (_make(t, VNNI) for t in _TYPESK)
 
 _opts = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 
@@ -350,23 +350,23 @@ def idot(qt, w, n, xq, xd, xs):  # pragma: no cover - compiled
     pw = w.ctypes.data + n * w.shape[1]
     pq, pd, ps = xq.ctypes.data, xd.ctypes.data, xs.ctypes.data
     nb = xd.shape[0]
-    if qt == 8:
+    if qt == Q8_0:
         return irow_q8_0(pw, pq, pd, ps, nb)
-    if qt == 2:
+    if qt == Q4_0:
         return irow_q4_0(pw, pq, pd, ps, nb)
-    if qt == 3:
+    if qt == Q4_1:
         return irow_q4_1(pw, pq, pd, ps, nb)
-    if qt == 6:
+    if qt == Q5_0:
         return irow_q5_0(pw, pq, pd, ps, nb)
-    if qt == 7:
+    if qt == Q5_1:
         return irow_q5_1(pw, pq, pd, ps, nb)
-    if qt == 12:
+    if qt == Q4_K:
         return irow_q4_k(pw, pq, pd, ps, nb // 8)
-    if qt == 13:
+    if qt == Q5_K:
         return irow_q5_k(pw, pq, pd, ps, nb // 8)
-    if qt == 14:
+    if qt == Q6_K:
         return irow_q6_k(pw, pq, pd, ps, nb // 8)
-    if qt == 11:
+    if qt == Q3_K:
         return irow_q3_k(pw, pq, pd, ps, nb // 8)
     return irow_q2_k(pw, pq, pd, ps, nb // 8)
 

@@ -21,6 +21,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from minillama.core.quant import IQ4_GRID, QUANT_TYPES
+
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
 
@@ -125,8 +127,8 @@ def _iota16():
     return _const(_F32, 16, [float(v) for v in range(16)])
 
 
-#: the 16 values of an IQ4_NL / IQ4_XS code
-KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+#: the 16 values of an IQ4_NL / IQ4_XS code (the core's table, as Python floats for IR constants)
+KVALUES = tuple(float(v) for v in IQ4_GRID)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,7 +142,7 @@ def _decode32(kind, builder, blk):
     if kind == "IQ4_NL" or (LOOKUP and kind in ("Q4_0", "Q4_1")):
         d = _splat(builder, _half(builder, blk, 0), 16)
         if kind == "IQ4_NL":
-            table = builder.fmul(_const(_F32, 16, [float(v) for v in KVALUES]), d)
+            table = builder.fmul(_const(_F32, 16, KVALUES), d)
         elif kind == "Q4_0":
             table = builder.fmul(_const(_F32, 16, [float(v - 8) for v in range(16)]), d)
         else:
@@ -160,7 +162,9 @@ def _decode32(kind, builder, blk):
     return _fma(builder, _tofloat(builder, q), d, _splat(builder, _half(builder, blk, 2), 32))
 
 
-def _make_row32(kind, size):
+def _make_row32(kind):
+    size = QUANT_TYPES[kind].block_bytes
+
     @intrinsic
     def rowdot(typingctx, pw, px, nblocks):
         r"""\sum_k W_k x_k over the ``nblocks`` blocks at byte address pw and the float32 values
@@ -185,12 +189,12 @@ def _make_row32(kind, size):
     return rowdot
 
 
-row_q8_0 = _make_row32("Q8_0", 34)
-row_q4_0 = _make_row32("Q4_0", 18)
-row_q4_1 = _make_row32("Q4_1", 20)
-row_q5_0 = _make_row32("Q5_0", 22)
-row_q5_1 = _make_row32("Q5_1", 24)
-row_iq4_nl = _make_row32("IQ4_NL", 18) if LOOKUP else None
+row_q8_0 = _make_row32("Q8_0")
+row_q4_0 = _make_row32("Q4_0")
+row_q4_1 = _make_row32("Q4_1")
+row_q5_0 = _make_row32("Q5_0")
+row_q5_1 = _make_row32("Q5_1")
+row_iq4_nl = _make_row32("IQ4_NL") if LOOKUP else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +287,9 @@ def _kweights(kind, builder, blk, A, B, r):
     return _fma(builder, q, _run_scale(builder, A, r), builder.fneg(_run_scale(builder, B, r)))
 
 
-def _make_krow(kind, size):
+def _make_krow(kind):
+    size = QUANT_TYPES[kind].block_bytes
+
     @intrinsic
     def rowdot(typingctx, pw, px, nsuper):
         r"""\sum_k W_k x_k over the ``nsuper`` super-blocks at byte address pw and the float32
@@ -310,19 +316,19 @@ def _make_krow(kind, size):
     return rowdot
 
 
-row_q4_k = _make_krow("Q4_K", 144)
-row_q5_k = _make_krow("Q5_K", 176)
-row_q6_k = _make_krow("Q6_K", 210)
-row_q3_k = _make_krow("Q3_K", 110)
-row_q2_k = _make_krow("Q2_K", 84)
+row_q4_k = _make_krow("Q4_K")
+row_q5_k = _make_krow("Q5_K")
+row_q6_k = _make_krow("Q6_K")
+row_q3_k = _make_krow("Q3_K")
+row_q2_k = _make_krow("Q2_K")
 
 
 # ---------------------------------------------------------------------------------------------
 # dequantization of a row into float32 (the tiles of the many-row products): the same decoding,
 # stored instead of multiplied
 # ---------------------------------------------------------------------------------------------
-def _make_deq(kind, size):
-    per = 256 if kind.endswith("_K") else 32
+def _make_deq(kind):
+    size, per = QUANT_TYPES[kind].block_bytes, QUANT_TYPES[kind].block_elems
 
     @intrinsic
     def deq(typingctx, pw, pout, nblocks):
@@ -348,14 +354,14 @@ def _make_deq(kind, size):
     return deq
 
 
-deq_q8_0 = _make_deq("Q8_0", 34)
-deq_q4_0 = _make_deq("Q4_0", 18)
-deq_q4_1 = _make_deq("Q4_1", 20)
-deq_q5_0 = _make_deq("Q5_0", 22)
-deq_q5_1 = _make_deq("Q5_1", 24)
-deq_iq4_nl = _make_deq("IQ4_NL", 18) if LOOKUP else None
-deq_q4_k = _make_deq("Q4_K", 144)
-deq_q5_k = _make_deq("Q5_K", 176)
-deq_q6_k = _make_deq("Q6_K", 210)
-deq_q3_k = _make_deq("Q3_K", 110)
-deq_q2_k = _make_deq("Q2_K", 84)
+deq_q8_0 = _make_deq("Q8_0")
+deq_q4_0 = _make_deq("Q4_0")
+deq_q4_1 = _make_deq("Q4_1")
+deq_q5_0 = _make_deq("Q5_0")
+deq_q5_1 = _make_deq("Q5_1")
+deq_iq4_nl = _make_deq("IQ4_NL") if LOOKUP else None
+deq_q4_k = _make_deq("Q4_K")
+deq_q5_k = _make_deq("Q5_K")
+deq_q6_k = _make_deq("Q6_K")
+deq_q3_k = _make_deq("Q3_K")
+deq_q2_k = _make_deq("Q2_K")

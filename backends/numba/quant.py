@@ -19,8 +19,9 @@ tiles of :mod:`.qgemm8` for more (``MINILLAMA_QUANT_DOTS=float`` keeps both in f
   multiplies it by x with OpenBLAS's GEMM (:mod:`.blas`), or NumPy's matmul when no OpenBLAS was
   found.
 
-Every key of :data:`minillama.core.quant.BLOCKS` is supported; IQ4_XS (and IQ4_NL without AVX-512)
-runs plain Numba loops, whose fp16 fields are read through a 65536-entry float32 table.
+Every type of :data:`minillama.core.quant.QUANT_TYPES` is supported (:mod:`.qtypes` has their ids
+and block sizes as the kernels' constants); IQ4_XS (and IQ4_NL without AVX-512) runs plain Numba
+loops, whose fp16 fields are read through a 65536-entry float32 table.
 Imported only by the numba backend.
 """
 
@@ -29,10 +30,37 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from minillama.core.quant import BLOCKS, QuantMatrix
+from minillama.core.errors import MinillamaError
+from minillama.core.quant import IQ4_GRID, QUANT_TYPES, QuantMatrix
 
 from ..numpy import threads as cpu_threads
 from . import blas, qsimd
+from .qtypes import (
+    IQ4_NL,
+    IQ4_NL_BYTES,
+    IQ4_XS,
+    IQ4_XS_BYTES,
+    Q2_K,
+    Q2_K_BYTES,
+    Q3_K,
+    Q3_K_BYTES,
+    Q4_0,
+    Q4_0_BYTES,
+    Q4_1,
+    Q4_1_BYTES,
+    Q4_K,
+    Q4_K_BYTES,
+    Q5_0,
+    Q5_0_BYTES,
+    Q5_1,
+    Q5_1_BYTES,
+    Q5_K,
+    Q5_K_BYTES,
+    Q6_K,
+    Q6_K_BYTES,
+    Q8_0,
+    Q8_0_BYTES,
+)
 
 _opts = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 
@@ -44,16 +72,13 @@ TILE_N = 64
 #: (about 0.1 ms of one core); below, one thread (waking the pool costs more)
 PARALLEL_MIN_WORK = 1 << 20
 
-#: integer codes of the GGML types inside the kernels (their GGML type ids)
-CODES = {k: v[0] for k, v in BLOCKS.items()}
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 10, 11, 12, 13, 14, 20, 23
+#: the GGML type ids the kernels below decode (:func:`qcode` refuses the others)
+KERNEL_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
 
 #: float32 value of every fp16 bit pattern
 _F16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-#: the 16 values of a 4-bit IQ4_NL / IQ4_XS code
-_KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
-                    dtype=np.float32)
+#: the 16 values of a 4-bit IQ4_NL / IQ4_XS code (the kernels' ``kv``): the core's table itself
+_KVALUES = IQ4_GRID
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,7 +131,7 @@ def _scale_q3k(w, n, o, i):
 def _dot_iq4_nl(w, n, x, m, lut, kv, L):
     acc = np.float32(0)
     for b in range(x.shape[1] // 32):
-        o, p = b * 18, b * 32
+        o, p = b * IQ4_NL_BYTES, b * 32
         s = np.float32(0)
         for j in range(L):
             v = w[n, o + 2 + j]
@@ -119,7 +144,7 @@ def _dot_iq4_nl(w, n, x, m, lut, kv, L):
 def _dot_iq4_xs(w, n, x, m, lut, kv, L):
     acc = np.float32(0)
     for b in range(x.shape[1] // 256):
-        o, p = b * 136, b * 256
+        o, p = b * IQ4_XS_BYTES, b * 256
         d = _h(w, n, o, lut)
         sh = np.int64(w[n, o + 2]) | (np.int64(w[n, o + 3]) << 8)
         for ib in range(8):
@@ -222,13 +247,14 @@ def _dequant_row_loops(qt, w, n, out, r, lut, kv):  # pragma: no cover - compile
     K = out.shape[1]
     if qt == Q8_0:
         for b in range(K // 32):
-            o, p = b * 34, b * 32
+            o, p = b * Q8_0_BYTES, b * 32
             d = _h(w, n, o, lut)
             for j in range(32):
                 v = np.int32(w[n, o + 2 + j])
                 out[r, p + j] = d * np.float32(v - ((v & 128) << 1))
     elif qt == Q4_0 or qt == Q4_1 or qt == IQ4_NL:
-        size, q0 = (18, 2) if qt != Q4_1 else (20, 4)
+        # IQ4_NL has Q4_0's layout (d, 16 bytes of nibbles), only its levels differ
+        size, q0 = (Q4_0_BYTES, 2) if qt != Q4_1 else (Q4_1_BYTES, 4)
         for b in range(K // 32):
             o, p = b * size, b * 32
             d = _h(w, n, o, lut)
@@ -242,7 +268,7 @@ def _dequant_row_loops(qt, w, n, out, r, lut, kv):  # pragma: no cover - compile
                     out[r, p + j] = d * np.float32(v & 15) + mn
                     out[r, p + 16 + j] = d * np.float32(v >> 4) + mn
     elif qt == Q5_0 or qt == Q5_1:
-        size, q0 = (22, 6) if qt == Q5_0 else (24, 8)
+        size, q0 = (Q5_0_BYTES, 6) if qt == Q5_0 else (Q5_1_BYTES, 8)
         for b in range(K // 32):
             o, p = b * size, b * 32
             d = _h(w, n, o, lut)
@@ -255,7 +281,7 @@ def _dequant_row_loops(qt, w, n, out, r, lut, kv):  # pragma: no cover - compile
                 out[r, p + j] = d * np.float32(lo) + mn
                 out[r, p + 16 + j] = d * np.float32(hi) + mn
     elif qt == Q4_K or qt == Q5_K:
-        size = 144 if qt == Q4_K else 176
+        size = Q4_K_BYTES if qt == Q4_K else Q5_K_BYTES
         q0 = 16 if qt == Q4_K else 48
         for b in range(K // 256):
             o, p = b * size, b * 256
@@ -276,7 +302,7 @@ def _dequant_row_loops(qt, w, n, out, r, lut, kv):  # pragma: no cover - compile
                     out[r, p + 64 * c + 32 + j] = d2 * np.float32(hi) - n2
     elif qt == Q6_K:
         for b in range(K // 256):
-            o, p = b * 210, b * 256
+            o, p = b * Q6_K_BYTES, b * 256
             d = _h(w, n, o + 208, lut)
             for c in range(2):
                 ql, qh, xp = o + 64 * c, o + 128 + 32 * c, p + 128 * c
@@ -294,7 +320,7 @@ def _dequant_row_loops(qt, w, n, out, r, lut, kv):  # pragma: no cover - compile
                     out[r, xp + 96 + l] = d * _i8(w, n, sc + 6) * np.float32(
                         np.int64((e >> 4) | ((h & 192) >> 2)) - 32)
     elif qt == Q3_K or qt == Q2_K:
-        size = 110 if qt == Q3_K else 84
+        size = Q3_K_BYTES if qt == Q3_K else Q2_K_BYTES
         q0 = 32 if qt == Q3_K else 16
         for b in range(K // 256):
             o, p = b * size, b * 256
@@ -318,7 +344,7 @@ def _dequant_row_loops(qt, w, n, out, r, lut, kv):  # pragma: no cover - compile
                             out[r, p + 128 * c + 32 * g + l] = dl * np.float32(q) - ml
     else:  # IQ4_XS
         for b in range(K // 256):
-            o, p = b * 136, b * 256
+            o, p = b * IQ4_XS_BYTES, b * 256
             d = _h(w, n, o, lut)
             sh = np.int64(w[n, o + 2]) | (np.int64(w[n, o + 3]) << 8)
             for ib in range(8):
@@ -392,8 +418,17 @@ def dequantize_rows(w: QuantMatrix, n0: int = 0, n1: int | None = None) -> np.nd
     """W[n0:n1] as float32 (n1 - n0, K)."""
     n1 = w.shape[0] if n1 is None else n1
     out = np.empty((n1 - n0, w.shape[1]), dtype=np.float32)
-    _dequant_rows(CODES[w.qtype], w.data, n0, out, _F16, _KVALUES)
+    _dequant_rows(qcode(w.qtype), w.data, n0, out, _F16, _KVALUES)
     return out
+
+
+def qcode(qtype: str) -> int:
+    """The ``qt`` of the kernels for GGML type name ``qtype``: its GGML type id, checked to be
+    one of :data:`KERNEL_TYPES` (another id would run another type's branch)."""
+    qt = QUANT_TYPES[qtype].type_id
+    if qt not in KERNEL_TYPES:
+        raise MinillamaError(f"the numba backend has no kernel for GGML type {qtype}")
+    return qt
 
 
 def _parallel() -> bool:
@@ -412,7 +447,7 @@ def qmatmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
     M, K = x.shape
     _check(w, K, "x")
     N = w.shape[0]
-    qt = CODES[w.qtype]
+    qt = qcode(w.qtype)
     y = np.empty((M, N), dtype=np.float32)
     if M == 0 or N == 0:
         return y
@@ -468,5 +503,5 @@ def qmatmul_t(dy: np.ndarray, w: QuantMatrix) -> np.ndarray:
     acc = np.zeros((parts, M, K), dtype=np.float32)
     fn, ilp64 = blas.gemm_address(np.float32)
     with cpu_threads.single_threaded_blas():
-        _gemm_t_tiles(CODES[w.qtype], dy, w.data, acc, _F16, _KVALUES, fn, ilp64, TILE_N)
+        _gemm_t_tiles(qcode(w.qtype), dy, w.data, acc, _F16, _KVALUES, fn, ilp64, TILE_N)
     return acc.sum(axis=0) if parts > 1 else acc[0]

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from minillama.backends import AUTO_REFERENCE_MAX_PARAMS, ENV_VAR, backend_names, get_backend
-from minillama.cli.common import positive_int
+from minillama.cli.common import add_backend_list_flag, positive_int
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
 from minillama.model.transformer import Transformer, init_params
@@ -40,9 +40,7 @@ def add_cli(sub) -> None:
                        f"V={v['vocab_size']}" for k, v in SHAPES.items())
     p = sub.add_parser("bench", help="time a training step and cached decode on each backend",
                        description=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--backend", default="all",
-                   help=f"comma-separated backend names ({', '.join(backend_names())}), or 'all' "
-                        f"(those that can run here)")
+    add_backend_list_flag(p)
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES),
                    help=f"the model shape, random weights ({shapes})")
     p.add_argument("--batch", type=positive_int, default=8, help="B of the training step")

@@ -9,12 +9,18 @@ the command's flags, the input loop and the streamed output.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
-from minillama.cli.common import add_sampling_flags, backend_help, sampling_params
+from minillama.cli.common import (
+    add_backend_flag,
+    add_model_flags,
+    add_sampling_flags,
+    sampling_params,
+)
 from minillama.core.errors import MinillamaError
 from minillama.infer.chat import ChatSession
-from minillama.infer.generate import TextStreamer
+from minillama.infer.generate import TextStreamer, warm_up
 from minillama.io.load import open_model
 
 
@@ -28,13 +34,9 @@ def add_cli(subparsers) -> None:
                     "user turn per line from a pipe too. A turn that cannot be sent (longer "
                     "than the context, refused by the template) is one error line; the chat "
                     "goes on and exits with status 2 at the end.")
-    p.add_argument("--checkpoint", "-c", required=True,
-                   help="model file or folder with a chat template (GGUF or Hugging Face)")
-    p.add_argument("--adapter", default=None,
-                   help="a LoRA adapter folder (PEFT's adapter_config.json + "
-                        "adapter_model.safetensors, e.g. `minillama finetune --out`)")
-    p.add_argument("--tokenizer", "-t", default=None,
-                   help="tokenizer folder or file (default: the checkpoint's own)")
+    add_model_flags(p, checkpoint_required=True, adapter=True,
+                    checkpoint_help="model file or folder with a chat template (GGUF or Hugging "
+                                    "Face)")
     p.add_argument("--system", "-s", default=None, help="system message")
     p.add_argument("-n", "--max-new-tokens", type=int, default=512,
                    help="most tokens per reply (default 512)")
@@ -42,9 +44,7 @@ def add_cli(subparsers) -> None:
                    help="KV cache positions for the conversation, capped at the model's "
                         "context (default 4096)")
     add_sampling_flags(p, temperature=0.8, top_p=0.95, min_p=0.05)
-    p.add_argument("--backend", default=None, help=backend_help())
-    p.add_argument("--dtype", default=None, choices=("float32", "float64"),
-                   help="compute precision (default float32)")
+    add_backend_flag(p, dtype=True)
     p.set_defaults(func=run_cli)
 
 
@@ -95,6 +95,12 @@ def _open_session(args):
         raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer")
     session = ChatSession(model, tok, system=args.system, max_new_tokens=args.max_new_tokens,
                           context=args.context, params=params)
+    # a throwaway turn compiles (or loads) the kernels before the first prompt, saying so when
+    # it takes a while
+    dry = ChatSession(model, tok, max_new_tokens=2, context=min(args.context, 64), params=params)
+    warm_up(model, [0], run=lambda: list(dry.reply("hi")))
+    print(f"chat: backend {model.backend.name}, {model.dtype}; /reset starts over, /exit ends",
+          file=sys.stderr)
     return session, tok
 
 
@@ -103,10 +109,12 @@ def _stream_reply(session, tok, text: str, out) -> bool:
     the template objects: said on stderr). Ctrl-C stops the reply, keeping what was written."""
     streamer = TextStreamer(tok)
     steps = session.reply(text)
+    t0, n = time.perf_counter(), 0
     try:
         for t in steps:
             out.write(streamer.put(t))
             out.flush()
+            n += 1
     except MinillamaError as e:  # this turn is refused (too long, the template objects)
         print(f"minillama: error: {e}", file=sys.stderr)
         return False
@@ -117,5 +125,8 @@ def _stream_reply(session, tok, text: str, out) -> bool:
         return True
     out.write(streamer.flush() + "\n")
     out.flush()
+    dt = time.perf_counter() - t0
+    print(f"[{n} tokens in {dt:.2f} s, {n / dt if dt > 0 else 0.0:.1f} tok/s; "
+          f"prefilled {session.last_prefill}]", file=sys.stderr)
     return True
 

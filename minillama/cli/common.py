@@ -1,13 +1,16 @@
-"""What the commands share: argparse types, the ``--backend`` help and the sampling flags of
-``generate``, ``chat`` and ``serve``."""
+"""What the commands share: argparse types, the model flags (``--checkpoint``, ``--tokenizer``,
+``--adapter``), ``--backend`` and ``--dtype``, and the sampling flags of ``generate`` and
+``chat``: each flag declared once here, each command choosing the ones it takes."""
 
 from __future__ import annotations
 
 import argparse
 
-from minillama.backends import backend_names
+from minillama.backends import backend_help, backend_names
+from minillama.core.config import COMPUTE_DTYPES, DTYPE_HELP
 from minillama.core.errors import MinillamaError
 from minillama.core.sampling import SamplingParams
+from minillama.io.load import DEFAULT_CHECKPOINT
 
 
 def positive_int(text: str) -> int:
@@ -21,10 +24,45 @@ def positive_int(text: str) -> int:
     return v
 
 
-def backend_help() -> str:
-    """The ``--backend`` help of the commands that run a model."""
-    return (f"{', '.join(backend_names())} or auto (default: $MINILLAMA_BACKEND, else auto: the "
-            f"fastest for the model's size, see README)")
+# ---------------------------------------------------------------------------------------------
+# the model a command loads and where it computes
+# ---------------------------------------------------------------------------------------------
+def add_model_flags(p, *, checkpoint_required: bool = False, checkpoint_help: str | None = None,
+                    tokenizer: bool = True, adapter: bool = False) -> None:
+    """``--checkpoint/-c`` (default: the shipped model, unless ``checkpoint_required`` or a
+    ``checkpoint_help`` that says otherwise), then ``--tokenizer/-t`` and ``--adapter`` where the
+    command takes them."""
+    p.add_argument("--checkpoint", "-c", default=None, required=checkpoint_required,
+                   help=checkpoint_help or f"model file or folder (default: "
+                                           f"{DEFAULT_CHECKPOINT.name}, the Shakespeare model "
+                                           f"shipped with the package)")
+    if tokenizer:
+        p.add_argument("--tokenizer", "-t", default=None,
+                       help="tokenizer: llama2.c tokenizer.bin, Hugging Face tokenizer.json (or "
+                            "its folder), or 'byte' (default: the one stored with the "
+                            "checkpoint)")
+    if adapter:
+        p.add_argument("--adapter", default=None,
+                       help="a LoRA adapter folder (PEFT's adapter_config.json + "
+                            "adapter_model.safetensors, e.g. `minillama finetune --out`), merged "
+                            "into the weights on loading")
+
+
+def add_backend_flag(p, *, dtype: bool = False, task: str = "decode") -> None:
+    """``--backend`` (one backend name or auto; ``task``: what auto is chosen for, see
+    :func:`~minillama.backends.backend_help`), and ``--dtype`` with ``dtype``."""
+    p.add_argument("--backend", default=None, help=backend_help(task))
+    if dtype:
+        p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
+                       help=f"{DTYPE_HELP} (default {COMPUTE_DTYPES[0]})")
+
+
+def add_backend_list_flag(p) -> None:
+    """``--backend`` of a command that runs on several backends (``bench``): a comma-separated
+    list, or all those that can run here."""
+    p.add_argument("--backend", default="all",
+                   help=f"comma-separated backend names ({', '.join(backend_names())}), or 'all' "
+                        f"(those that can run here)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,13 +95,11 @@ def add_sampling_flags(p, temperature: float, top_p: float | None, min_p: float 
 
 def sampling_params(args) -> SamplingParams:
     """The :class:`~minillama.core.sampling.SamplingParams` of the shared flags, checked (a bad
-    value is one error line naming its flag)."""
-    try:
-        return SamplingParams(
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-            repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
-            frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
-            seed=args.seed)
-    except MinillamaError as e:
-        name = str(e).split(" ", 1)[0]
-        raise MinillamaError(f"--{name.replace('_', '-')}{str(e)[len(name):]}") from None
+    value is one error line naming the setting)."""
+    if args.seed is not None and args.seed < 0:
+        raise MinillamaError(f"--seed must be a non-negative integer, got {args.seed}")
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+        seed=args.seed)

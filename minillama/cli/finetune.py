@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from minillama.cli.common import backend_help, positive_int
+from minillama.cli.common import add_backend_flag, add_model_flags, positive_int
 from minillama.core.errors import MinillamaError
 from minillama.io.checkpoint import check_output_dir
 from minillama.io.hf import is_hf_dir
@@ -29,7 +29,8 @@ def add_cli(subparsers) -> None:
         "finetune", help="LoRA or full fine-tuning of a checkpoint (text, prompt/completion, chat)",
         description="Fine-tune a checkpoint with its own tokenizer: LoRA adapters (written as "
                     "PEFT writes them) or every weight (--full).")
-    p.add_argument("--checkpoint", "-c", help="the base model (HF folder, minillama, GGUF...)")
+    add_model_flags(p, tokenizer=False,
+                    checkpoint_help="the base model (HF folder, minillama, GGUF...)")
     p.add_argument("--data", help="training data: .jsonl records or a plain text file")
     p.add_argument("--out", required=True, help="output folder (checkpoint, adapter)")
     p.add_argument("--val-data", help="held-out data (default: --val-fraction of --data)")
@@ -59,7 +60,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--eval-interval", type=positive_int, default=50,
                    help="steps between held-out evaluations")
     p.add_argument("--seed", type=int, default=0, help="seed of the data order and dropout")
-    p.add_argument("--backend", default=None, help=backend_help())
+    add_backend_flag(p, task="train")
     p.add_argument("--skip-bad", action="store_true", help="skip bad records (with a warning)")
     _add_memory_flags(p)
     p.add_argument("--resume", action="store_true", help="continue the run in --out")

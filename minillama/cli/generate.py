@@ -11,7 +11,12 @@ import sys
 from pathlib import Path
 
 from minillama.backends import resolve_name
-from minillama.cli.common import add_sampling_flags, backend_help, sampling_params
+from minillama.cli.common import (
+    add_backend_flag,
+    add_model_flags,
+    add_sampling_flags,
+    sampling_params,
+)
 from minillama.cli.main import main
 from minillama.core.decoding import stream_greedy
 from minillama.core.errors import MinillamaError
@@ -36,16 +41,7 @@ def add_cli(subparsers) -> None:
         description="Generate text with a KV cache from a llama2.c .bin, a Hugging Face LLaMA "
                     "directory or a minillama .safetensors checkpoint. Text streams to stdout; "
                     "prefill/decode speed and KV-cache memory go to stderr.")
-    p.add_argument("--checkpoint", "-c", default=None,
-                   help=f"model file or folder (default: {DEFAULT_CHECKPOINT.name} shipped with "
-                        f"the package)")
-    p.add_argument("--tokenizer", "-t", default=None,
-                   help="tokenizer: llama2.c tokenizer.bin, Hugging Face tokenizer.json, or "
-                        "'byte' (default: the one stored with the checkpoint)")
-    p.add_argument("--adapter", default=None,
-                   help="a LoRA adapter folder (PEFT's adapter_config.json + "
-                        "adapter_model.safetensors, e.g. `minillama finetune --out`), merged "
-                        "into the weights on loading")
+    add_model_flags(p, adapter=True)
     p.add_argument("--prompt", "-p", default="",
                    help="prompt text, with BOS in front where the tokenizer says so (default: "
                         "empty: start at BOS; byte-level models start at BOS and a newline)")
@@ -57,9 +53,7 @@ def add_cli(subparsers) -> None:
                    help="most tokens to generate (default 256; the model's context may cut it, "
                         "which is noted on stderr)")
     add_sampling_flags(p, temperature=1.0, top_p=0.9, min_p=None)
-    p.add_argument("--backend", default=None, help=backend_help())
-    p.add_argument("--dtype", default=None, choices=("float32", "float64"),
-                   help="compute precision (default float32)")
+    add_backend_flag(p, dtype=True)
     p.add_argument("--cuda-graph", default="auto", choices=CUDA_GRAPH_CHOICES,
                    help="greedy decoding on the cupy backend with each decode step captured as "
                         "one CUDA graph: auto (default: when --temperature 0, float32 and a plain "

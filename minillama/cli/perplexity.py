@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minillama.cli.common import backend_help, positive_int
+from minillama.cli.common import add_backend_flag, add_model_flags, positive_int
 from minillama.core.errors import MinillamaError
 from minillama.infer.perplexity import SHAKESPEARE_VAL, default_bos, perplexity, read_text
 from minillama.io.load import DEFAULT_CHECKPOINT, detect_format, load_model, resolve_tokenizer
@@ -22,14 +22,10 @@ def add_cli(subparsers) -> None:
         description="llama.cpp's perplexity (non-overlapping windows of --ctx tokens, the "
                     "second half of each scored) of any checkpoint minillama loads, quantized "
                     "GGUF files included. Prints perplexity, bits per byte, tokens scored, time.")
-    p.add_argument("--checkpoint", "-c", default=None,
-                   help="model file or folder (default: the shipped model)")
+    add_model_flags(p)
     p.add_argument("--data", required=True,
                    help=f"UTF-8 text file, or {SHAKESPEARE_VAL} (the shipped model's held-out "
                         f"plays)")
-    p.add_argument("--tokenizer", "-t", default=None,
-                   help="tokenizer: tokenizer.bin, tokenizer.json, or 'byte' (default: the "
-                        "checkpoint's own)")
     p.add_argument("--ctx", type=positive_int, default=None,
                    help="tokens per chunk (default: 512, or the model's context if shorter)")
     p.add_argument("--limit-chunks", type=positive_int, default=None, metavar="N",
@@ -38,7 +34,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
                    help="replace each chunk's first token by BOS (auto: as the tokenizer's "
                         "model does)")
-    p.add_argument("--backend", default=None, help=backend_help())
+    add_backend_flag(p)
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.set_defaults(func=run_perplexity)
 

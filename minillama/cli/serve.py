@@ -13,9 +13,10 @@ import socket
 import sys
 from pathlib import Path
 
-from minillama.cli.common import backend_help, positive_int
+from minillama.cli.common import add_backend_flag, add_model_flags, positive_int
 from minillama.core.errors import MinillamaError
 from minillama.infer.engine import Engine
+from minillama.infer.generate import warm_up
 from minillama.infer.serve import build_app
 from minillama.io.load import DEFAULT_CHECKPOINT, detect_format, load_model, resolve_tokenizer
 
@@ -26,11 +27,7 @@ def add_cli(subparsers) -> None:
         description="Serve a checkpoint over HTTP with OpenAI's API (/v1/chat/completions, "
                     "/v1/completions, /v1/models, /health), concurrent requests sharing the "
                     "model through continuous batching. Needs pip install 'minillama[serve]'.")
-    p.add_argument("--checkpoint", "-c", default=None,
-                   help="model file or folder (default: the Shakespeare model shipped with the "
-                        "package)")
-    p.add_argument("--tokenizer", "-t", default=None,
-                   help="tokenizer (default: the one stored with the checkpoint)")
+    add_model_flags(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
@@ -40,9 +37,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--model-name", default=None,
                    help="the model id clients send (default: the checkpoint's file or folder "
                         "name)")
-    p.add_argument("--backend", default=None, help=backend_help())
-    p.add_argument("--dtype", default=None, choices=("float32", "float64"),
-                   help="compute precision (default float32)")
+    add_backend_flag(p, dtype=True)
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="most requests decoded together (KV-cache slots, default 8)")
     p.add_argument("--max-context", type=positive_int, default=2048,
@@ -66,6 +61,9 @@ def load_engine(args):
     if tok is None:
         raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer")
     engine = Engine(model, max_batch=args.max_batch, max_seq_len=args.max_context)
+    # the first request should not wait for the compiler: compile (or load) the kernels now,
+    # saying so when it takes a while
+    warm_up(model, [0], run=lambda: engine.generate([0], max_tokens=2))
     return engine, tok, args.model_name or model_name_for(checkpoint)
 
 

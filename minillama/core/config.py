@@ -12,6 +12,11 @@ import numpy as np
 
 from minillama.core.errors import MinillamaError
 
+#: the compute dtypes a model runs in; the first is the default
+COMPUTE_DTYPES = ("float32", "float64")
+#: the help of ``--dtype`` (the caller states the default)
+DTYPE_HELP = f"compute precision, {' or '.join(COMPUTE_DTYPES)}"
+
 
 def llama_hidden_dim(dim: int, multiple_of: int = 256,
                      ffn_dim_multiplier: float | None = None) -> int:

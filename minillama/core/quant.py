@@ -6,7 +6,10 @@ so row n holds the blocks of W[n, :] in file order and rows can be sliced or per
 The model passes it to ``backend.linear_forward`` like a float matrix; the reference backend
 dequantizes it (the exact math) and the fast backends compute from the blocks.
 
-``BLOCKS`` names each supported GGML type with (type id, values per block, bytes per block).
+:data:`QUANT_TYPES` is the one table of the supported GGML block types: a :class:`QuantType` per
+type (GGML type id, values and bytes per block, where its float16 scales sit, its dequantizer).
+The backends, the GGUF reader and the quantizers read a type's facts from it, and the numba
+kernels derive their constants from it; :data:`IQ4_GRID` is the value table of the IQ4 types.
 :func:`dequantize` / :func:`dequantize_rows` turn blocks back into float32 values; each type has
 one function ``dequantize_<type>(b)`` mapping blocks ``b`` uint8 (nb, bytes per block) to float32
 (nb, values per block), written as the block's equation (docs/MATH.md, "Block quantization").
@@ -16,43 +19,48 @@ written, so the result is the exact value llama.cpp's reference dequantizer comp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from minillama.core.errors import MinillamaError
 
-#: GGML type name -> (GGML type id, values per block, bytes per block)
-BLOCKS: dict[str, tuple[int, int, int]] = {
-    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
-    "Q8_0": (8, 32, 34), "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144),
-    "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "IQ4_NL": (20, 32, 18),
-    "IQ4_XS": (23, 256, 136),
-}
 
+@dataclass(frozen=True)
+class QuantType:
+    """The facts of one GGML block type (a row of :data:`QUANT_TYPES`)."""
 
-#: GGML type name -> byte offsets of its float16 fields (d, and m or dmin) within a block
-SCALE_FIELDS: dict[str, tuple[int, ...]] = {
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
-    "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
-    "IQ4_XS": (0,),
-}
+    #: GGML's name of the type ("Q4_K"), the key of :data:`QUANT_TYPES`
+    name: str
+    #: GGML type id (ggml's ``enum ggml_type``, as GGUF tensor infos store it)
+    type_id: int
+    #: values per block
+    block_elems: int
+    #: bytes per block
+    block_bytes: int
+    #: byte offsets of the block's float16 scale fields (d, and m or dmin)
+    scale_fields: tuple[int, ...]
+    #: blocks uint8 (nb, block_bytes) -> float32 values (nb, block_elems)
+    dequantize: Callable[[np.ndarray], np.ndarray]
 
 
 @dataclass(frozen=True, eq=False)
 class QuantMatrix:
-    """W (N, K) as GGML blocks: ``data`` uint8 (N, row_bytes), ``qtype`` a key of ``BLOCKS``."""
+    """W (N, K) as GGML blocks: ``data`` uint8 (N, row_bytes), ``qtype`` a key of
+    :data:`QUANT_TYPES`."""
 
     qtype: str
     shape: tuple[int, int]
     data: np.ndarray
 
     def __post_init__(self):
-        if self.qtype not in BLOCKS:
+        if self.qtype not in QUANT_TYPES:
             raise MinillamaError(f"GGML type {self.qtype} is not supported "
-                                 f"(supported: {', '.join(BLOCKS)})")
+                                 f"(supported: {', '.join(QUANT_TYPES)})")
         N, K = self.shape
-        _, per, size = BLOCKS[self.qtype]
+        t = QUANT_TYPES[self.qtype]
+        per, size = t.block_elems, t.block_bytes
         if K % per:
             raise MinillamaError(f"a {self.qtype} row of {K} values is not a whole number of "
                                  f"blocks of {per}")
@@ -97,7 +105,8 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), m.astype(np.float32)
 
 
-#: IQ4_NL / IQ4_XS: the 16 non-uniform levels a 4-bit index selects (denser near zero)
+#: IQ4_NL / IQ4_XS: the 16 non-uniform levels a 4-bit index selects (denser near zero; ggml's
+#: ``kvalues_iq4nl``), the one copy: the quantizer and the numba kernels read it from here
 IQ4_GRID = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                     dtype=np.float32)
 
@@ -218,21 +227,31 @@ def dequantize_iq4_xs(b):
     return (dl[:, :, None] * g).reshape(nb, 256)
 
 
-#: GGML type name -> its block dequantizer
-DEQUANTIZE = {"Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1, "Q5_0": dequantize_q5_0,
-              "Q5_1": dequantize_q5_1, "Q8_0": dequantize_q8_0, "Q2_K": dequantize_q2_k,
-              "Q3_K": dequantize_q3_k, "Q4_K": dequantize_q4_k, "Q5_K": dequantize_q5_k,
-              "Q6_K": dequantize_q6_k, "IQ4_NL": dequantize_iq4_nl,
-              "IQ4_XS": dequantize_iq4_xs}
+#: GGML type name -> its :class:`QuantType`: every block type minillama reads, in GGML id order
+QUANT_TYPES: dict[str, QuantType] = {t.name: t for t in (
+    #         name      type_id elems bytes  scale_fields  dequantize
+    QuantType("Q4_0",   2,      32,   18,    (0,),         dequantize_q4_0),
+    QuantType("Q4_1",   3,      32,   20,    (0, 2),       dequantize_q4_1),
+    QuantType("Q5_0",   6,      32,   22,    (0,),         dequantize_q5_0),
+    QuantType("Q5_1",   7,      32,   24,    (0, 2),       dequantize_q5_1),
+    QuantType("Q8_0",   8,      32,   34,    (0,),         dequantize_q8_0),
+    QuantType("Q2_K",   10,     256,  84,    (80, 82),     dequantize_q2_k),
+    QuantType("Q3_K",   11,     256,  110,   (108,),       dequantize_q3_k),
+    QuantType("Q4_K",   12,     256,  144,   (0, 2),       dequantize_q4_k),
+    QuantType("Q5_K",   13,     256,  176,   (0, 2),       dequantize_q5_k),
+    QuantType("Q6_K",   14,     256,  210,   (208,),       dequantize_q6_k),
+    QuantType("IQ4_NL", 20,     32,   18,    (0,),         dequantize_iq4_nl),
+    QuantType("IQ4_XS", 23,     256,  136,   (0,),         dequantize_iq4_xs),
+)}
 
 
 def dequantize_rows(qtype: str, data: np.ndarray, K: int, out: np.ndarray | None = None
                     ) -> np.ndarray:
     """Rows of GGML blocks ``data`` uint8 (n, row_bytes) of type ``qtype`` -> float32 (n, K),
     or written into ``out`` (n, K) (any float dtype) and returned."""
-    size = BLOCKS[qtype][2]
+    t = QUANT_TYPES[qtype]
     n = data.shape[0]
-    x = DEQUANTIZE[qtype](np.ascontiguousarray(data).reshape(-1, size)).reshape(n, K)
+    x = t.dequantize(np.ascontiguousarray(data).reshape(-1, t.block_bytes)).reshape(n, K)
     if out is None:
         return x
     out[...] = x
@@ -247,9 +266,10 @@ def dequantize(w: QuantMatrix) -> np.ndarray:
 def nonfinite_scales(w: QuantMatrix) -> int:
     """How many float16 scale fields of ``w`` are NaN or infinite (a corrupt file: every value
     of such a block would be NaN/inf). Reads only the scale bytes."""
-    blocks = w.data.reshape(-1, BLOCKS[w.qtype][2])
+    t = QUANT_TYPES[w.qtype]
+    blocks = w.data.reshape(-1, t.block_bytes)
     return sum(int(np.count_nonzero(~np.isfinite(
-        np.ascontiguousarray(blocks[:, at:at + 2]).view("<f2")))) for at in SCALE_FIELDS[w.qtype])
+        np.ascontiguousarray(blocks[:, at:at + 2]).view("<f2")))) for at in t.scale_fields)
 
 
 def dequantize_params(params: dict) -> dict:

@@ -22,7 +22,8 @@ small integer scales per sub-block):
 * Q6_K: x = d s_j (q - 32), 16 sub-blocks of 16, s_j in [-127, 127] (int8), q in [0, 63];
 * Q3_K: x = d s_j q, 16 sub-blocks of 16, s_j in [-32, 31] (6 bits), q in [-4, 3];
 * Q2_K: x = d s_j q - dmin m_j, 16 sub-blocks of 16, s_j, m_j in [0, 15], q in [0, 3];
-* IQ4_NL: blocks of 32, x = d v[q], v the 16 non-uniform levels of :data:`IQ4_LEVELS`.
+* IQ4_NL: blocks of 32, x = d v[q], v the 16 non-uniform levels of
+  :data:`~minillama.core.quant.IQ4_GRID`.
 
 The K-type scales are searched the simple way: for each sub-block a few trial step sizes around
 (max - min) / qmax, each followed by the least-squares (scale, offset) for the integers it
@@ -37,11 +38,7 @@ import numpy as np
 
 from minillama.core import quant
 from minillama.core.errors import MinillamaError
-from minillama.core.quant import BLOCKS, QuantMatrix
-
-#: IQ4_NL's 16 levels (a fixed non-uniform grid, denser near zero, times the block scale d)
-IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
-                      dtype=np.float32)
+from minillama.core.quant import IQ4_GRID, QUANT_TYPES, QuantMatrix
 
 #: K type -> the 32-block type llama.cpp falls back to when a row is not whole super-blocks
 K_FALLBACK = {"Q2_K": "IQ4_NL", "Q3_K": "IQ4_NL", "Q4_K": "Q5_0", "Q5_K": "Q5_1",
@@ -329,13 +326,14 @@ def q3_k(x: np.ndarray) -> np.ndarray:
 
 
 def iq4_nl(x: np.ndarray) -> np.ndarray:
-    r"""IQ4_NL: x_i = d v[q_i], v = :data:`IQ4_LEVELS`, q_i in [0, 15]: for a few trial d around
-    m / v_0 (m the signed value of largest |x|), q_i = the level nearest x_i / d, then the
-    least-squares d = sum v[q] x / sum v[q]^2; the trial of least squared error is kept.
+    r"""IQ4_NL: x_i = d v[q_i], v = :data:`~minillama.core.quant.IQ4_GRID`, q_i in [0, 15]: for
+    a few trial d around m / v_0 (m the signed value of largest |x|), q_i = the level nearest
+    x_i / d, then the least-squares d = sum v[q] x / sum v[q]^2; the trial of least squared error
+    is kept.
 
     Block (18 bytes): d float16, then the nibbles as in Q4_0."""
     x64 = x.astype(np.float64)
-    v = IQ4_LEVELS.astype(np.float64)
+    v = IQ4_GRID.astype(np.float64)
     mids = (v[1:] + v[:-1]) / 2
     m = _signed_absmax(x64)[:, 0]
     best_d, best_err = np.zeros(len(x)), (x64 ** 2).sum(1)
@@ -390,9 +388,9 @@ def resolve_type(qtype: str, K: int, values=None) -> tuple[str, str | None]:
     if qtype == "F16":
         return qtype, None
     want = qtype
-    if K % BLOCKS[qtype][1] and qtype in K_FALLBACK:
+    if K % QUANT_TYPES[qtype].block_elems and qtype in K_FALLBACK:
         qtype = K_FALLBACK[qtype]
-    if K % BLOCKS[qtype][1]:
+    if K % QUANT_TYPES[qtype].block_elems:
         qtype = "F16"
     note = None if qtype == want else f"rows of {K} are not whole {want} blocks: {qtype}"
     return qtype, note
@@ -451,7 +449,7 @@ def quantize(w, qtype: str) -> QuantMatrix:
     if not np.isfinite(w).all() or (w.size and np.abs(w).max() > F16_MAX):
         raise MinillamaError("quantize needs finite values within the float16 range")
     N, K = w.shape
-    _, per, size = BLOCKS[qtype]
+    per, size = QUANT_TYPES[qtype].block_elems, QUANT_TYPES[qtype].block_bytes
     if K % per:
         raise MinillamaError(f"a {qtype} row of {K} values is not a whole number of blocks "
                              f"of {per}")

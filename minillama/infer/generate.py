@@ -337,12 +337,12 @@ COMPILING_BACKENDS = ("numba", "cupy")
 
 
 def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-            note_after: float = 1.0, say=None) -> float:
-    """Run the generation's code paths once (a prefill of a few prompt tokens and a few decode
-    steps, thrown away) on a backend that compiles kernels on first use, so the reported prefill
-    and decode speeds time the model and not the compiler. When it runs longer than
-    ``note_after`` seconds (compiling, not loading cached kernels), "compiling kernels (once,
-    cached)" goes to stderr while it runs, and its time once done. Returns the seconds spent."""
+            note_after: float = 1.0, say=None, run: Callable[[], object] | None = None) -> float:
+    """Run the generation's code paths once (``run``, by default a prefill of a few prompt tokens
+    and a few decode steps, thrown away) on a backend that compiles kernels on first use, so the
+    reported speeds time the model and not the compiler. When it runs longer than ``note_after``
+    seconds (compiling, not loading cached kernels), "compiling kernels (once, cached)" goes to
+    stderr while it runs, and its time once done. Returns the seconds spent."""
     if getattr(model.backend, "name", "") not in COMPILING_BACKENDS:
         return 0.0
     say = say or (lambda text: print(text, end="", file=sys.stderr, flush=True))
@@ -352,15 +352,18 @@ def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = No
         said.set()
         say(f"{model.backend.name}: compiling kernels (once, cached) ...")
 
-    timer = threading.Timer(note_after, note)
-    t0 = time.perf_counter()
-    timer.start()
-    try:
+    def steps() -> None:
         prompt = list(prompt_ids[-8:])
         n = min(3, model.cfg.max_seq_len - len(prompt) + 1)
         if n > 0:
             for _ in generate_steps(model, [prompt], n, params, seed=0):
                 pass
+
+    timer = threading.Timer(note_after, note)
+    t0 = time.perf_counter()
+    timer.start()
+    try:
+        (run or steps)()
     finally:
         timer.cancel()
     dt = time.perf_counter() - t0

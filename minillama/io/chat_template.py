@@ -7,8 +7,9 @@ r"""A model's own chat template and its end-of-turn tokens.
   keeps non-ASCII text, the globals ``raise_exception`` and ``strftime_now``, and the special
   tokens (``bos_token``, ``eos_token``...) as variables.
 * :func:`stop_ids` is the set of ids that end a reply: EOS, the source's end-of-turn ids, and
-  ``<|im_end|>``, ``<|eot_id|>``, ``<|end_of_text|>``, ``<|endoftext|>``, ``<end_of_turn>`` where
-  the vocabulary has them.
+  the families' end-of-turn spellings (:data:`STOP_NAMES`: ``<|im_end|>``, ``<|eot_id|>``,
+  ``<|end_of_text|>``, ``<|endoftext|>``, ``<|eom_id|>``, ``<end_of_turn>``) where the vocabulary
+  has them.
 * :func:`encode_rendered` turns the rendered text into ids with special tokens spelled as such.
 """
 
@@ -18,10 +19,11 @@ from functools import lru_cache
 
 from minillama.core.errors import MinillamaError
 from minillama.io.bpe import split_on
+from minillama.io.families import stop_names
 
-#: spellings of end-of-turn / end-of-text tokens of the LLaMA family and its relatives
-STOP_NAMES = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>",
-              "<|eom_id|>")
+#: spellings of end-of-turn / end-of-text tokens: those of every family of
+#: :data:`minillama.io.families.FAMILIES` (its ``stop_names``) and Gemma's ``<end_of_turn>``
+STOP_NAMES = stop_names()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-r"""GGUF files (llama.cpp) of the LLaMA family: ``general.architecture`` ``llama`` (Llama 1-3,
-Mistral, TinyLlama, SmolLM) or ``qwen2``.
+r"""GGUF files (llama.cpp) of the LLaMA family: the ``general.architecture`` of a family of
+:data:`minillama.io.families.FAMILIES` (``llama``: Llama 1-3, Mistral, TinyLlama, SmolLM;
+``qwen2``).
 
 The container (GGUF versions 2 and 3) is parsed here (:class:`GGUFFile`): metadata, then the
 tensor table, every size checked against the file before a tensor is read, the tensor bytes
@@ -7,18 +8,20 @@ viewed in place (the file is memory-mapped). Writing uses the ``gguf`` package t
 authors publish (optional extra ``minillama[gguf]``). Tensor types:
 
 * F32, F16, BF16: widened to float32 (BF16 is the top half of a float32);
-* the block types of :data:`minillama.core.quant.BLOCKS` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
-  Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS): a matrix (every linear weight, the token embedding, which
-  is also the head when tied) stays quantized, a :class:`~minillama.core.quant.QuantMatrix` over its
-  rows of blocks; the backends dequantize it as they multiply. A 1-D tensor stored so is
-  dequantized to float32.
+* the block types of :data:`minillama.core.quant.QUANT_TYPES` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+  Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS): a matrix (every linear weight, the token
+  embedding, which is also the head when tied) stays quantized, a
+  :class:`~minillama.core.quant.QuantMatrix` over its rows of blocks; the backends dequantize it
+  as they multiply. A 1-D tensor stored so is dequantized to float32.
 
-Any other tensor type is refused with one line naming the tensor and the type. Names map to Meta's:
-``token_embd`` -> ``tok_embeddings``, ``blk.N.attn_{norm,q,k,v,output}`` ->
-``layers.N.{attention_norm, attention.wq, wk, wv, wo}``, ``blk.N.ffn_{norm,gate,down,up}`` ->
-``layers.N.{ffn_norm, feed_forward.w1, w2, w3}``, ``output_norm`` -> ``norm``, ``output``
-(absent: tied). llama.cpp's converter already put the ``llama`` q/k rows in the interleaved RoPE
-order minillama uses; ``qwen2`` files keep the half-split order and are permuted on load.
+Any other tensor type is refused with one line naming the tensor and the type. Names map to Meta's
+by the family's rules (:data:`minillama.io.families.GGUF_TENSORS`): ``token_embd`` ->
+``tok_embeddings``, ``blk.N.attn_{norm,q,k,v,output}`` -> ``layers.N.{attention_norm,
+attention.wq, wk, wv, wo}``, ``blk.N.ffn_{norm,gate,down,up}`` -> ``layers.N.{ffn_norm,
+feed_forward.w1, w2, w3}``, ``output_norm`` -> ``norm``, ``output`` (absent: tied). llama.cpp's
+converter already put the ``llama`` q/k rows in the interleaved RoPE order minillama uses; the
+files of a family with ``gguf_half_split`` (``qwen2``) keep the half-split order and are permuted
+on load.
 
 The tokenizer comes from the metadata (:func:`minillama.io.tokenizer.tokenizer_from_gguf`:
 ``tokenizer.ggml.model`` ``llama`` or ``gpt2``, BOS/EOS and whether to add them, the chat
@@ -35,10 +38,11 @@ from minillama.core import quant
 from minillama.core.config import ModelConfig, param_shapes
 from minillama.core.errors import MinillamaError
 from minillama.core.extras import require
-from minillama.core.quant import QuantMatrix
+from minillama.core.quant import QUANT_TYPES, QuantMatrix
 from minillama.core.quantize import quantize, resolve_type, supported_type
 from minillama.io.bpe import BPETokenizer
 from minillama.io.checkpoint import atomic_write, check_finite, check_output_file
+from minillama.io.families import family_for, gguf_family, pre_tokenizer_name
 from minillama.io.gguf_file import GGUFFile  # noqa: F401
 from minillama.io.gguf_file import meta as _meta
 from minillama.io.gguf_file import open_gguf as _open
@@ -47,28 +51,20 @@ from minillama.io.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     Llama2cTokenizer,
-    _pre_patterns,
     load_gguf_tokenizer,  # noqa: F401 (re-exported)
     tokenizer_from_gguf,
 )
 from minillama.model.transformer import check_params
 
-ARCHITECTURES = ("llama", "qwen2")
-#: GGML float types: name -> type id
-FLOAT_TYPES = {"F32": 0, "F16": 1, "BF16": 30}
+#: GGML float types the loader reads: name -> (type id, bytes per value); the block types are
+#: those of :data:`minillama.core.quant.QUANT_TYPES`
+FLOAT_TENSOR_TYPES = {"F32": (0, 4), "F16": (1, 2), "BF16": (30, 2)}
 #: every type the loader reads: name -> (values per block, bytes per block)
-BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
-          **{k: (per, size) for k, (_, per, size) in quant.BLOCKS.items()}}
-#: GGML type id -> name, for the types of :data:`BLOCKS`
-TYPE_NAMES = {**{i: k for k, i in FLOAT_TYPES.items()},
-              **{i: k for k, (i, _, _) in quant.BLOCKS.items()}}
-
-_LAYER = {"attn_norm": "attention_norm", "attn_q": "attention.wq", "attn_k": "attention.wk",
-          "attn_v": "attention.wv", "attn_output": "attention.wo", "ffn_norm": "ffn_norm",
-          "ffn_gate": "feed_forward.w1", "ffn_down": "feed_forward.w2",
-          "ffn_up": "feed_forward.w3"}
-_TOP = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
-        "output.weight": "output.weight"}
+TENSOR_BLOCKS = {**{k: (1, size) for k, (_, size) in FLOAT_TENSOR_TYPES.items()},
+                 **{k: (t.block_elems, t.block_bytes) for k, t in QUANT_TYPES.items()}}
+#: GGML type id -> name, for the types of :data:`TENSOR_BLOCKS`
+TYPE_NAMES = {**{i: k for k, (i, _) in FLOAT_TENSOR_TYPES.items()},
+              **{t.type_id: k for k, t in QUANT_TYPES.items()}}
 
 
 def is_gguf(path) -> bool:
@@ -85,7 +81,7 @@ def is_gguf(path) -> bool:
 def dequantize(raw: np.ndarray, kind: str, n: int) -> np.ndarray:
     r"""``n`` float32 values from the raw bytes (uint8) of a tensor of GGML type ``kind``: the
     float types reinterpreted and widened, the block types by :mod:`minillama.core.quant` (their
-    equations are there). The caller checked ``raw.size`` against :data:`BLOCKS`."""
+    equations are there). The caller checked ``raw.size`` against :data:`TENSOR_BLOCKS`."""
     if kind == "F32":
         return raw.view("<f4").astype(np.float32)
     if kind == "F16":
@@ -103,10 +99,7 @@ def config_from_gguf(reader, shapes: dict[str, tuple[int, ...]], where,
     """A :class:`ModelConfig` from the ``{arch}.*`` metadata and the tensor shapes (vocabulary
     size, tied head, which biases exist); ``freq_factors`` are the values of a ``rope_freqs``
     tensor."""
-    arch = _meta(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise MinillamaError(f"{where}: GGUF architecture {str(arch)[:40]!r} is not supported "
-                             f"(supported: {', '.join(ARCHITECTURES)})")
+    arch = gguf_family(_meta(reader, "general.architecture"), where).gguf_arch
 
     def need(key):
         v = _meta(reader, f"{arch}.{key}")
@@ -153,7 +146,7 @@ def _type_name(tid: int, name: str, where) -> str:
     except (ImportError, ValueError):
         raise MinillamaError(f"{where}: tensor {name} has unknown GGML type id {tid}") from None
     raise MinillamaError(f"{where}: tensor {name} has GGML type {known}, which is not supported "
-                         f"(supported: {', '.join(BLOCKS)})")
+                         f"(supported: {', '.join(TENSOR_BLOCKS)})")
 
 
 def _tensor_table(reader, file_size: int, where) -> dict[str, tuple[str, tuple, np.ndarray]]:
@@ -169,7 +162,7 @@ def _tensor_table(reader, file_size: int, where) -> dict[str, tuple[str, tuple, 
         shape = tuple(reversed(dims))  # GGUF lists the fastest axis first
         if min(shape) <= 0 or max(shape) >= 1 << 40:
             raise MinillamaError(f"{where}: tensor {name} ({kind}) has shape {list(shape)}")
-        per, size = BLOCKS[kind]
+        per, size = TENSOR_BLOCKS[kind]
         if shape[-1] % per:
             raise MinillamaError(f"{where}: tensor {name} ({kind}) has rows of {shape[-1]} values, "
                                  f"not a whole number of blocks of {per}")
@@ -194,19 +187,16 @@ def _tensor_table(reader, file_size: int, where) -> dict[str, tuple[str, tuple, 
 def _tensor_value(kind: str, shape: tuple, raw: np.ndarray):
     """A matrix of a block type as a :class:`~minillama.core.quant.QuantMatrix` over the file's
     bytes (rows of blocks, not widened); anything else as float32."""
-    if kind in quant.BLOCKS and len(shape) == 2:
+    if kind in QUANT_TYPES and len(shape) == 2:
         return quant.QuantMatrix(kind, shape, raw.reshape(shape[0], -1))
     return dequantize(raw, kind, int(np.prod(shape))).reshape(shape)
 
 
-def _our_name(name: str, where) -> str:
-    if name in _TOP:
-        return _TOP[name]
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER \
-            and parts[3] in ("weight", "bias"):
-        return f"layers.{int(parts[1])}.{_LAYER[parts[2]]}.{parts[3]}"
-    raise MinillamaError(f"{where}: unexpected GGUF tensor {name[:80]}")
+def _our_name(name: str, names, where) -> str:
+    ours = names.ours(name)
+    if ours is None:
+        raise MinillamaError(f"{where}: unexpected GGUF tensor {name[:80]}")
+    return ours
 
 
 def load_gguf(path):
@@ -223,10 +213,11 @@ def load_gguf(path):
             raise MinillamaError(f"{path}: rope_freqs.weight has shape {list(shape)}")
         factors = dequantize(raw, kind, shape[0]).astype(float).tolist()
     cfg = config_from_gguf(reader, {k: v[1] for k, v in infos.items()}, path, factors)
+    family = gguf_family(_meta(reader, "general.architecture"), path)
     expected = param_shapes(cfg)
     params = {}
     for name, (kind, shape, raw) in infos.items():
-        ours = _our_name(name, path)
+        ours = _our_name(name, family.gguf_tensors, path)
         if expected.get(ours) != shape:
             raise MinillamaError(f"{path}: tensor {name} has shape {list(shape)}, expected "
                                  f"{list(expected.get(ours, ()))} for this config")
@@ -237,7 +228,7 @@ def load_gguf(path):
         if isinstance(v, quant.QuantMatrix) and quant.nonfinite_scales(v):
             raise MinillamaError(f"{k.removesuffix('.weight')} ({v.qtype}) holds "
                                  f"{quant.nonfinite_scales(v)} NaN/inf block scales (in {path})")
-    if _meta(reader, "general.architecture") == "qwen2":  # half-split RoPE rows, as in HF
+    if family.gguf_half_split:  # half-split RoPE rows, as in HF
         for key in [k for k in params if ".attention.wq." in k or ".attention.wk." in k]:
             v, heads = params[key], cfg.n_heads if ".wq." in key else cfg.n_kv_heads
             params[key] = (quant.QuantMatrix(v.qtype, v.shape, hf_to_interleaved(v.data, heads))
@@ -250,8 +241,9 @@ def load_gguf(path):
 # ---------------------------------------------------------------------------------------------
 def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str = "F32",
               types: dict[str, str] | None = None, notes: list[str] | None = None) -> Path:
-    """Write a GGUF file (architecture ``llama``, or ``qwen2`` for q/k/v biases without the
-    others) that llama.cpp and :func:`load_gguf` read; norms and biases F32, and the tokenizer
+    """Write a GGUF file (the architecture of the family that claims the config,
+    :func:`~minillama.io.families.family_for`: ``llama``, or ``qwen2`` for q/k/v biases without
+    the others) that llama.cpp and :func:`load_gguf` read; norms and biases F32, and the tokenizer
     in the metadata (see :func:`_write_tokenizer`).
 
     A matrix that is a :class:`~minillama.core.quant.QuantMatrix` is written as its blocks, in its
@@ -266,7 +258,8 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
     for t in [matrix_type, *types.values()]:
         supported_type(t)
     cfg.require_llama("GGUF llama")
-    arch = "qwen2" if cfg.qkv_bias and not (cfg.attn_out_bias or cfg.mlp_bias) else "llama"
+    family = family_for(cfg, gguf=True)
+    arch = family.gguf_arch
     sc = cfg.rope_scaling
     if sc and sc["rope_type"] not in ("linear", "yarn", "freq_factors"):
         raise MinillamaError(f"GGUF has no field for rope scaling {sc['rope_type']!r}")
@@ -282,7 +275,7 @@ def save_gguf(path, cfg: ModelConfig, params, tokenizer=None, matrix_type: str =
         if note and notes is not None:
             notes.append(note)
         for name, a in host.items():
-            gname, a = _gguf_tensor_name(name, a, cfg, arch)
+            gname, a = _gguf_tensor_name(name, a, cfg, family)
             data, raw = _gguf_tensor_data(gguf, a, types.get(name, matrix_type))
             w.add_tensor(gname, np.ascontiguousarray(data), raw_dtype=raw)
         w.write_header_to_file()
@@ -318,19 +311,15 @@ def _write_hparams(w, cfg: ModelConfig, arch: str) -> None:
                          int(sc["original_max_position_embeddings"]))
 
 
-def _gguf_tensor_name(name: str, a, cfg: ModelConfig, arch: str):
-    """(GGUF name, array) of parameter ``name``: ``blk.<l>.<tensor>.<weight|bias>`` for a block's,
-    with q and k rows in the half-split RoPE order for qwen2."""
-    inv_top = {v: k for k, v in _TOP.items()}
-    if name in inv_top:
-        return inv_top[name], a
-    inv_layer = {v: k for k, v in _LAYER.items()}
-    _, layer, rest = name.split(".", 2)
-    base, kind = rest.rsplit(".", 1)
-    if arch == "qwen2" and base in ("attention.wq", "attention.wk"):
+def _gguf_tensor_name(name: str, a, cfg: ModelConfig, family):
+    """(GGUF name, array) of parameter ``name`` by the family's names (``blk.<l>.<tensor>.
+    <weight|bias>`` for a block's), with q and k rows in the half-split RoPE order for a family
+    with ``gguf_half_split`` (qwen2)."""
+    base = name.split(".", 2)[-1].rsplit(".", 1)[0]
+    if family.gguf_half_split and base in ("attention.wq", "attention.wk"):
         a = _to_half_split(a, cfg.n_heads if base == "attention.wq"
                            else cfg.n_kv_heads, interleaved_to_hf)
-    return f"blk.{layer}.{inv_layer[base]}.{kind}", a
+    return family.gguf_tensors.theirs(name), a
 
 
 def _gguf_tensor_data(gguf, a, type_name: str):
@@ -350,7 +339,7 @@ def _gguf_tensor_data(gguf, a, type_name: str):
 
 def _to_half_split(a, n_heads: int, interleaved_to_hf):
     """The q/k rows of ``a`` (a float array or a QuantMatrix, whose rows are whole blocks) in
-    the half-split RoPE order of qwen2 files."""
+    the half-split RoPE order of qwen2's files."""
     if not isinstance(a, QuantMatrix):
         return interleaved_to_hf(a, n_heads)
     order = interleaved_to_hf(np.arange(a.shape[0])[:, None], n_heads)[:, 0]
@@ -422,9 +411,7 @@ def _write_byte_level(w, tok, vocab_size: int) -> str | None:
         bpe = BPETokenizer(tok.path)
     except MinillamaError as e:
         return f"tokenizer {tok.path} is not written to GGUF ({e})"
-    names = {pattern: name for name, (pattern, _) in _pre_patterns().items()
-             if name in ("gpt-2", "llama-bpe", "qwen2")}
-    pre = names.get(bpe.pattern.pattern) if bpe.byte_level else None
+    pre = pre_tokenizer_name(bpe.pattern.pattern) if bpe.byte_level else None
     if pre is None:
         return (f"tokenizer {tok.path} is not a byte-level BPE with a known split pattern; "
                 f"the file has no tokenizer")

@@ -1,10 +1,14 @@
 r"""Hugging Face LLaMA directories: ``config.json`` + ``model.safetensors`` (or shards listed in
 ``model.safetensors.index.json``), optionally ``tokenizer.json``.
 
-Names map to Meta's: ``model.embed_tokens`` -> ``tok_embeddings``, ``model.layers.N.self_attn.
-{q,k,v,o}_proj`` -> ``layers.N.attention.w{q,k,v,o}``, ``mlp.gate_proj/up_proj/down_proj`` ->
-``feed_forward.w1/w3/w2``, ``input_layernorm`` -> ``attention_norm``, ``post_attention_layernorm``
--> ``ffn_norm``, ``model.norm`` -> ``norm``, ``lm_head`` -> ``output`` (absent when tied).
+The families read and written (``model_type``, their own config fields, their tensor names) are
+the entries of :data:`minillama.io.families.FAMILIES`; this module maps the fields every family
+shares. Names map to Meta's (:data:`minillama.io.families.HF_TENSORS`):
+``model.embed_tokens`` -> ``tok_embeddings``, ``model.layers.N.self_attn.{q,k,v,o}_proj`` ->
+``layers.N.attention.w{q,k,v,o}``, ``mlp.gate_proj/up_proj/down_proj`` ->
+``feed_forward.w1/w3/w2``, ``input_layernorm`` -> ``attention_norm``,
+``post_attention_layernorm`` -> ``ffn_norm``, ``model.norm`` -> ``norm``, ``lm_head`` ->
+``output`` (absent when tied).
 
 RoPE layout. HF rotates the two halves of each head (i, i + hd/2) while Meta/llama2.c (and
 :func:`minillama.core.ops.rope_forward`) rotate interleaved pairs (2i, 2i+1). HF's conversion script
@@ -29,29 +33,13 @@ import numpy as np
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
 from minillama.io.checkpoint import atomic_write, check_finite, check_output_dir
+from minillama.io.families import family_for, hf_family
 from minillama.io.safetensors_file import read_safetensors_file
 from minillama.io.tokenizer import ByteTokenizer, HFTokenizer
 from minillama.model.transformer import check_params
 
 __all__ = ["config_from_hf", "config_to_hf", "load_hf", "save_hf", "read_safetensors_file",
            "hf_to_interleaved", "interleaved_to_hf", "is_hf_dir"]
-
-_LAYER_MAP = {
-    "input_layernorm.weight": "attention_norm.weight",
-    "self_attn.q_proj.weight": "attention.wq.weight",
-    "self_attn.k_proj.weight": "attention.wk.weight",
-    "self_attn.v_proj.weight": "attention.wv.weight",
-    "self_attn.o_proj.weight": "attention.wo.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "feed_forward.w1.weight",
-    "mlp.down_proj.weight": "feed_forward.w2.weight",
-    "mlp.up_proj.weight": "feed_forward.w3.weight",
-}
-_LAYER_MAP.update({k.replace(".weight", ".bias"): v.replace(".weight", ".bias")
-                   for k, v in _LAYER_MAP.items() if "proj" in k})
-
-#: the model types read here: LLaMA-like decoders that differ only in the options of ModelConfig
-FAMILIES = ("llama", "mistral", "qwen2")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,16 +55,14 @@ _HF_FIELDS = {"hidden_size": "dim", "num_hidden_layers": "n_layers",
 
 
 def config_from_hf(c: dict, where="config.json") -> ModelConfig:
-    """A :class:`ModelConfig` from a HF ``LlamaConfig`` dict; unsupported settings raise.
+    """A :class:`ModelConfig` from a HF config dict of a family of
+    :data:`~minillama.io.families.FAMILIES` (its ``model_type``); unsupported settings raise.
 
     Values are passed through as they are: :class:`ModelConfig` alone checks their types and
     ranges (its messages name the HF field too)."""
     if not isinstance(c, dict):
         raise MinillamaError(f"{where}: not a JSON object")
-    family = c.get("model_type", "llama")
-    if family not in FAMILIES:
-        raise MinillamaError(f"{where}: model_type {str(family)[:40]!r} is not supported "
-                             f"(supported: {', '.join(FAMILIES)})")
+    family = hf_family(c, where)
     try:
         H = c["num_attention_heads"]
         cfg_args = dict(dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=H,
@@ -90,7 +76,7 @@ def config_from_hf(c: dict, where="config.json") -> ModelConfig:
     if c.get("hidden_act", "silu") != "silu":
         raise MinillamaError(f"{where}: hidden_act {str(c['hidden_act'])[:40]!r} is not "
                              f"supported (silu)")
-    cfg_args.update(_family_options(c, family, where))
+    cfg_args.update(family.hf_options(c, where))
     rope = c.get("rope_parameters") or {}
     scaling = c.get("rope_scaling") or {}
     for key, d in (("rope_parameters", rope), ("rope_scaling", scaling)):
@@ -130,37 +116,14 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _family_options(c: dict, family: str, where) -> dict:
-    """The ModelConfig options of a family: biases (llama ``attention_bias``/``mlp_bias``, qwen2's
-    q/k/v biases) and mistral's ``sliding_window``."""
-    if family == "qwen2":
-        if c.get("use_sliding_window"):
-            raise MinillamaError(f"{where}: qwen2 use_sliding_window = true (sliding window on "
-                                 f"some layers only) is not supported")
-        return {"qkv_bias": True}
-    opts = {}
-    if family == "llama":
-        att = c.get("attention_bias", False)
-        opts = {"qkv_bias": att, "attn_out_bias": att, "mlp_bias": c.get("mlp_bias", False)}
-    if family == "mistral" and c.get("sliding_window") is not None:
-        opts["sliding_window"] = c["sliding_window"]
-    return opts
-
-
 def config_to_hf(cfg: ModelConfig) -> dict:
-    """The HF ``config.json`` dict of ``cfg`` (float32): LlamaForCausalLM, or MistralForCausalLM
-    with a sliding window, Qwen2ForCausalLM with q/k/v biases only. A config no HF class holds
-    (a sliding window with biases, q/k/v biases without the output one on llama) is an error."""
-    family, arch = "llama", "LlamaForCausalLM"
-    if cfg.sliding_window is not None:
-        family, arch = "mistral", "MistralForCausalLM"
-    elif cfg.qkv_bias and not cfg.attn_out_bias and not cfg.mlp_bias:
-        family, arch = "qwen2", "Qwen2ForCausalLM"
-    if family == "mistral" and (cfg.qkv_bias or cfg.attn_out_bias or cfg.mlp_bias):
-        raise MinillamaError("this model (sliding window with biases) has no Hugging Face class")
-    if family == "llama" and cfg.qkv_bias != cfg.attn_out_bias:
-        raise MinillamaError("this model (q/k/v biases without an output bias, plus an MLP bias) "
-                             "has no Hugging Face class")
+    """The HF ``config.json`` dict of ``cfg`` (float32), in the class of the family that claims
+    it (:func:`~minillama.io.families.family_for`: LlamaForCausalLM, or MistralForCausalLM with a
+    sliding window, Qwen2ForCausalLM with q/k/v biases only), with that family's own fields. A
+    config the class cannot hold (a sliding window with biases, q/k/v biases without the output
+    one on llama) is an error."""
+    family = family_for(cfg)
+    extra = family.hf_fields(cfg)
     if cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "freq_factors":
         raise MinillamaError("a Hugging Face config cannot hold per-frequency RoPE factors "
                              "(GGUF rope_freqs); export this model as gguf")
@@ -172,7 +135,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
             max_pos = int(cfg.rope_scaling["original_max_position_embeddings"])
             del rope["original_max_position_embeddings"]
     out = {
-        "architectures": [arch], "model_type": family,
+        "architectures": [family.hf_class], "model_type": family.name,
         "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
@@ -181,10 +144,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
         "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32", "torch_dtype": "float32",
     }
-    if family == "llama":
-        out.update(attention_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_bias)
-    if family == "mistral":
-        out["sliding_window"] = cfg.sliding_window
+    out.update(extra)
     return out
 
 
@@ -260,6 +220,7 @@ def load_hf(path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     except OSError as e:
         raise MinillamaError(f"cannot read {d / 'config.json'}: {e.strerror or e}") from None
     cfg = config_from_hf(c, str(d / "config.json"))
+    names = hf_family(c, d / "config.json").hf_tensors
     tensors: dict[str, np.ndarray] = {}
     for f in _weight_files(d):
         t, _ = read_safetensors_file(f)
@@ -269,23 +230,15 @@ def load_hf(path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         tensors.update(t)
     params: dict[str, np.ndarray] = {}
     for name, arr in tensors.items():
-        if name == "model.embed_tokens.weight":
-            params["tok_embeddings.weight"] = arr
-        elif name == "model.norm.weight":
-            params["norm.weight"] = arr
-        elif name == "lm_head.weight":
-            if not cfg.tie_embeddings:
-                params["output.weight"] = arr
-        elif name.startswith("model.layers."):
-            rest = name[len("model.layers."):]
-            layer, _, sub = rest.partition(".")
-            if sub.endswith("rotary_emb.inv_freq"):
-                continue
-            if sub not in _LAYER_MAP or not layer.isdigit():
-                raise MinillamaError(f"unexpected tensor {name} in {d}")
-            params[f"layers.{int(layer)}.{_LAYER_MAP[sub]}"] = arr
-        else:
+        ours = names.ours(name)
+        if ours == "output.weight" and cfg.tie_embeddings:
+            continue  # a tied head saved anyway
+        if ours is None and name.startswith(names.block) and name.removeprefix(
+                names.block).partition(".")[2].endswith("rotary_emb.inv_freq"):
+            continue  # RoPE's frequencies, which older transformers saved
+        if ours is None:
             raise MinillamaError(f"unexpected tensor {name} in {d}")
+        params[ours] = arr
     check_params(cfg, params)
     check_finite(params, d)
     for layer in range(cfg.n_layers):
@@ -322,27 +275,20 @@ def save_hf(path, cfg: ModelConfig, params, max_shard_bytes: int | None = None,
 
 
 def _hf_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
-    """The parameters as float32 host arrays under their HF names, q and k rows in HF's
-    half-split RoPE order."""
+    """The parameters as float32 host arrays under the HF names of the config's family, q and k
+    rows in HF's half-split RoPE order."""
     host = {k: np.asarray(v.get() if hasattr(v, "get") and not isinstance(v, np.ndarray) else v)
             for k, v in params.items()}
-    inv = {v: k for k, v in _LAYER_MAP.items()}
+    names = family_for(cfg).hf_tensors
     out: dict[str, np.ndarray] = {}
     for k, v in host.items():
         v = np.ascontiguousarray(v, dtype=np.float32)
-        if k == "tok_embeddings.weight":
-            out["model.embed_tokens.weight"] = v
-        elif k == "norm.weight":
-            out["model.norm.weight"] = v
-        elif k == "output.weight":
-            out["lm_head.weight"] = v
-        else:
-            _, layer, sub = k.split(".", 2)
-            if sub in ("attention.wq.weight", "attention.wq.bias"):
-                v = interleaved_to_hf(v, cfg.n_heads)
-            elif sub in ("attention.wk.weight", "attention.wk.bias"):
-                v = interleaved_to_hf(v, cfg.n_kv_heads)
-            out[f"model.layers.{layer}.{inv[sub]}"] = v
+        sub = k.split(".", 2)[-1]
+        if sub in ("attention.wq.weight", "attention.wq.bias"):
+            v = interleaved_to_hf(v, cfg.n_heads)
+        elif sub in ("attention.wk.weight", "attention.wk.bias"):
+            v = interleaved_to_hf(v, cfg.n_kv_heads)
+        out[names.theirs(k)] = v
     return out
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from minillama.backends import resolve_name
 from minillama.core.errors import MinillamaError
+from minillama.core.quant import QuantMatrix
 from minillama.io.checkpoint import CKPT_NAME, load_checkpoint
 from minillama.io.gguf import is_gguf, load_gguf
 from minillama.io.hf import is_hf_dir, load_hf, save_hf
@@ -122,8 +123,9 @@ def load_model(path, backend=None, dtype=None):
     """Load any supported checkpoint as a :class:`~minillama.model.transformer.Transformer` on
     ``backend`` (compute ``dtype``, default float32). Returns ``(model, tokenizer or None)``."""
     fmt, cfg, params, tok = load_params(path)
-    if backend is None or isinstance(backend, str):  # None/"auto": by the model's size
-        backend = resolve_name(backend, cfg)
+    if backend is None or isinstance(backend, str):  # None/"auto": by the model's size and type
+        quantized = any(isinstance(v, QuantMatrix) for v in params.values())
+        backend = resolve_name(backend, cfg, quantized=quantized)
     model = Transformer(cfg, params, backend=backend, dtype=np.dtype(dtype or np.float32))
     model.source_format = fmt
     return model, tok

@@ -29,13 +29,12 @@ from typing import Any
 
 from minillama.core.errors import MinillamaError
 from minillama.io.bpe import (
-    GPT2_PATTERN,
-    LLAMA3_PATTERN,
     BPETokenizer,
     LibraryShim,
     TextBPE,
     byte_level_json,
 )
+from minillama.io.families import pre_tokenizers
 from minillama.io.gguf_file import meta as gguf_meta
 from minillama.io.gguf_file import open_gguf as gguf_reader
 from minillama.io.tokenizer_llama2c import Llama2cTokenizer, _flags  # noqa: F401 (re-exported)
@@ -422,17 +421,10 @@ def tokenizer_from_gguf(reader, vocab_size: int, where):
     return tok
 
 
-#: ``tokenizer.ggml.pre`` -> (split pattern, ignore_merges) of byte-level tokenizers
-def _pre_patterns():
-    return {"default": (GPT2_PATTERN, False), "gpt-2": (GPT2_PATTERN, False),
-            "llama-bpe": (LLAMA3_PATTERN, True), "llama3": (LLAMA3_PATTERN, True),
-            "smollm": (GPT2_PATTERN, False),
-            "qwen2": (LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}"), False)}
-
-
 def _gguf_byte_level(reader, vocab_size: int, where, spec):
     """A GPT-2-style (``tokenizer.ggml.model`` ``gpt2``) tokenizer: tokens, merges, token types
-    (3 = control: special) and the pre-tokenizer named by ``tokenizer.ggml.pre``."""
+    (3 = control: special) and the pre-tokenizer named by ``tokenizer.ggml.pre`` (one of the
+    families' pre-tokenizers, :func:`minillama.io.families.pre_tokenizers`)."""
     tokens = gguf_meta(reader, "tokenizer.ggml.tokens")
     merges = gguf_meta(reader, "tokenizer.ggml.merges")
     types = gguf_meta(reader, "tokenizer.ggml.token_type") or []
@@ -440,10 +432,11 @@ def _gguf_byte_level(reader, vocab_size: int, where, spec):
         raise MinillamaError(f"{where}: GGUF gpt2 tokenizer needs tokens (<= the vocabulary of "
                              f"{vocab_size}) and merges")
     pre = gguf_meta(reader, "tokenizer.ggml.pre", "default")
-    if pre not in _pre_patterns():
+    patterns = pre_tokenizers()
+    if not isinstance(pre, str) or pre not in patterns:
         raise MinillamaError(f"{where}: GGUF pre-tokenizer {str(pre)[:40]!r} is not supported "
-                             f"(supported: {', '.join(_pre_patterns())})")
-    pattern, ignore = _pre_patterns()[pre]
+                             f"(supported: {', '.join(patterns)})")
+    pattern, ignore = patterns[pre]
     special = [i for i, t in enumerate(types) if t == 3 and i < len(tokens)]
     bpe = BPETokenizer(where, byte_level_json([str(t) for t in tokens], [str(m) for m in merges],
                                               special, pattern, ignore))

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minillama.backends import backend_names, check_precision, resolve_name
-from minillama.core.config import ModelConfig
+from minillama.backends import backend_help, check_precision, resolve_name
+from minillama.core.config import COMPUTE_DTYPES, DTYPE_HELP, ModelConfig
 from minillama.core.errors import MinillamaError
 from minillama.io.tokenizer import ByteTokenizer
 
@@ -32,11 +32,6 @@ def setting(default, help: str, *, model: bool = False, variant: bool = False,
     architecture variants of docs/MATH.md part II (printed when a run uses them)."""
     return field(default=default, metadata={"help": help, "model": model or variant,
                                             "variant": variant, "metavar": metavar})
-
-
-def _backend_help() -> str:
-    return (f"{', '.join(backend_names())} or auto (default: $MINILLAMA_BACKEND, else auto, "
-            f"which trains on numpy)")
 
 
 @dataclass
@@ -90,8 +85,8 @@ class TrainConfig:
     eval_iters: int = setting(10, "validation batches per evaluation")
     ckpt_interval: int | None = setting(None, "steps between checkpoints (default: "
                                               "--eval-interval)")
-    backend: str | None = setting(None, _backend_help())
-    dtype: str = setting("float32", "compute dtype, float32 or float64")
+    backend: str | None = setting(None, backend_help("train"))
+    dtype: str = setting(COMPUTE_DTYPES[0], DTYPE_HELP)
     precision: str = setting("fp32", "matrix products: fp32, or on --backend cupy tf32 (TF32 "
                                      "tensor cores) or bf16 (bfloat16 operands); float32 "
                                      "accumulation and master weights")
@@ -164,8 +159,8 @@ class TrainConfig:
         for name in ("tie_embeddings", "decay_embeddings", "plot"):
             if not isinstance(getattr(self, name), bool):
                 raise MinillamaError(f"train config: {name} must be true or false")
-        if self.dtype not in ("float32", "float64"):
-            raise MinillamaError(f"train config: dtype must be float32 or float64, "
+        if self.dtype not in COMPUTE_DTYPES:
+            raise MinillamaError(f"train config: dtype must be {' or '.join(COMPUTE_DTYPES)}, "
                                  f"got {self.dtype!r}")
         if not isinstance(self.data, str) or not self.data:
             raise MinillamaError("train config: data must be a path or 'shakespeare'")
