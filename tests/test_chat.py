@@ -64,7 +64,17 @@ def test_generate_chat_command(chat_folder, capsys):
                    "-n", "5", "--temperature", "0"])
     out, err = capsys.readouterr()
     assert rc == 0 and "Traceback" not in err
-    assert out.startswith("<user> the cat?")  # the rendered prompt is echoed, then the reply
+    from minillama.infer.generate import TextStreamer, generate
+    from minillama.io.chat_template import encode_rendered
+    from minillama.io.load import load_model
+
+    model, _ = load_model(chat_folder, backend="reference")
+    ids = encode_rendered(tok, render_chat(tok, [{"role": "user", "content": "the cat?"}]))
+    streamer = TextStreamer(tok, ids)
+    streamer.start()
+    reply = "".join(streamer.put(t) for t in generate(model, ids, 5, stop_ids=stop_ids(tok)))
+    assert out == reply + streamer.flush() + "\n"  # the reply only, as `chat` prints it
+    assert "the cat?" not in out and "<user>" not in out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,3 +182,62 @@ def test_sentencepiece_control_pieces_in_rendered_text(shared_data):
     tok = Llama2cTokenizer(shared_data / "tokenizer.bin")
     ids = encode_rendered(tok, "<s>[INST] Once upon [/INST] a time</s>")
     assert ids == [1] + tok.encode("[INST] Once upon [/INST] a time", bos=False) + [2]
+
+
+def _compiling(monkeypatch, module):
+    """Make ``module``'s warm-up treat numpy as a compiling backend that is slow to start, so the
+    notice a cold Numba cache prints shows without compiling anything."""
+    import functools
+
+    import minillama.infer.generate as gen
+
+    monkeypatch.setattr(gen, "COMPILING_BACKENDS", ("numpy",))
+    monkeypatch.setattr(module, "warm_up", functools.partial(gen.warm_up, note_after=0.0))
+
+
+def test_chat_says_it_compiles_and_shows_backend_and_speed(chat_folder, capsys, monkeypatch):
+    """Before the first prompt `chat` compiles (or loads) the kernels, saying so on a cold cache;
+    stderr names the backend and each reply's speed; stdout holds the reply only."""
+    import io
+
+    import minillama.cli.chat as chat_cli
+    from minillama.core.config import ModelConfig
+    from minillama.io.load import save_hf
+    from minillama.model.transformer import init_params
+
+    tok = HFTokenizer(chat_folder)
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=tok.vocab_size, hidden_dim=48,
+                      max_seq_len=128, tie_embeddings=True)
+    save_hf(chat_folder, cfg, init_params(cfg, seed=0))
+    _compiling(monkeypatch, chat_cli)
+    monkeypatch.setattr("sys.stdin", io.StringIO("the cat?\n"))
+    assert cli.main(["chat", "-c", str(chat_folder), "--backend", "numpy", "-n", "4",
+                     "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert "numpy: compiling kernels (once, cached) ... done in " in err
+    assert "chat: backend numpy" in err and " tok/s" in err
+    assert "compiling" not in out and "tok/s" not in out
+
+
+def test_serve_compiles_before_it_listens(chat_folder, capsys, monkeypatch):
+    """`serve` compiles (or loads) the kernels before the first request, saying so when slow."""
+    import argparse
+
+    import minillama.cli.serve as serve_cli
+    from minillama.core.config import ModelConfig
+    from minillama.io.load import save_hf
+    from minillama.model.transformer import init_params
+
+    tok = HFTokenizer(chat_folder)
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=tok.vocab_size, hidden_dim=48,
+                      max_seq_len=128, tie_embeddings=True)
+    save_hf(chat_folder, cfg, init_params(cfg, seed=0))
+    _compiling(monkeypatch, serve_cli)
+    args = argparse.Namespace(checkpoint=str(chat_folder), backend="numpy", dtype=None,
+                              tokenizer=None, max_batch=2, max_context=None, model_name=None)
+    engine, _, _ = serve_cli.load_engine(args)
+    try:
+        assert engine.decode_steps >= 1  # the warm-up ran through the engine
+        assert "numpy: compiling kernels (once, cached) ... done in " in capsys.readouterr().err
+    finally:
+        engine.close()

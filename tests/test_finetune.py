@@ -380,3 +380,42 @@ def test_smollm2_adapter_loads_in_peft_and_merges_with_the_same_logits(smollm2_h
     with torch.no_grad():
         got = merged(torch.tensor(ids)).logits[0].numpy()
     assert np.abs(got - ref).max() / scale < 1e-4
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_merge_on_a_quantized_base_writes_the_adapter_model(tmp_path, capsys, qtype):
+    """`minillama merge` of a quantized GGUF base writes a float Hugging Face folder whose logits
+    and greedy tokens are those of the base with the adapter attached."""
+    pytest.importorskip("gguf")
+    from minillama.core.config import ModelConfig
+    from minillama.infer.generate import generate
+    from minillama.io.gguf import save_gguf
+    from minillama.io.load import load_model
+    from minillama.io.peft import apply_adapter, save_peft
+    from minillama.model.lora import LoRA, LoRAConfig
+    from minillama.model.transformer import init_params
+
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, hidden_dim=96,
+                      max_seq_len=64)
+    params = init_params(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    for v in params.values():  # lively weights, so that greedy tokens depend on the adapter
+        v[...] = rng.normal(0, 0.4, v.shape) if v.ndim == 2 else rng.uniform(0.5, 1.5, v.shape)
+    base = tmp_path / f"base-{qtype}.gguf"
+    save_gguf(base, cfg, params, matrix_type=qtype)
+    model, _ = load_model(base, backend="reference")
+    lora = LoRA(model, LoRAConfig(rank=4, alpha=8), seed=1)
+    for v in lora.params.values():
+        v[...] = rng.normal(0, 0.3, v.shape)
+    save_peft(lora, tmp_path / "ad")
+    assert cli.main(["merge", str(base), str(tmp_path / "ad"), "--out",
+                     str(tmp_path / "merged")]) == 0
+    merged, _ = load_model(tmp_path / "merged", backend="reference")
+    want, _ = load_model(base, backend="reference")
+    apply_adapter(want, tmp_path / "ad")
+    ids = np.array([[1, 5, 9, 3, 7]])
+    np.testing.assert_allclose(merged.forward(ids), want.forward(ids), rtol=1e-4, atol=1e-4)
+    prompt = [1, 5, 9]
+    assert generate(merged, prompt, 12) == generate(want, prompt, 12)
+    plain, _ = load_model(base, backend="reference")
+    assert generate(plain, prompt, 12) != generate(want, prompt, 12)  # the adapter matters

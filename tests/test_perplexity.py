@@ -98,6 +98,14 @@ def test_cli(tmp_path, capsys):
                  "--limit-chunks", "1"]) == 0
     line = capsys.readouterr().out
     assert "perplexity" in line and "31 tokens scored in 1 chunks of 64, BOS no" in line
+    short = tmp_path / "short.txt"  # fewer tokens than the default --ctx of 512
+    short.write_text(TEXT[:150], encoding="utf-8")
+    n = len(tok.encode(TEXT[:150], bos=True))
+    assert n < 256  # the shipped model holds 256 positions, the default would take them all
+    assert main(["perplexity", "--data", str(short), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ctx"] == n // 2 * 2  # the text fills one window
+    assert main(["perplexity", "--data", str(short), "--ctx", "200"]) == 2
+    assert f"a --ctx of at most {n // 2 * 2}" in capsys.readouterr().err
     assert main(["perplexity", "--data", str(tmp_path / "none.txt")]) == 2
     assert capsys.readouterr().err.startswith("minillama: error: text file not found")
     bad = tmp_path / "bad.txt"

@@ -95,10 +95,10 @@ def _add_memory_flags(p) -> None:
 def run_merge(args) -> int:
     """``minillama merge BASE ADAPTER --out DIR``."""
     out = check_output_dir(args.out, "output folder (--out)")
-    _, cfg, params, _ = load_params(args.base)
+    fmt, cfg, params, tok = load_params(args.base)
     model = Transformer(cfg, params, backend="reference", dtype=np.float32)
     lora = load_peft(model, args.adapter)
-    save_hf(out, cfg, lora.merged(model.params))
+    save_hf(out, cfg, lora.merged(model.params))  # float32: a quantized base is dequantized
     if is_hf_dir(args.base):
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                      "special_tokens_map.json"):
@@ -106,6 +106,9 @@ def run_merge(args) -> int:
                 shutil.copyfile(Path(args.base) / name, out / name)
     print(f"wrote {out}: {args.base} with {args.adapter} merged "
           f"({len(lora.targets)} linears, rank {lora.lc.rank})", file=sys.stderr)
+    if fmt == "gguf" and tok is not None:
+        print(f"the tokenizer stays in {args.base}: run the merged model with --tokenizer "
+              f"{args.base}", file=sys.stderr)
     return 0
 
 

@@ -94,8 +94,10 @@ def run_cli(args) -> int:
     stats = GenerationStats()
     if tok is not None:
         streamer = TextStreamer(tok, prompt_ids)
-        out.write(streamer.start())
-        out.flush()
+        head = streamer.start()
+        if not getattr(args, "chat", False):  # a chat turn prints the reply only
+            out.write(head)
+            out.flush()
     cache_len = int(min(cfg.max_seq_len, len(prompt_ids) + args.max_new_tokens))
     decoder = graph_decoder_for(model, graph_mode, params.temperature, cache_len) \
         if args.max_new_tokens > 0 and not params.penalised else None

@@ -55,8 +55,9 @@ def run_perplexity(args) -> int:
     bos = default_bos(tok) if args.bos == "auto" else args.bos == "yes"
     if bos and tok.bos_id is None:
         raise MinillamaError("the tokenizer has no BOS token; pass --bos no")
-    n_ctx = args.ctx or min(512, model.cfg.max_seq_len)
     tokens = np.asarray(tok.encode(text, bos=bos), dtype=np.int64)
+    # without --ctx: 512 (llama-perplexity's usual), or what the model or a short text allows
+    n_ctx = args.ctx or max(4, min(512, model.cfg.max_seq_len, len(tokens) // 2 * 2))
 
     r = perplexity(model, tokens, n_ctx, tok.bos_id if bos else None, args.limit_chunks,
                    args.batch_size, tok, progress=None if args.json else _progress)

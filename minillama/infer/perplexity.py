@@ -93,7 +93,8 @@ def perplexity(model, tokens, n_ctx: int, bos_id: int | None = None,
         n_chunks = min(n_chunks, max_chunks)
     if n_chunks < 1:
         raise MinillamaError(f"the text has {len(tokens)} tokens, fewer than one chunk of "
-                             f"--ctx {n_ctx}")
+                             f"--ctx {n_ctx}; give a longer text or a --ctx of at most "
+                             f"{len(tokens) // 2 * 2}")
     first = n_ctx // 2
     be = model.backend
     t0 = time.perf_counter()

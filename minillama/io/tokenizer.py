@@ -332,7 +332,7 @@ def _pick_chat_template(value, where) -> str | None:
 
 def load_tokenizer(spec: str):
     """A tokenizer from a command-line spec: ``byte``, a llama2.c ``tokenizer.bin``, a HF
-    ``tokenizer.json`` or a folder holding one."""
+    ``tokenizer.json`` or a folder holding one, or a GGUF file (the tokenizer in its metadata)."""
     from pathlib import Path
 
     if spec == "byte":
@@ -342,6 +342,11 @@ def load_tokenizer(spec: str):
         raise MinillamaError(f"tokenizer not found: {p}")
     if p.is_dir() or p.suffix == ".json":
         return HFTokenizer(p)
+    if p.suffix == ".gguf":
+        tok = load_gguf_tokenizer(str(p))
+        if tok is None:
+            raise MinillamaError(f"{p} holds no tokenizer")
+        return tok
     if p.suffix == ".model":
         raise MinillamaError(f"{p}: SentencePiece .model files are not read; use the llama2.c "
                              f"tokenizer.bin or a Hugging Face tokenizer.json")

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from minillama.core.errors import MinillamaError
+from minillama.core.quant import QuantMatrix, dequantize
 
 #: short target name -> (minillama weight inside a block, PEFT / transformers module name)
 TARGETS = {
@@ -143,8 +144,11 @@ class LoRA:
 
     # --- merging -----------------------------------------------------------------------------
     def merged(self, params: dict[str, Any]) -> dict[str, np.ndarray]:
-        """Host copies of ``params`` with every targeted W replaced by W + s B A."""
-        out = {k: np.array(self.backend.to_numpy(v)) for k, v in params.items()}
+        """Host float copies of ``params`` with every targeted W replaced by W + s B A (weights
+        kept in GGML blocks are dequantized: the merged model is a float model)."""
+        host = self.backend.to_numpy
+        out = {k: dequantize(v) if isinstance(v, QuantMatrix) else np.array(host(v))
+               for k, v in params.items()}
         for key, (a, b) in self.targets.items():
             A = self.backend.to_numpy(self.params[a]).astype(np.float64)
             B = self.backend.to_numpy(self.params[b]).astype(np.float64)
