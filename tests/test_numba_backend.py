@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import PARITY_TOL, max_rel_err
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from minillama.backends import get_backend
@@ -338,6 +338,7 @@ def test_attention_tiled_gqa_offsets(dtype, blas, rng, monkeypatch):
        V=st.integers(1, 300), spread=st.sampled_from([0.1, 3.0, 30.0]),
        ignore_frac=st.sampled_from([0.0, 0.3, 1.0]), dloss=st.floats(0.1, 3.0),
        seed=st.integers(0, 2**16))
+@example(dtype=np.float32, N=1, V=2, spread=3.0, ignore_frac=0.0, dloss=1.6875, seed=3)  # p -> 1
 def test_cross_entropy_matches_reference(dtype, N, V, spread, ignore_frac, dloss, seed):
     be = _numba_backend()
     rng = np.random.default_rng(seed)
@@ -351,7 +352,17 @@ def test_cross_entropy_matches_reference(dtype, N, V, spread, ignore_frac, dloss
     tol = TOL[dtype]
     assert loss.dtype == dtype and loss.shape == ()
     assert abs(float(loss) - float(loss_ref)) <= tol * max(abs(float(loss_ref)), 1.0)
-    assert dz.dtype == dtype and rel_err(dz, dz_ref) <= tol
+    assert dz.dtype == dtype
+    # the error model: dz = (p - onehot) dloss / |kept| with p = e^{z - lse}; in this dtype lse
+    # carries an absolute error of a few eps (1 + max|z|), so every entry of dz (the reference's
+    # and this kernel's) lies within a few eps (1 + max|z|) dloss / |kept| of the float64 truth,
+    # however small the entry itself is (p - 1 as p -> 1)
+    _, ctx64 = ops.cross_entropy_forward(z.astype(np.float64), t)
+    dz64 = ops.cross_entropy_backward(dloss, ctx64)
+    kept = max(int((t >= 0).sum()), 1)
+    bound = 16 * np.finfo(dtype).eps * (1 + float(np.abs(z).max())) * dloss / kept
+    assert np.abs(dz - dz64).max() <= bound
+    assert np.abs(dz_ref - dz64).max() <= bound
     if ignore_frac == 1.0:
         assert float(loss) == 0.0 and not dz.any()
 

@@ -41,7 +41,8 @@ def xent_fwd(logits, targets, valid, lse, row_loss):
 @njit(**JIT_OPTS)
 def xent_bwd(logits, lse, targets, valid, scale, dz):
     r"""dz_{nv} = (e^{z_{nv} - lse_n} - [v = y_n]) \cdot scale for kept rows, 0 for ignored rows
-    (scale = dL / |kept|). logits, dz: (N, V); one pass."""
+    (scale = dL / |kept|). The target's entry p_y - 1 is taken as -\sum_{v \ne y} p_v: no
+    digits lost to cancellation as p_y \to 1. logits, dz: (N, V); one pass."""
     N, V = logits.shape
     zero = scale - scale
     for n in range(N):
@@ -49,9 +50,13 @@ def xent_bwd(logits, lse, targets, valid, scale, dz):
         d = dz[n]
         if valid[n]:
             L = lse[n]
+            y = targets[n]
+            rest = zero
             for j in range(V):
                 d[j] = fexp(z[j] - L) * scale
-            d[targets[n]] -= scale
+                if j != y:
+                    rest += d[j]
+            d[y] = -rest
         else:
             for j in range(V):
                 d[j] = zero
@@ -84,9 +89,13 @@ def xent_grad_rows(z, targets, valid, scale, row_loss):
             tot += e
         row_loss[n] = mx + math.log(tot) - picked
         c = scale / tot
+        y = targets[n]
+        rest = zero
         for j in range(V):
             zr[j] *= c
-        zr[targets[n]] -= scale
+            if j != y:
+                rest += zr[j]
+        zr[y] = -rest  # p_y - 1 = -sum of the others: no cancellation as p_y -> 1
 
 
 # ---------------------------------------------------------------------------------------------
