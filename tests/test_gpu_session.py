@@ -52,8 +52,9 @@ def test_dry_run_names_what_exists(tmp_path):
     seen_scripts, seen_tests = set(), set()
     snippets = [c[c.index("-c") + 1] for c in cmds if len(c) > 2 and "-c" in c[1:2]]
     assert snippets
-    for code in snippets:  # every inline Python snippet at least compiles
+    for code in snippets:  # every inline Python snippet compiles, and its imports resolve
         compile(code, "<gpu_session.sh>", "exec")
+        _check_project_imports(code)
     for cmd in cmds:
         for word in cmd:
             if re.fullmatch(r"tests/test_\w+\.py", word):
@@ -97,3 +98,22 @@ def test_dry_run_names_what_exists(tmp_path):
                     vocab_size=258, max_seq_len=a.context).n_params()
     assert 2 * n < 16 * 2 ** 20  # its float16 export comes back through $OUT (16 MiB a file)
     assert a.dim // a.n_heads in (64, 128)  # the tensor-core attention's head dimensions
+
+
+def _check_project_imports(code: str) -> None:
+    """Every ``from minillama... import name`` of a snippet names a module and a name that
+    exist here (a moved module would otherwise fail only on the GPU machine)."""
+    import ast
+    import importlib
+    import importlib.util
+
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minillama"):
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                assert hasattr(module, alias.name) or importlib.util.find_spec(
+                    f"{node.module}.{alias.name}") is not None, (node.module, alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("minillama"):
+                    importlib.import_module(alias.name)
