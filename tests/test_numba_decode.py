@@ -18,6 +18,7 @@ from minillama.model.transformer import Transformer, init_params
 
 try:
     NUMBA = get_backend("numba")
+    from minillama.backends.numba.tuner import ThreadTuner
 except MinillamaError as e:  # pragma: no cover - numba missing
     pytest.skip(f"numba backend unavailable: {e}", allow_module_level=True)
 
@@ -52,6 +53,10 @@ def calls(monkeypatch):
     monkeypatch.setattr(NUMBA, "_decode", types.SimpleNamespace(
         decode_step=counting(numba_decode.decode_step),
         decode_step_one=counting(numba_decode.decode_step_one)))
+    # every call on all threads, as long as asked: the counts below are those of the chunking
+    # (the thread tuner's probes, which split calls, are tested in tests/test_numba_tuner.py)
+    monkeypatch.setattr(NUMBA, "_tuner", ThreadTuner(NUMBA.num_threads, adapt=False),
+                        raising=False)
     return n
 
 

@@ -17,6 +17,8 @@ from minillama.core.decoding import finite_logits as _finite
 from minillama.core.errors import MinillamaError
 from minillama.core.quant import QuantMatrix
 
+from .tuner import ThreadTuner
+
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 #: config fields the fused decode step understands; any other field must keep its default
@@ -174,18 +176,20 @@ class FusedDecode(DecodePlans):
     :meth:`minillama.model.transformer.Transformer.forward` at T = 1), :meth:`greedy_steps` and
     :meth:`greedy_decoder`."""
 
-    def _step_one(self, plan, tok, pos, kc, vc, logits, stop, ids):
-        """One sequence's fused step(s): :func:`.decode.decode_step_one`, or
-        :func:`.qdecode.decode_step_one_q` for a quantized plan. Returns its count."""
+    def _step_one(self, plan, tok, pos, kc, vc, logits, stop, ids, threads=None):
+        """One sequence's fused step(s) on ``threads`` threads (default: all):
+        :func:`.decode.decode_step_one`, or :func:`.qdecode.decode_step_one_q` for a quantized
+        plan. Returns its count."""
+        threads = self.num_threads if threads is None else threads
         if not plan.get("quant"):
             return self._decode.decode_step_one(tok, pos, *_model_args(plan, kc, vc), logits,
-                                                self.num_threads, stop, ids)
+                                                threads, stop, ids)
         q = self._quant()
         wq, wk, wv, wo, w1, w2, w3 = plan["mats"]
         return self._qdecode.decode_step_one_q(
             tok, pos, *plan["emb"], *plan["out"], plan["codes"], plan["norm"], plan["g_att"],
             wq, wk, wv, wo, plan["g_ffn"], w1, w2, w3, kc, vc, plan["cos"], plan["sin"],
-            plan["eps"], plan["heads"], logits, self.num_threads, stop, ids, q._F16,
+            plan["eps"], plan["heads"], logits, threads, stop, ids, q._F16,
             q._KVALUES)
 
     def decode_step(self, model, tok, start_pos, cache):
@@ -224,8 +228,9 @@ class FusedDecode(DecodePlans):
                                  f"{cache.max_seq_len}")
         logits = np.empty((B, _vocab(plan)), dtype=model.dtype)
         if B == 1:
-            self._step_one(plan, np.ascontiguousarray(tok[:, 0], dtype=np.int64), pos, kc, vc,
-                           logits, _NO_IDS, _NO_IDS)
+            t = np.ascontiguousarray(tok[:, 0], dtype=np.int64)
+            self.tuner.run(self._numba, lambda threads, k: self._step_one(
+                plan, t, pos, kc, vc, logits, _NO_IDS, _NO_IDS, threads) or 1, 1)
         else:
             args = (np.ascontiguousarray(tok[:, 0], dtype=np.int64), pos,
                     *_model_args(plan, kc, vc), logits, self.num_threads)
@@ -253,6 +258,13 @@ class FusedDecode(DecodePlans):
             np.ascontiguousarray(tok, dtype=np.int64).reshape(B), pos, *_model_args(plan, *kv),
             logits, self.num_threads, _NO_IDS, ids)
         return ids[:, :n]
+
+    @property
+    def tuner(self) -> ThreadTuner:
+        """The thread count of one sequence's decode steps, by measured speed (:mod:`.tuner`)."""
+        if getattr(self, "_tuner", None) is None:
+            self._tuner = ThreadTuner(self.num_threads)
+        return self._tuner
 
     def greedy_decoder(self, model, max_seq_len: int, stop_ids=()):
         """A :class:`GreedyDecoder` for one sequence of ``model`` and a cache of ``max_seq_len``
@@ -305,18 +317,32 @@ class GreedyDecoder(ChunkDecoder):
         is the last id). Raises on logits holding NaN/inf."""
         k = self._check_more(k)
         ids = np.empty(k, dtype=np.int64)
-        if k == 0:
-            return ids[None]
+        got = 0
+        while got < k:  # in calls whose thread count the backend's tuner picks
+            rest = ids[got:]
+            n = self.backend.tuner.run(self.backend._numba,
+                                       lambda threads, n, rest=rest: self._steps(rest[:n], threads),
+                                       k - got)
+            if n == 0:
+                break
+            got += n
+            if ids[got - 1] < 0:
+                raise nonfinite_error(f"position {self._P + self._done - 2}")
+            if ids[got - 1] in self.stop:
+                break
+        return ids[None, :got]
+
+    def _steps(self, ids: np.ndarray, threads: int) -> int:
+        """Up to len(ids) greedy steps in one compiled call on ``threads`` threads, into
+        ``ids``; the count run (fewer after a stop id or non-finite logits, whose -1 ends it)."""
         be, m = self.backend, self.model
         plan = be._decode_plan(m)
         kc, vc = be._cache_lists(self.cache, m.dtype)
         p0 = self._P + self._done - 1  # where the last id goes
         logits = np.empty((1, _vocab(plan)), dtype=m.dtype)
         n = be._step_one(plan, np.array([self._last], dtype=np.int64),
-                         np.array([p0], dtype=np.int64), kc, vc, logits, self.stop, ids)
-        ids = ids[:n]
-        if n and ids[-1] < 0:
-            raise nonfinite_error(f"position {p0 + n - 1}")
+                         np.array([p0], dtype=np.int64), kc, vc, logits, self.stop, ids, threads)
         self._done += n
-        self._last = int(ids[-1])
-        return ids[None]
+        if n:
+            self._last = int(ids[n - 1])
+        return n

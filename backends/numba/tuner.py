@@ -1,0 +1,92 @@
+"""The thread count of the fused decode step, chosen by measured speed.
+
+A decode step runs a few hundred parallel regions (several per layer), each ending at a barrier
+where every thread waits for the slowest. On a quiet machine all threads have a core and the
+regions split the work; when other processes want the cores, a thread that loses its core holds
+every barrier until the scheduler gives it one back, and a step can take a hundred times longer
+than on one thread (measured on 2 cores with two busy processes: SmolLM2-135M Q4_1 at 0.8-13
+tokens/s on 2 threads, about 40 on 1; docs/BENCHMARKS.md, "Decode on a busy machine").
+
+:class:`ThreadTuner` keeps the seconds per step of the full thread count and of one thread (an
+exponential moving average of the recent calls), runs the faster, and now and then times one
+step of the other (a probe, whose time replaces the other's stale one). A probe comes once the
+steps run since the last one took :data:`PROBE_RATIO` times what the probe is expected to cost
+(the first call of each count, which pays for cold caches, is not counted),
+so probing costs at most 1 / PROBE_RATIO of the time on any machine, quiet or busy, and a
+change of load is followed within PROBE_RATIO slow steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+#: a probe once the time since the last one is this many times its expected cost
+PROBE_RATIO = 40.0
+#: weight of the newest call in the moving average of seconds per step
+EMA = 0.5
+
+
+class ThreadTuner:
+    """Chooses between ``most`` threads and one for each call of a decode kernel."""
+
+    def __init__(self, most: int, adapt: bool = True):
+        self.most = max(int(most), 1)
+        self.adapt = adapt  # False: always ``most`` threads, calls as long as asked
+        self.per_step: dict[int, float] = {}  # threads -> average seconds per step
+        self.warm: set[int] = set()  # counts whose first call (page faults, caches) is over
+        self.since_probe = 0.0  # seconds of steps run since the last probe
+
+    def best(self) -> int:
+        """The thread count measured fastest (``most`` until both are measured)."""
+        if len(self.per_step) < 2:
+            return self.most
+        return min(self.per_step, key=self.per_step.get)
+
+    def plan(self, steps: int) -> tuple[int, int]:
+        """(threads, steps) of the next call of up to ``steps`` steps: one step of the count
+        that is due a probe (or not measured yet), else steps on the best count, as many as fit
+        before the next probe is due."""
+        if self.most == 1 or not self.adapt:
+            return self.most, steps
+        best = self.best()
+        other = 1 if best == self.most else self.most
+        if best not in self.per_step:
+            return best, 1
+        if other not in self.per_step:
+            return other, 1
+        left = PROBE_RATIO * self.per_step[other] - self.since_probe
+        if left <= 0:
+            return other, 1
+        return best, max(1, min(steps, math.ceil(left / self.per_step[best])))
+
+    def record(self, threads: int, steps: int, seconds: float) -> None:
+        """A call of ``steps`` steps on ``threads`` threads took ``seconds``."""
+        if steps <= 0:
+            return
+        if threads not in self.warm:  # a first call pays for cold caches: not a measure
+            self.warm.add(threads)
+            return
+        t = seconds / steps
+        old = self.per_step.get(threads)
+        if old is None or threads != self.best():  # a probe: its time replaces the stale one
+            self.per_step[threads] = t
+            self.since_probe = 0.0
+        else:
+            self.per_step[threads] = EMA * t + (1 - EMA) * old
+            self.since_probe += seconds
+
+    def run(self, numba, call, steps: int) -> int:
+        """``call(threads, k)`` (runs k <= steps steps on that many threads, returns how many it
+        ran) once, with the thread count and step count of :meth:`plan`; Numba's team size is
+        set for the call and restored after. Returns the steps run."""
+        threads, k = self.plan(steps)
+        before = numba.get_num_threads()
+        numba.set_num_threads(threads)
+        try:
+            t0 = time.perf_counter()
+            n = call(threads, k)
+            self.record(threads, n, time.perf_counter() - t0)
+        finally:
+            numba.set_num_threads(before)
+        return n

@@ -1,0 +1,91 @@
+"""The thread tuner of the numba backend's decode steps (backends/numba/tuner.py): on simulated
+timings it keeps the faster thread count, probes the other less and less often while it loses,
+and follows a machine whose load changes; on a real model its choice never changes the tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minillama.backends.numba.tuner import PROBE_RATIO, ThreadTuner
+
+
+class _Machine:
+    """Seconds per step by thread count, settable (a quiet or a busy machine)."""
+
+    def __init__(self, per_step):
+        self.per_step = dict(per_step)
+
+    def drive(self, tuner, steps: int, chunk: int = 16) -> dict[int, int]:
+        """Run ``steps`` decode steps in calls of up to ``chunk``; steps run per thread count."""
+        ran = {1: 0, tuner.most: 0}
+        left = steps
+        while left:
+            threads, k = tuner.plan(min(chunk, left))
+            tuner.record(threads, k, k * self.per_step[threads])
+            ran[threads] += k
+            left -= k
+        return ran
+
+
+def _cost(m, ran, tuner) -> float:
+    """Seconds the steps ``ran`` took beyond running all of them on the best count."""
+    best = min(m.per_step, key=m.per_step.get)
+    return sum(n * (m.per_step[k] - m.per_step[best]) for k, n in ran.items())
+
+
+def test_quiet_machine_runs_on_every_thread():
+    t, m = ThreadTuner(2), _Machine({2: 0.005, 1: 0.009})
+    ran = m.drive(t, 2000)
+    assert t.best() == 2
+    assert 0 < ran[1] < 2000 * 0.005 / (PROBE_RATIO * 0.009) + 3  # a few one-step probes
+    assert _cost(m, ran, t) <= 2000 * 0.005 / PROBE_RATIO  # probing costs at most 1/RATIO
+
+
+def test_busy_machine_falls_back_to_one_thread_and_back():
+    t, m = ThreadTuner(2), _Machine({2: 0.005, 1: 0.009})
+    m.drive(t, 200)
+    m.per_step = {2: 0.5, 1: 0.025}  # two busy processes: the two-thread barriers stall
+    ran = m.drive(t, 2000)
+    assert t.best() == 1
+    # on two threads: the call that met the change (16 steps), then one-step probes
+    assert ran[2] <= 16 + 2000 * 0.025 / (PROBE_RATIO * 0.5) + 1
+    assert _cost(m, ran, t) <= 2000 * 0.025 / PROBE_RATIO + 16 * 0.5
+    m.per_step = {2: 0.005, 1: 0.009}  # quiet again
+    for _ in range(200):
+        m.drive(t, 16)
+        if t.best() == 2:
+            break
+    assert t.best() == 2
+
+
+def test_one_thread_or_fixed_never_probes():
+    for t in (ThreadTuner(1), ThreadTuner(4, adapt=False)):
+        assert t.plan(16) == (t.most, 16)
+
+
+def test_tuned_decode_keeps_the_tokens(monkeypatch):
+    """Whatever the tuner picks per call (here: forced to alternate), the greedy tokens of the
+    fused decoder are those of the numpy backend."""
+    from minillama.backends import get_backend
+    from minillama.core.config import ModelConfig
+    from minillama.infer.generate import generate
+    from minillama.model.transformer import Transformer, init_params
+
+    numba_be = get_backend("numba")
+    if numba_be.num_threads < 2:
+        pytest.skip("needs two Numba threads")
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, hidden_dim=96,
+                      max_seq_len=64)
+    params = init_params(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    for v in params.values():
+        v[...] = rng.normal(0, 0.4, v.shape) if v.ndim == 2 else rng.uniform(0.5, 1.5, v.shape)
+    ref = Transformer(cfg, params, backend="numpy")
+    fast = Transformer(cfg, params, backend="numba")
+    tuner = ThreadTuner(numba_be.num_threads)
+    counts = iter([2, 1] * 100)
+    monkeypatch.setattr(tuner, "plan", lambda steps: (next(counts), min(steps, 3)))
+    monkeypatch.setattr(numba_be, "_tuner", tuner, raising=False)
+    assert generate(fast, [1, 5, 9], 40) == generate(ref, [1, 5, 9], 40)
+    assert set(tuner.per_step) == {1, 2}  # both counts ran
