@@ -97,8 +97,15 @@ def _open_session(args):
                           context=args.context, params=params)
     # a throwaway turn compiles (or loads) the kernels before the first prompt, saying so when
     # it takes a while
-    dry = ChatSession(model, tok, max_new_tokens=2, context=min(args.context, 64), params=params)
-    warm_up(model, [0], run=lambda: list(dry.reply("hi")))
+    def dry_turn() -> None:
+        try:
+            dry = ChatSession(model, tok, system=args.system, max_new_tokens=2,
+                              context=min(args.context, 256), params=params)
+            list(dry.reply("hi"))
+        except MinillamaError:  # a template or context that refuses it: the first turn says so
+            pass
+
+    warm_up(model, [0], run=dry_turn)
     print(f"chat: backend {model.backend.name}, {model.dtype}; /reset starts over, /exit ends",
           file=sys.stderr)
     return session, tok
