@@ -63,6 +63,16 @@ class Request:
         self._queue: queue.Queue | None = queue.Queue() if on_event is None else None
         self._on_event = on_event if on_event is not None else self._queue.put
 
+    def recent(self) -> list[int]:
+        """The context's last ``repeat_last_n`` ids (all for -1) that the penalties look at,
+        without copying the whole prompt at every step."""
+        n, toks = self.params.repeat_last_n, self.tokens
+        if n < 0:
+            return self.prompt_ids + toks
+        if len(toks) >= n:
+            return toks[len(toks) - n:]
+        return self.prompt_ids[max(len(self.prompt_ids) - (n - len(toks)), 0):] + toks
+
     def cancel(self) -> None:
         """Stop generating (e.g. the client disconnected); the slot is freed at the next step."""
         self._cancelled = True
@@ -354,7 +364,7 @@ class SlotBatch:
             r._fail("the model's logits hold NaN/inf values (its weights overflow the compute "
                     "dtype)")
             return
-        t = r.params.pick(z, r.rng, r.prompt_ids + r.tokens if r.params.penalised else ())
+        t = r.params.pick(z, r.rng, r.recent() if r.params.penalised else ())
         if t in r.stop_ids:
             s.done = True
             r._finish("stop")
