@@ -55,6 +55,8 @@ def parse_args(argv=None):
     ap.add_argument("--tg", type=int, default=128, help="decoded tokens (default %(default)s)")
     ap.add_argument("--pp", type=int, default=512, help="prompt tokens (default %(default)s)")
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
+    ap.add_argument("--make-files", action="store_true",
+                    help="write the --types files into --workdir and stop (no measurement)")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -154,6 +156,10 @@ def main(argv=None) -> int:
     work = Path(tmp.name) if tmp else args.workdir
     work.mkdir(parents=True, exist_ok=True)
     files = args.gguf or make_files(args, work)
+    if args.make_files:
+        for f in files:
+            print(f"{f} {f.stat().st_size / 2**20:.1f} MiB")
+        return 0
     load = os.getloadavg()
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} threads={args.threads} backend={args.backend} "
           f"tg={args.tg} pp={args.pp} reps={args.reps} load={load[0]:.2f},{load[1]:.2f}")

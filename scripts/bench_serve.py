@@ -48,7 +48,8 @@ def start_server(args):
     for flag in ("checkpoint", "backend", "dtype"):
         if getattr(args, flag):
             cmd += [f"--{flag}", getattr(args, flag)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     line = proc.stderr.readline()
     if " on http://" not in line:

@@ -370,6 +370,34 @@ def test_model_step_stays_on_device():
         close(grads_g[k], grads_c[k], np.float32, k)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_quantized_gguf_on_the_gpu_gives_the_host_logits(qtype, tmp_path):
+    """A GGUF file's Q8_0 / Q4_K matrices stay in their blocks on the GPU (quant.cu): prefill
+    (more rows than the matvec kernel takes: dequantized tiles and a GEMM) and batch-1 decode
+    steps (the matvec kernel) give the logits of the NumPy backend on the same file."""
+    from minillama.core.config import ModelConfig
+    from minillama.core.quant import QuantMatrix
+    from minillama.io.gguf import save_gguf
+    from minillama.io.load import load_model
+    from minillama.model.transformer import init_params
+
+    cfg = ModelConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+                      hidden_dim=512, max_seq_len=32, tie_embeddings=False)
+    path = save_gguf(tmp_path / f"tiny-{qtype}.gguf", cfg, init_params(cfg, seed=3),
+                     matrix_type=qtype)
+    gpu, _ = load_model(path, backend="cupy")
+    host, _ = load_model(path, backend="numpy")
+    assert isinstance(gpu.params["layers.0.attention.wq.weight"], QuantMatrix)
+    assert isinstance(gpu.params["layers.0.attention.wq.weight"].data, cp.ndarray)
+    tok = np.random.default_rng(0).integers(0, 64, (1, 12))
+    close(gpu.forward(tok), host.forward(tok), np.float32, f"{qtype} prefill")
+    caches = [m.new_cache(1, 32) for m in (gpu, host)]
+    for t in range(4):  # one token at a time through the KV cache: matrix-vector products
+        zg, zh = (m.forward(tok[:, t:t + 1], t, c, last_only=True)
+                  for m, c in zip((gpu, host), caches))
+        close(zg, zh, np.float32, f"{qtype} decode step {t}")
+
+
 def test_graph_decoder_matches_eager_greedy_decode():
     """The decode step captured once as a CUDA graph (positions and tokens advanced on the
     device) gives the ids of the eager KV-cached greedy decode, at batch 1 and 3, and again

@@ -39,16 +39,36 @@ def test_unknown_phase_is_one_line_and_status_2(tmp_path):
     assert "unknown phase 'bench'" in r.stderr
 
 
+DEFAULT = ("setup", "tests", "quant", "train", "decode", "serve", "cli", "attention")
+
+
+def test_bad_budget_is_one_line_and_status_2(tmp_path):
+    r = subprocess.run(["bash", str(SCRIPT), "--budget", "soon"], capture_output=True,
+                       text=True, timeout=30, env={**os.environ, "OUT": str(tmp_path)})
+    assert r.returncode == 2 and r.stderr.strip() == "gpu_session: --budget needs seconds"
+
+
+def test_a_spent_budget_skips_every_command(tmp_path):
+    """Past its budget the script runs nothing more (each command says it was skipped) and still
+    ends every phase, so one device call never outlives its timeout."""
+    r = subprocess.run(["bash", str(SCRIPT), "--budget", "0", "tests", "train", "cli"],
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable})
+    assert r.returncode == 0, r.stderr
+    commands = [line for line in r.stdout.splitlines() if line.startswith("$ ")]
+    assert commands and r.stdout.count("# skipped: the budget is spent") == len(commands)
+    assert r.stdout.count("## phase ") == 6  # each phase starts and ends
+
+
 def test_dry_run_names_what_exists(tmp_path):
     default = _dry(tmp_path / "default")
-    assert {p.name for p in (tmp_path / "default").iterdir()} == \
-        {f"{p}.log" for p in ("setup", "tests", "attention", "train", "decode", "cli", "quant")}
-    cmds = _dry(tmp_path / "all", "setup", "tests", "attention", "train", "decode", "cli",
-                "quant", "retrain")
+    # one log per phase, at most 8: what one device call brings back
+    assert {p.name for p in (tmp_path / "default").iterdir()} == {f"{p}.log" for p in DEFAULT}
+    cmds = _dry(tmp_path / "all", *DEFAULT, "retrain")
     assert cmds[:len(default)] == default
-    # one log per phase (a device call runs a few phases and returns their logs)
-    assert len(list((tmp_path / "all").iterdir())) == 8
+    assert len(list((tmp_path / "all").iterdir())) == 9
     assert any("scripts/bench_gguf.py" in c and "cupy" in c for c in cmds)
+    assert any("scripts/bench_serve.py" in c and "cupy" in c for c in cmds)
     seen_scripts, seen_tests = set(), set()
     snippets = [c[c.index("-c") + 1] for c in cmds if len(c) > 2 and "-c" in c[1:2]]
     assert snippets
@@ -88,7 +108,7 @@ def test_dry_run_names_what_exists(tmp_path):
         assert args.func is not None
     assert any("--cuda-graph" in c and "on" in c for c in clis)
     assert {c[c.index("--precision") + 1] for c in clis if "--precision" in c} == \
-        {"fp32", "tf32", "bf16"}
+        {"fp32", "bf16"}
     retrain = [c for c in clis if "--export" in c]
     assert len(retrain) == 1
     from minillama.core.config import ModelConfig
