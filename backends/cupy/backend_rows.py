@@ -9,6 +9,7 @@ import numpy as np
 
 from minillama.core import ops
 from minillama.core.errors import MinillamaError
+from minillama.core.quant import QuantMatrix
 
 from ..reference import (
     composed_linear_cross_entropy_backward,
@@ -24,7 +25,14 @@ class RowOps:
     # --- embedding ------------------------------------------------------------------------------
     def embedding_forward(self, weight, tokens):
         r"""h_{b,t} = E[x_{b,t}] (gather kernel). weight: (V, D); tokens: (B, T).
-        Returns (B, T, D)."""
+        Returns (B, T, D). A Q8_0 / Q4_K table on the device: the tokens' rows of blocks gathered,
+        then dequantized (quant.cu), all on the device."""
+        if isinstance(weight, QuantMatrix) and isinstance(weight.data, cp.ndarray):
+            tok = cp.asarray(tokens).astype(cp.int64, copy=False)
+            rows = QuantMatrix(weight.qtype, (tok.size, weight.shape[1]),
+                               weight.data[tok.reshape(-1)])
+            out = self._dequantize(rows, np.float32)
+            return out.reshape(tuple(tok.shape) + (weight.shape[1],)), _KCtx((tok, weight.shape))
         if not _supported(weight):
             return ops.embedding_forward(weight, tokens)
         tok = _c(cp.asarray(tokens).astype(cp.int64, copy=False))

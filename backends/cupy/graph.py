@@ -33,6 +33,8 @@ from minillama.core.decoding import (
 from minillama.core.errors import MinillamaError
 from minillama.core.quant import QuantMatrix
 
+from .common import QUANT_KERNELS
+
 _STEP_SRC = r"""
 extern "C" __global__ void cache_write(float* __restrict__ kc, float* __restrict__ vc,
                                        const float* __restrict__ k, const float* __restrict__ v,
@@ -124,10 +126,11 @@ def unsupported_reason(model, batch_size: int = 1) -> str | None:
     if any(k.endswith(".bias") for k in model.params) or getattr(cfg, "sliding_window", None) \
             or sc.get("rope_type") == "dynamic":
         return "decodes plain LLaMA blocks (no biases, no sliding window, no dynamic RoPE scaling)"
-    quant = [k for k, v in model.params.items() if isinstance(v, QuantMatrix)]
+    quant = [k for k, v in model.params.items()
+             if isinstance(v, QuantMatrix) and v.qtype not in QUANT_KERNELS]
     if quant:
-        return (f"decodes float weights ({quant[0]} is a quantized {model.params[quant[0]].qtype} "
-                f"matrix, which the op-by-op path runs)")
+        return (f"decodes float, Q8_0 and Q4_K weights ({quant[0]} is a quantized "
+                f"{model.params[quant[0]].qtype} matrix, which the op-by-op path runs)")
     bad = [k for k, v in model.params.items() if v.ndim == 2 and v.shape[1] % 4]
     if bad:
         return (f"needs weight input widths divisible by 4 ({bad[0]} is "
@@ -171,10 +174,14 @@ class GraphDecoder(ChunkDecoder):
     # ------------------------------------------------------------------------------------------
     def _linear(self, x, w):
         """y = x W^T for the B rows of one position: (B, 1, K) or (B, K) -> (B, 1, N) / (B, N).
-        A CUDA kernel rather than cuBLAS (CuPy refuses cuBLAS calls inside a stream capture)."""
+        A CUDA kernel rather than cuBLAS (CuPy refuses cuBLAS calls inside a stream capture):
+        gemv for float W, the backend's matvec kernel over the blocks for Q8_0 / Q4_K W."""
         cp = self.cp
         K, N = w.shape[1], w.shape[0]
         x2 = cp.ascontiguousarray(x.reshape(self.B, K))
+        if isinstance(w, QuantMatrix):  # B <= MAX_BATCH = the matvec kernel's rows
+            y, _ = self.model.backend.linear_forward(x2, w)
+            return y.reshape(tuple(x.shape[:-1]) + (N,))
         y = cp.empty((self.B, N), dtype=cp.float32)
         fn = self._gemv[1 if self.B == 1 else 8]
         fn((min(-(-N // 8), 4096),), (256,), (x2, w, y, np.int32(self.B), np.int32(N),
