@@ -518,14 +518,13 @@ def _random_blocks(qtype, N, K, rng):
 
     per, size = QUANT_TYPES[qtype].block_elems, QUANT_TYPES[qtype].block_bytes
     data = rng.integers(0, 256, size=(N, K // per, size), dtype=np.uint8)
-    halves = 1 if qtype == "Q8_0" else 2  # Q8_0: d; Q4_K: d, dmin
-    for h in range(halves):
+    for at in QUANT_TYPES[qtype].scale_fields:  # Q8_0: d; Q4_K: d, dmin; Q6_K: d at 208
         d = (rng.uniform(0.002, 0.05, size=(N, K // per)) * rng.choice([-1, 1], (N, K // per)))
-        data[:, :, 2 * h:2 * h + 2] = d.astype("<f2").view(np.uint8).reshape(N, K // per, 2)
+        data[:, :, at:at + 2] = d.astype("<f2").view(np.uint8).reshape(N, K // per, 2)
     return QuantMatrix(qtype, (N, K), data.reshape(N, -1))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_quant_kernels_match_gguf(be, qtype, dtype):
     """quant.cu against the gguf package's dequantization: the matvec kernel (few rows of x), the
@@ -534,9 +533,15 @@ def test_quant_kernels_match_gguf(be, qtype, dtype):
     from gguf import GGMLQuantizationType
 
     rng = np.random.default_rng(3)
-    N, K = 9, 512  # N not a multiple of the warps per block
+    # N not a multiple of the warps per block; Q8_0 also with 5 blocks a row (4 per warp pass)
+    for N, K in ((9, 512),) + (((5, 160),) if qtype == "Q8_0" else ()):
+        _check_quant_kernels(be, qtype, dtype, N, K, rng, gquants.dequantize,
+                             GGMLQuantizationType[qtype])
+
+
+def _check_quant_kernels(be, qtype, dtype, N, K, rng, dequantize, gtype):
     w = _random_blocks(qtype, N, K, rng)
-    W = gquants.dequantize(w.data, GGMLQuantizationType[qtype]).reshape(N, K).astype(np.float64)
+    W = dequantize(w.data, gtype).reshape(N, K).astype(np.float64)
     for rows in (1, 3, 11):  # 11 > QUANT_MATVEC_ROWS: the GEMM path
         x = rng.standard_normal((rows, K)).astype(dtype)
         y, ctx = be.linear_forward(x, w)
@@ -545,3 +550,16 @@ def test_quant_kernels_match_gguf(be, qtype, dtype):
         dx, dw = be.linear_backward(dy, ctx)
         assert dw is None
         close(dx, dy.astype(np.float64) @ W, TOL[dtype] * 10)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+def test_quantized_embedding_gathers_rows_of_blocks_then_dequantizes(be, qtype):
+    """A Q8_0 / Q4_K / Q6_K embedding table kept in its blocks on the device: the tokens' rows
+    of blocks are gathered, then dequantized by quant.cu, equal to the host's dequantized rows."""
+    from minillama.core.quant import dequantize
+
+    w = _random_blocks(qtype, 7, 256, np.random.default_rng(4))
+    tok = np.array([[3, 0, 6], [3, 1, 2]])
+    out, _ = be.embedding_forward(w, tok)
+    assert out.shape == (2, 3, 256) and out.dtype == np.float32
+    close(out, dequantize(w)[tok], 1e-6)

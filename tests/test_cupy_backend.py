@@ -370,9 +370,9 @@ def test_model_step_stays_on_device():
         close(grads_g[k], grads_c[k], np.float32, k)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
 def test_quantized_gguf_on_the_gpu_gives_the_host_logits(qtype, tmp_path):
-    """A GGUF file's Q8_0 / Q4_K matrices stay in their blocks on the GPU (quant.cu): prefill
+    """A GGUF file's Q8_0 / Q4_K / Q6_K matrices stay in their blocks on the GPU (quant.cu): prefill
     (more rows than the matvec kernel takes: dequantized tiles and a GEMM) and batch-1 decode
     steps (the matvec kernel) give the logits of the NumPy backend on the same file."""
     from minillama.core.config import ModelConfig
@@ -423,10 +423,10 @@ def test_graph_decoder_matches_eager_greedy_decode():
         np.testing.assert_array_equal(dec.generate(prompt, 20), ref)  # replays the same graph
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
 def test_graph_decoder_reads_quantized_blocks(qtype, tmp_path):
-    """A GGUF file's Q8_0 / Q4_K matrices (and embedding table) in the CUDA graph: the greedy ids
-    of the eager op-by-op decode of the same model, batch 1 and 3."""
+    """A GGUF file's Q8_0 / Q4_K / Q6_K matrices (and embedding table) in the CUDA graph: the
+    greedy ids of the eager op-by-op decode of the same model, batch 1 and 3."""
     from minillama.backends.cupy.graph import GraphDecoder
     from minillama.core.config import ModelConfig
     from minillama.io.gguf import save_gguf

@@ -149,7 +149,7 @@ def test_quantized_weights_are_not_trained():
 
 
 def test_cuda_graph_takes_q8_0_and_declines_types_without_kernels():
-    """The CUDA-graph decoder reads Q8_0 / Q4_K blocks with quant.cu's matvec kernel; a type
+    """The CUDA-graph decoder reads Q8_0 / Q4_K / Q6_K blocks with quant.cu's matvec kernel; a type
     without CUDA kernels is named in the reason (on the device such types are widened at load)."""
     from minillama.backends.cupy.graph import unsupported_reason
 

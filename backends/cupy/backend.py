@@ -163,9 +163,10 @@ class CupyBackend(AttentionOps, RowOps, ReferenceBackend):
         return dx, dw
 
     def _qlinear_forward(self, x, w):
-        r"""y = x W^T with W in Q8_0 or Q4_K blocks on the device: up to ``QUANT_MATVEC_ROWS`` rows
-        of x go through the matvec kernel (weights read once, in their blocks); more rows
-        dequantize W once and run one GEMM. x: (..., K); w: QuantMatrix (N, K) -> (..., N)."""
+        r"""y = x W^T with W in Q8_0, Q4_K or Q6_K blocks on the device: up to
+        ``QUANT_MATVEC_ROWS`` rows of x go through the matvec kernel (weights read once, in their
+        blocks); more rows dequantize W once and run one GEMM. x: (..., K); w: QuantMatrix
+        (N, K) -> (..., N)."""
         N, K = w.shape
         if not _supported(x):
             raise MinillamaError(f"a {w.qtype} product on the GPU needs float32 or float64 "

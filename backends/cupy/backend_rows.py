@@ -25,8 +25,8 @@ class RowOps:
     # --- embedding ------------------------------------------------------------------------------
     def embedding_forward(self, weight, tokens):
         r"""h_{b,t} = E[x_{b,t}] (gather kernel). weight: (V, D); tokens: (B, T).
-        Returns (B, T, D). A Q8_0 / Q4_K table on the device: the tokens' rows of blocks gathered,
-        then dequantized (quant.cu), all on the device."""
+        Returns (B, T, D). A Q8_0 / Q4_K / Q6_K table on the device: the tokens' rows of blocks
+        gathered, then dequantized (quant.cu), all on the device."""
         if isinstance(weight, QuantMatrix) and isinstance(weight.data, cp.ndarray):
             tok = cp.asarray(tokens).astype(cp.int64, copy=False)
             rows = QuantMatrix(weight.qtype, (tok.size, weight.shape[1]),

@@ -12,7 +12,8 @@ from . import build as cb
 
 #: block types kept in their blocks on the device, with their (matvec, dequantize) kernels in
 #: quant.cu; other quantized types are widened once when the model moves to the device
-QUANT_KERNELS = {"Q8_0": ("q8_0_matvec", "q8_0_dequant"), "Q4_K": ("q4_k_matvec", "q4_k_dequant")}
+QUANT_KERNELS = {"Q8_0": ("q8_0_matvec", "q8_0_dequant"), "Q4_K": ("q4_k_matvec", "q4_k_dequant"),
+                 "Q6_K": ("q6_k_matvec", "q6_k_dequant")}
 
 INSTALL_HINT = ('install the GPU extra: pip install "minillama[gpu]" (CUDA 12; '
                 '"minillama[gpu-cuda13]" for CUDA 13, as nvidia-smi shows)')

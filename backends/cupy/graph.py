@@ -129,7 +129,7 @@ def unsupported_reason(model, batch_size: int = 1) -> str | None:
     quant = [k for k, v in model.params.items()
              if isinstance(v, QuantMatrix) and v.qtype not in QUANT_KERNELS]
     if quant:
-        return (f"decodes float, Q8_0 and Q4_K weights ({quant[0]} is a quantized "
+        return (f"decodes float and {'/'.join(QUANT_KERNELS)} weights ({quant[0]} is a quantized "
                 f"{model.params[quant[0]].qtype} matrix, which the op-by-op path runs)")
     bad = [k for k, v in model.params.items() if v.ndim == 2 and v.shape[1] % 4]
     if bad:
@@ -175,7 +175,7 @@ class GraphDecoder(ChunkDecoder):
     def _linear(self, x, w):
         """y = x W^T for the B rows of one position: (B, 1, K) or (B, K) -> (B, 1, N) / (B, N).
         A CUDA kernel rather than cuBLAS (CuPy refuses cuBLAS calls inside a stream capture):
-        gemv for float W, the backend's matvec kernel over the blocks for Q8_0 / Q4_K W."""
+        gemv for float W, the backend's matvec kernel over the blocks for a quantized W."""
         cp = self.cp
         K, N = w.shape[1], w.shape[0]
         x2 = cp.ascontiguousarray(x.reshape(self.B, K))
