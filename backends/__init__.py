@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 
 from minillama.core.errors import MinillamaError
 
@@ -28,9 +29,10 @@ from minillama.core.errors import MinillamaError
 from .cupy.mixed_precision import PRECISIONS, check_precision, with_precision
 from .numpy.threads import openblas_api
 
-__all__ = ["BACKENDS", "ENV_VAR", "AUTO_REFERENCE_MAX_PARAMS", "PRECISIONS", "auto_backend",
-           "available_backends", "backend_help", "backend_names", "check_precision", "get_backend",
-           "graph_decoder", "openblas_api", "resolve_name", "with_precision"]
+__all__ = ["BACKENDS", "ENV_VAR", "AUTO_REFERENCE_MAX_PARAMS", "PRECISIONS", "THREAD_VARS",
+           "auto_backend", "available_backends", "backend_help", "backend_names",
+           "check_precision", "get_backend", "graph_decoder", "openblas_api", "resolve_name",
+           "set_threads", "threads_in_use", "with_precision"]
 
 #: name -> "module:Class", imported lazily
 BACKENDS: dict[str, str] = {
@@ -56,6 +58,40 @@ def backend_names() -> list[str]:
 #: compiles its kernels once, says so, and caches them). Without Numba: ``numpy`` above the
 #: threshold. Measured with ``scripts/bench_default_backend.py``; figures in README.
 AUTO_REFERENCE_MAX_PARAMS = 50_000_000
+
+
+#: the variables that size the CPU thread pools: the numpy backend's row threads, Numba's parallel
+#: kernels, OpenMP and OpenBLAS
+THREAD_VARS = ("MINILLAMA_NUM_THREADS", "NUMBA_NUM_THREADS", "OMP_NUM_THREADS",
+               "OPENBLAS_NUM_THREADS")
+
+
+def set_threads(n: int) -> None:
+    """Run every CPU pool with ``n`` threads (``--threads``): the variables of
+    :data:`THREAD_VARS` for what starts later, OpenBLAS at once, and Numba's pool if it has
+    started (it cannot grow past the size it started with: then the most it has)."""
+    n = int(n)
+    if n < 1:
+        raise MinillamaError(f"--threads must be at least 1, got {n}")
+    for var in THREAD_VARS:
+        os.environ[var] = str(n)
+    api = openblas_api()
+    if api is not None:
+        api[1](n)
+    if "numba" in sys.modules:
+        numba = sys.modules["numba"]
+        numba.set_num_threads(min(n, int(numba.config.NUMBA_NUM_THREADS)))
+
+
+def threads_in_use(backend) -> int | None:
+    """The CPU threads ``backend`` runs its ops with (None on a GPU backend)."""
+    if getattr(backend, "xp", None) is not None and backend.xp.__name__ != "numpy":
+        return None
+    if hasattr(backend, "num_threads"):
+        return int(backend.num_threads)
+    from .numpy.threads import num_threads
+
+    return num_threads()
 
 
 def numba_installed() -> bool:

@@ -16,6 +16,7 @@ from minillama.cli.common import (
     add_backend_flag,
     add_model_flags,
     add_sampling_flags,
+    backend_line,
     sampling_params,
 )
 from minillama.core.errors import MinillamaError
@@ -106,7 +107,7 @@ def _open_session(args):
             pass
 
     warm_up(model, [0], run=dry_turn)
-    print(f"chat: backend {model.backend.name}, {model.dtype}; /reset starts over, /exit ends",
+    print(f"chat: {backend_line(model.backend)}, {model.dtype}; /reset starts over, /exit ends",
           file=sys.stderr)
     return session, tok
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from minillama.backends import backend_help, backend_names
+from minillama.backends import backend_help, backend_names, threads_in_use
 from minillama.core.config import COMPUTE_DTYPES, DTYPE_HELP
 from minillama.core.errors import MinillamaError
 from minillama.core.sampling import SamplingParams
@@ -103,3 +103,17 @@ def sampling_params(args) -> SamplingParams:
         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
         frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
         seed=args.seed)
+
+
+def add_threads_flag(p) -> None:
+    """``--threads N``, which every command takes (:func:`minillama.backends.set_threads`)."""
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads of every pool: the backend's kernels, BLAS, the row "
+                        "threads (default: $MINILLAMA_NUM_THREADS, else every core)")
+
+
+def backend_line(backend) -> str:
+    """``backend numba, 2 threads`` (the threads left out on a GPU backend): what speed lines
+    name, so a figure says what produced it."""
+    n = threads_in_use(backend)
+    return f"backend {backend.name}" + ("" if n is None else f", {n} thread{'s' * (n != 1)}")

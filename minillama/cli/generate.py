@@ -15,6 +15,7 @@ from minillama.cli.common import (
     add_backend_flag,
     add_model_flags,
     add_sampling_flags,
+    backend_line,
     sampling_params,
 )
 from minillama.cli.main import main
@@ -187,7 +188,7 @@ def _print_stats(stats: GenerationStats, model, graphed: bool) -> None:
           f"({stats.prefill_tokens_per_s:.1f} tok/s); decode: {max(stats.new_tokens - 1, 0)} "
           f"tokens in {stats.decode_s * 1e3:.1f} ms ({stats.decode_tokens_per_s:.1f} tok/s); "
           f"KV cache: {kib:.1f} KiB (2 x L={L} x B={B} x S={S} x KVH={KVH} x hd={hd} x "
-          f"{model.dtype.itemsize} B); backend {model.backend.name}"
+          f"{model.dtype.itemsize} B); {backend_line(model.backend)}"
           f"{', one CUDA graph per decode step' if graphed else ''}", file=sys.stderr)
 
 

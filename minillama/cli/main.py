@@ -14,6 +14,8 @@ import sys
 import textwrap
 
 from minillama import __version__
+from minillama.backends import set_threads
+from minillama.cli.common import add_threads_flag
 from minillama.core.errors import MinillamaError
 from minillama.core.extras import missing_error
 
@@ -94,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.add_cli(sub)
+    for command in sub.choices.values():  # every command: one flag, one meaning
+        add_threads_flag(command)
     return parser
 
 
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "func", None):
             parser.error("a command is required: " + ", ".join(_command_names(parser)))
         command = f"minillama {args.command}"
+        if getattr(args, "threads", None) is not None:
+            set_threads(args.threads)
         return int(args.func(args) or 0)
     except MinillamaError as e:
         print(f"minillama: error: {e}", file=sys.stderr)
