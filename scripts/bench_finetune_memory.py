@@ -1,12 +1,21 @@
 #!/usr/bin/env python
 """The memory plan of a fine-tuning step against what the step allocates, with and without
-``--recompute``, and the example tokens per second of padded against packed chat batches.
+``--recompute``; the plan of whole ``minillama finetune`` runs against their measured peak
+resident memory, on short and on long chat records; and the example tokens per second of padded
+against packed chat batches.
 
 Memory: the checkpoint (default: SmolLM2-135M-Instruct Q4_1 GGUF, its blocks kept quantized) with
 LoRA (rank 8 on all seven linears), one (B, T) micro-batch of random tokens. For each mode
 (plain, recompute): the plan's activation bytes (:mod:`minillama.train.memplan`), the bytes of the
 arrays the forward keeps (measured on the tape), the peak of ``tracemalloc`` over one
 ``loss_and_grads`` (NumPy reports its buffers to it) and the step's time.
+
+Plan against peak (``rss``): ``minillama finetune`` in a subprocess (``--backend``, ``--batch``,
+``--context`` = ``--seq``, ``--rss-steps`` steps) on 8 short chat records (one question and a
+few-word answer each) and on 8 chat records that fill the context (an answer of repeated words
+as long as the context takes, through the model's own template and tokenizer). The plan's total
+(the line the command prints) against the process's peak resident memory (``VmHWM``), and the
+plan's part above the memory the process held before the command against the measured rise.
 
 Packing: a synthetic chat set (question/answer conversations of varied lengths as prompt and
 completion, the loss on the last answer), ``Finetuner`` train steps padded then packed (the
@@ -22,6 +31,9 @@ import argparse
 import json
 import os
 import platform
+import re
+import subprocess
+import sys
 import tempfile
 import time
 import tracemalloc
@@ -39,7 +51,8 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--pack-steps", type=int, default=4, help="timed train steps per mode")
     ap.add_argument("--pack-context", type=int, default=256)
-    ap.add_argument("--skip", choices=("memory", "pack"), action="append", default=[])
+    ap.add_argument("--rss-steps", type=int, default=1, help="steps of each measured run")
+    ap.add_argument("--skip", choices=("memory", "rss", "pack"), action="append", default=[])
     return ap.parse_args(argv)
 
 
@@ -111,6 +124,94 @@ def memory() -> None:
         if not recompute:
             print("\n".join(f"<!-- {line} -->" for line in p.lines()))
     model.recompute = False
+    print()
+
+
+#: runs ``minillama ARGS``; prints the resident memory before it and the peak after it
+MEASURE = r"""
+import json, sys
+from minillama.cli import main as cli
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key))
+
+base = status("VmRSS:")
+rc = cli.main(sys.argv[1:])
+print("measured " + json.dumps({"rc": rc, "base": base, "peak": status("VmHWM:")}),
+      file=sys.stderr)
+"""
+UNITS = {"B": 1, "KiB": 1024, "MiB": MiB, "GiB": 1024 * MiB}
+PLAN = re.compile(r"^memory plan: ([0-9.]+) (\S+) at peak = (?:runtime ([0-9.]+) (\S+) \+ )?"
+                  r".*B x T = (\d+ x \d+)", re.M)
+SHORT_CHAT = [("what is the capital of france?", "paris."), ("name a color.", "blue."),
+              ("2+2?", "4."), ("say hi.", "hi!"), ("what is water made of?", "hydrogen and "
+              "oxygen."), ("largest planet?", "jupiter."), ("a fruit?", "an apple."),
+              ("opposite of hot?", "cold.")]
+WORDS = "the quick brown fox jumps over the lazy dog and runs far away".split()
+
+
+def _answer(n: int) -> str:
+    return " ".join(WORDS[i % len(WORDS)] for i in range(n))
+
+
+def long_chat(tok, context: int) -> list[tuple[str, str]]:
+    """The questions of :data:`SHORT_CHAT`, each answered by as many repeated words as fit in
+    ``context`` + 1 tokens of the model's template."""
+    from minillama.train.finetune import chat_example
+
+    out = []
+    for q, _ in SHORT_CHAT:
+        def size(n, q=q):
+            return len(chat_example(tok, [{"role": "user", "content": q},
+                                          {"role": "assistant", "content": _answer(n)}]).ids)
+        lo, hi = 1, 4 * context
+        while lo < hi:  # the most words that fit
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if size(mid) <= context + 1 else (lo, mid - 1)
+        out.append((q, _answer(lo)))
+    return out
+
+
+def measured_run(name: str, label: str, pairs, d: str) -> str:
+    """One table row: ``minillama finetune`` on the chat records ``pairs`` in a subprocess."""
+    data = os.path.join(d, f"{name}.jsonl")
+    with open(data, "w") as f:
+        for q, a in pairs:
+            f.write(json.dumps({"messages": [{"role": "user", "content": q},
+                                             {"role": "assistant", "content": a}]}) + "\n")
+    args = ["finetune", "-c", ARGS.checkpoint, "--data", data, "--out", os.path.join(d, name),
+            "--batch-size", str(ARGS.batch), "--context", str(ARGS.seq), "--steps",
+            str(ARGS.rss_steps), "--val-fraction", "0", "--backend", ARGS.backend,
+            "--no-progress"]
+    got = subprocess.run([sys.executable, "-c", MEASURE, *args], capture_output=True, text=True)
+    line = [x for x in got.stderr.splitlines() if x.startswith("measured ")]
+    plans = PLAN.findall(got.stderr)
+    if not line or not plans:
+        return f"| {label} | run failed: {got.stderr.strip().splitlines()[-1:]} |"
+    m = json.loads(line[0][len("measured "):])
+    total, unit, rt, rt_unit, shape = plans[-1]
+    total = float(total) * UNITS[unit]
+    runtime = float(rt) * UNITS[rt_unit] if rt else 0.0
+    return (f"| {label} | {shape} | {total / MiB:.0f} MiB ({runtime / MiB:.0f} + "
+            f"{(total - runtime) / MiB:.0f}) | {m['peak'] / MiB:.0f} MiB | "
+            f"{total / m['peak']:.2f} | {m['base'] / MiB:.0f} MiB | "
+            f"{(total - m['base']) / (m['peak'] - m['base']):.2f} |")
+
+
+def rss() -> None:
+    tok = load_params(ARGS.checkpoint)[3]
+    d = tempfile.mkdtemp()
+    print(f"## plan vs measured peak: `minillama finetune` on {os.path.basename(ARGS.checkpoint)}"
+          f", LoRA (defaults), --batch-size {ARGS.batch} --context {ARGS.seq} --steps "
+          f"{ARGS.rss_steps}, backend {ARGS.backend}, a subprocess per run")
+    print()
+    print("| data | B x T planned | plan (runtime + rest) | measured peak (VmHWM) | plan / peak | "
+          "before the command | planned rise / measured rise |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    print(measured_run("short", "8 short chat records", SHORT_CHAT, d))
+    print(measured_run("long", "8 chat records filling the context", long_chat(tok, ARGS.seq),
+                       d))
     print()
 
 
@@ -196,6 +297,8 @@ def main() -> int:
     print()
     if "memory" not in ARGS.skip:
         memory()
+    if "rss" not in ARGS.skip:
+        rss()
     if "pack" not in ARGS.skip:
         pack()
     return 0

@@ -1,11 +1,14 @@
 """The memory plan of a training step (minillama/train/memplan.py) against what a step really keeps:
 the saved-activation estimate against the arrays the forward's tape holds (within 1 %, on each
 CPU backend, with and without LoRA and its dropout), the whole step's peak allocation (tracemalloc)
-against the plan's bounds, LoRA keeping no gradient or AdamW state for frozen weights, and the
-one-line warnings and errors of ``--max-memory``."""
+against the plan's bounds, LoRA keeping no gradient or AdamW state for frozen weights, the measured
+runtime part, and :func:`~minillama.train.memplan.settle` holding a plan to ``--max-memory``
+(recompute turned on when it alone fits, else one error line naming the largest batch and context
+that fit). The plan against a whole run's measured peak is tests/test_max_memory.py."""
 
 from __future__ import annotations
 
+import re
 import tracemalloc
 
 import numpy as np
@@ -144,30 +147,90 @@ def test_parse_size():
             memplan.parse_size(bad)
 
 
-def test_report_says_when_the_plan_does_not_fit():
-    m = _model("reference")
-    p = memplan.plan(m, m.params, 2, 64)
+def test_the_runtime_part_is_the_resident_memory_the_other_parts_do_not_hold():
+    m = _model("reference", 0.0)
+    p = memplan.plan(m, m.lora.params, 2, 64)
+    held = p.weights + p.adapters + p.optimizer
+    q = memplan.plan(m, m.lora.params, 2, 64, resident=held + 5_000_000)
+    assert p.runtime == 0 and q.runtime == 5_000_000 and q.total == p.total + 5_000_000
+    assert "runtime 4.77 MiB + weights" in q.lines()[0] and "runtime" not in p.lines()[0]
+    assert memplan.plan(m, m.lora.params, 2, 64, resident=held // 2).runtime == 0
+    assert memplan.resident_bytes() is None or memplan.resident_bytes() > 10 * 1024 ** 2
+
+
+def _settle(m, limit, B=4, T=64, recompute=False, **kw):
     said = []
-    memplan.report(p, m.backend, p.total + 1, said.append)
-    assert len(said) == 1 and said[0].startswith("memory plan:")
-    said.clear()
-    memplan.report(p, m.backend, p.total - 1, said.append)
-    assert len(said) == 2 and "exceeds --max-memory" in said[1] and "--recompute" in said[1]
-    rec = memplan.plan(m, m.params, 2, 64, recompute=True)
-    said.clear()
-    memplan.report(rec, m.backend, 1000, said.append)
-    assert "exceeds" in said[1] and "try --recompute" not in said[1]
+    p = memplan.settle(m, m.params, B, T, 1, recompute, limit, said.append, **kw)
+    return p, said
 
 
-def test_train_prints_the_plan_and_refuses_a_bad_max_memory(tmp_path, capsys):
+def test_settle_prints_the_plan_and_keeps_one_that_fits(monkeypatch):
+    monkeypatch.setattr(memplan, "resident_bytes", lambda: 50 * 1024 ** 2)
+    m = _model("reference")
+    full = memplan.plan(m, m.params, 4, 64, resident=50 * 1024 ** 2)
+    p, said = _settle(m, full.total)
+    assert p == full and said == full.lines()
+
+
+def test_settle_turns_recompute_on_when_that_alone_fits_and_says_so(monkeypatch):
+    monkeypatch.setattr(memplan, "resident_bytes", lambda: 50 * 1024 ** 2)
+    m = _model("reference")
+    plain = memplan.plan(m, m.params, 4, 64, resident=50 * 1024 ** 2)
+    rec = memplan.plan(m, m.params, 4, 64, recompute=True, resident=50 * 1024 ** 2)
+    p, said = _settle(m, rec.total)
+    assert p == rec and (p.B, p.T) == (4, 64)
+    assert len(said) == 2 and "--recompute turned on" in said[0] and said[1] == rec.lines()[0]
+    assert plain.total > rec.total
+
+
+def test_settle_refuses_in_one_line_naming_the_largest_batch_and_context_that_fit(monkeypatch):
+    monkeypatch.setattr(memplan, "resident_bytes", lambda: 50 * 1024 ** 2)
+    m = _model("reference")
+
+    def total(B, T, rec=False, accum=1):
+        return memplan.plan(m, m.params, B, T, accum, rec, resident=50 * 1024 ** 2).total
+
+    limit = (total(4, 64, accum=2) + total(5, 64, accum=2)) // 2  # B = 4 fits, 5 does not
+    assert total(16, 64, rec=True) > limit
+    with pytest.raises(MinillamaError) as e:
+        _settle(m, limit, B=16)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("the memory plan, ")
+    assert "what fits: --batch-size 4 --grad-accum 4 (the same 16 examples a step, " in line
+    t = int(re.search(r"or --context (\d+) ", line).group(1))
+    assert total(16, t) <= limit < total(16, t + 1)
+    b = re.search(r"--recompute --batch-size (\d+)", line)
+    assert b is not None and total(int(b.group(1)), 64, True, 2) <= limit \
+        < total(int(b.group(1)) + 1, 64, True, 2)
+    # a context that would drop every record is not offered
+    with pytest.raises(MinillamaError) as e:
+        _settle(m, limit, B=16, shorter=lambda t: None)
+    assert "--context" not in str(e.value) and "--batch-size 4" in str(e.value)
+    with pytest.raises(MinillamaError, match="nothing fits: the runtime, weights, gradients and "
+                                             "AdamW alone take"):
+        _settle(m, 1000)
+
+
+def test_settle_without_a_limit_warns_when_the_step_needs_more_than_is_free(monkeypatch):
+    m = _model("reference")
+    monkeypatch.setattr(memplan, "available_bytes", lambda backend: 1000)
+    p, said = _settle(m, None)
+    assert len(said) == 2 and said[1].startswith("memory plan: the step needs") \
+        and "try --recompute" in said[1]
+    monkeypatch.setattr(memplan, "available_bytes", lambda backend: 1 << 40)
+    assert len(_settle(m, None)[1]) == 1
+
+
+def test_train_refuses_a_bad_max_memory_in_one_line(tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("the cat sat on the mat. " * 400)
     common = ["train", "--data", str(text), "--dim", "32", "--n-layers", "2", "--n-heads", "2",
               "--n-kv-heads", "1", "--context", "32", "--batch-size", "2", "--steps", "1",
               "--eval-iters", "1", "--no-progress", "--plot", "false", "--backend", "reference"]
-    assert cli.main(common + ["--out", str(tmp_path / "a"), "--max-memory", "1K"]) == 0
-    err = capsys.readouterr().err
-    assert "memory plan:" in err and "exceeds --max-memory 1.00 KiB; try --recompute" in err
+    assert cli.main(common + ["--out", str(tmp_path / "a"), "--max-memory", "1K"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "memory plan:" in err[-2] and err[-1].startswith(
+        "minillama: error: the memory plan, ") and "exceeds --max-memory 1.00 KiB" in err[-1]
     assert cli.main(common + ["--out", str(tmp_path / "b"), "--max-memory", "lots"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == ["minillama: error: --max-memory: cannot read 'lots' (e.g. 8G, 512M, "

@@ -65,6 +65,17 @@ def add_backend_list_flag(p) -> None:
                         f"(those that can run here)")
 
 
+def add_max_memory_flag(p) -> None:
+    """``--max-memory SIZE`` of ``train`` and ``finetune``: a limit on the memory plan of a step
+    (:func:`minillama.train.memplan.settle`)."""
+    p.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="the most memory the run may take at a step's peak (e.g. 8G, 512M; the "
+                        "whole process, as the memory plan counts it): a plan over it turns on "
+                        "--recompute if that fits (and says so), else the run stops at once "
+                        "naming the --batch-size / --context that fit; default: no limit, a "
+                        "warning when the step needs more than is free")
+
+
 # ---------------------------------------------------------------------------------------------
 # the command-line flags `generate` and `chat` share
 # ---------------------------------------------------------------------------------------------

@@ -13,15 +13,20 @@ from typing import Any
 
 import numpy as np
 
-from minillama.cli.common import add_backend_flag, add_model_flags, positive_int
+from minillama.cli.common import (
+    add_backend_flag,
+    add_max_memory_flag,
+    add_model_flags,
+    positive_int,
+)
 from minillama.core.errors import MinillamaError
 from minillama.io.checkpoint import check_output_dir
 from minillama.io.hf import is_hf_dir
 from minillama.io.load import load_params, save_hf
 from minillama.io.peft import load_peft
 from minillama.model.transformer import Transformer
-from minillama.train.finetune import SETTINGS, Finetuner, memory_plan, saved_settings
-from minillama.train.memplan import parse_size, report
+from minillama.train.finetune import SETTINGS, Finetuner, saved_settings, settle_memory
+from minillama.train.memplan import parse_size
 
 
 def add_cli(subparsers) -> None:
@@ -88,8 +93,7 @@ def _add_memory_flags(p) -> None:
     p.add_argument("--recompute", action="store_true",
                    help="gradient checkpointing: keep only each block's input in the forward, "
                         "recompute the block in the backward (same gradients, less memory)")
-    p.add_argument("--max-memory", default=None, metavar="SIZE",
-                   help="memory to plan for (e.g. 8G, 512M); default: what is free")
+    add_max_memory_flag(p)
 
 
 def run_merge(args) -> int:
@@ -154,7 +158,7 @@ def run_cli(args) -> int:
         f"({n:,} trainable parameters); {len(ft.train_ex)} train / {len(ft.val_ex)} held-out "
         f"examples; backend {ft.model.backend.name}"
         f"{'; packed' if s.get('pack') else ''}{'; recomputing blocks' if s['recompute'] else ''}")
-    report(memory_plan(ft), ft.model.backend, max_memory, say)
+    settle_memory(ft, max_memory, say)
     if args.resume:
         ft.resume()
         say(f"resumed at step {ft.step}")

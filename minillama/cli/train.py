@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from minillama.backends import resolve_name
+from minillama.cli.common import add_max_memory_flag
 from minillama.core.errors import MinillamaError
 from minillama.io.checkpoint import CKPT_NAME, check_output_dir, check_output_file, load_checkpoint
 from minillama.io.data import prepare_shakespeare, prepare_text_file
@@ -33,7 +34,7 @@ from minillama.train.distributed import (
     open_world,
     share_cores,
 )
-from minillama.train.memplan import parse_size, plan, report
+from minillama.train.memplan import parse_size, settle
 from minillama.train.trainer import Trainer, TrainingDiverged
 
 
@@ -54,8 +55,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--export-dtype", default="float16", choices=("float16", "float32"),
                    help="dtype of the --export file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--max-memory", default=None, metavar="SIZE",
-                   help="memory to plan for (e.g. 8G, 512M); default: what is free")
+    add_max_memory_flag(p)
     add_flags(p)
     p.set_defaults(func=run_train)
 
@@ -149,8 +149,11 @@ def _train_ranks(args, world: Communicator, say) -> int:
         f"{'' if tc.warmup is not None else ' (warmup: min(100, steps // 10); set --warmup)'}")
     say(f"data: {trainer.data.folder} ({trainer.data.train.size:,} train / "
         f"{trainer.data.val.size:,} val tokens)")
-    report(plan(trainer.model, trainer.model.params, tc.batch_size, tc.context, tc.grad_accum,
-                tc.recompute), trainer.model.backend, max_memory, say)
+    p = world.agree(lambda: settle(trainer.model, trainer.model.params, tc.batch_size,
+                                   tc.context, tc.grad_accum, tc.recompute, max_memory, say),
+                    root_only=True)
+    if p.recompute and not tc.recompute:  # turned on to fit --max-memory, on every rank
+        tc.recompute = trainer.model.recompute = True
     if comm.size > 1:
         say(f"data parallel: {comm.size} ranks over {comm.name.upper()}, "
             f"{comm.size} x {tc.grad_accum} micro-batches of {tc.batch_size} windows per step")

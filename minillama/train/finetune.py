@@ -56,7 +56,7 @@ from minillama.model.lora import LoRA, LoRAConfig, parse_targets
 from minillama.model.packing import draw_packed, pack_batch
 from minillama.model.transformer import Transformer
 from minillama.train.distributed import SingleProcess
-from minillama.train.memplan import plan
+from minillama.train.memplan import plan, settle
 from minillama.train.optim import AdamW, clip_grad_norm, lr_at
 from minillama.train.step import DataParallelStep
 from minillama.train.trainer import _progress
@@ -496,12 +496,49 @@ class Finetuner:
             self.lora.rng.bit_generator.state = st["dropout_rng"]
 
 
-def memory_plan(ft: Finetuner):
-    """The :class:`~minillama.train.memplan.MemoryPlan` of a step of the run ``ft``
-    (T = ``--context``, the longest a micro-batch can be)."""
+def batch_length(ft: Finetuner) -> int:
+    """T of the longest micro-batch the run ``ft`` makes: ``--context`` with ``--pack`` (rows
+    are filled up to it), else the longest example less one (a padded batch is as long as its
+    longest example's x = ids[:-1]; held-out examples included, evaluation pads the same way)."""
+    if ft.s.get("pack"):
+        return ft.s["context"]
+    return max(len(e.ids) for e in ft.train_ex + ft.val_ex) - 1
+
+
+def memory_plan(ft: Finetuner, resident: int | None = None):
+    """The :class:`~minillama.train.memplan.MemoryPlan` of a step of the run ``ft`` on its
+    longest micro-batch (B = ``--batch-size``, T = :func:`batch_length`)."""
     s = ft.s
-    return plan(ft.model, ft.trainable, s["batch_size"], s["context"], s["grad_accum"],
-                bool(s.get("recompute")))
+    return plan(ft.model, ft.trainable, s["batch_size"], batch_length(ft), s["grad_accum"],
+                bool(s.get("recompute")), resident)
+
+
+def settle_memory(ft: Finetuner, max_memory: int | None, say) -> None:
+    """Print the run's memory plan and hold it to ``max_memory``
+    (:func:`~minillama.train.memplan.settle`): a refusal is a :class:`MinillamaError`; recompute
+    turned on to fit is set on the model and in the saved settings."""
+    s = ft.s
+    p = settle(ft.model, ft.trainable, s["batch_size"], batch_length(ft), s["grad_accum"],
+               bool(s.get("recompute")), max_memory, say, _shorter(ft))
+    if p.recompute and not s.get("recompute"):
+        s["recompute"] = ft.model.recompute = True
+
+
+def _shorter(ft: Finetuner):
+    """What a shorter ``--context`` t costs the data of ``ft`` (for
+    :func:`~minillama.train.memplan.settle`): nothing for plain text (cut into shorter windows);
+    records longer than t are errors, so ``--skip-bad`` and how many it drops (None: all)."""
+    if Path(ft.s["data"]).suffix.lower() not in (".jsonl", ".json"):
+        return None
+    lengths = [len(e.ids) - 1 for e in ft.train_ex + ft.val_ex]
+
+    def shorter(t: int):
+        n = sum(k > t for k in lengths)
+        if n == len(lengths):
+            return None
+        return (" --skip-bad", f"drops {n} of {len(lengths)} examples") if n else ("", "")
+
+    return shorter
 
 
 def next_batch(ft: Finetuner):

@@ -1,7 +1,12 @@
-r"""The peak memory plan of a training step, printed when ``minillama train`` / ``finetune`` start.
+r"""The peak memory plan of a training step, printed when ``minillama train`` / ``finetune`` start,
+and the ``--max-memory`` limit held to it.
 
-Five parts, in bytes:
+Seven parts, in bytes:
 
+* **runtime**: what the process holds besides the model's arrays when the plan is made: Python,
+  NumPy (and Numba) with their modules, the tokenizer, the data. Measured, not estimated: the
+  resident memory (``VmRSS``) less the weights, adapters and AdamW moments already allocated
+  (0 on a GPU backend, whose plan counts device memory, or where the resident size is unknown);
 * **weights** as held: float arrays at the compute dtype, GGML-quantized matrices at their block
   size (a quantized base stays quantized);
 * **adapters**: the LoRA A and B matrices (none for a full run);
@@ -13,12 +18,21 @@ Five parts, in bytes:
   ``ctx``), counted op by op from what each backend's forward keeps (:func:`block_saved`,
   :func:`head_saved`), plus the backward's workspace (:func:`workspace_bytes`).
 
+B x T is the shape the run makes: ``--batch-size`` x ``--context`` for pretraining (every window
+fills the context); for fine-tuning the longest micro-batch the data makes (padded batches are
+as long as their longest example, packed rows at most ``--context``), not ``--context`` itself.
+
 With ``recompute`` (gradient checkpointing, :mod:`minillama.model.recompute`) the forward keeps only
 each block's input (B, T, D); the backward rebuilds one block's saved set at a time:
 L B T D + one block + the head, instead of L blocks + the head.
 
+Not counted: the transient buffers inside one op (a dequantized tile, a BLAS panel), the Numba
+kernels loaded on the first step, and what the allocator keeps of freed memory.
+
 :func:`saved_bytes` measures the same quantity on a real tape (every distinct array buffer it
-holds, weights excluded); the tests hold the estimate to it.
+holds, weights excluded); the tests hold the estimate to it. :func:`settle` prints the plan and
+holds it to ``--max-memory``: over the limit it turns on recompute when that alone fits (and says
+so), else it refuses in one line naming the largest batch size and context that fit.
 """
 
 from __future__ import annotations
@@ -114,18 +128,27 @@ class MemoryPlan:
     T: int
     recompute: bool
     lora: bool
+    runtime: int = 0
+    grad_accum: int = 1
 
     @property
     def total(self) -> int:
-        return (self.weights + self.adapters + self.gradients + self.optimizer + self.activations
-                + self.workspace)
+        return (self.runtime + self.weights + self.adapters + self.gradients + self.optimizer
+                + self.activations + self.workspace)
+
+    @property
+    def fixed(self) -> int:
+        """The parts that do not depend on the batch: runtime, weights, adapters, gradients and
+        AdamW."""
+        return self.runtime + self.weights + self.adapters + self.gradients + self.optimizer
 
     def lines(self) -> list[str]:
         f = _fmt
         frozen = (" (frozen weights: no gradient, no AdamW state)" if self.lora else "")
         act = f"activations {f(self.activations)} for B x T = {self.B} x {self.T}" + (
             " (--recompute: block inputs + one block)" if self.recompute else "")
-        return [f"memory plan: {f(self.total)} at peak = weights {f(self.weights)}"
+        run = f"runtime {f(self.runtime)} + " if self.runtime else ""
+        return [f"memory plan: {f(self.total)} at peak = {run}weights {f(self.weights)}"
                 f"{' + adapters ' + f(self.adapters) if self.lora else ''} + gradients "
                 f"{f(self.gradients)} + AdamW {f(self.optimizer)}{frozen} + {act} + backward "
                 f"workspace {f(self.workspace)}"]
@@ -149,19 +172,22 @@ def activation_bytes(model, B: int, T: int, recompute: bool = False) -> int:
 
 
 def plan(model, trainable: dict, B: int, T: int, grad_accum: int = 1,
-         recompute: bool = False) -> MemoryPlan:
+         recompute: bool = False, resident: int | None = None) -> MemoryPlan:
     """The :class:`MemoryPlan` of training ``trainable`` (a dict of arrays: the adapters, or the
     model's parameters) of ``model`` on (B, T) micro-batches. Quantized matrices are frozen: they
-    count as weights only."""
+    count as weights only. ``resident``: the process's resident bytes now (with the model and its
+    optimizer built), from which the runtime part is what the other parts do not account for;
+    None: no runtime part."""
     lora = model.lora is not None
     weights = sum(_nbytes(v) for v in model.params.values())
     adapters = sum(_nbytes(v) for v in model.lora.params.values()) if lora else 0
     learn = sum(_nbytes(v) for v in trainable.values() if not isinstance(v, QuantMatrix))
     grads = learn * (2 if grad_accum > 1 else 1)
+    runtime = 0 if resident is None else max(0, resident - weights - adapters - 2 * learn)
     return MemoryPlan(weights=weights, adapters=adapters, gradients=grads, optimizer=2 * learn,
                       activations=activation_bytes(model, B, T, recompute),
                       workspace=workspace_bytes(model, B, T), B=B, T=T, recompute=recompute,
-                      lora=lora)
+                      lora=lora, runtime=runtime, grad_accum=grad_accum)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,20 +269,102 @@ def available_bytes(backend) -> int | None:
         return None
 
 
-def report(p: MemoryPlan, backend, max_memory: int | None, say) -> None:
-    """Print the plan; when it exceeds ``max_memory`` (or the free memory) say so in one line.
-    Weights already loaded are part of what is in use, so the free memory is compared with the
-    rest of the plan."""
+def resident_bytes() -> int | None:
+    """The process's resident memory now (``VmRSS`` of ``/proc/self/status``); None where the
+    system does not say."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _largest(ok, hi: int) -> int | None:
+    """The largest v in [1, hi] with ``ok(v)`` (ok holds up to some value, not beyond), or None."""
+    lo, best = 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def settle(model, trainable: dict, B: int, T: int, grad_accum: int, recompute: bool,
+           max_memory: int | None, say, shorter=None) -> MemoryPlan:
+    """Print the plan of training ``trainable`` on (B, T) micro-batches and hold it to
+    ``max_memory`` (bytes, the whole process at the step's peak). Over the limit: when recompute
+    (the same gradients) brings it under, the returned plan has ``recompute`` on and one line says
+    so; otherwise a :class:`MinillamaError` names the largest ``--batch-size`` and ``--context``
+    that fit (the batch is never changed here: it changes the results). ``shorter(t)``: what a
+    ``--context`` of t < T costs the data, as (more flags, what they drop) or None when it leaves
+    nothing to train on; default: nothing (windows of text are cut shorter). Without a limit, one
+    line warns when the step needs more than the free memory."""
+    resident = None if getattr(model.backend, "device", "cpu") != "cpu" else resident_bytes()
+
+    def at(b, t, rec, accum=grad_accum):
+        return plan(model, trainable, b, t, accum, rec, resident)
+
+    p = at(B, T, recompute)
+    if max_memory is not None and p.total > max_memory and not recompute:
+        r = at(B, T, True)
+        if r.total <= max_memory:
+            say(f"memory plan: {_fmt(p.total)} exceeds --max-memory {_fmt(max_memory)}; "
+                f"recomputing each block in the backward brings it to {_fmt(r.total)} "
+                f"(--recompute turned on: the same gradients, one more forward a step)")
+            p = r
     for line in p.lines():
         say(line)
     if max_memory is not None:
         if p.total > max_memory:
-            say(f"memory plan: {_fmt(p.total)} exceeds --max-memory {_fmt(max_memory)}"
-                + ("" if p.recompute else "; try --recompute (or a smaller --batch-size / "
-                   "--context)"))
-        return
-    free = available_bytes(backend)
-    rest = p.total - p.weights - p.adapters - p.optimizer
+            raise MinillamaError(_refusal(at, p, max_memory, shorter or (lambda t: ("", ""))))
+        return p
+    free = available_bytes(model.backend)
+    rest = p.total - p.runtime - p.weights - p.adapters - p.optimizer
     if free is not None and rest > free:
         say(f"memory plan: the step needs {_fmt(rest)} more, {_fmt(free)} is available"
             + ("" if p.recompute else "; try --recompute (or a smaller --batch-size / --context)"))
+    return p
+
+
+def _refusal(at, p: MemoryPlan, limit: int, shorter) -> str:
+    """The one line of a plan ``p`` over ``limit``: what fits, at the run's recompute setting and
+    with recompute; a smaller batch is offered with the ``--grad-accum`` that keeps the examples
+    per step where one does, a shorter context with what it drops (``shorter``)."""
+    B, T, A = p.B, p.T, p.grad_accum
+    head = (f"the memory plan, {_fmt(p.total)} for B x T = {B} x {T}"
+            f"{' with --recompute' if p.recompute else ''}, exceeds --max-memory {_fmt(limit)}")
+    if not p.recompute:
+        head += f" ({_fmt(at(B, T, True).total)} with --recompute)"
+
+    def option(flags: str, why: str, q: MemoryPlan) -> str:
+        return f"{flags} ({why + ', ' if why else ''}{_fmt(q.total)})"
+
+    fits, best_b, best_t = [], 0, 0
+    accum = max(A, 2)  # a smaller batch is likely made up with --grad-accum: two gradients
+    for rec in (False, True) if not p.recompute else (True,):
+        flag = "--recompute " if rec and not p.recompute else ""
+        b = _largest(lambda v, r=rec: at(v, T, r, accum).total <= limit, B - 1)
+        if b is not None and b > best_b:
+            k = B * A // b if (B * A) % b == 0 else None
+            fits.append(option(f"{flag}--batch-size {b}" + (f" --grad-accum {k}" if k else ""),
+                               f"the same {B * A} examples a step" if k else "",
+                               at(b, T, rec, accum)))
+            best_b = b
+        t = _largest(lambda v, r=rec: at(B, v, r).total <= limit, T - 1)
+        if t is not None and t > best_t and shorter(t) is not None:
+            more, why = shorter(t)
+            fits.append(option(f"{flag}--context {t}{more}", why, at(B, t, rec)))
+            best_t = t
+    if fits:
+        return f"{head}; what fits: {', or '.join(fits)}"
+    if p.fixed > limit:
+        why = (f"the runtime, weights{', adapters' if p.lora else ''}, gradients and AdamW alone "
+               f"take {_fmt(p.fixed)}")
+    else:
+        why = f"--batch-size 1 --context 1 --recompute plans {_fmt(at(1, 1, True).total)}"
+    return f"{head}; nothing fits: {why}"
