@@ -72,3 +72,22 @@ def test_test_machinery_stays_out_of_the_wheel(wheel_names):
     assert (ROOT / "tests" / "fuzzing.py").is_file()
     assert not any(n.startswith("tests/") or n.endswith("/fuzz.py") or n.endswith("/fuzzing.py")
                    for n in wheel_names), sorted(n for n in wheel_names if "fuzz" in n)
+
+
+def test_the_source_distribution_carries_docs_tests_and_scripts(tmp_path):
+    """A pip user who fetches the sdist gets the math map, the tests and the benchmarks."""
+    pytest.importorskip("setuptools", reason="building the sdist needs setuptools")
+    import tarfile
+
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=SKIP_DIRS)
+    r = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+                        "print(build_meta.build_sdist(sys.argv[1]))", str(tmp_path / "dist")],
+                       cwd=src, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (sdist,) = (tmp_path / "dist").glob("minillama-*.tar.gz")
+    with tarfile.open(sdist) as t:
+        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    assert {"docs/MATH.md", "tests/test_math_map.py", "scripts/bench_decode.py",
+            "minillama/core/ops.py", "backends/cupy/kernels/quant.cu"} <= names
+    assert not any("__pycache__" in n for n in names)
