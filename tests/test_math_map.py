@@ -141,3 +141,12 @@ def test_reference_has_no_speed_machinery(path):
     text = path.read_text(encoding="utf-8")
     found = [word for word in FORBIDDEN if word in text]
     assert not found, f"{path.name} should be plain math; found {found} (move to backends/)"
+
+
+def test_math_md_has_no_control_characters():
+    """LaTeX written through a Python string without ``r""`` loses ``\\t``, ``\\b``, ``\\f``
+    (``\\text``, ``\\bar``, ``\\frac`` become a tab, a backspace, a form feed)."""
+    text = MATH.read_text(encoding="utf-8")
+    bad = [(n, line[:40]) for n, line in enumerate(text.splitlines(), 1)
+           if re.search(r"[\x00-\x08\x0b-\x1f]|\t", line)]
+    assert not bad, bad
