@@ -205,3 +205,245 @@ def test_a_failing_row_ends_only_its_own_request():
             engine.generate(bad, max_tokens=3)
     finally:
         engine.close()
+
+
+def _log_softmax(z):
+    z = np.asarray(z, dtype=np.float64)
+    m = z.max(axis=-1, keepdims=True)
+    return z - m - np.log(np.exp(z - m).sum(axis=-1, keepdims=True))
+
+
+def test_a_second_turn_prefills_only_its_new_tokens_and_equals_a_cold_run():
+    """Turn 2's prompt is turn 1's prompt, its reply and a new message: the row that ran turn 1
+    still holds the K/V of all but the reply's last token, so only the rest is prefilled; the
+    greedy reply equals that of an engine that reuses nothing, and generate()'s."""
+    m = _model(max_seq_len=128)
+    rng = np.random.default_rng(5)
+    first = rng.integers(0, 37, 20).tolist()
+    warm, cold = Engine(m, max_batch=2), Engine(m, max_batch=2, prefix_reuse=False)
+    try:
+        reply, _ = warm.generate(first, max_tokens=10)
+        assert len(reply) == 10
+        second = first + reply + rng.integers(0, 37, 6).tolist()
+        st = warm.stats
+        before = (st.prompt_tokens, st.prefilled_tokens, st.cached_tokens)
+        got, reason = warm.generate(second, max_tokens=12)
+        assert (st.prompt_tokens - before[0], st.prefilled_tokens - before[1],
+                st.cached_tokens - before[2]) == (len(second), 6 + 1, len(second) - 7)
+        want = cold.generate(second, max_tokens=12)
+        assert (got, reason) == want
+        assert got == generate(m, second, max_new_tokens=12)
+        assert cold.stats.cached_tokens == 0
+        assert cold.stats.prefilled_tokens == len(second)
+        # the same prompt again: all but its last token come from the cache
+        req = warm.submit(second, max_tokens=12)
+        assert list(req.events(timeout=60))[-1] == ("done", "length")
+        assert req.tokens == got and req.cached_tokens == len(second) - 1
+    finally:
+        warm.close()
+        cold.close()
+
+
+def test_a_shared_system_prompt_is_copied_from_a_running_row():
+    """A request whose prompt starts like that of a request still running copies that row's
+    cached prefix instead of prefilling it, and gets the tokens it gets alone."""
+    m = _model(max_seq_len=96)
+    rng = np.random.default_rng(6)
+    system = rng.integers(0, 37, 24).tolist()
+    a, b = system + [1, 2, 3], system + [4, 5]
+    engine = Engine(m, max_batch=3)
+    try:
+        later = []
+
+        def on_a(ev):  # submitted while `a` runs: admitted at the next step beside it
+            if ev[0] == "token" and not later:
+                later.append(engine.submit(b, max_tokens=8))
+
+        ra = engine.submit(a, max_tokens=30, on_event=on_a)
+        t0 = time.time()
+        while ra.finish_reason is None and time.time() - t0 < 60:
+            time.sleep(0.01)
+        rb = later[0]
+        assert list(rb.events(timeout=60))[-1] == ("done", "length")
+        assert rb.cached_tokens == len(system)
+        assert rb.tokens == generate(m, b, max_new_tokens=8)
+        assert ra.tokens == generate(m, a, max_new_tokens=30)
+    finally:
+        engine.close()
+
+
+def test_extra_prefix_rows_keep_conversations_that_others_displaced():
+    """One slot and two prefix rows: conversation A's row survives B and C running in the slot
+    after it (the least recently used content goes first), and A's second turn reuses it."""
+    m = _model(max_seq_len=96)
+    rng = np.random.default_rng(7)
+    convs = [rng.integers(0, 37, 16).tolist() for _ in range(3)]
+    engine = Engine(m, max_batch=1, prefix_rows=2)
+    try:
+        replies = [engine.generate(p, max_tokens=5)[0] for p in convs]
+        assert engine.stats.cached_tokens == 0
+        turn2 = convs[0] + replies[0] + [1, 2, 3]
+        req = engine.submit(turn2, max_tokens=6)
+        list(req.events(timeout=60))
+        assert req.cached_tokens == len(convs[0]) + len(replies[0]) - 1
+        assert req.tokens == generate(m, turn2, max_new_tokens=6)
+        # with no extra rows A's content is gone once B has run in the only row
+        small = Engine(m, max_batch=1)
+        try:
+            for p in convs[:2]:
+                small.generate(p, max_tokens=5)
+            r2 = small.submit(turn2, max_tokens=6)
+            list(r2.events(timeout=60))
+            assert r2.cached_tokens == 0 and r2.tokens == req.tokens
+        finally:
+            small.close()
+    finally:
+        engine.close()
+
+
+def test_logprobs_are_the_log_softmax_of_the_models_own_logits():
+    """Each token's log-probability and top alternatives equal the log-softmax of a full forward
+    over prompt + reply (no cache), sampled (seeded, with a temperature and top-k the model's
+    distribution does not see) or greedy."""
+    m = _model(max_seq_len=64)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    engine = Engine(m, max_batch=2)
+    try:
+        for kw in ({"temperature": 0.0}, {"temperature": 1.5, "top_k": 5, "seed": 3}):
+            req = engine.submit(prompt, max_tokens=12, logprobs=4, **kw)
+            list(req.events(timeout=60))
+            ids = prompt + req.tokens
+            lsm = _log_softmax(m.forward([ids])[0])[len(prompt) - 1:-1]
+            assert len(req.token_logprobs) == len(req.tokens) == 12
+            for j, (t, (lp, top)) in enumerate(zip(req.tokens, req.token_logprobs)):
+                assert lp == pytest.approx(lsm[j, t], abs=1e-9)
+                order = np.argsort(-lsm[j], kind="stable")[:4]
+                assert [i for i, _ in top] == order.tolist()
+                np.testing.assert_allclose([v for _, v in top], lsm[j, order], atol=1e-9)
+        with pytest.raises(MinillamaError, match="logprobs"):
+            engine.submit(prompt, logprobs=21)
+    finally:
+        engine.close()
+
+
+def test_the_queue_bound_refuses_requests_beyond_it():
+    from minillama.infer.engine import QueueFull
+
+    m = _model(max_seq_len=64)
+    engine = Engine(m, max_batch=1, max_queue=2)
+    try:
+        with engine._cv:  # the scheduler admits nothing while this is held
+            reqs = [engine.submit([1, 2, 3], max_tokens=40) for _ in range(3)]
+            with pytest.raises(QueueFull, match="busy"):
+                engine.submit([1, 2, 3])
+        for r in reqs:
+            r.cancel()
+        for r in reqs:
+            assert list(r.events(timeout=60))[-1][0] == "done"
+        assert engine.generate([1, 2], max_tokens=3)[1] == "length"  # room again
+    finally:
+        engine.close()
+
+
+def test_a_cancelled_request_leaves_within_one_decode_step():
+    m = _model(dtype=np.float32, max_seq_len=2048)
+    engine = Engine(m, max_batch=2)
+    try:
+        other = engine.submit([7, 8], max_tokens=300)
+        seen = threading.Semaphore(0)
+        req = engine.submit([1, 2, 3], max_tokens=2000, on_event=lambda ev: seen.release())
+        for _ in range(5):
+            assert seen.acquire(timeout=30)
+        req.cancel()
+        t0 = time.time()
+        while req.finish_reason is None and time.time() - t0 < 10:
+            time.sleep(0.005)
+        assert req.finish_reason == "cancelled"
+        assert req.end_step - req.cancel_step <= 1
+        list(other.events(timeout=60))
+        assert other.tokens == generate(m, [7, 8], max_new_tokens=300)
+    finally:
+        engine.close()
+
+
+def test_a_finished_row_keeps_its_contents_when_the_running_rows_close_up(backend):
+    """A finishes in row 0 while B runs on in row 1: B moves to row 0 and A's cache to row 1
+    (exchanged, not overwritten), where A's next turn finds it; on every backend's arrays."""
+    m = _model(backend, max_seq_len=128)
+    rng = np.random.default_rng(8)
+    pa, pb = rng.integers(0, 37, 18).tolist(), rng.integers(0, 37, 14).tolist()
+    engine = Engine(m, max_batch=2)
+    try:
+        with engine._cv:
+            ra = engine.submit(pa, max_tokens=4)
+            rb = engine.submit(pb, max_tokens=60)
+        list(ra.events(timeout=60))
+        turn2 = pa + ra.tokens + [5, 6, 7]
+        r2 = engine.submit(turn2, max_tokens=10)
+        list(r2.events(timeout=60))
+        list(rb.events(timeout=60))
+        assert engine.max_active == 2
+        assert r2.cached_tokens == len(pa) + len(ra.tokens) - 1
+        assert r2.tokens == generate(m, turn2, max_new_tokens=10)
+        assert rb.tokens == generate(m, pb, max_new_tokens=60)
+        assert ra.tokens == generate(m, pa, max_new_tokens=4)
+    finally:
+        engine.close()
+
+
+def test_a_request_cancelled_while_queued_leaves_the_queue():
+    m = _model(max_seq_len=64)
+    engine = Engine(m, max_batch=1, max_queue=1)
+    try:
+        queued: list = []
+
+        def on_running(ev):  # at its first token: one more waits, and gives up at once
+            if not queued:
+                queued.append(engine.submit([3, 4], max_tokens=5))
+                queued[0].cancel()
+
+        running = engine.submit([1, 2], max_tokens=60, on_event=on_running)
+        t0 = time.time()
+        while not queued and time.time() - t0 < 30:
+            time.sleep(0.005)
+        assert list(queued[0].events(timeout=30)) == [("done", "cancelled")]
+        last = engine.submit([5], max_tokens=2)  # its place in the queue is free again
+        assert list(last.events(timeout=60))[-1] == ("done", "length")
+        assert len(running.tokens) == 60
+    finally:
+        engine.close()
+
+
+def test_smollm2_second_turn_reuses_the_first_and_equals_a_cold_run(smollm2_gguf):
+    """On the SmolLM2 Q4_1 file (numba where it is installed): a chat's second turn prefills
+    only what follows the first turn's cached prompt and reply, and its greedy reply equals that
+    of an engine that prefills the whole prompt."""
+    pytest.importorskip("jinja2")
+    from minillama.backends import available_backends
+    from minillama.io.chat_template import encode_rendered, render_chat, stop_ids
+    from minillama.io.load import load_model
+
+    backend = "numba" if "numba" in available_backends() else "numpy"
+    model, tok = load_model(smollm2_gguf, backend=backend)
+    stops = stop_ids(tok)
+    turn1 = [{"role": "system", "content": "You answer in one short sentence. " * 4},
+             {"role": "user", "content": "What is the capital of France?"}]
+    warm = Engine(model, max_batch=2, max_seq_len=512)
+    cold = Engine(model, max_batch=2, max_seq_len=512, prefix_reuse=False)
+    try:
+        p1 = encode_rendered(tok, render_chat(tok, turn1))
+        r1, _ = warm.generate(p1, max_tokens=16, stop_ids=stops)
+        turn2 = turn1 + [{"role": "assistant", "content": tok.decode(r1)},
+                         {"role": "user", "content": "And of Italy?"}]
+        p2 = encode_rendered(tok, render_chat(tok, turn2))
+        before = warm.stats.prefilled_tokens
+        got = warm.submit(p2, max_tokens=16, stop_ids=stops)
+        list(got.events(timeout=300))
+        assert got.cached_tokens >= len(p1)
+        assert warm.stats.prefilled_tokens - before == len(p2) - got.cached_tokens
+        assert (got.tokens, got.finish_reason) == cold.generate(p2, max_tokens=16,
+                                                                stop_ids=stops)
+        assert "Rome" in tok.decode(got.tokens)
+    finally:
+        warm.close()
+        cold.close()

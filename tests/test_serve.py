@@ -1,12 +1,16 @@
 """`minillama serve`: the OpenAI-compatible server, driven over loopback by the real `openai`
 client (and httpx for raw requests). Greedy answers equal the engine's own greedy decode and
 `minillama generate --temperature 0`; concurrent clients each get their own text; a client that
-goes away frees its slot; bad requests get a 4xx in OpenAI's shape and the server goes on."""
+goes away frees its slot; bad requests get a 4xx in OpenAI's shape and the server goes on;
+logprobs are the model's log-softmax; a conversation's second turn reuses the cached first;
+/metrics parses as Prometheus text and its counts move (faults under load:
+tests/test_serve_faults.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -72,10 +76,9 @@ def shakespeare():
     srv.close()
 
 
-@pytest.fixture(scope="module")
-def chat(tmp_path_factory):
-    """A tiny random Hugging Face folder (config.json + safetensors, a byte-level BPE
-    tokenizer.json with a ChatML chat_template), 1024 positions, served with an API key."""
+def make_chat_model(d):
+    """A tiny random Hugging Face folder in ``d`` (config.json + safetensors, a byte-level BPE
+    tokenizer.json with a ChatML chat_template, 1024 positions): (model, tokenizer)."""
     tokenizers = pytest.importorskip("tokenizers")
     pytest.importorskip("jinja2")
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -84,7 +87,6 @@ def chat(tmp_path_factory):
     from minillama.io.load import save_hf
     from minillama.model.transformer import init_params
 
-    d = tmp_path_factory.mktemp("chat_model")
     t = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
@@ -102,7 +104,13 @@ def chat(tmp_path_factory):
     rng = np.random.default_rng(3)
     params["tok_embeddings.weight"][...] = rng.normal(0, 1.0, (V, 32))  # a peaked next token
     save_hf(d, cfg, params)
-    model, tok = load_model(d)
+    return load_model(d)
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    """The tiny chat model (:func:`make_chat_model`), 4 slots, served with an API key."""
+    model, tok = make_chat_model(tmp_path_factory.mktemp("chat_model"))
     engine = Engine(model, max_batch=4)
     srv = _Server(build_app(engine, tok, "tiny-chat", api_key=KEY), engine, tok, "tiny-chat")
     yield srv
@@ -227,7 +235,7 @@ def _wait_idle(engine, timeout=10.0):
 def test_a_client_that_goes_away_frees_its_slot(chat):
     engine = chat.engine
     head = {"Authorization": f"Bearer {KEY}"}
-    body = {"model": "tiny-chat", "messages": MESSAGES, "max_tokens": 1000, "temperature": 0,
+    body = {"model": "tiny-chat", "messages": MESSAGES, "max_tokens": 900, "temperature": 0,
             "stream": True}
     before = engine.finished["cancelled"]
     with httpx.Client(base_url=chat.url, headers=head, timeout=30) as c:
@@ -371,6 +379,8 @@ def test_bad_serve_invocations_are_one_error_line(capsys, tmp_path):
             (["--host", "no.such.host.invalid", "--port", "0"], "cannot listen on"),
             (["--port", "0", "--max-batch", "0"], "expected a positive integer"),
             (["--port", "0", "--max-context", "-5"], "expected a positive integer"),
+            (["--port", "0", "--max-queue", "-1"], "expected an integer >= 0"),
+            (["--port", "0", "--prefix-cache", "x"], "expected an integer >= 0"),
             (["--port", "0", "-c", str(tmp_path / "missing.safetensors")], "missing"),
             (["--port", "0", "--backend", "tpu"], "unknown backend")]
     try:
@@ -443,3 +453,145 @@ def test_every_sampling_setting_reaches_a_chat_session(chat, setting):
     ids = encode_rendered(tok, render_chat(tok, [{"role": "user", "content": "the cat"}]))
     want, _ = engine.generate(ids, stop_ids=_stops(tok), max_tokens=12, **setting)
     assert got == want
+
+
+def _log_softmax(z):
+    z = np.asarray(z, dtype=np.float64)
+    m = z.max(axis=-1, keepdims=True)
+    return z - m - np.log(np.exp(z - m).sum(axis=-1, keepdims=True))
+
+
+def test_logprobs_in_openais_shapes_equal_the_models_log_softmax(chat):
+    """Chat (`logprobs`, `top_logprobs`) and completions (`logprobs` k), streamed and not: each
+    token's log-probability and its alternatives are the log-softmax of the model's own forward
+    over prompt + reply (the raw logits, whatever the temperature)."""
+    from minillama.infer.serve_logprobs import TokenText
+
+    tok, engine, model = chat.tok, chat.engine, chat.engine.model
+    texts = TokenText(tok)
+    client = chat.client(KEY)
+    prompt = encode_rendered(tok, render_chat(tok, MESSAGES))
+    ids, _ = engine.generate(prompt, max_tokens=12, stop_ids=_stops(tok))
+    lsm = _log_softmax(model.forward([prompt + ids])[0])[len(prompt) - 1:]
+
+    def check(entries, merged=False):  # [(token text, logprob, [(alt text, alt logprob)])]
+        assert len(entries) == len(ids)
+        for j, (text, lp, top) in enumerate(entries):
+            assert text == texts(ids[j])[0]
+            assert lp == pytest.approx(lsm[j, ids[j]], abs=1e-4)
+            want = [(texts(int(i))[0], lsm[j, i]) for i in np.argsort(-lsm[j], kind="stable")[:3]]
+            if merged:  # completions: a {text: logprob} map keeps the likelier of equal texts
+                first: dict = {}
+                for t, v in want:
+                    first.setdefault(t, v)
+                want = list(first.items())
+            assert [t for t, _ in top] == [t for t, _ in want]
+            np.testing.assert_allclose([v for _, v in top], [v for _, v in want], atol=1e-4)
+
+    r = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=12,
+                                       temperature=0.7, seed=1, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(c.logprob <= 0 and len(c.top_logprobs) == 3 for c in content)
+    r = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=12,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    check([(c.token, c.logprob, [(a.token, a.logprob) for a in c.top_logprobs])
+           for c in r.choices[0].logprobs.content])
+    streamed = [c for chunk in client.chat.completions.create(
+        model="tiny-chat", messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True,
+        top_logprobs=3, stream=True) for ch in chunk.choices if ch.logprobs
+        for c in ch.logprobs.content]
+    check([(c.token, c.logprob, [(a.token, a.logprob) for a in c.top_logprobs])
+           for c in streamed])
+    r = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=5,
+                                       temperature=0)
+    assert r.choices[0].logprobs is None  # not asked: null
+    # the completions endpoint, on the rendered prompt as token ids
+    r = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=12,
+                                  temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    check([(t, v, list(top.items())) for t, v, top in
+           zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)], merged=True)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(ids))]
+    chunks = list(client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=12,
+                                            temperature=0, logprobs=3, stream=True))
+    got = [(t, v, list(top.items())) for c in chunks for ch in c.choices if ch.logprobs
+           for t, v, top in zip(ch.logprobs.tokens, ch.logprobs.token_logprobs,
+                                ch.logprobs.top_logprobs)]
+    check(got, merged=True)
+
+
+def test_a_conversations_second_turn_reuses_the_cache(chat):
+    """The second turn's usage reports the prompt tokens taken from the cache (all the first
+    turn's prompt at least); the reply is the greedy reply of an engine that reuses nothing."""
+    tok, model = chat.tok, chat.engine.model
+    client = chat.client(KEY)
+    turn1 = [{"role": "system", "content": "be brief, the cat sat on the mat " * 3},
+             {"role": "user", "content": "the dog?"}]
+    r1 = client.chat.completions.create(model="tiny-chat", messages=turn1, max_tokens=8,
+                                        temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "the cat ran"}]
+    r2 = client.chat.completions.create(model="tiny-chat", messages=turn2, max_tokens=10,
+                                        temperature=0)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+    assert r1.usage.prompt_tokens_details.cached_tokens < r1.usage.prompt_tokens
+    cold = Engine(model, max_batch=1, prefix_reuse=False)
+    try:
+        p2 = encode_rendered(tok, render_chat(tok, turn2))
+        ids, _ = cold.generate(p2, max_tokens=10, stop_ids=_stops(tok))
+    finally:
+        cold.close()
+    assert r2.choices[0].message.content == _text_of(tok, p2, ids)
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*)?\})? '
+                     r'(-?[0-9.]+(e[+-]?[0-9]+)?|\+Inf)$')
+
+
+def scrape(url, key=None) -> dict:
+    """/metrics parsed: {(name, labels text): value}; every line is a comment or a sample."""
+    head = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.get(url + "/metrics", headers=head, timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for line in r.text.splitlines():
+        if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            continue
+        m = _SAMPLE.match(line)
+        assert m, line
+        out[(m.group(1), m.group(3) or "")] = float(m.group(5))
+    return out
+
+
+def test_metrics_parse_and_move(chat):
+    client = chat.client(KEY)
+    assert httpx.get(chat.url + "/metrics", timeout=30).status_code == 401  # needs the key
+    before = scrape(chat.url, KEY)
+    r = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=6,
+                                       temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-chat", messages=MESSAGES, temperature=-1)
+    after = scrape(chat.url, KEY)
+
+    def moved(name, labels=""):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    route = 'route="/v1/chat/completions",code='
+    assert moved("minillama_requests_total", route + '"200"') == 1
+    assert moved("minillama_requests_total", route + '"400"') == 1
+    assert moved("minillama_requests_total", 'route="/metrics",code="401"') == 0  # before
+    assert after[("minillama_requests_total", 'route="/metrics",code="401"')] >= 1
+    assert moved("minillama_prompt_tokens_total") == r.usage.prompt_tokens
+    assert moved("minillama_completion_tokens_total") == r.usage.completion_tokens
+    assert moved("minillama_prefill_tokens_total") + moved(
+        "minillama_prompt_tokens_cached_total") == r.usage.prompt_tokens
+    assert moved("minillama_time_to_first_token_seconds_count") == 1
+    samples = r.usage.completion_tokens + (r.choices[0].finish_reason == "stop")
+    assert moved("minillama_time_per_output_token_seconds_count") == samples - 1
+    for name in ("minillama_time_to_first_token_seconds",
+                 "minillama_time_per_output_token_seconds"):
+        assert after[(name + "_bucket", 'le="+Inf"')] == after[(name + "_count", "")]
+    assert after[("minillama_queue_depth", "")] == 0
+    assert after[("minillama_active_slots", "")] == 0
+    assert after[("minillama_slots", "")] == 4

@@ -8,6 +8,7 @@ when the command runs: registering the command loads neither, nor asyncio.
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import sys
@@ -21,12 +22,26 @@ from minillama.infer.serve import build_app
 from minillama.io.load import DEFAULT_CHECKPOINT, detect_format, load_model, resolve_tokenizer
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
         description="Serve a checkpoint over HTTP with OpenAI's API (/v1/chat/completions, "
-                    "/v1/completions, /v1/models, /health), concurrent requests sharing the "
-                    "model through continuous batching. Needs pip install 'minillama[serve]'.")
+                    "/v1/completions, /v1/models, /health, and /metrics in Prometheus' text "
+                    "format), concurrent requests sharing the model through continuous "
+                    "batching; a prompt that starts as one before it (a system prompt, a "
+                    "conversation's earlier turns) reuses the cached part. Needs pip install "
+                    "'minillama[serve]'.")
     add_model_flags(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
@@ -43,6 +58,15 @@ def add_cli(subparsers) -> None:
     p.add_argument("--max-context", type=positive_int, default=2048,
                    help="positions per request, prompt included (default 2048, capped at the "
                         "model's context)")
+    p.add_argument("--max-queue", type=non_negative_int, default=64,
+                   help="most requests waiting for a slot; more get 503 with Retry-After "
+                        "(default 64)")
+    p.add_argument("--prefix-cache", type=non_negative_int, default=0,
+                   help="KV-cache rows kept besides the --max-batch slots only to hold "
+                        "finished requests' prompts for reuse; the free slots hold theirs too "
+                        "(default 0: up to --max-batch prompts kept)")
+    p.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
+                   help="prefill every prompt whole, never from the cache")
     p.set_defaults(func=run_cli)
 
 
@@ -60,7 +84,9 @@ def load_engine(args):
     tok = resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt)
     if tok is None:
         raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer")
-    engine = Engine(model, max_batch=args.max_batch, max_seq_len=args.max_context)
+    engine = Engine(model, max_batch=args.max_batch, max_seq_len=args.max_context,
+                    max_queue=args.max_queue, prefix_reuse=args.prefix_reuse,
+                    prefix_rows=args.prefix_cache)
     # the first request should not wait for the compiler: compile (or load) the kernels now,
     # saying so when it takes a while
     warm_up(model, [0], run=lambda: engine.generate([0], max_tokens=2))
@@ -100,7 +126,7 @@ def run_cli(args) -> int:
     host, port = sock.getsockname()[:2]
     print(f"minillama: serving {name!r} on http://{host}:{port} (backend "
           f"{engine.model.backend.name}, {engine.max_batch} slots of {engine.S} positions, "
-          f"KV cache {engine.cache.nbytes / 2**20:.1f} MiB)",
+          f"queue {engine.max_queue}, KV cache {engine.cache.nbytes / 2**20:.1f} MiB)",
           file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
     uvicorn.Server(config).run(sockets=[sock])

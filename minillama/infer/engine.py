@@ -1,26 +1,31 @@
 r"""Continuous batching: many requests share one model through one batched KV cache.
 
 The :class:`Engine` owns the queue of waiting requests and a scheduler thread; its
-:class:`SlotBatch` owns a cache of ``max_batch`` slots (rows) of ``S`` positions and the requests
-running in them. Each iteration of the scheduler (:meth:`SlotBatch.step`)
+:class:`~minillama.infer.slots.SlotBatch` owns a cache of ``max_batch`` slots (rows) of ``S``
+positions and the requests running in them. Each iteration of the scheduler
+(:meth:`~minillama.infer.slots.SlotBatch.step`)
 
-1. drops the requests that were cancelled (a client that went away) and frees their slots;
-2. admits waiting requests while slots are free: their prompts are prefilled into free rows
-   (together, right-padded, in one forward over a view of those rows, up to ``prefill_tokens``
-   padded tokens per forward) and each first token is sampled from its last prompt position;
+1. drops the requests that were cancelled (a client that went away) and frees their slots, so a
+   cancelled request leaves within one decode step;
+2. admits waiting requests while slots are free: a prompt that starts with ids whose K/V a cache
+   row already holds (a shared system prompt, a conversation's earlier turns) takes that row and
+   prefills only the rest (:mod:`minillama.infer.slots`); the others are prefilled into free rows
+   together, right-padded, in one forward over a view of those rows (up to ``prefill_tokens``
+   padded tokens per forward); each first token is sampled from its last prompt position;
 3. decodes one token for every running request in one batched forward: row b feeds the token
    it sampled last at its own position p_b (``start_pos`` is the (n,) array of the p_b), so
    rows at different positions share the step; attention reads positions 0..p_b of row b only;
 4. hands each request its token; a request that sampled a stop id, reached ``max_tokens`` or the
    end of the context leaves and frees its row.
 
-The running requests always occupy rows 0..n-1: a leaving row is replaced by the last one (its
-cached positions 0..p-1 are copied over), so each step is one forward over a contiguous view of
-the first n rows, never over idle slots. Stale K/V left in a reused row lie beyond the new
-request's positions, which attention masks.
+The running requests always occupy rows 0..n-1: a leaving row trades places with the last one
+(cached positions exchanged), so each step is one forward over a contiguous view of the first n
+rows, never over idle slots. Stale K/V left in a reused row lie beyond the new request's
+positions, which attention masks.
 
 Request b samples with its own generator (``seed``), so its tokens do not depend on which other
 requests share the batch; greedy tokens equal those of :func:`minillama.infer.generate.generate`.
+At most ``max_batch + max_queue`` requests are in the engine at once (:class:`QueueFull` beyond).
 Nothing here knows HTTP: :mod:`minillama.infer.serve` is one client of it.
 """
 
@@ -30,34 +35,61 @@ import collections
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from minillama.core.errors import MinillamaError
 from minillama.core.sampling import SamplingParams
+from minillama.infer.metrics import EngineStats
+from minillama.infer.slots import SlotBatch
+
+__all__ = ["Engine", "QueueFull", "Request", "SlotBatch", "StopText"]
+
+#: the most alternatives a request may ask log-probabilities for, per token
+MAX_TOP_LOGPROBS = 20
 
 #: an event handed to a request's listener: ("token", id), ("done", finish_reason) or
 #: ("error", message); "done" and "error" are the last event of a request
 Event = tuple
 
 
+class QueueFull(MinillamaError):
+    """The engine holds as many requests as it may (running and waiting): try again later."""
+
+
 class Request:
     """One generation running in an :class:`Engine`. Its events go to ``on_event`` (called on the
-    scheduler thread: keep it short) or, without one, to a queue read by :meth:`events`."""
+    scheduler thread: keep it short) or, without one, to a queue read by :meth:`events`.
+
+    With ``logprobs`` k (not None) each generated token's entry of :attr:`token_logprobs` is
+    (log p of the token, its k most likely alternatives as (id, log p)), appended before the
+    token's event is handed over; p is the softmax of the model's raw logits at that step (the
+    model's distribution: before penalties, temperature and filters)."""
 
     _ids = itertools.count()
 
     def __init__(self, engine, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
-                 stop_ids: set[int], on_event: Callable[[Event], None] | None):
+                 stop_ids: set[int], on_event: Callable[[Event], None] | None,
+                 logprobs: int | None = None):
         self.id = next(self._ids)
         self.prompt_ids = prompt_ids
+        self.prompt_array = np.asarray(prompt_ids, dtype=np.int64)
         self.max_tokens = max_tokens
         self.params = params
         self.stop_ids = stop_ids
+        self.logprobs = logprobs
         self.rng = np.random.default_rng(params.seed)
         self.tokens: list[int] = []  #: the ids generated so far (stop ids excluded)
+        self.token_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.finish_reason: str | None = None  #: "stop", "length", "cancelled" or "error"
+        self.cached_tokens = 0  #: prompt tokens whose K/V were reused, not prefilled
+        self.t_submit = time.perf_counter()
+        self.t_last: float | None = None  #: when its last token was sampled
+        #: the engine's decode steps when cancel() was called and when the request ended
+        self.cancel_step: int | None = None
+        self.end_step: int | None = None
         self._engine = engine
         self._cancelled = False
         self._queue: queue.Queue | None = queue.Queue() if on_event is None else None
@@ -75,6 +107,8 @@ class Request:
 
     def cancel(self) -> None:
         """Stop generating (e.g. the client disconnected); the slot is freed at the next step."""
+        if not self._cancelled and self.finish_reason is None:
+            self.cancel_step = self._engine.decode_steps
         self._cancelled = True
         self._engine._wake()
 
@@ -100,51 +134,58 @@ class Request:
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
+        self.end_step = self._engine.decode_steps
         self._engine.finished[reason] += 1
         self._emit(("done", reason))
 
     def _fail(self, message: str) -> None:
         self.finish_reason = "error"
+        self.end_step = self._engine.decode_steps
         self._engine.finished["error"] += 1
         self._emit(("error", message))
-
-
-class _Slot:
-    """A running request: ``pos`` is where its next fed token goes (= prompt length + tokens fed
-    so far), ``last`` the token to feed, ``budget`` the most tokens it may produce."""
-
-    __slots__ = ("req", "pos", "last", "budget", "done")
-
-    def __init__(self, req: Request, pos: int, budget: int):
-        self.req, self.pos, self.last, self.budget, self.done = req, pos, -1, budget, False
 
 
 class Engine:
     r"""Continuous batching over ``model`` (a
     :class:`~minillama.model.transformer.Transformer`) with up to ``max_batch`` concurrent
     requests, each within a context of ``max_seq_len`` positions (default and cap: the model's).
-    The cache holds 2 \cdot L \cdot max\_batch \cdot S \cdot KVH \cdot hd floats, allocated once.
+    The cache holds 2 \cdot L \cdot (max\_batch + prefix\_rows) \cdot S \cdot KVH \cdot hd
+    floats, allocated once.
+
+    ``max_queue`` bounds the requests waiting for a slot (None: no bound): :meth:`submit` raises
+    :class:`QueueFull` when ``max_batch + max_queue`` requests are in the engine.
+    ``prefix_reuse`` lets a prompt start from the K/V a row already holds for its first tokens
+    (:mod:`minillama.infer.slots`); the free slots keep what their last request held, and
+    ``prefix_rows`` more rows keep it only for that. :attr:`stats` counts tokens and latencies
+    (:class:`~minillama.infer.metrics.EngineStats`).
 
     :meth:`submit` queues a request and returns at once; the scheduler thread starts on the first
     submit (or :meth:`start`) and stops with :meth:`close`.
     """
 
     def __init__(self, model, max_batch: int = 8, max_seq_len: int | None = None,
-                 prefill_tokens: int = 4096):
-        if isinstance(max_batch, bool) or int(max_batch) != max_batch or max_batch < 1:
-            raise MinillamaError(f"max_batch must be a positive integer, got {max_batch}")
+                 prefill_tokens: int = 4096, max_queue: int | None = None,
+                 prefix_reuse: bool = True, prefix_rows: int = 0):
+        for name, v, lo in (("max_batch", max_batch, 1), ("prefix_rows", prefix_rows, 0),
+                            ("max_queue", 0 if max_queue is None else max_queue, 0)):
+            if isinstance(v, bool) or int(v) != v or v < lo:
+                raise MinillamaError(f"{name} must be an integer >= {lo}, got {v}")
         ctx = model.cfg.max_seq_len
         self.S = int(min(max_seq_len or ctx, ctx))
         if self.S < 1:
             raise MinillamaError(f"the context must hold at least one position, got {self.S}")
         self.model = model
         self.max_batch = int(max_batch)
+        self.max_queue = None if max_queue is None else int(max_queue)
         #: the most (padded) prompt tokens prefilled in one forward: new requests arriving
         #: together are prefilled together up to this size
         self.prefill_tokens = int(prefill_tokens)
-        self.batch = SlotBatch(model, self.max_batch, self.S, self.prefill_tokens)
+        self.stats = EngineStats()
+        self.batch = SlotBatch(model, self.max_batch, self.S, self.prefill_tokens, self.stats,
+                               extra_rows=int(prefix_rows), reuse=bool(prefix_reuse))
         self._slots = self.batch.slots
         self._pending: collections.deque[Request] = collections.deque()
+        self._in_step = 0  # the requests the running step holds (those it admits included)
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -163,13 +204,18 @@ class Engine:
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                stop_ids: Iterable[int] = (), on_event: Callable[[Event], None] | None = None,
-               **settings) -> Request:
+               logprobs: int | None = None, **settings) -> Request:
         """Queue one generation and return its :class:`Request`: ``params`` (a
         :class:`~minillama.core.sampling.SamplingParams`, default greedy) with ``settings`` (its
         field names, e.g. ``max_tokens=64, temperature=0.7``) replaced; ``max_tokens`` defaults
-        to 16. Bad arguments (an empty prompt or one longer than the context, ids outside the
-        vocabulary, settings out of range) raise :class:`MinillamaError` before anything
-        runs."""
+        to 16; ``logprobs`` k in 0..20 records each token's log-probability and its k likeliest
+        alternatives (:class:`Request`). Bad arguments (an empty prompt or one longer than the
+        context, ids outside the vocabulary, settings out of range) raise
+        :class:`MinillamaError` before anything runs; a full engine raises :class:`QueueFull`."""
+        if logprobs is not None and (isinstance(logprobs, bool) or int(logprobs) != logprobs
+                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise MinillamaError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
+                                 f"{logprobs}")
         params = SamplingParams.of(params, **settings)
         max_tokens = 16 if params.max_tokens is None else params.max_tokens
         prompt = [int(t) for t in prompt_ids]
@@ -181,10 +227,15 @@ class Engine:
         if len(prompt) > self.S:
             raise MinillamaError(f"the prompt of {len(prompt)} tokens is longer than the context "
                                  f"of {self.S} tokens")
-        req = Request(self, prompt, int(max_tokens), params, {int(t) for t in stop_ids}, on_event)
+        req = Request(self, prompt, int(max_tokens), params, {int(t) for t in stop_ids}, on_event,
+                      None if logprobs is None else int(logprobs))
         with self._cv:
             if self._closed:
                 raise MinillamaError("the engine is closed")
+            held = len(self._pending) + max(self._in_step, len(self._slots))
+            if self.max_queue is not None and held >= self.max_batch + self.max_queue:
+                raise QueueFull(f"the server is busy: {self.max_batch} requests may run and "
+                                f"{self.max_queue} wait, and all places are taken; retry later")
             self._pending.append(req)
             self._cv.notify()
         self.start()
@@ -231,9 +282,15 @@ class Engine:
                     self._cv.wait()
                 if self._closed:
                     return
+                if any(r.cancelled for r in self._pending):  # gone before a slot freed
+                    for r in [r for r in self._pending if r.cancelled]:
+                        r._finish("cancelled")
+                    self._pending = collections.deque(r for r in self._pending
+                                                      if r.finish_reason is None)
                 new = []
                 while self._pending and len(self._slots) + len(new) < self.max_batch:
                     new.append(self._pending.popleft())
+                self._in_step = len(self._slots) + len(new)
             try:
                 self.batch.step(new)
             except Exception as e:  # an unexpected failure ends these requests,
@@ -242,10 +299,13 @@ class Engine:
                     if r.finish_reason is None:
                         r._fail(f"generation failed: {msg}")
                 self._slots.clear()
+                self.batch.rows.reset()
+            self._in_step = len(self._slots)
 
     @property
     def cache(self):
-        """The KV cache of the slots (rows 0..active-1 hold the running requests)."""
+        """The KV cache of the slots (rows 0..active-1 hold the running requests; the rest are
+        free, holding what their last requests left for prompt reuse)."""
         return self.batch.cache
 
     @property
@@ -266,132 +326,6 @@ class Engine:
     @max_active.setter
     def max_active(self, n: int) -> None:
         self.batch.max_active = n
-
-
-class SlotBatch:
-    """The rows of the KV cache and the requests running in them: prefills new requests into
-    free rows, runs one batched decode step over all of them, samples and hands over each one's
-    token, and keeps the running requests in rows 0..n-1 as others finish."""
-
-    def __init__(self, model, max_batch: int, S: int, prefill_tokens: int):
-        self.model = model
-        self.S = S
-        self.prefill_tokens = prefill_tokens
-        self.cache = model.new_cache(max_batch, S)
-        self._views: dict[tuple[int, int], object] = {}
-        self._slots: list[_Slot] = []
-        self.slots = self._slots
-        self.decode_steps = 0
-        self.prefills = 0
-        self.max_active = 0
-
-    def step(self, new: list[Request]) -> None:
-        for s in self._slots:
-            if s.req.cancelled:
-                s.done = True
-                s.req._finish("cancelled")
-        self._compact()
-        group: list[Request] = []
-        for r in new:
-            if r.cancelled:
-                r._finish("cancelled")
-            elif min(r.max_tokens, self.S - len(r.prompt_ids) + 1) <= 0:
-                r._finish("length")
-            else:
-                longest = max([len(q.prompt_ids) for q in group] + [len(r.prompt_ids)])
-                if group and longest * (len(group) + 1) > self.prefill_tokens:
-                    self._admit(group)
-                    group = []
-                group.append(r)
-        if group:
-            self._admit(group)
-        self._compact()
-        if self._slots:
-            self._decode()
-            self._compact()
-
-    def _view(self, lo: int, hi: int):
-        """The cache rows lo..hi-1 (views made once each, so backends may key plans on them)."""
-        v = self._views.get((lo, hi))
-        if v is None:
-            v = self._views[(lo, hi)] = self.cache.rows(lo, hi)
-        return v
-
-    def _admit(self, group: list[Request]) -> None:
-        """Prefill the prompts of ``group`` into the next free rows in one forward (right-padded
-        to the longest; the padding's K/V lie beyond each row's positions, masked and later
-        overwritten) and sample each one's first token from its last prompt position."""
-        row, k = len(self._slots), len(group)
-        self.prefills += 1
-        lens = np.array([len(r.prompt_ids) for r in group], dtype=np.int64)
-        block = np.zeros((k, int(lens.max())), dtype=np.int64)
-        for b, r in enumerate(group):
-            block[b, :lens[b]] = r.prompt_ids
-        try:
-            if k == 1:
-                logits = self.model.forward(block, 0, self._view(row, row + 1), last_only=True)
-            else:
-                logits = self.model.forward(block, 0, self._view(row, row + k),
-                                            output_index=lens - 1)
-        except MinillamaError as e:
-            for r in group:
-                r._fail(str(e))
-            return
-        z = self.model.backend.to_numpy(logits).reshape(k, -1)
-        for b, r in enumerate(group):
-            slot = _Slot(r, int(lens[b]), min(r.max_tokens, self.S - int(lens[b]) + 1))
-            self._slots.append(slot)
-            self._take(slot, z[b])
-
-    def _decode(self) -> None:
-        """One batched step: row b feeds its last token at its own position p_b."""
-        n = len(self._slots)
-        tok = np.array([[s.last] for s in self._slots], dtype=np.int64)
-        pos = np.array([s.pos for s in self._slots], dtype=np.int64)
-        logits = self.model.forward(tok, pos, self._view(0, n), last_only=True)
-        z = self.model.backend.to_numpy(logits).reshape(n, -1)
-        self.decode_steps += 1
-        self.max_active = max(self.max_active, n)
-        for b, s in enumerate(self._slots):
-            s.pos += 1
-            self._take(s, z[b])
-
-    def _take(self, s: _Slot, z: np.ndarray) -> None:
-        """Sample s's next token from its logits z (V,) and hand it over, or end s."""
-        r = s.req
-        if not np.isfinite(z).all():
-            s.done = True
-            r._fail("the model's logits hold NaN/inf values (its weights overflow the compute "
-                    "dtype)")
-            return
-        t = r.params.pick(z, r.rng, r.recent() if r.params.penalised else ())
-        if t in r.stop_ids:
-            s.done = True
-            r._finish("stop")
-            return
-        r.tokens.append(t)
-        s.last = t
-        r._emit(("token", t))
-        if len(r.tokens) >= s.budget:
-            s.done = True
-            r._finish("length")
-
-    def _compact(self) -> None:
-        """Remove the finished slots; the last running row moves into each freed one (its cached
-        positions 0..p-1 copied), so the running requests stay rows 0..n-1."""
-        for i in range(len(self._slots) - 1, -1, -1):
-            if not self._slots[i].done:
-                continue
-            last = len(self._slots) - 1
-            if i != last:
-                moved = self._slots[last]
-                p = moved.pos
-                for a in self.cache.k + self.cache.v:
-                    a[i, :p] = a[last, :p]
-                self._slots[i] = moved
-            self._slots.pop()
-
-
 
 
 class StopText:

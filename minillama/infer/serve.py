@@ -3,12 +3,14 @@
 :mod:`minillama.cli.serve`).
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream`` as
-server-sent events), ``GET /v1/models`` (and ``/v1/models/{id}``) and ``GET /health``. Request
-fields: ``model``, ``messages`` / ``prompt``, ``max_tokens``, ``stop``, ``stream`` (and
-``stream_options.include_usage``) and the sampling settings of :func:`sampling_params`; answers
-carry ``usage`` and a ``finish_reason`` of ``stop`` or ``length``. A bad request gets a 4xx JSON
-error shaped like OpenAI's, ``{"error": {"message", "type", "param", "code"}}``, and the
-server goes on serving.
+server-sent events), ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` and
+``GET /metrics`` (Prometheus text, :mod:`minillama.infer.metrics`). The request fields and their
+checks are those of :mod:`minillama.infer.serve_validate`; answers carry ``usage`` (with
+``prompt_tokens_details.cached_tokens``, the prompt tokens reused from the KV cache), a
+``finish_reason`` of ``stop`` or ``length`` and, when asked, ``logprobs`` in OpenAI's shapes. A bad
+request gets a 4xx JSON error shaped like OpenAI's, ``{"error": {"message", "type", "param",
+"code"}}``; a request beyond the engine's queue bound a 503 with ``Retry-After``; the server goes
+on serving the others.
 
 Starlette and uvicorn are an optional extra (``pip install 'minillama[serve]'``), imported only
 when the server is built: importing this module (the CLI does) loads neither, nor asyncio.
@@ -19,26 +21,35 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
-import math
 import time
 import uuid
 
 from minillama.core.errors import MinillamaError
-from minillama.core.sampling import SamplingParams
-from minillama.infer.engine import StopText
+from minillama.infer.engine import QueueFull, StopText
 from minillama.infer.generate import TextStreamer
+from minillama.infer.metrics import CountedApp, HTTPCounts, prometheus_text
+from minillama.infer.serve_logprobs import TokenText, chat_logprobs, completion_logprobs
+from minillama.infer.serve_validate import (
+    APIError,
+    chat_messages,
+    completion_prompt,
+    fit_context,
+    parse_body,
+    request_fields,
+)
 from minillama.io.chat_template import encode_rendered, render_chat, stop_ids
+
+__all__ = ["APIError", "build_app"]
 
 #: the prompt ids kept before the generated ones when turning ids into text (enough for a
 #: tokenizer's context-dependent decoding, e.g. SentencePiece's leading space)
 _TEXT_PREFIX = 16
+#: the routes counted by name in /metrics (others count as "other")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
-# ---------------------------------------------------------------------------------------------
-# chat rendering: the model's own template (minillama.io.chat_template), its errors as 400s
-# ---------------------------------------------------------------------------------------------
 def _render(tok, messages: list[dict]) -> list[int]:
-    """The prompt ids of ``messages`` through the model's chat template."""
+    """The prompt ids of ``messages`` through the model's chat template (its errors as 400s)."""
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "the model has no chat template; use /v1/completions with a prompt",
                        code="no_chat_template")
@@ -48,190 +59,15 @@ def _render(tok, messages: list[dict]) -> list[int]:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
 
 
-def _stops(tok) -> set[int]:
-    """The ids that end a reply: EOS and the model's end-of-turn ids
-    (:func:`minillama.io.chat_template.stop_ids`)."""
-    return stop_ids(tok)
-
-
 # ---------------------------------------------------------------------------------------------
-# request checking (pure functions: a bad field raises APIError, a 4xx with OpenAI's shape)
-# ---------------------------------------------------------------------------------------------
-class APIError(Exception):
-    """A request the server refuses: HTTP ``status`` and OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = \
-            status, message, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def parse_body(raw: bytes) -> dict:
-    """The request's JSON object, or a 400."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    return body
-
-
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise APIError(400, f"'{name}' must be a number, got {json.dumps(v)}", param=name,
-                       code="invalid_type")
-    if not lo <= v <= hi:
-        raise APIError(400, f"'{name}' must lie in [{lo:g}, {hi:g}], got {v}", param=name,
-                       code="invalid_value")
-    return float(v)
-
-
-def _integer(body: dict, name: str, default: int | None, lo: int = 0) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise APIError(400, f"'{name}' must be an integer, got {json.dumps(v)}", param=name,
-                       code="invalid_type")
-    if v < lo:
-        raise APIError(400, f"'{name}' must be >= {lo}, got {v}", param=name,
-                       code="invalid_value")
-    return v
-
-
-def sampling_params(body: dict) -> SamplingParams:
-    """The request's :class:`~minillama.core.sampling.SamplingParams`, each field checked with a
-    400 naming it: OpenAI's ``temperature`` (default 1), ``top_p``, ``frequency_penalty``,
-    ``presence_penalty``, ``seed``, and llama-server's ``top_k`` (0: off), ``min_p``,
-    ``repeat_penalty`` and ``repeat_last_n`` (-1: the whole context), the window of all three
-    penalties."""
-    top_k = _integer(body, "top_k", 0)
-    try:
-        return _params(body, top_k)
-    except MinillamaError as e:
-        raise APIError(400, str(e), code="invalid_value") from None
-
-
-def _params(body: dict, top_k: int) -> SamplingParams:
-    return SamplingParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_k=top_k or None,
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or None,
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-        repeat_penalty=_number(body, "repeat_penalty", 1.0, 1e-6, 1e6),
-        repeat_last_n=_integer(body, "repeat_last_n", 64, lo=-1),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        seed=_integer(body, "seed", None))
-
-
-def sampling_fields(body: dict, model_name: str) -> dict:
-    """The fields both endpoints share, checked: model, max_tokens (None: not given), the
-    sampling settings as ``params`` (:func:`sampling_params`), stop (a list of strings), stream,
-    include_usage."""
-    if "model" not in body:
-        raise APIError(400, "missing required field 'model'", param="model",
-                       code="missing_field")
-    if body["model"] != model_name:
-        raise APIError(404, f"the model {json.dumps(body['model'])} does not exist; this server "
-                            f"serves {json.dumps(model_name)}", param="model",
-                       code="model_not_found")
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise APIError(400, "only n = 1 is supported", param="n", code="invalid_value")
-    max_tokens = _integer(body, "max_tokens", None)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_completion_tokens", None)
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop)):
-        raise APIError(400, "'stop' must be a string or a list of at most 4 strings",
-                       param="stop", code="invalid_type")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise APIError(400, "'stream' must be true or false", param="stream",
-                       code="invalid_type")
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise APIError(400, "'stream_options' must be an object", param="stream_options",
-                       code="invalid_type")
-    return {"max_tokens": max_tokens, "params": sampling_params(body),
-            "stop": stop, "stream": stream,
-            "include_usage": bool(opts.get("include_usage", False))}
-
-
-def chat_messages(body: dict) -> list[dict]:
-    """``messages`` as a list of ``{"role", "content"}`` with text content (content parts of
-    type ``text`` are joined), or a 400."""
-    msgs = body.get("messages")
-    if msgs is None:
-        raise APIError(400, "missing required field 'messages'", param="messages",
-                       code="missing_field")
-    if not isinstance(msgs, list) or not msgs:
-        raise APIError(400, "'messages' must be a non-empty list", param="messages",
-                       code="invalid_type")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a string 'role'",
-                           param=f"messages[{i}]", code="invalid_type")
-        c = m.get("content")
-        if isinstance(c, list):
-            parts = [p.get("text") for p in c if isinstance(p, dict)]
-            if len(parts) != len(c) or not all(isinstance(p, str) for p in parts):
-                raise APIError(400, f"messages[{i}].content parts must be text parts",
-                               param=f"messages[{i}].content", code="invalid_type")
-            c = "".join(parts)
-        elif c is None:
-            c = ""
-        elif not isinstance(c, str):
-            raise APIError(400, f"messages[{i}].content must be a string",
-                           param=f"messages[{i}].content", code="invalid_type")
-        out.append({"role": m["role"], "content": c})
-    return out
-
-
-def completion_prompt(body: dict, tok) -> list[int]:
-    """``prompt`` as token ids: a string (encoded after BOS, as ``minillama generate`` does), a
-    list holding one string, or a list of token ids; else a 400."""
-    p = body.get("prompt")
-    if p is None:
-        raise APIError(400, "missing required field 'prompt'", param="prompt",
-                       code="missing_field")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-        p = p[0]
-    if isinstance(p, str):
-        return tok.encode(p)  # BOS where the tokenizer says so, as `minillama generate`
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
-                                         for t in p):
-        return list(p)
-    raise APIError(400, "'prompt' must be a string, a list of one string or a list of token ids",
-                   param="prompt", code="invalid_type")
-
-
-# ---------------------------------------------------------------------------------------------
-# the app
+# one generation as the event loop sees it
 # ---------------------------------------------------------------------------------------------
 class _Generation:
     """One request's run in the engine as seen from the event loop: the engine thread's events
     come through an asyncio queue; :meth:`pieces` turns ids into text deltas, cut at the stop
-    strings."""
+    strings, each with the log-probabilities of the tokens it consumed."""
 
-    def __init__(self, engine, tok, prompt_ids: list[int], fields: dict, stop_ids: set[int],
+    def __init__(self, engine, tok, prompt_ids: list[int], fields: dict, stops: set[int],
                  max_tokens: int):
         import asyncio
 
@@ -249,22 +85,31 @@ class _Generation:
         self.streamer.start()
         self.stopper = StopText(fields["stop"])
         try:
-            self.req = engine.submit(prompt_ids, fields["params"], stop_ids=stop_ids,
-                                     on_event=on_event, max_tokens=max_tokens)
+            self.req = engine.submit(prompt_ids, fields["params"], stop_ids=stops,
+                                     on_event=on_event, max_tokens=max_tokens,
+                                     logprobs=fields["logprobs"])
+        except QueueFull as e:
+            raise APIError(503, str(e), type="server_error", code="server_busy",
+                           headers={"Retry-After": "1"}) from None
         except MinillamaError as e:
             raise APIError(400, str(e), code="invalid_value") from None
 
     async def pieces(self):
-        """Yield text deltas (possibly empty) until the generation ends; then
-        :attr:`finish_reason` is set. An engine failure raises APIError(500)."""
+        """Yield (text delta, [(id, logprob, top alternatives)] of the tokens it took) until the
+        generation ends; then :attr:`finish_reason` is set. An engine failure raises
+        APIError(500)."""
+        lps = self.req.token_logprobs
         while True:
             evs = [await self.queue.get()]
             while not self.queue.empty():
                 evs.append(self.queue.get_nowait())
-            text, end = "", None
-            for kind, val in evs:
+            text, end, took = "", None, []
+            for ev in evs:
+                kind, val = ev
                 if kind == "token":
                     self.completion_tokens += 1
+                    if self.req.logprobs is not None:
+                        took.append((val, *lps[self.completion_tokens - 1]))
                     text += self.stopper.push(self.streamer.put(val))
                     if self.stopper.hit:
                         self.req.cancel()
@@ -279,14 +124,15 @@ class _Generation:
                     raise APIError(500, val, type="server_error", code="generation_failed")
             if end is not None:
                 self.finish_reason = end
-                yield text
+                yield text, took
                 return
-            if text:
-                yield text
+            if text or took:
+                yield text, took
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.req.cached_tokens}}
 
 
 async def _until_disconnect(receive, work, on_disconnect):
@@ -346,10 +192,13 @@ class _SSEResponse:
             await self.chunks.aclose()
 
 
+# ---------------------------------------------------------------------------------------------
+# the app
+# ---------------------------------------------------------------------------------------------
 def build_app(engine, tok, model_name: str, api_key: str | None = None):
-    """The Starlette application serving ``engine`` (its model's tokenizer ``tok``) as
+    """The ASGI application serving ``engine`` (its model's tokenizer ``tok``) as
     ``model_name``; with ``api_key`` every route but /health needs ``Authorization: Bearer
-    api_key``."""
+    api_key``. Responses are counted by route and status for /metrics."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
 
@@ -361,8 +210,10 @@ def build_app(engine, tok, model_name: str, api_key: str | None = None):
         return _error_response(APIError(500, f"internal error: {type(exc).__name__}",
                                         type="server_error"))
 
-    routes = (_info_routes(engine, model_name, api_key)
+    counts = HTTPCounts(ROUTES)
+    routes = (_info_routes(engine, model_name, api_key, counts)
               + _completion_routes(engine, tok, model_name, api_key))
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start()
@@ -373,12 +224,12 @@ def build_app(engine, tok, model_name: str, api_key: str | None = None):
                                                        Exception: server_error},
                     lifespan=lifespan)
     app.state.engine = engine
-    return app
+    return CountedApp(app, counts)
 
 
-def _info_routes(engine, model_name: str, api_key: str | None) -> list:
-    """GET /health (no key needed), /v1/models and /v1/models/{model}."""
-    from starlette.responses import JSONResponse
+def _info_routes(engine, model_name: str, api_key: str | None, counts: HTTPCounts) -> list:
+    """GET /health (no key needed), /metrics, /v1/models and /v1/models/{model}."""
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
     created = int(time.time())
@@ -389,38 +240,43 @@ def _info_routes(engine, model_name: str, api_key: str | None) -> list:
     card = {"id": model_name, "object": "model", "created": created, "owned_by": "minillama",
             "context_length": engine.S}
 
-    async def models(request):
-        try:
-            _check_key(request, api_key)
-        except APIError as e:
-            return _error_response(e)
-        return JSONResponse({"object": "list", "data": [card]})
+    def keyed(answer):
+        async def route(request):
+            try:
+                _check_key(request, api_key)
+                return answer(request)
+            except APIError as e:
+                return _error_response(e)
+        return route
 
-    async def one_model(request):
-        try:
-            _check_key(request, api_key)
-            if request.path_params["model"] != model_name:
-                raise APIError(404, f"the model {json.dumps(request.path_params['model'])} does "
-                                    f"not exist", param="model", code="model_not_found")
-        except APIError as e:
-            return _error_response(e)
+    def one_model(request):
+        if request.path_params["model"] != model_name:
+            raise APIError(404, f"the model {json.dumps(request.path_params['model'])} does "
+                                f"not exist", param="model", code="model_not_found")
         return JSONResponse(card)
 
+    def metrics(request):
+        return Response(prometheus_text(engine, counts),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
     return [Route("/health", health, methods=["GET"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/v1/models/{model:path}", one_model, methods=["GET"])]
+            Route("/metrics", keyed(metrics), methods=["GET"]),
+            Route("/v1/models", keyed(lambda r: JSONResponse({"object": "list", "data": [card]})),
+                  methods=["GET"]),
+            Route("/v1/models/{model:path}", keyed(one_model), methods=["GET"])]
 
 
 def _completion_routes(engine, tok, model_name: str, api_key: str | None) -> list:
     """POST /v1/chat/completions and /v1/completions, whole or streamed."""
     from starlette.routing import Route
 
-    stop_ids = _stops(tok)
+    stops = stop_ids(tok)
+    texts = TokenText(tok)
 
     async def run(request, chat: bool):
         try:
             _check_key(request, api_key)
-            gen, fields = _start_generation(engine, tok, model_name, stop_ids,
+            gen, fields = _start_generation(engine, tok, model_name, stops,
                                             await request.body(), chat)
         except MinillamaError as e:  # a chat template that raises, a tokenizer failure
             return _error_response(APIError(400, str(e), code="invalid_value"))
@@ -429,10 +285,11 @@ def _completion_routes(engine, tok, model_name: str, api_key: str | None) -> lis
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": model_name}
+        out = _Output(chat, texts if fields["logprobs"] is not None else None)
         if fields["stream"]:
-            return _SSEResponse(_stream_chunks(gen, head, chat, fields["include_usage"]),
+            return _SSEResponse(_stream_chunks(gen, head, out, fields["include_usage"]),
                                 gen.req.cancel)
-        return await _whole_reply(request, gen, head, chat)
+        return await _whole_reply(request, gen, head, out)
 
     async def chat_completions(request):
         return await run(request, chat=True)
@@ -445,10 +302,10 @@ def _completion_routes(engine, tok, model_name: str, api_key: str | None) -> lis
 
 
 def _error_response(e: APIError):
-    """The JSON error body of ``e`` with its status."""
+    """The JSON error body of ``e`` with its status (and headers)."""
     from starlette.responses import JSONResponse
 
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
 
 
 def _check_key(request, api_key: str | None) -> None:
@@ -463,12 +320,13 @@ def _check_key(request, api_key: str | None) -> None:
                        code="invalid_api_key")
 
 
-def _start_generation(engine, tok, model_name: str, stop_ids: set[int], raw: bytes,
+def _start_generation(engine, tok, model_name: str, stops: set[int], raw: bytes,
                       chat: bool) -> tuple[_Generation, dict]:
-    """The request body ``raw`` checked, its prompt rendered (chat) or read (completions) and
-    submitted to the engine: (the running generation, its sampling fields)."""
+    """The request body ``raw`` checked, its prompt rendered (chat) or read (completions),
+    checked against the context and submitted to the engine: (the running generation, its
+    checked fields)."""
     body = parse_body(raw)
-    fields = sampling_fields(body, model_name)
+    fields = request_fields(body, model_name, chat)
     if chat:
         prompt_ids = _render(tok, chat_messages(body))
         if not prompt_ids:
@@ -476,56 +334,73 @@ def _start_generation(engine, tok, model_name: str, stop_ids: set[int], raw: byt
                            code="invalid_value")
     else:
         prompt_ids = completion_prompt(body, tok)
-    if len(prompt_ids) > engine.S:
-        raise APIError(400, f"the prompt of {len(prompt_ids)} tokens is longer than the "
-                            f"context of {engine.S} tokens", param="messages" if chat
-                       else "prompt", code="context_length_exceeded")
-    max_tokens = fields["max_tokens"]
-    if max_tokens is None:  # OpenAI's defaults: 16 for completions, the rest for chat
-        max_tokens = engine.S - len(prompt_ids) + 1 if chat else 16
-    return _Generation(engine, tok, prompt_ids, fields, stop_ids, max_tokens), fields
+    max_tokens = fit_context(len(prompt_ids), fields["max_tokens"], engine.S, chat)
+    return _Generation(engine, tok, prompt_ids, fields, stops, max_tokens), fields
 
 
-def _choice(chat: bool, text, finish, stream: bool) -> dict:
-    """One choice: completions carry ``text``; chat carries a ``message`` or, streamed,
-    a ``delta`` (the role first, then content pieces, then empty with the reason)."""
-    if not chat:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    if not stream:
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish}
-    delta = {} if text is None else {"content": text}
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+class _Output:
+    """The choice objects of one reply: completions carry ``text``; chat a ``message`` or,
+    streamed, a ``delta`` (the role first, then content pieces, then empty with the reason);
+    ``logprobs`` (with a :class:`TokenText` ``texts``) in the endpoint's shape, else null."""
+
+    def __init__(self, chat: bool, texts: TokenText | None):
+        self.chat, self.texts, self.offset = chat, texts, 0
+
+    def logprobs(self, took: list):
+        if self.texts is None:
+            return None
+        if self.chat:
+            return chat_logprobs(self.texts, took)
+        lp = completion_logprobs(self.texts, took, self.offset)
+        if lp["tokens"]:
+            self.offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        return lp
+
+    def choice(self, text, finish, stream: bool, took=()) -> dict:
+        lp = self.logprobs(list(took))
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+        if not stream:
+            return {"index": 0, "message": {"role": "assistant", "content": text},
+                    "logprobs": lp, "finish_reason": finish}
+        delta = {} if text is None else {"content": text}
+        return {"index": 0, "delta": delta, "logprobs": lp if took else None,
+                "finish_reason": finish}
 
 
-async def _stream_chunks(gen: _Generation, head: dict, chat: bool, include_usage: bool):
+async def _stream_chunks(gen: _Generation, head: dict, out: _Output, include_usage: bool):
     """The chunks of a streamed reply: (chat) the role, each text piece, the finish reason, and
     with ``include_usage`` a last chunk holding the token counts."""
-    if chat:
-        first = _choice(chat, "", None, True)
+    if out.chat:
+        first = out.choice("", None, True)
         first["delta"]["role"] = "assistant"
         yield {**head, "choices": [first]}
-    async for piece in gen.pieces():
-        if piece:
-            yield {**head, "choices": [_choice(chat, piece, None, True)]}
-    yield {**head, "choices": [_choice(chat, None if chat else "", gen.finish_reason, True)]}
+    async for piece, took in gen.pieces():
+        if piece or took:
+            yield {**head, "choices": [out.choice(piece, None, True, took)]}
+    yield {**head, "choices": [out.choice(None if out.chat else "", gen.finish_reason, True)]}
     if include_usage:
         yield {**head, "choices": [], "usage": gen.usage()}
 
 
-async def _whole_reply(request, gen: _Generation, head: dict, chat: bool):
+async def _whole_reply(request, gen: _Generation, head: dict, out: _Output):
     """The reply in one JSON body once generated (499 when the client went away first)."""
     from starlette.responses import JSONResponse
 
     async def collect():
-        return "".join([p async for p in gen.pieces()])
+        texts, took = [], []
+        async for piece, t in gen.pieces():
+            texts.append(piece)
+            took += t
+        return "".join(texts), took
 
     try:
-        text = await _until_disconnect(request.receive, collect(), gen.req.cancel)
+        got = await _until_disconnect(request.receive, collect(), gen.req.cancel)
     except APIError as e:
         return _error_response(e)
-    if text is None:  # the client went away; nobody reads this
+    if got is None:  # the client went away; nobody reads this
         return JSONResponse({}, status_code=499)
-    obj = {**head, "object": "chat.completion" if chat else "text_completion",
-           "choices": [_choice(chat, text, gen.finish_reason, False)], "usage": gen.usage()}
+    text, took = got
+    obj = {**head, "object": "chat.completion" if out.chat else "text_completion",
+           "choices": [out.choice(text, gen.finish_reason, False, took)], "usage": gen.usage()}
     return JSONResponse(obj)

@@ -1,0 +1,326 @@
+r"""The rows of a continuous-batching engine's KV cache: which request runs in which row, and what
+the free rows still hold for the next prompts that start the same way.
+
+:class:`SlotBatch` runs the requests of an :class:`~minillama.infer.engine.Engine` (see there for
+the scheduler): it prefills new requests into free rows, runs one batched decode step over the
+running rows 0..n-1, samples each row's token and keeps the running rows contiguous as requests
+finish.
+
+Prompt reuse. K/V at position j depend only on the tokens at positions 0..j (positions are
+absolute and attention is causal), so a row whose positions 0..c-1 were computed for the ids
+a_0..a_{c-1} serves any prompt that starts with those c ids: only the rest is prefilled, starting
+at position c. :class:`PrefixRows` keeps, for every free row, the ids whose K/V it holds (the
+prompt and the fed reply of the request that last ran there); a new request takes the row (free,
+or a running one whose prompt it shares, then copied) with the longest common prefix, when that
+prefix holds at least :attr:`SlotBatch.min_reuse` tokens. A request that reuses nothing gets the
+free row unused the longest, so the most recent conversations stay. Free rows are the
+``max_batch`` slots not running plus ``extra_rows`` rows kept only for this.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from minillama.core.errors import MinillamaError
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading entries of the int arrays ``a`` and ``b`` are equal."""
+    m = min(len(a), len(b))
+    if m == 0:
+        return 0
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if diff.size else m
+
+
+def token_logprobs(z: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    r"""log softmax of the logits z (V,) at ``token``, and the ``k`` most likely ids with theirs
+    (descending; ties: lower id first): \log p_v = z_v - \log \sum_u e^{z_u}, in float64."""
+    z = np.asarray(z, dtype=np.float64)
+    zmax = z.max()
+    lse = zmax + np.log(np.exp(z - zmax).sum())
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        k = min(k, z.shape[0])
+        idx = np.argpartition(-z, k - 1)[:k] if k < z.shape[0] else np.arange(z.shape[0])
+        idx = idx[np.lexsort((idx, -z[idx]))]
+        top = [(int(i), float(z[i] - lse)) for i in idx]
+    return float(z[token] - lse), top
+
+
+class _Slot:
+    """A running request: ``pos`` is where its next fed token goes (= prompt length + tokens fed
+    so far), ``last`` the token to feed, ``budget`` the most tokens it may produce."""
+
+    __slots__ = ("req", "pos", "last", "budget", "done")
+
+    def __init__(self, req, pos: int, budget: int):
+        self.req, self.pos, self.last, self.budget, self.done = req, pos, -1, budget, False
+
+
+class PrefixRows:
+    """Per cache row, the token ids whose K/V the row holds at positions 0..len-1 (None: nothing
+    worth keeping, or a running row) and when it was released; moves rows' contents."""
+
+    def __init__(self, cache, n_rows: int):
+        self.arrays = cache.k + cache.v
+        self.held: list[np.ndarray | None] = [None] * n_rows
+        self.stamp = [-1] * n_rows
+        self.clock = 0
+
+    def reset(self) -> None:
+        self.held = [None] * len(self.held)
+        self.stamp = [-1] * len(self.stamp)
+
+    def _len(self, row: int) -> int:
+        h = self.held[row]
+        return 0 if h is None else len(h)
+
+    def release(self, row: int, ids: np.ndarray | None) -> None:
+        """``row`` is free and holds the K/V of ``ids``."""
+        self.clock += 1
+        self.held[row], self.stamp[row] = ids, (self.clock if ids is not None else -1)
+
+    def take(self, row: int) -> None:
+        """``row`` is about to be written by a new request."""
+        self.held[row], self.stamp[row] = None, -1
+
+    def copy(self, src: int, dst: int, p: int) -> None:
+        """K/V positions 0..p-1 of row ``src`` into row ``dst``."""
+        if p > 0 and src != dst:
+            for a in self.arrays:
+                a[dst, :p] = a[src, :p]
+
+    def swap(self, i: int, j: int, p: int) -> None:
+        """Exchange rows i and j (K/V positions 0..p-1, and what they hold)."""
+        if i == j:
+            return
+        if p > 0:
+            for a in self.arrays:
+                a[[i, j], :p] = a[[j, i], :p]  # the right side is gathered first (a copy)
+        self.held[i], self.held[j] = self.held[j], self.held[i]
+        self.stamp[i], self.stamp[j] = self.stamp[j], self.stamp[i]
+
+    def vacate(self, row: int) -> None:
+        """Make ``row`` ready to be overwritten: what it holds moves to the free row (at or after
+        it) unused the longest, whose own contents are dropped."""
+        if self.held[row] is not None:
+            victim = min(range(row, len(self.held)), key=lambda j: (self.stamp[j], j))
+            if victim != row:
+                self.copy(row, victim, self._len(row))
+                self.held[victim], self.stamp[victim] = self.held[row], self.stamp[row]
+        self.take(row)
+
+    def best(self, prompt: np.ndarray, free_from: int, running) -> tuple[int, int]:
+        """(row, c): the row whose cached ids share the longest prefix c with ``prompt`` (c at
+        most len(prompt) - 1: one token is always fed), among the free rows ``free_from``.. and
+        the prompts of the ``running`` slots (rows 0..); (-1, 0) when none shares any."""
+        cap = len(prompt) - 1
+        best, best_c = -1, 0
+        for row in range(free_from, len(self.held)):
+            h = self.held[row]
+            if h is not None:
+                c = min(common_prefix(h, prompt), cap)
+                if c > best_c or (c == best_c and c and self.stamp[row] > self.stamp[best]):
+                    best, best_c = row, c
+        for row, s in enumerate(running):
+            c = min(common_prefix(s.req.prompt_array, prompt), cap)
+            if c > best_c:
+                best, best_c = row, c
+        return best, best_c
+
+
+class SlotBatch:
+    """The rows of the KV cache and the requests running in them: prefills new requests into
+    free rows (reusing cached prefixes), runs one batched decode step over all of them, samples
+    and hands over each one's token, and keeps the running requests in rows 0..n-1."""
+
+    #: the fewest cached prompt tokens worth a prefill of its own (below this a request joins
+    #: the padded prefill of the others arriving with it)
+    min_reuse = 8
+
+    def __init__(self, model, max_batch: int, S: int, prefill_tokens: int, stats,
+                 extra_rows: int = 0, reuse: bool = True):
+        self.model, self.S, self.prefill_tokens, self.stats = model, S, prefill_tokens, stats
+        self.reuse = reuse
+        self.cache = model.new_cache(max_batch + extra_rows, S)
+        self.rows = PrefixRows(self.cache, max_batch + extra_rows)
+        self._views: dict[tuple[int, int], object] = {}
+        self._slots: list[_Slot] = []
+        self.slots = self._slots
+        self.decode_steps = 0
+        self.prefills = 0
+        self.max_active = 0
+
+    def step(self, new: list) -> None:
+        for s in self._slots:
+            if s.req.cancelled:
+                s.done = True
+                s.req._finish("cancelled")
+        self._compact()
+        cold: list = []
+        for r in new:
+            if r.cancelled:
+                r._finish("cancelled")
+            elif min(r.max_tokens, self.S - len(r.prompt_ids) + 1) <= 0:
+                r._finish("length")
+            else:
+                row, c = (self.rows.best(r.prompt_array, len(self._slots), self._slots)
+                          if self.reuse else (-1, 0))
+                if c >= self.min_reuse:
+                    self._admit_warm(r, row, c)
+                else:
+                    cold.append(r)
+        group: list = []
+        for r in cold:
+            longest = max([len(q.prompt_ids) for q in group] + [len(r.prompt_ids)])
+            if group and longest * (len(group) + 1) > self.prefill_tokens:
+                self._admit(group)
+                group = []
+            group.append(r)
+        if group:
+            self._admit(group)
+        self._compact()
+        if self._slots:
+            self._decode()
+            self._compact()
+
+    def _view(self, lo: int, hi: int):
+        """The cache rows lo..hi-1 (views made once each, so backends may key plans on them)."""
+        v = self._views.get((lo, hi))
+        if v is None:
+            v = self._views[(lo, hi)] = self.cache.rows(lo, hi)
+        return v
+
+    def _admit_warm(self, r, src: int, c: int) -> None:
+        """Start ``r`` in the next free row holding the K/V of its first ``c`` prompt ids (moved
+        there from the free row ``src``, or copied from the running row ``src``), prefilling only
+        the rest of its prompt from position c."""
+        n = len(self._slots)
+        if src >= n:
+            self.rows.swap(src, n, max(self.rows._len(src), self.rows._len(n)))
+        else:
+            self.rows.vacate(n)
+            self.rows.copy(src, n, c)
+        self.rows.take(n)
+        self.prefills += 1
+        try:
+            logits = self.model.forward(np.asarray([r.prompt_ids[c:]], dtype=np.int64), c,
+                                        self._view(n, n + 1), last_only=True)
+        except MinillamaError as e:
+            r._fail(str(e))
+            return
+        z = self.model.backend.to_numpy(logits).reshape(1, -1)
+        self._start(r, c, z[0], time.perf_counter())
+
+    def _admit(self, group: list) -> None:
+        """Prefill the prompts of ``group`` into the next free rows in one forward (right-padded
+        to the longest; the padding's K/V lie beyond each row's positions, masked and later
+        overwritten) and sample each one's first token from its last prompt position."""
+        row, k = len(self._slots), len(group)
+        for t in range(k):
+            self.rows.vacate(row + t)
+        self.prefills += 1
+        lens = np.array([len(r.prompt_ids) for r in group], dtype=np.int64)
+        block = np.zeros((k, int(lens.max())), dtype=np.int64)
+        for b, r in enumerate(group):
+            block[b, :lens[b]] = r.prompt_ids
+        try:
+            if k == 1:
+                logits = self.model.forward(block, 0, self._view(row, row + 1), last_only=True)
+            else:
+                logits = self.model.forward(block, 0, self._view(row, row + k),
+                                            output_index=lens - 1)
+        except MinillamaError as e:
+            for r in group:
+                r._fail(str(e))
+            return
+        z = self.model.backend.to_numpy(logits).reshape(k, -1)
+        now = time.perf_counter()
+        for b, r in enumerate(group):
+            self._start(r, 0, z[b], now)
+
+    def _start(self, r, cached: int, z: np.ndarray, now: float) -> None:
+        """``r``'s prompt is in the next row (``cached`` ids of it reused): it runs."""
+        P = len(r.prompt_ids)
+        r.cached_tokens = cached
+        st = self.stats
+        st.requests += 1
+        st.prompt_tokens += P
+        st.cached_tokens += cached
+        st.prefilled_tokens += P - cached
+        slot = _Slot(r, P, min(r.max_tokens, self.S - P + 1))
+        self._slots.append(slot)
+        self._take(slot, z, now)
+
+    def _decode(self) -> None:
+        """One batched step: row b feeds its last token at its own position p_b."""
+        n = len(self._slots)
+        tok = np.array([[s.last] for s in self._slots], dtype=np.int64)
+        pos = np.array([s.pos for s in self._slots], dtype=np.int64)
+        logits = self.model.forward(tok, pos, self._view(0, n), last_only=True)
+        z = self.model.backend.to_numpy(logits).reshape(n, -1)
+        now = time.perf_counter()
+        self.decode_steps += 1
+        self.max_active = max(self.max_active, n)
+        for b, s in enumerate(self._slots):
+            s.pos += 1
+            self._take(s, z[b], now)
+
+    def _take(self, s: _Slot, z: np.ndarray, now: float) -> None:
+        """Sample s's next token from its logits z (V,) and hand it over, or end s."""
+        r = s.req
+        if r.t_last is None:
+            self.stats.ttft.observe(now - r.t_submit)
+        else:
+            self.stats.token_latency.observe(now - r.t_last)
+        r.t_last = now
+        if not np.isfinite(z).all():
+            s.done = True
+            r._fail("the model's logits hold NaN/inf values (its weights overflow the compute "
+                    "dtype)")
+            return
+        t = r.params.pick(z, r.rng, r.recent() if r.params.penalised else ())
+        if t in r.stop_ids:
+            s.done = True
+            r._finish("stop")
+            return
+        if r.logprobs is not None:
+            r.token_logprobs.append(token_logprobs(z, t, r.logprobs))
+        r.tokens.append(t)
+        self.stats.completion_tokens += 1
+        s.last = t
+        r._emit(("token", t))
+        if len(r.tokens) >= s.budget:
+            s.done = True
+            r._finish("length")
+
+    def _held(self, s: _Slot) -> np.ndarray | None:
+        """The ids whose K/V s's row holds (its prompt and fed reply), None when not kept."""
+        r = s.req
+        if not self.reuse or r.finish_reason == "error":
+            return None
+        fed = r.tokens[:s.pos - len(r.prompt_ids)]
+        return np.concatenate([r.prompt_array, np.asarray(fed, dtype=np.int64)])
+
+    def _compact(self) -> None:
+        """Remove the finished slots; the last running row trades places with each freed one
+        (its cached positions exchanged), so the running requests stay rows 0..n-1 and the freed
+        rows keep what they held for later prompts."""
+        slots = self._slots
+        for i in range(len(slots) - 1, -1, -1):
+            if not slots[i].done:
+                continue
+            last = len(slots) - 1
+            held = self._held(slots[i])
+            if i != last:
+                moved = slots[last]
+                if held is None:
+                    self.rows.copy(last, i, moved.pos)
+                else:
+                    self.rows.swap(i, last, max(moved.pos, len(held)))
+                slots[i] = moved
+            slots.pop()
+            self.rows.release(last, held)
