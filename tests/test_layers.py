@@ -2,9 +2,11 @@
 layer or of the layers below it, at module level and inside functions alike, and nothing imports
 in a circle.
 
-    core  <-  backends  <-  model  <-  io  <-  infer, train  <-  cli
+    core  <-  backends  <-  model  <-  io, identities  <-  infer, train  <-  cli
 
-``infer`` and ``train`` sit side by side and do not import each other. The package root
+``io`` and ``identities`` (the catalog of transformer identities, which builds whole models)
+share a rank and import neither each other nor the layers above; ``infer`` and ``train`` sit
+side by side and do not import each other. The package root
 (``minillama/__init__.py``) re-exports the main entry points of every layer and is imported by
 nothing but the CLI (for ``__version__``).
 
@@ -19,9 +21,9 @@ from __future__ import annotations
 from test_layout import cycles, import_edges, import_graph
 
 #: layer name -> rank; a module may import modules of rank <= its own (infer/train: see SIBLINGS)
-LAYERS = {"core": 0, "backends": 1, "model": 2, "io": 3, "corpus": 3, "infer": 4, "train": 4,
-          "cli": 5, "__main__": 5}
-SIBLINGS = {("infer", "train"), ("train", "infer")}
+LAYERS = {"core": 0, "backends": 1, "model": 2, "io": 3, "corpus": 3, "identities": 3,
+          "infer": 4, "train": 4, "cli": 5, "__main__": 5}
+SIBLINGS = {("infer", "train"), ("train", "infer"), ("io", "identities"), ("identities", "io")}
 
 _KERNELS = "Numba kernels load (compile, or read the cache) only when an op first needs them"
 #: (importer, imported) -> why that import sits inside a function

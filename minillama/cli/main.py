@@ -22,7 +22,8 @@ from minillama.core.extras import missing_error
 #: modules that provide ``add_cli(subparsers)``
 COMMAND_MODULES = ("minillama.cli.generate", "minillama.cli.train", "minillama.cli.finetune",
                    "minillama.cli.bench", "minillama.cli.convert", "minillama.cli.perplexity",
-                   "minillama.cli.chat", "minillama.cli.serve", "minillama.cli.explain")
+                   "minillama.cli.chat", "minillama.cli.serve", "minillama.cli.explain",
+                   "minillama.cli.check")
 
 
 

@@ -1,0 +1,27 @@
+"""The catalog: every identity in one tuple, in the order of docs/MATH.md (the LLaMA ops, the
+whole model, the notes' other pieces, the weights' other forms)."""
+
+from __future__ import annotations
+
+from minillama.core.errors import MinillamaError
+from minillama.identities import attention, model, notes, numeric, rows
+from minillama.identities.base import Identity
+
+#: every identity, by topic: rope, norm, softmax, attention, model, notes, quant, lora
+CATALOG: tuple[Identity, ...] = tuple(rows.IDENTITIES + attention.IDENTITIES + model.IDENTITIES
+                                      + notes.IDENTITIES + numeric.IDENTITIES)
+#: name -> identity
+BY_NAME: dict[str, Identity] = {i.name: i for i in CATALOG}
+assert len(BY_NAME) == len(CATALOG), "identity names must be unique"
+
+
+def select(names=None, topics=None) -> list[Identity]:
+    """The identities named in ``names`` (all when None), in catalog order, of the ``topics``
+    given (all when None). An unknown name is a :class:`MinillamaError` listing the names."""
+    if names:
+        unknown = [n for n in names if n not in BY_NAME]
+        if unknown:
+            raise MinillamaError(f"unknown identity {unknown[0]!r}; the catalog has: "
+                                 f"{', '.join(BY_NAME)}")
+    return [i for i in CATALOG if (not names or i.name in names)
+            and (topics is None or i.topic in topics)]

@@ -1,0 +1,353 @@
+"""``minillama check`` and the identities as a library (:mod:`minillama.identities`).
+
+The command passes on every backend that can run here; broken ops planted in small backend
+classes (this module, named on the command line as ``test_identities:Class``, the way a user
+names their own backend) make it fail with exit status 1, a shrunk example and a command line
+that reproduces it; ``check_attention`` / ``check_rope`` / ``check_norm`` catch a user's broken
+function, README's example included; docs/MATH.md's Identities part is the catalog's.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import BACKEND_PARAMS
+
+from minillama.backends.reference import ReferenceBackend
+from minillama.cli.main import main
+from minillama.core import ops
+from minillama.identities import CATALOG, check_norm, check_rope, doc
+
+ROOT = Path(__file__).resolve().parents[1]
+MATH = ROOT / "docs" / "MATH.md"
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["check", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def rows(out: str) -> dict[str, str]:
+    """identity name -> its row of the table."""
+    names = {i.name for i in CATALOG}
+    return {line.split()[0]: line for line in out.splitlines()
+            if line.split() and line.split()[0] in names}
+
+
+# ---------------------------------------------------------------------------------------------
+# the catalog passes on every backend
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
+def test_check_passes_on_every_backend(name, capsys):
+    code, out, _ = run(capsys, "--backend", name, "--examples", "3", "--seed", "0")
+    assert code == 0, out
+    table = rows(out)
+    assert set(table) == {i.name for i in CATALOG}
+    for line in table.values():
+        assert " pass " in line, line
+    assert f"{len(CATALOG)} identities: {len(CATALOG)} passed, 0 failed, 0 skipped" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# planted faults: a backend with one broken op (named as test_identities:Class)
+# ---------------------------------------------------------------------------------------------
+def _rope_one_sign_wrong(x, cos, sin):
+    """y_2i = x_2i c + x_2i+1 s (should be minus): no longer a rotation."""
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    y = np.empty_like(x)
+    y[..., 0::2] = x[..., 0::2] * c + x[..., 1::2] * s
+    y[..., 1::2] = x[..., 0::2] * s + x[..., 1::2] * c
+    return y, (cos, sin)
+
+
+def _rmsnorm_mean_abs(x, g, eps):
+    """Divides by mean |x| + eps instead of sqrt(mean x^2 + eps)."""
+    return x / (np.abs(x).mean(-1, keepdims=True) + eps) * g, None
+
+
+def _attention_wrong_group(q, k, v, start_pos=0):
+    """Query head h reads KV head h % KVH instead of h // G."""
+    idx = np.arange(q.shape[2]) % k.shape[2]
+    return ops.attention_forward(q, k[:, :, idx], v[:, :, idx], start_pos)
+
+
+def _cross_entropy_unshifted(logits, targets, ignore_index=-1):
+    """log sum exp without the max subtracted: overflows for large logits."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        lse = np.log(np.exp(logits).sum(-1))
+    return (lse - logits[np.arange(len(targets)), targets]).mean(), None
+
+
+class NoMaskAttention(ReferenceBackend):
+    """Attention without the causal mask: every query reads every key."""
+
+    def attention_forward(self, q, k, v, start_pos=0):
+        return ops.attention_forward(q, k, v, k.shape[1] - 1)
+
+
+class StartPosIgnored(ReferenceBackend):
+    """Attention that masks as if the queries started at position 0 (a broken KV cache)."""
+
+    def attention_forward(self, q, k, v, start_pos=0):
+        return ops.attention_forward(q, k, v, 0)
+
+
+class WrongSignRope(ReferenceBackend):
+    rope_forward = staticmethod(_rope_one_sign_wrong)
+
+
+class NoEpsRMSNorm(ReferenceBackend):
+    """RMSNorm without its epsilon."""
+
+    def rmsnorm_forward(self, x, g, eps):
+        return ops.rmsnorm_forward(x, g, 0.0)
+
+
+class MeanAbsRMSNorm(ReferenceBackend):
+    rmsnorm_forward = staticmethod(_rmsnorm_mean_abs)
+
+
+class WrongGroupAttention(ReferenceBackend):
+    attention_forward = staticmethod(_attention_wrong_group)
+
+
+class UnshiftedCrossEntropy(ReferenceBackend):
+    cross_entropy_forward = staticmethod(_cross_entropy_unshifted)
+
+
+class UnscaledLoRA(ReferenceBackend):
+    """The adapter's product without its scale s."""
+
+    def lora_forward(self, x, w, a, b, scale, drop=None):
+        return ops.lora_forward(x, w, a, b, 1.0, drop)
+
+
+PLANTED = [("NoMaskAttention", "attention_causal_mask"),
+           ("NoMaskAttention", "model_causality"),
+           ("StartPosIgnored", "attention_cached_rows"),
+           ("StartPosIgnored", "model_kv_cache_decode"),
+           ("WrongSignRope", "rope_preserves_pair_norms"),
+           ("WrongSignRope", "rope_relative_position"),
+           ("NoEpsRMSNorm", "rmsnorm_unit_gain_rms"),
+           ("MeanAbsRMSNorm", "rmsnorm_unit_gain_rms"),
+           ("WrongGroupAttention", "attention_gqa_equals_repeated_mha"),
+           ("UnshiftedCrossEntropy", "cross_entropy_shift_invariance"),
+           ("UnscaledLoRA", "lora_merge_equivalence")]
+
+
+def _shrunk(out: str) -> dict:
+    m = re.search(r"shrunk example: (\{.*\})", out)
+    assert m, out
+    return ast.literal_eval(m.group(1))
+
+
+@pytest.mark.parametrize(("cls", "identity"), PLANTED, ids=[f"{c}-{i}" for c, i in PLANTED])
+def test_planted_fault_fails_with_a_shrunk_reproducible_example(cls, identity, capsys):
+    spec = f"test_identities:{cls}"
+    code, out, err = run(capsys, "--backend", spec, "--only", identity, "--seed", "0",
+                         "--examples", "30")
+    assert code == 1, out + err
+    assert re.search(rf"^{identity}\s+\d+\s+\S+\s+FAIL\s", out, re.M), out
+    assert f"FAILED {identity}" in out
+    example = _shrunk(out)
+    line = re.search(r"reproduce: (minillama check .*)$", out, re.M).group(1)
+    assert f"--backend {spec} --only {identity} --seed 0" in line
+    # the printed command reproduces the same shrunk example
+    code2, out2, _ = run(capsys, *shlex.split(line)[2:])
+    assert code2 == 1 and _shrunk(out2) == example
+
+
+def test_a_shrunk_example_is_the_smallest_the_strategy_allows(capsys):
+    """No mask fails on any example: hypothesis shrinks to one sequence of two queries, one
+    head of the smallest size and seed 0."""
+    code, out, _ = run(capsys, "--backend", "test_identities:NoMaskAttention", "--only",
+                       "attention_causal_mask", "--seed", "5")
+    assert code == 1
+    ex = _shrunk(out)
+    assert (ex["seed"], ex["B"], ex["T"], ex["extra"], ex["KVH"], ex["G"], ex["hd"],
+            ex["t0"]) == (0, 1, 2, 0, 1, 1, 2, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the command's options
+# ---------------------------------------------------------------------------------------------
+def test_json_reports_every_identity_and_the_failure(capsys):
+    names = ["attention_causal_mask", "attention_gqa_equals_repeated_mha", "quant_round_trip"]
+    code, out, _ = run(capsys, "--backend", "test_identities:NoMaskAttention", "--only", *names,
+                       "--seed", "1", "--examples", "10", "--json")
+    assert code == 1
+    report = json.loads(out)
+    assert report["passed"] is False and report["seed"] == 1 and report["dtype"] == "float64"
+    by_name = {r["name"]: r for r in report["results"]}
+    assert list(by_name) == names
+    bad = by_name["attention_causal_mask"]
+    assert bad["status"] == "fail" and bad["counterexample"]["T"] >= 2
+    assert bad["reproduce"].startswith("minillama check --backend test_identities:NoMaskAttention")
+    for name in names[1:]:
+        assert by_name[name]["status"] == "pass" and by_name[name]["examples"] >= 1
+        assert 0 <= by_name[name]["worst"] <= 1
+
+
+def test_only_runs_the_identities_named(capsys):
+    code, out, _ = run(capsys, "--only", "lora_merge_equivalence", "rope_relative_position",
+                       "--examples", "5")
+    assert code == 0
+    assert set(rows(out)) == {"lora_merge_equivalence", "rope_relative_position"}
+    assert "2 identities: 2 passed" in out
+
+
+class BareRowOps:
+    """A user's backend of two NumPy ops and no helpers (no xp, asarray, to_numpy)."""
+
+    def rope_forward(self, x, cos, sin):
+        return ops.rope_forward(x, cos, sin)
+
+    def rmsnorm_forward(self, x, g, eps):
+        r = 1.0 / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+        return x * r * g, None
+
+
+def test_a_user_backend_class_runs_its_ops_and_skips_the_rest(capsys):
+    code, out, _ = run(capsys, "--backend", "test_identities:BareRowOps", "--only",
+                       "rope_relative_position", "rmsnorm_scale_invariance",
+                       "attention_causal_mask", "model_causality", "quant_round_trip",
+                       "--examples", "5", "--seed", "2")
+    assert code == 0, out
+    table = rows(out)
+    for name in ("rope_relative_position", "rmsnorm_scale_invariance", "quant_round_trip"):
+        assert " pass " in table[name]
+    assert "skip (no attention_forward)" in table["attention_causal_mask"]
+    assert "skip (no embedding_forward" in table["model_causality"]
+    assert "3 passed, 0 failed, 2 skipped" in out
+
+
+@pytest.mark.parametrize("argv", [
+    ("--only", "no_such_identity"),
+    ("--backend", "no_such_module_xyz:Backend"),
+    ("--backend", "test_identities:NoSuchClass"),
+    ("--backend", "no_such_backend"),
+    ("--seed", "-1"),
+])
+def test_bad_input_is_one_error_line_and_status_2(argv, capsys):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("minillama: error: "), err
+
+
+def test_list_names_every_identity(capsys):
+    code, out, _ = run(capsys, "--list")
+    assert code == 0
+    assert [line.split()[0] for line in out.splitlines()] == [i.name for i in CATALOG]
+
+
+# ---------------------------------------------------------------------------------------------
+# the identities as a library for a user's function
+# ---------------------------------------------------------------------------------------------
+#: README's example, run as it is written there
+README_EXAMPLE = '''
+import numpy as np
+from minillama.identities import check_attention
+
+def my_attention(q, k, v, start_pos):
+    """q (B, T, H, hd); k, v (B, S, KVH, hd), S = start_pos + T; query h reads KV head h // G."""
+    G = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+    s = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+    # forgot: s = np.where(np.arange(k.shape[1]) <= start_pos + np.arange(q.shape[1])[:, None],
+    #                      s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshd->bthd", p, v)
+
+check_attention(my_attention)
+'''
+
+
+def test_readme_example_catches_the_missing_mask():
+    with pytest.raises(AssertionError) as e:
+        exec(compile(README_EXAMPLE, "README.md", "exec"), {})
+    text = str(e.value)
+    assert "FAILED attention_causal_mask" in text and "shrunk example: {" in text
+    assert "check_attention(fn, seed=" in text
+    assert "FAILED attention_gqa_equals_repeated_mha" not in text  # only the mask is wrong
+
+
+def test_readme_example_with_the_mask_passes():
+    fixed = README_EXAMPLE.replace("    # forgot: s = ", "    s = ").replace(
+        "    #                      s, -np.inf)", "                 s, -np.inf)")
+    assert fixed != README_EXAMPLE
+    exec(compile(fixed, "README.md", "exec"), {})
+
+
+def test_check_rope_takes_either_pair_layout():
+    def half_split(x, positions):
+        hd = x.shape[-1]
+        inv = 10000.0 ** (-np.arange(0, hd, 2) / hd)
+        ang = np.asarray(positions, dtype=np.float64)[:, None] * inv  # (T, hd/2)
+        c, s = np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]
+        a, b = x[..., :hd // 2], x[..., hd // 2:]
+        return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
+
+    results = check_rope(half_split, layout="half", examples=20, seed=0)
+    assert {r.name for r in results} >= {"rope_relative_position", "rope_preserves_pair_norms"}
+    with pytest.raises(AssertionError, match="rope_preserves_pair_norms"):
+        check_rope(half_split, layout="interleaved", examples=20, seed=0)
+
+
+def test_check_norm_catches_a_norm_without_epsilon():
+    def rmsnorm(x, g, eps):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g
+
+    assert all(r.status == "pass" for r in check_norm(rmsnorm, examples=20, seed=0))
+    with pytest.raises(AssertionError, match="FAILED rmsnorm_unit_gain_rms"):
+        check_norm(lambda x, g, eps: rmsnorm(x, g, 0.0), examples=20, seed=0)
+
+    def layernorm(x, g, b, eps):
+        xc = x - x.mean(-1, keepdims=True)
+        return xc / np.sqrt((xc * xc).mean(-1, keepdims=True) + eps) * g + b
+
+    names = {r.name for r in check_norm(layernorm, kind="layernorm", examples=20, seed=0)}
+    assert names == {"layernorm_shift_scale_invariance", "layernorm_rows_independent"}
+
+
+def test_identity_check_takes_a_backend_and_an_example():
+    from minillama.identities import BY_NAME
+
+    ident = BY_NAME["attention_causal_mask"]
+    example = {"seed": 3, "B": 1, "T": 3, "extra": 1, "KVH": 1, "G": 2, "hd": 4, "t0": 1}
+    assert ident.check(ReferenceBackend(), example) <= 1
+    assert ident.check(NoMaskAttention(), example) > 1
+    assert ident.missing(BareRowOps()) == ["attention_forward"]
+
+
+# ---------------------------------------------------------------------------------------------
+# docs and layers
+# ---------------------------------------------------------------------------------------------
+def test_math_md_identities_part_is_the_catalog():
+    part = doc.section(MATH.read_text(encoding="utf-8"))
+    assert part is not None, f"{MATH} has no '{doc.HEADING}'"
+    named = re.findall(r"^\*\*`(\w+)`\*\*", part, re.M)
+    assert sorted(named) == sorted(i.name for i in CATALOG), "names differ from the catalog"
+    for ident in CATALOG:
+        entry = re.search(rf"^\*\*`{ident.name}`\*\* \([^)]*\)+\. (.*)$", part, re.M)
+        assert entry and entry.group(1) == ident.statement, ident.name
+    assert part == doc.markdown(), ("docs/MATH.md's Identities part differs from the catalog: "
+                                    "python -m minillama.identities.doc docs/MATH.md")
+
+
+def test_the_package_root_does_not_import_the_identities():
+    code = ("import sys, minillama; "
+            "assert 'minillama.identities' not in sys.modules, 'imported'; "
+            "assert 'hypothesis' not in sys.modules, 'hypothesis imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
