@@ -254,24 +254,15 @@ def test_list_names_every_identity(capsys):
 # ---------------------------------------------------------------------------------------------
 # the identities as a library for a user's function
 # ---------------------------------------------------------------------------------------------
-#: README's example, run as it is written there
-README_EXAMPLE = '''
-import numpy as np
-from minillama.identities import check_attention
+def _readme_example() -> str:
+    """README's example, read from README.md (the python block that calls check_attention)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    (code,) = [b for b in blocks if "check_attention(my_attention)" in b]
+    return code
 
-def my_attention(q, k, v, start_pos):
-    """q (B, T, H, hd); k, v (B, S, KVH, hd), S = start_pos + T; query h reads KV head h // G."""
-    G = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
-    s = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
-    # forgot: s = np.where(np.arange(k.shape[1]) <= start_pos + np.arange(q.shape[1])[:, None],
-    #                      s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("bhts,bshd->bthd", p, v)
 
-check_attention(my_attention)
-'''
+README_EXAMPLE = _readme_example()
 
 
 def test_readme_example_catches_the_missing_mask():
