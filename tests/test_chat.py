@@ -221,7 +221,6 @@ def test_chat_says_it_compiles_and_shows_backend_and_speed(chat_folder, capsys, 
 
 def test_serve_compiles_before_it_listens(chat_folder, capsys, monkeypatch):
     """`serve` compiles (or loads) the kernels before the first request, saying so when slow."""
-    import argparse
 
     import minillama.cli.serve as serve_cli
     from minillama.core.config import ModelConfig
@@ -233,8 +232,10 @@ def test_serve_compiles_before_it_listens(chat_folder, capsys, monkeypatch):
                       max_seq_len=128, tie_embeddings=True)
     save_hf(chat_folder, cfg, init_params(cfg, seed=0))
     _compiling(monkeypatch, serve_cli)
-    args = argparse.Namespace(checkpoint=str(chat_folder), backend="numpy", dtype=None,
-                              tokenizer=None, max_batch=2, max_context=None, model_name=None)
+    from minillama.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "-c", str(chat_folder), "--backend", "numpy",
+                                      "--max-batch", "2"])  # every flag at its default
     engine, _, _ = serve_cli.load_engine(args)
     try:
         assert engine.decode_steps >= 1  # the warm-up ran through the engine
