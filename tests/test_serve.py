@@ -595,3 +595,63 @@ def test_metrics_parse_and_move(chat):
     assert after[("minillama_queue_depth", "")] == 0
     assert after[("minillama_active_slots", "")] == 0
     assert after[("minillama_slots", "")] == 4
+
+
+def test_sigterm_ends_streams_in_flight_cleanly(tmp_path):
+    """SIGTERM while a long completion streams: the stream ends with a last chunk
+    (finish_reason ``length``, fewer tokens than asked) and ``[DONE]``, then the process ends."""
+    import signal
+
+    from minillama.core.config import ModelConfig
+    from minillama.io.checkpoint import save_checkpoint
+    from minillama.model.transformer import init_params
+
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=258, hidden_dim=128,
+                      max_seq_len=4096)  # the byte tokenizer's 258 ids
+    ckpt = tmp_path / "long.safetensors"
+    save_checkpoint(ckpt, cfg, init_params(cfg, seed=0))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "minillama", "serve", "--port", "0", "-c",
+                             str(ckpt), "--backend", "reference", "--tokenizer", "byte",
+                             "--max-context", "4096"], stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        line = proc.stderr.readline()
+        url = line.split(" on ")[1].split()[0]
+        host, port = url.split("//")[1].split(":")
+        for _ in range(200):
+            try:
+                httpx.get(url + "/health", timeout=5)
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        body = json.dumps({"model": "long", "prompt": "a", "max_tokens": 4000,
+                           "temperature": 0, "stream": True}).encode()
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                         + b"\r\nConnection: close\r\n\r\n" + body)
+            raw = sock.recv(1 << 16)
+            while b'"text"' not in raw:
+                data = sock.recv(1 << 16)
+                assert data, raw  # the stream started
+                raw += data
+            proc.send_signal(signal.SIGTERM)  # mid-stream
+            while True:
+                data = sock.recv(1 << 16)
+                if not data:
+                    break
+                raw += data
+        # uvicorn shuts down, then re-raises the signal it caught: the exit is SIGTERM's
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+        events = [json.loads(e[6:]) for e in raw.decode().split("\n")
+                  if e.startswith("data: {")]
+        assert b"data: [DONE]" in raw
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        n = sum(1 for e in events if e["choices"] and e["choices"][0]["text"])
+        assert 0 < n < 4000  # cut short, not run to max_tokens
+        assert "shutting down: 1 generation cut short" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(20)

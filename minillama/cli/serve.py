@@ -128,6 +128,23 @@ def run_cli(args) -> int:
           f"{engine.model.backend.name}, {engine.max_batch} slots of {engine.S} positions, "
           f"queue {engine.max_queue}, KV cache {engine.cache.nbytes / 2**20:.1f} MiB)",
           file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
-    uvicorn.Server(config).run(sockets=[sock])
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    draining_server(config, app.state.drain).run(sockets=[sock])
     return 0
+
+
+def draining_server(config, drain):
+    """uvicorn's server whose SIGTERM / SIGINT first cuts the generations in flight (each stream
+    ends with a last chunk and ``[DONE]``; :class:`minillama.infer.serve.Drain`), then shuts
+    down as uvicorn does (stops listening, waits for the open connections)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not drain.closing:
+                n = drain.stop()
+                print(f"minillama: shutting down: {n} generation{'s' * (n != 1)} cut short",
+                      file=sys.stderr, flush=True)
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)

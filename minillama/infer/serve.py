@@ -62,14 +62,40 @@ def _render(tok, messages: list[dict]) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 # one generation as the event loop sees it
 # ---------------------------------------------------------------------------------------------
+class Drain:
+    """The generations in flight, so that a shutdown (SIGTERM) ends each one cleanly: its
+    stream gets a last chunk with ``finish_reason`` ``length`` (cut short, as by max_tokens)
+    and ``[DONE]``, a whole reply its text so far; new requests get 503 from then on."""
+
+    def __init__(self) -> None:
+        import weakref
+
+        self.closing = False
+        self.live: weakref.WeakSet = weakref.WeakSet()
+
+    def stop(self) -> int:
+        """Begin the shutdown: cut every generation in flight at its next decode step. Returns
+        how many there were. Safe to call from a signal handler on the event loop's thread."""
+        self.closing = True
+        live = list(self.live)
+        for gen in live:
+            gen.req.cancel()
+        return len(live)
+
+
 class _Generation:
     """One request's run in the engine as seen from the event loop: the engine thread's events
     come through an asyncio queue; :meth:`pieces` turns ids into text deltas, cut at the stop
     strings, each with the log-probabilities of the tokens it consumed."""
 
     def __init__(self, engine, tok, prompt_ids: list[int], fields: dict, stops: set[int],
-                 max_tokens: int):
+                 max_tokens: int, drain: Drain):
         import asyncio
+
+        if drain.closing:
+            raise APIError(503, "the server is shutting down", type="server_error",
+                           code="server_busy")
+        self.drain = drain
 
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -93,6 +119,7 @@ class _Generation:
                            headers={"Retry-After": "1"}) from None
         except MinillamaError as e:
             raise APIError(400, str(e), code="invalid_value") from None
+        drain.live.add(self)
 
     async def pieces(self):
         """Yield (text delta, [(id, logprob, top alternatives)] of the tokens it took) until the
@@ -119,6 +146,8 @@ class _Generation:
                     text += self.stopper.push(self.streamer.flush())
                     text += self.stopper.flush()
                     end = "stop" if self.stopper.hit else val
+                    if end == "cancelled" and self.drain.closing:
+                        end = "length"  # cut by the shutdown: a clean, shorter reply
                     break
                 else:
                     raise APIError(500, val, type="server_error", code="generation_failed")
@@ -211,8 +240,9 @@ def build_app(engine, tok, model_name: str, api_key: str | None = None):
                                         type="server_error"))
 
     counts = HTTPCounts(ROUTES)
+    drain = Drain()
     routes = (_info_routes(engine, model_name, api_key, counts)
-              + _completion_routes(engine, tok, model_name, api_key))
+              + _completion_routes(engine, tok, model_name, api_key, drain))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -224,6 +254,7 @@ def build_app(engine, tok, model_name: str, api_key: str | None = None):
                                                        Exception: server_error},
                     lifespan=lifespan)
     app.state.engine = engine
+    app.state.drain = drain
     return CountedApp(app, counts)
 
 
@@ -266,7 +297,8 @@ def _info_routes(engine, model_name: str, api_key: str | None, counts: HTTPCount
             Route("/v1/models/{model:path}", keyed(one_model), methods=["GET"])]
 
 
-def _completion_routes(engine, tok, model_name: str, api_key: str | None) -> list:
+def _completion_routes(engine, tok, model_name: str, api_key: str | None,
+                       drain: Drain) -> list:
     """POST /v1/chat/completions and /v1/completions, whole or streamed."""
     from starlette.routing import Route
 
@@ -277,7 +309,7 @@ def _completion_routes(engine, tok, model_name: str, api_key: str | None) -> lis
         try:
             _check_key(request, api_key)
             gen, fields = _start_generation(engine, tok, model_name, stops,
-                                            await request.body(), chat)
+                                            await request.body(), chat, drain)
         except MinillamaError as e:  # a chat template that raises, a tokenizer failure
             return _error_response(APIError(400, str(e), code="invalid_value"))
         except APIError as e:
@@ -321,7 +353,7 @@ def _check_key(request, api_key: str | None) -> None:
 
 
 def _start_generation(engine, tok, model_name: str, stops: set[int], raw: bytes,
-                      chat: bool) -> tuple[_Generation, dict]:
+                      chat: bool, drain: Drain) -> tuple[_Generation, dict]:
     """The request body ``raw`` checked, its prompt rendered (chat) or read (completions),
     checked against the context and submitted to the engine: (the running generation, its
     checked fields)."""
@@ -335,7 +367,7 @@ def _start_generation(engine, tok, model_name: str, stops: set[int], raw: bytes,
     else:
         prompt_ids = completion_prompt(body, tok)
     max_tokens = fit_context(len(prompt_ids), fields["max_tokens"], engine.S, chat)
-    return _Generation(engine, tok, prompt_ids, fields, stops, max_tokens), fields
+    return _Generation(engine, tok, prompt_ids, fields, stops, max_tokens, drain), fields
 
 
 class _Output:
