@@ -28,6 +28,8 @@ LONG_FUNCTIONS = {
     "backends/numba/decode.py:decode_step_one": "the fused decode step of one sequence",
     "backends/numba/decode.py:_row": "the per-row kernel of decode_step, groups of 8 sequences",
     "backends/numba/qdecode.py:decode_step_one_q_kernel": "the fused decode step on GGML blocks",
+    "backends/numba/qdecode.py:decode_step_rows_q_kernel": "the fused decode step of several "
+                                                           "sequences on GGML blocks",
     "backends/numba/quant.py:_dequant_row_loops": "one loop per GGML block type, unrolled",
     "backends/numba/attention_backward.py:_attn_bwd_item": "the attention backward of one "
                                                           "(sequence, KV head) work item",

@@ -313,8 +313,8 @@ def test_fused_quant_decode_step(types_, rng):
 def test_backend_fused_decode_with_quantized_linears(rng, monkeypatch):
     """A model on the numba backend whose linear weights are QuantMatrix (float embedding):
     forward with a cache takes the fused quantized step for one sequence (counted), several
-    sequences decline to the per-op path; both give the logits of the float model on the
-    dequantized weights, and greedy generation its tokens."""
+    sequences the several-sequence kernel (counted apart); both give the logits of the float
+    model on the dequantized weights, and greedy generation its tokens."""
     from minillama.backends.numba import qdecode
     from minillama.infer.generate import generate
     from minillama.model.transformer import Transformer
@@ -324,25 +324,31 @@ def test_backend_fused_decode_with_quantized_linears(rng, monkeypatch):
     for name, w in quant.items():
         if name != "tok_embeddings.weight":
             fast.params[name] = w  # the blocks themselves (the loader keeps files so)
-    calls = {"n": 0}
-    kernel = qdecode.decode_step_one_q
+    calls = {"n": 0, "rows": 0}
+    kernel, rows_kernel = qdecode.decode_step_one_q, qdecode.decode_step_rows_q
 
     def counting(*args):
         calls["n"] += 1
         return kernel(*args)
 
+    def counting_rows(*args):
+        calls["rows"] += 1
+        return rows_kernel(*args)
+
     monkeypatch.setattr(qdecode, "decode_step_one_q", counting)
+    monkeypatch.setattr(qdecode, "decode_step_rows_q", counting_rows)
     S = cfg.max_seq_len
     for B in (1, 2):
         c_ref, c_fast = ref.new_cache(B, S), fast.new_cache(B, S)
         prompts = rng.integers(0, cfg.vocab_size, (B, 4))
         ref.forward(prompts, cache=c_ref, last_only=True)
         fast.forward(prompts, cache=c_fast, last_only=True)
-        before = calls["n"]
+        before, before_rows = calls["n"], calls["rows"]
         tok = rng.integers(0, cfg.vocab_size, (B, 1))
         want = ref.forward(tok, start_pos=4, cache=c_ref, last_only=True)
         got = fast.forward(tok, start_pos=4, cache=c_fast, last_only=True)
         assert calls["n"] == before + (B == 1)
+        assert calls["rows"] == before_rows + (B > 1)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     before = calls["n"]
     assert generate(fast, [3, 1, 4], max_new_tokens=12) == generate(ref, [3, 1, 4],

@@ -192,6 +192,16 @@ class FusedDecode(DecodePlans):
             plan["eps"], plan["heads"], logits, threads, stop, ids, q._F16,
             q._KVALUES)
 
+    def _step_rows_q(self, plan, tok, pos, kc, vc, logits, threads):
+        """One fused step of B > 1 sequences of a quantized plan, each at its own position, on
+        ``threads`` threads: :func:`.qdecode.decode_step_rows_q`."""
+        q = self._quant()
+        wq, wk, wv, wo, w1, w2, w3 = plan["mats"]
+        self._qdecode.decode_step_rows_q(
+            tok, pos, *plan["emb"], *plan["out"], plan["codes"], plan["norm"], plan["g_att"],
+            wq, wk, wv, wo, plan["g_ffn"], w1, w2, w3, kc, vc, plan["cos"], plan["sin"],
+            plan["eps"], plan["heads"], logits, threads, q._F16, q._KVALUES)
+
     def decode_step(self, model, tok, start_pos, cache):
         r"""One KV-cached decode step of ``model`` in one compiled call, or None to decline.
 
@@ -199,15 +209,17 @@ class FusedDecode(DecodePlans):
         p_b each token is written at; cache: the model's :class:`~minillama.model.kvcache.KVCache`.
         Computes exactly :meth:`minillama.model.transformer.Transformer.forward` at T = 1 with
         ``last_only`` (rmsnorm, linear, rope, attention over positions 0..p_b, swiglu, head;
-        see :mod:`.decode`) and writes k, v at p_b. Returns logits (B, V). Declines
-        (None: the model runs its per-op path) for model variants it does not implement, T > 1
-        and caches it cannot write in place.
+        see :mod:`.decode`) and writes k, v at p_b. Returns logits (B, V). Quantized
+        weights: one sequence by :func:`.qdecode.decode_step_one_q`, several (rows at their own
+        positions, as continuous batching feeds them) by :func:`.qdecode.decode_step_rows_q`.
+        Declines (None: the model runs its per-op path) for model variants it does not
+        implement, T > 1 and caches it cannot write in place.
         """
         B, T = tok.shape
         if T != 1 or cache.batch_size != B:
             return None
         plan = self._decode_plan(model)
-        if plan is None or (B > 1 and plan.get("quant")):  # quantized: one sequence only
+        if plan is None:
             return None
         kv = self._cache_lists(cache, model.dtype)
         if kv is None:
@@ -231,6 +243,10 @@ class FusedDecode(DecodePlans):
             t = np.ascontiguousarray(tok[:, 0], dtype=np.int64)
             self.tuner.run(self._numba, lambda threads, k: self._step_one(
                 plan, t, pos, kc, vc, logits, _NO_IDS, _NO_IDS, threads) or 1, 1)
+        elif plan.get("quant"):
+            t = np.ascontiguousarray(tok[:, 0], dtype=np.int64)
+            self.rows_tuner(B).run(self._numba, lambda threads, k: self._step_rows_q(
+                plan, t, pos, kc, vc, logits, threads) or 1, 1)
         else:
             args = (np.ascontiguousarray(tok[:, 0], dtype=np.int64), pos,
                     *_model_args(plan, kc, vc), logits, self.num_threads)
@@ -265,6 +281,14 @@ class FusedDecode(DecodePlans):
         if getattr(self, "_tuner", None) is None:
             self._tuner = ThreadTuner(self.num_threads)
         return self._tuner
+
+    def rows_tuner(self, B: int) -> ThreadTuner:
+        """The thread count of the quantized steps of B > 1 sequences, one :mod:`.tuner` per B
+        (a step's time grows with B, so each batch size is measured on its own)."""
+        tuners = self.__dict__.setdefault("_rows_tuners", {})
+        if B not in tuners:
+            tuners[B] = ThreadTuner(self.num_threads)
+        return tuners[B]
 
     def greedy_decoder(self, model, max_seq_len: int, stop_ids=()):
         """A :class:`GreedyDecoder` for one sequence of ``model`` and a cache of ``max_seq_len``

@@ -1,6 +1,8 @@
 r"""The fused decode step of :mod:`.decode` for a model whose matrices are GGML blocks
 (:class:`minillama.core.quant.QuantMatrix`): one compiled call runs a whole KV-cached decode step of
-one sequence (and, given an ``ids`` buffer, several greedy steps), every matrix-vector product
+one sequence (and, given an ``ids`` buffer, several greedy steps; :func:`decode_step_one_q`) or of
+several sequences each at its own position (:func:`decode_step_rows_q`, the step of continuous
+batching: each matrix read once for all of them), every matrix-vector product
 computed from the blocks: by default from the activations rounded to 8-bit blocks by the integer
 kernels of :mod:`.qint8` (each activation vector rounded once, before the products that read it),
 with ``MINILLAMA_QUANT_DOTS=float`` (and for the IQ4 types) by the float32 row kernels of
@@ -22,7 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from .decode import _argmax_finite, _attend_span, _join_spans, _pick, _rmsnorm_rows, _rope_store
-from .qint8 import idot, int8_enabled, quantize_row
+from .qint8 import ROWS, idot, idot_rows, int8_enabled, quantize_row
 from .qtypes import Q2_K, Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0
 from .quant import _dequant_row, _dot
 
@@ -198,3 +200,165 @@ def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, 
         if done:
             return step + 1
     return n_steps
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def _mm(qt, W, Wf, x, a8, y, c0, lo, hi, lut, kv):  # pragma: no cover - compiled
+    """y[b, c0 + n] = x_b . W_n for lo <= n < hi and every row b of x (B, K): :func:`_mv` for
+    several rows, each row n of W read from memory once and then dotted with the B rows (it
+    stays in L1 between them). a8 = (on, xq, xd, xs) holds x's 8-bit blocks per row
+    (:func:`_a8_rows`); with them, the types of blocks of 32 take :data:`.qint8.ROWS` rows of x
+    per decoding of W's row (:func:`.qint8.idot_rows`, the sums of :func:`.qint8.idot`)."""
+    B = x.shape[0]
+    if qt == 0:
+        for n in range(lo, hi):
+            for b in range(B):
+                s = np.float32(0)
+                for k in range(x.shape[1]):
+                    s += x[b, k] * Wf[n, k]
+                y[b, c0 + n] = s
+    elif a8[0] and _int8(qt):
+        xq, xd, xs = a8[1], a8[2], a8[3]
+        by_rows = qt == Q8_0 or qt == Q4_0 or qt == Q4_1 or qt == Q5_0 or qt == Q5_1
+        for n in range(lo, hi):
+            b = 0
+            if by_rows:  # ROWS activation rows per pass over the row of W
+                while b + ROWS <= B:
+                    idot_rows(qt, W, n, xq, xd, xs, b, y, c0 + n)
+                    b += ROWS
+            for bb in range(b, B):
+                y[bb, c0 + n] = idot(qt, W, n, xq[bb], xd[bb], xs[bb])
+    else:
+        for n in range(lo, hi):
+            for b in range(B):
+                y[b, c0 + n] = _dot(qt, W, n, x, b, lut, kv, 16)
+
+
+@njit(fastmath=True, cache=True, nogil=True, inline="always")
+def _a8_rows(on, x, xq, xd, xm):  # pragma: no cover - compiled
+    """Every row of x (B, K) rounded to 8-bit blocks in the buffers (when on): (on, xq, xd, xm)
+    with the first K (K/32, K/16) columns of each row."""
+    K = x.shape[1]
+    a = (on, xq[:, :K], xd[:, :K // 32], xm[:, :K // 16])
+    if on:
+        for b in range(x.shape[0]):
+            quantize_row(x[b], a[1][b], a[2][b], a[3][b])
+    return a
+
+
+def decode_step_rows_q(*args):
+    """:func:`decode_step_rows_q_kernel` with the activations of the products rounded to 8-bit
+    blocks unless ``MINILLAMA_QUANT_DOTS=float`` (:func:`.qint8.int8_enabled`)."""
+    return decode_step_rows_q_kernel(*args, int8_enabled())
+
+
+@njit(fastmath=True, cache=True, nogil=True, parallel=True)
+def decode_step_rows_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, codes,
+                              g_final, g_att, wq, wk, wv, wo, g_ffn, w1, w2, w3, kc, vc, cos,
+                              sin, eps, n_heads, logits, threads, lut, kv,
+                              int8):  # pragma: no cover - compiled
+    r"""One decode step of B sequences on block-quantized matrices, sequence b feeding token
+    tok[b] at its own position pos[b]: the step of :func:`decode_step_one_q_kernel` for every
+    row (the same arguments, but kc, vc the caches (B, S, KVH, hd) and logits (B, V)), each
+    matrix streamed once per step for all B rows (:func:`_mm`: the threads take runs of
+    consecutive rows of W, each row dotted with the B activation rows while in L1). Attention
+    cuts each sequence's cache rows 0..p_b into the spans of :func:`decode_step_one_q_kernel`
+    (all the sequences' spans in one parallel loop), joined per sequence by
+    :func:`.decode._join_spans`. Every operation on a row is the one-sequence kernel's, in the
+    same order, so on as many threads each row's logits and K/V are that kernel's bit for bit:
+    batching shares the reads of the weights and nothing else."""
+    B = tok.shape[0]
+    D = g_final.shape[0]
+    V = logits.shape[1]
+    L = len(wq)
+    qd = wq[0].shape[0]
+    kvd = wk[0].shape[0]
+    H = n_heads
+    hd = qd // H
+    G = H // (kvd // hd)
+    F = w1[0].shape[0]
+    x = np.empty((B, D), dtype=np.float32)
+    xn = np.empty((B, D), dtype=np.float32)
+    qkv = np.empty((B, qd), dtype=np.float32)
+    att = np.empty((B, qd), dtype=np.float32)
+    h = np.empty((B, F), dtype=np.float32)
+    n_max = 1
+    for b in range(B):
+        n_max = max(n_max, pos[b] + 1)
+    P = threads  # the most spans of a sequence in attention (scratch per (sequence, span))
+    scores = np.empty((B * P, H, n_max), dtype=np.float32)
+    ml = np.empty((B * P, H, 2), dtype=np.float32)
+    parts = np.empty((B * P, qd), dtype=np.float32)
+    scale = np.float32(1.0 / np.sqrt(hd))
+    K8 = max(D, qd, F) if int8 else 32
+    xq = np.empty((B, K8), dtype=np.int8)
+    xd = np.empty((B, K8 // 32), dtype=np.float32)
+    xm = np.empty((B, K8 // 16), dtype=np.float32)
+    y = np.empty((B, max(qd + 2 * kvd, 2 * F, D)), dtype=np.float32)
+    none = np.zeros((1, 1), dtype=np.float32)
+    for b in range(B):
+        if emb_qt == 0:
+            x[b, :] = emb_f[tok[b]]
+        else:
+            _dequant_row(emb_qt, emb, tok[b], x, b, lut, kv)
+    for layer in range(L):
+        cq, ck, cv, co, c1, c2, c3 = (codes[layer, 0], codes[layer, 1], codes[layer, 2],
+                                      codes[layer, 3], codes[layer, 4], codes[layer, 5],
+                                      codes[layer, 6])
+        Kc = kc[layer]
+        Vc = vc[layer]
+        _rmsnorm_rows(x, g_att[layer], eps, xn)
+        a8 = _a8_rows(int8, xn, xq, xd, xm)
+        for u in prange(threads):
+            lo, hi = _span(qd + 2 * kvd, u, threads)
+            _mm(cq, wq[layer], none, xn, a8, y, 0, lo, min(hi, qd), lut, kv)
+            _mm(ck, wk[layer], none, xn, a8, y, qd, max(lo, qd) - qd, min(hi, qd + kvd) - qd,
+                lut, kv)
+            _mm(cv, wv[layer], none, xn, a8, y, qd + kvd, max(lo, qd + kvd) - qd - kvd,
+                hi - qd - kvd, lut, kv)
+            for b in range(B):
+                for r in range(lo, hi, 2):
+                    d0 = (r if r < qd else (r - qd if r < qd + kvd else r - qd - kvd)) % hd
+                    _rope_store(r, y[b, r], y[b, r + 1], d0, pos[b], qd, kvd, hd, cos, sin,
+                                qkv[b:b + 1], Kc[b:b + 1], Vc[b:b + 1])
+        # sequence b's cache rows 0..p_b in the spans the one-sequence kernel takes
+        for u in prange(B * P):
+            b = u // P
+            c = u - b * P
+            n = pos[b] + 1
+            Pb = max(1, min(threads, n // 8))
+            if c < Pb:
+                _attend_span(qkv[b], Kc[b], Vc[b], c * n // Pb, (c + 1) * n // Pb, G, scale,
+                             scores[u], ml[u], parts[u])
+        for b in range(B):
+            Pb = max(1, min(threads, (pos[b] + 1) // 8))
+            _join_spans(ml[b * P:b * P + Pb], parts[b * P:b * P + Pb], att[b])
+        a8 = _a8_rows(int8, att, xq, xd, xm)
+        for u in prange(threads):
+            lo, hi = _span(D, u, threads)
+            _mm(co, wo[layer], none, att, a8, y, 0, lo, hi, lut, kv)
+            for b in range(B):
+                for i in range(lo, hi):
+                    x[b, i] += y[b, i]
+        _rmsnorm_rows(x, g_ffn[layer], eps, xn)
+        a8 = _a8_rows(int8, xn, xq, xd, xm)
+        for u in prange(threads):
+            lo, hi = _span(F, u, threads)
+            _mm(c1, w1[layer], none, xn, a8, y, 0, lo, hi, lut, kv)
+            _mm(c3, w3[layer], none, xn, a8, y, F, lo, hi, lut, kv)
+            for b in range(B):
+                for i in range(lo, hi):
+                    a = y[b, i]
+                    h[b, i] = a / (1.0 + np.exp(-a)) * y[b, F + i]
+        a8 = _a8_rows(int8, h, xq, xd, xm)
+        for u in prange(threads):
+            lo, hi = _span(D, u, threads)
+            _mm(c2, w2[layer], none, h, a8, y, 0, lo, hi, lut, kv)
+            for b in range(B):
+                for i in range(lo, hi):
+                    x[b, i] += y[b, i]
+    _rmsnorm_rows(x, g_final, eps, xn)
+    a8 = _a8_rows(int8, xn, xq, xd, xm)
+    for u in prange(threads):
+        lo, hi = _span(V, u, threads)
+        _mm(out_qt, wout, out_f, xn, a8, logits, 0, lo, hi, lut, kv)

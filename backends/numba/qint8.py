@@ -39,6 +39,7 @@ from .qsimd import (
     _I8,
     _I32,
     _I64,
+    _at,
     _const,
     _fma,
     _half,
@@ -220,6 +221,86 @@ def _rows32(qt, vnni):
     return codegen
 
 
+def _rows32_multi(qt, vnni, R):
+    """The codegen of :func:`_rows32` for R activation rows at once: each pair of blocks of W is
+    decoded once and dotted with the R rows (the same operations per row, in the same order, so
+    each result equals :func:`_rows32`'s bit for bit); the R sums are stored, not returned."""
+    size = BY_ID[qt].block_bytes
+
+    def codegen(context, builder, signature, args):
+        pw, pq, pd, ps, nb, sq, sd, ss, py, sy = args
+        acc = [cgutils.alloca_once_value(builder, _const(_F32, 16, 0.0)) for _ in range(R)]
+        acc_m = [cgutils.alloca_once_value(builder, _const(_F32, 4, 0.0)) for _ in range(R)]
+        npair = builder.sdiv(nb, ir.Constant(_I64, 2))
+        lanes = [0] * 8 + [1] * 8
+
+        def at(base, i, step):
+            return builder.add(base, builder.mul(i, ir.Constant(_I64, step)))
+
+        def row(base, stride, r):
+            return builder.add(base, builder.mul(stride, ir.Constant(_I64, r)))
+
+        with cgutils.for_range(builder, npair) as loop:  # blocks 2i, 2i + 1
+            i = loop.index
+            blk0 = at(pw, i, 2 * size)
+            u0, a0, m0 = _block32(qt, builder, blk0)
+            u1, a1, m1 = _block32(qt, builder, builder.add(blk0, ir.Constant(_I64, size)))
+            u = _cat(builder, u0, u1)
+            a = builder.insert_element(_splat(builder, a0, 2), a1, ir.Constant(_I32, 1))
+            m = _shuf(builder, builder.insert_element(_splat(builder, m0, 2), m1,
+                                                      ir.Constant(_I32, 1)), [0, 0, 1, 1])
+            for r in range(R):
+                xs = _load(builder, at(row(pq, sq, r), i, 64), 0, _vec(_I8, 64))
+                p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 16))
+                dx = _load(builder, at(row(pd, sd, r), i, 8), 0, _vec(_F32, 2), 4)
+                builder.store(_fma(builder, p, _shuf(builder, builder.fmul(a, dx), lanes),
+                                   builder.load(acc[r])), acc[r])
+                sums = _load(builder, at(row(ps, ss, r), i, 16), 0, _vec(_F32, 4), 4)
+                builder.store(_fma(builder, sums, m, builder.load(acc_m[r])), acc_m[r])
+        last = builder.sub(nb, ir.Constant(_I64, 1))
+        odd = builder.icmp_signed("!=", builder.mul(npair, ir.Constant(_I64, 2)), nb)
+        out = []
+        for r in range(R):
+            total = builder.fadd(_reduce(builder, builder.load(acc[r])),
+                                 _reduce(builder, builder.load(acc_m[r])))
+            out.append(cgutils.alloca_once_value(builder, total))
+        with builder.if_then(odd):
+            u, a, m = _block32(qt, builder, at(pw, last, size))
+            for r in range(R):
+                xs = _load(builder, at(row(pq, sq, r), last, 32), 0, _vec(_I8, 32))
+                p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 8))
+                dx = _load(builder, at(row(pd, sd, r), last, 4), 0, _F32, 4)
+                sums = _reduce(builder, _load(builder, at(row(ps, ss, r), last, 8), 0,
+                                              _vec(_F32, 2), 4))
+                v = _reduce(builder, builder.fmul(p, _splat(builder, builder.fmul(a, dx), 8)))
+                builder.store(builder.fadd(builder.load(out[r]),
+                                           builder.fadd(v, builder.fmul(sums, m))), out[r])
+        for r in range(R):
+            builder.store(builder.load(out[r]), _at(builder, row(py, sy, r), 0, _F32), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _make_multi(qt, vnni, R):
+    gen = _rows32_multi(qt, vnni, R)
+
+    @intrinsic
+    def irows(typingctx, pw, pq, pd, ps, nblocks, sq, sd, ss, py, sy):
+        r"""y_r = \sum_k W_k x_{rk} for the R activation rows r at pq + r sq (codes), pd + r sd
+        (scales), ps + r ss (scaled sums of 16), stored as float32 at py + r sy: R results of
+        :func:`irow` from one pass over ``nblocks`` blocks of the row at pw."""
+        return types.none(*([types.int64] * 10)), gen
+
+    return irows
+
+
+#: rows of activations per call of the multi-row kernels (:func:`idot_rows`)
+ROWS = 4
+irows_q8_0, irows_q4_0, irows_q4_1, irows_q5_0, irows_q5_1 = (_make_multi(t, VNNI, ROWS)
+                                                              for t in _TYPES32)
+
+
 # K-quants: chunk c (0..3) of a super-block is the values 64c .. 64c + 63 (32-runs 2c, 2c + 1)
 # the code offset o of the K types without mins
 _OFFSET = {Q6_K: 32.0, Q3_K: 4.0}
@@ -369,6 +450,30 @@ def idot(qt, w, n, xq, xd, xs):  # pragma: no cover - compiled
     if qt == Q3_K:
         return irow_q3_k(pw, pq, pd, ps, nb // 8)
     return irow_q2_k(pw, pq, pd, ps, nb // 8)
+
+
+@njit(inline="always", **_opts)
+def idot_rows(qt, w, n, xq, xd, xs, b, y, c):  # pragma: no cover - compiled
+    """y[b + r, c] = :func:`idot` of row n of w with activation row b + r of (xq, xd, xs) (2-d,
+    rows of 8-bit blocks) for r < :data:`ROWS`, W's row read once; a type of blocks of 32
+    (``qt`` in _TYPES32: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)."""
+    pw = w.ctypes.data + n * w.shape[1]
+    pq = xq.ctypes.data + b * xq.strides[0]
+    pd = xd.ctypes.data + b * xd.strides[0]
+    ps = xs.ctypes.data + b * xs.strides[0]
+    py = y.ctypes.data + b * y.strides[0] + c * 4
+    args = (pw, pq, pd, ps, xd.shape[1], xq.strides[0], xd.strides[0], xs.strides[0], py,
+            y.strides[0])
+    if qt == Q8_0:
+        irows_q8_0(*args)
+    elif qt == Q4_0:
+        irows_q4_0(*args)
+    elif qt == Q4_1:
+        irows_q4_1(*args)
+    elif qt == Q5_0:
+        irows_q5_0(*args)
+    else:
+        irows_q5_1(*args)
 
 
 # ---------------------------------------------------------------------------------------------
