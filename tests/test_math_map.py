@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from minillama.cli.mathmap import citations
 from minillama.core import ops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,8 +28,6 @@ OPS = ROOT / "minillama" / "core" / "ops.py"
 #: the reference: ops.py and the RoPE table builders it re-exports (held to the same plainness)
 REFERENCE_FILES = (OPS, ROOT / "minillama" / "core" / "rope_scaling.py")
 
-#: `path/to/file.py:name` followed by any number of `, `name`` in the same run
-CITE = re.compile(r"`([\w./-]+\.py):([\w.]+)`((?:,\s*`[\w.]+`)*)")
 #: LaTeX: a command (\sqrt, \odot, \, ...), a superscript, a braced subscript or a one-letter
 #: symbol with a subscript (z_b, x_i)
 LATEX = re.compile(r"\\[A-Za-z,;!]|\^|_\{|\b[A-Za-z]_[A-Za-z0-9]\b")
@@ -41,13 +40,8 @@ MAX_BODY_LINES = 25
 
 
 def math_citations() -> list[tuple[str, str]]:
-    """Every (path, dotted name) that MATH.md cites."""
-    cites = []
-    for m in CITE.finditer(MATH.read_text(encoding="utf-8")):
-        path = m.group(1)
-        cites.append((path, m.group(2)))
-        cites += [(path, name) for name in re.findall(r"`([\w.]+)`", m.group(3))]
-    return cites
+    """Every (path, dotted name) that MATH.md cites (read as `minillama explain` reads them)."""
+    return citations(MATH.read_text(encoding="utf-8"))
 
 
 def defined_names(path: Path) -> set[str]:

@@ -137,21 +137,17 @@ def tests(entry: Entry, sources: Sources) -> list[str]:
 
 def identities(entry: Entry) -> list[str]:
     lines = _heading("Identities that use it")
-    found = identities_for(entry)
-    if found is None:
-        return lines + ["  the identities catalog (minillama.identities) is not installed"]
-    about, through = found
+    about, through = identities_for(entry)
     if not about and not through:
         return lines + ["  none of the catalog's identities uses it"]
     for ident in about:
-        statement = str(getattr(ident, "statement", "") or "").strip()
-        topic = getattr(ident, "topic", "")
-        head = f"{getattr(ident, 'name', ident)}" + (f" [{topic}]" if topic else "")
+        statement, topic = ident.statement.strip(), ident.topic
+        head = ident.name + (f" [{topic}]" if topic else "")
         lines += textwrap.wrap(f"{head}: {statement}" if statement else head, WIDTH,
                                initial_indent="  ", subsequent_indent="      ",
                                break_on_hyphens=False)
     if through:
-        names = ", ".join(str(getattr(i, "name", i)) for i in through)
+        names = ", ".join(i.name for i in through)
         lines += textwrap.wrap(f"through a whole model or more ops: {names}", WIDTH,
                                initial_indent="  ", subsequent_indent="      ",
                                break_on_hyphens=False)

@@ -431,9 +431,8 @@ def _reads(nodes: list[ast.AST]) -> tuple[set[str], set[str], set[str]]:
 
 
 @functools.cache
-def usages(file: Path, rel: str, mtime: float) -> tuple[Usage, ...]:
-    """The :class:`Usage` of every test function of one test file (``mtime`` keys the
-    cache)."""
+def usages(file: Path, rel: str) -> tuple[Usage, ...]:
+    """The :class:`Usage` of every test function of one test file."""
     tree, _ = _parse(file)
     helpers: dict[str, ast.AST] = {}
     tests: list[tuple[str, ast.AST]] = []
@@ -479,56 +478,37 @@ def tests_for(entry: Entry, sources: Sources) -> list[Usage] | None:
         text = _parse(file)[1]
         if any(n in text for n in needles):
             rel = f"tests/{file.name}"
-            found += [u for u in usages(file, rel, file.stat().st_mtime) if holds(entry, u)]
+            found += [u for u in usages(file, rel) if holds(entry, u)]
     return found
 
 
 # ---------------------------------------------------------------------------------------------
 # identities (minillama.identities, when installed)
 # ---------------------------------------------------------------------------------------------
-def identities_catalog() -> list | None:
-    """The identities of ``minillama.identities``: its ``CATALOG`` (or that of its ``catalog``
-    module), a dict's values or any iterable; None when the package or a catalog is not there.
-    A third-party package the catalog needs and lacks is a :class:`MinillamaError`."""
-    catalog = None
-    for name in (IDENTITIES_MODULE, f"{IDENTITIES_MODULE}.catalog"):
-        try:
-            catalog = getattr(importlib.import_module(name), "CATALOG", None)
-        except ModuleNotFoundError as e:
-            if not e.name or e.name.split(".")[0] != "minillama":
-                raise MinillamaError(f"explain: the identities catalog needs {e.name}: "
-                                     f"pip install {e.name}") from None
-            if not name.startswith(e.name):
-                raise
-        if catalog is not None:
-            break
-    if catalog is None:
-        return None
-    return list(catalog.values() if isinstance(catalog, dict) else catalog)
+def identities_catalog() -> list:
+    """The identities of ``minillama.identities`` (imported when first asked for: it imports
+    hypothesis, which the other commands need not load)."""
+    return list(importlib.import_module(IDENTITIES_MODULE).CATALOG)
 
 
-def _op_key(op) -> str:
-    """An identity's op as a name: a string's last dotted or ``:`` part, a function's name."""
-    text = op if isinstance(op, str) else getattr(op, "__name__", str(op))
-    return normalize(re.split(r"[.:]", text)[-1])
+def _op_key(op: str) -> str:
+    """An identity's op as a name: its last dotted or ``:`` part."""
+    return normalize(re.split(r"[.:]", op)[-1])
 
 
-def identities_for(entry: Entry) -> tuple[list, list] | None:
+def identities_for(entry: Entry) -> tuple[list, list]:
     """The identities of the catalog that use ``entry``, as (about it, through more ops): an
     identity is about ``entry`` when its own name starts with one of the entry's names and ``_``
     (``softmax_shift_invariance``, ``quant_round_trip``), holds one of five letters or more
     between ``_`` (``model_kv_cache_decode``), or all its ``ops`` are the entry's (by
     its name, an alias, or a function's name with or without ``_forward``/``_backward``); it
-    uses it through more ops (a whole model) when its ``ops`` name the entry among others.
-    None without a catalog."""
+    uses it through more ops (a whole model) when its ``ops`` name the entry among others."""
     catalog = identities_catalog()
-    if catalog is None:
-        return None
     keys = {normalize(k) for k in (*entry.keys(), *entry.functions())} | entry.op_names()
     about, through = [], []
     for ident in catalog:
-        ops = {_op_key(o) for o in getattr(ident, "ops", ())}
-        name = normalize(str(getattr(ident, "name", "")))
+        ops = {_op_key(o) for o in ident.ops}
+        name = normalize(ident.name)
         named = any(name.startswith(k + "_") or (len(k) >= 5 and f"_{k}_" in name)
                     for k in keys)
         if named or (ops and ops <= keys):
