@@ -133,7 +133,7 @@ class SamplingParams:
                       self.frequency_penalty, self.presence_penalty)
 
 
-def _top_indices(z: np.ndarray, k: int) -> np.ndarray:
+def top_indices(z: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest entries of z (V,), in descending order of z (ties: lower id
     first)."""
     V = z.shape[0]
@@ -208,13 +208,13 @@ def _candidates(logits, temperature, top_k, top_p) -> tuple[np.ndarray, np.ndarr
     zmax = z.max()
     logZ = zmax / t + np.log(np.exp((z - zmax) / t).sum())
     if top_p is None or top_p >= 1.0:
-        ids = np.arange(V) if top_k is None else _top_indices(z, k)
+        ids = np.arange(V) if top_k is None else top_indices(z, k)
         p = np.exp(z[ids] / t - logZ)
         return ids, p / p.sum()
     # nucleus: grow a partially selected candidate set until it holds mass >= top_p
     m = min(k, 64)
     while True:
-        ids = _top_indices(z, m)
+        ids = top_indices(z, m)
         p = np.exp(z[ids] / t - logZ)
         c = np.cumsum(p)
         if c[-1] >= top_p or m >= k:

@@ -92,6 +92,7 @@ class Request:
         self.end_step: int | None = None
         self._engine = engine
         self._cancelled = False
+        self.cancel_reason = "cancelled"
         self._queue: queue.Queue | None = queue.Queue() if on_event is None else None
         self._on_event = on_event if on_event is not None else self._queue.put
 
@@ -105,10 +106,13 @@ class Request:
             return toks[len(toks) - n:]
         return self.prompt_ids[max(len(self.prompt_ids) - (n - len(toks)), 0):] + toks
 
-    def cancel(self) -> None:
-        """Stop generating (e.g. the client disconnected); the slot is freed at the next step."""
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop generating; the slot is freed at the next step, and the request ends with
+        ``reason``: ``cancelled`` (the client disconnected), ``stop`` (the caller met a stop
+        string), ``length`` (cut short, e.g. by a shutdown). The first call's reason counts."""
         if not self._cancelled and self.finish_reason is None:
             self.cancel_step = self._engine.decode_steps
+            self.cancel_reason = reason
         self._cancelled = True
         self._engine._wake()
 
@@ -284,7 +288,7 @@ class Engine:
                     return
                 if any(r.cancelled for r in self._pending):  # gone before a slot freed
                     for r in [r for r in self._pending if r.cancelled]:
-                        r._finish("cancelled")
+                        r._finish(r.cancel_reason)
                     self._pending = collections.deque(r for r in self._pending
                                                       if r.finish_reason is None)
                 new = []

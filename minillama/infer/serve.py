@@ -79,7 +79,7 @@ class Drain:
         self.closing = True
         live = list(self.live)
         for gen in live:
-            gen.req.cancel()
+            gen.req.cancel("length")  # cut short, as by max_tokens
         return len(live)
 
 
@@ -95,7 +95,6 @@ class _Generation:
         if drain.closing:
             raise APIError(503, "the server is shutting down", type="server_error",
                            code="server_busy")
-        self.drain = drain
 
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -139,15 +138,13 @@ class _Generation:
                         took.append((val, *lps[self.completion_tokens - 1]))
                     text += self.stopper.push(self.streamer.put(val))
                     if self.stopper.hit:
-                        self.req.cancel()
+                        self.req.cancel("stop")
                         end = "stop"
                         break
                 elif kind == "done":
                     text += self.stopper.push(self.streamer.flush())
                     text += self.stopper.flush()
                     end = "stop" if self.stopper.hit else val
-                    if end == "cancelled" and self.drain.closing:
-                        end = "length"  # cut by the shutdown: a clean, shorter reply
                     break
                 else:
                     raise APIError(500, val, type="server_error", code="generation_failed")

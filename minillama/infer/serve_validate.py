@@ -20,11 +20,11 @@ import math
 
 from minillama.core.errors import MinillamaError
 from minillama.core.sampling import SamplingParams
+from minillama.infer.engine import MAX_TOP_LOGPROBS
 
 #: the roles a chat message may have
 ROLES = ("system", "developer", "user", "assistant", "tool")
 #: the most alternatives per token a request may ask log-probabilities for
-MAX_TOP_LOGPROBS = 20
 #: the largest request body read (bytes)
 MAX_BODY = 8 << 20
 

@@ -24,15 +24,8 @@ import time
 import numpy as np
 
 from minillama.core.errors import MinillamaError
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """How many leading entries of the int arrays ``a`` and ``b`` are equal."""
-    m = min(len(a), len(b))
-    if m == 0:
-        return 0
-    diff = np.flatnonzero(a[:m] != b[:m])
-    return int(diff[0]) if diff.size else m
+from minillama.core.sampling import top_indices
+from minillama.io.chat_template import common_prefix
 
 
 def token_logprobs(z: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
@@ -41,12 +34,7 @@ def token_logprobs(z: np.ndarray, token: int, k: int) -> tuple[float, list[tuple
     z = np.asarray(z, dtype=np.float64)
     zmax = z.max()
     lse = zmax + np.log(np.exp(z - zmax).sum())
-    top: list[tuple[int, float]] = []
-    if k > 0:
-        k = min(k, z.shape[0])
-        idx = np.argpartition(-z, k - 1)[:k] if k < z.shape[0] else np.arange(z.shape[0])
-        idx = idx[np.lexsort((idx, -z[idx]))]
-        top = [(int(i), float(z[i] - lse)) for i in idx]
+    top = [(int(i), float(z[i] - lse)) for i in top_indices(z, k)] if k > 0 else []
     return float(z[token] - lse), top
 
 
@@ -158,12 +146,12 @@ class SlotBatch:
         for s in self._slots:
             if s.req.cancelled:
                 s.done = True
-                s.req._finish("cancelled")
+                s.req._finish(s.req.cancel_reason)
         self._compact()
         cold: list = []
         for r in new:
             if r.cancelled:
-                r._finish("cancelled")
+                r._finish(r.cancel_reason)
             elif min(r.max_tokens, self.S - len(r.prompt_ids) + 1) <= 0:
                 r._finish("length")
             else:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
+
 from minillama.core.errors import MinillamaError
 from minillama.io.bpe import split_on
 from minillama.io.families import stop_names
@@ -144,10 +146,10 @@ def encode_rendered(tok, text: str) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 # a conversation with its KV cache
 # ---------------------------------------------------------------------------------------------
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """The length of the longest common prefix of two id lists."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def common_prefix(a, b) -> int:
+    """The length of the longest common prefix of two id sequences (lists or int arrays)."""
+    m = min(len(a), len(b))
+    if m == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:m]) != np.asarray(b[:m]))
+    return int(diff[0]) if diff.size else m
