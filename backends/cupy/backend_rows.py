@@ -32,7 +32,8 @@ class RowOps:
             rows = QuantMatrix(weight.qtype, (tok.size, weight.shape[1]),
                                weight.data[tok.reshape(-1)])
             out = self._dequantize(rows, np.float32)
-            return out.reshape(tuple(tok.shape) + (weight.shape[1],)), _KCtx((tok, weight.shape))
+            # a frozen table: the reference's (tokens, None), whose backward is None
+            return out.reshape(tuple(tok.shape) + (weight.shape[1],)), (tok, None)
         if not _supported(weight):
             return ops.embedding_forward(weight, tokens)
         tok = _c(cp.asarray(tokens).astype(cp.int64, copy=False))

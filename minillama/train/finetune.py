@@ -56,7 +56,7 @@ from minillama.model.lora import LoRA, LoRAConfig, parse_targets
 from minillama.model.packing import draw_packed, pack_batch
 from minillama.model.transformer import Transformer
 from minillama.train.distributed import SingleProcess
-from minillama.train.memplan import plan, settle
+from minillama.train.memplan import settle
 from minillama.train.optim import AdamW, clip_grad_norm, lr_at
 from minillama.train.step import DataParallelStep
 from minillama.train.trainer import _progress
@@ -503,14 +503,6 @@ def batch_length(ft: Finetuner) -> int:
     if ft.s.get("pack"):
         return ft.s["context"]
     return max(len(e.ids) for e in ft.train_ex + ft.val_ex) - 1
-
-
-def memory_plan(ft: Finetuner, resident: int | None = None):
-    """The :class:`~minillama.train.memplan.MemoryPlan` of a step of the run ``ft`` on its
-    longest micro-batch (B = ``--batch-size``, T = :func:`batch_length`)."""
-    s = ft.s
-    return plan(ft.model, ft.trainable, s["batch_size"], batch_length(ft), s["grad_accum"],
-                bool(s.get("recompute")), resident)
 
 
 def settle_memory(ft: Finetuner, max_memory: int | None, say) -> None:
