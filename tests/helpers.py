@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from minillama.backends import backend_names, get_backend
-from minillama.core.config import ModelConfig, param_shapes
+from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
+from minillama.identities.model import lively_params as identity_params
 
 #: the tolerance of an op-by-op parity test against ``get_backend("reference")`` on the same
 #: inputs, by backend and dtype (max abs error over max abs value of the reference). numpy
@@ -72,16 +73,7 @@ def small_config(tie: bool = False, **kw) -> ModelConfig:
 
 def lively_params(cfg: ModelConfig, seed: int, scale: float = 0.3,
                   gain: float = 0.2) -> dict[str, np.ndarray]:
-    """float64 weights well away from the linear regime: matrices ``scale`` N(0, 1), norm gains
-    1 + ``gain`` N(0, 1), norm biases ``gain`` N(0, 1) (``init_params``' 0.02 would make
-    attention nearly uniform, hiding position and masking errors)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in param_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            out[name] = 1.0 + gain * rng.standard_normal(shape)
-        elif name.endswith("norm.bias"):
-            out[name] = gain * rng.standard_normal(shape)
-        else:
-            out[name] = scale * rng.standard_normal(shape)
-    return out
+    """float64 weights well away from the linear regime (``init_params``' 0.02 would make
+    attention nearly uniform, hiding position and masking errors): the identities' own
+    :func:`minillama.identities.model.lively_params`, with larger matrices."""
+    return identity_params(cfg, seed, scale, gain)
