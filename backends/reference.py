@@ -8,6 +8,8 @@ override only the op pairs they make faster (``numpy`` and ``numba`` on the CPU,
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from minillama.core import ops
@@ -84,6 +86,12 @@ class ReferenceBackend:
 
     def synchronize(self) -> None:
         """Wait for queued device work (a no-op on the CPU)."""
+
+    def decode_threads(self, B: int):
+        """A context manager around one cached decode step of B sequences (the model's per-op
+        path at T = 1): a backend with thread pools picks their size for the step there. The
+        reference has none."""
+        return contextlib.nullcontext()
 
     def __repr__(self) -> str:
         return f"<minillama backend {self.name}>"

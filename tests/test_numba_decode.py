@@ -18,7 +18,7 @@ from minillama.model.transformer import Transformer, init_params
 
 try:
     NUMBA = get_backend("numba")
-    from minillama.backends.numba.tuner import ThreadTuner
+    from minillama.backends.tuner import ThreadTuner
 except MinillamaError as e:  # pragma: no cover - numba missing
     pytest.skip(f"numba backend unavailable: {e}", allow_module_level=True)
 

@@ -122,7 +122,7 @@ def test_batched_rows_equal_each_row_alone(mode, rows_calls, monkeypatch):
     """Batching shares the reads of the weights and nothing else: on as many threads, each row
     of a fused step of 6 sequences gets bit for bit the logits and K/V the single-sequence fused
     step gives it alone (a one-row view of a copy of the cache, at its position)."""
-    from minillama.backends.numba.tuner import ThreadTuner
+    from minillama.backends.tuner import ThreadTuner
 
     monkeypatch.setenv("MINILLAMA_QUANT_DOTS", mode)
     monkeypatch.setattr(NUMBA, "_tuner", ThreadTuner(NUMBA.num_threads, adapt=False),

@@ -40,6 +40,7 @@ kernels they call are in the other modules of this folder.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 
@@ -54,6 +55,7 @@ from ..reference import (
     composed_linear_cross_entropy_backward,
     composed_linear_cross_entropy_forward,
 )
+from ..tuner import ThreadTuner
 from .backend_attention import AttentionOps
 from .backend_decode import FusedDecode
 from .backend_rows import RowOps
@@ -98,6 +100,31 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
     def num_threads(self) -> int:
         """Threads of the parallel kernels (``NUMBA_NUM_THREADS``, default: the core count)."""
         return int(self._numba.get_num_threads())
+
+    @contextlib.contextmanager
+    def _numba_team(self, threads: int):
+        """Numba's parallel kernels on ``threads`` threads in the ``with`` block."""
+        before = self._numba.get_num_threads()
+        self._numba.set_num_threads(min(int(threads), int(self._numba.config.NUMBA_NUM_THREADS)))
+        try:
+            yield
+        finally:
+            self._numba.set_num_threads(before)
+
+    @contextlib.contextmanager
+    def _team(self, threads: int):
+        """Every pool of this backend's ops (Numba's, the row threads, OpenBLAS's) on
+        ``threads`` threads in the ``with`` block."""
+        with self._numba_team(threads), super()._team(threads):
+            yield
+
+    def decode_threads(self, B: int):
+        """The per-op decode step's thread count by measured speed, as on numpy, with Numba's
+        team in the choice (the fused step, :meth:`decode_step`, has its own tuners)."""
+        tuner = self._step_tuners.get(B)
+        if tuner is None:
+            tuner = self._step_tuners[B] = ThreadTuner(self.num_threads)
+        return tuner.step(self._team)
 
     def _parallel(self, work: int) -> bool:
         return work >= PARALLEL_MIN_WORK and self.num_threads > 1

@@ -17,7 +17,7 @@ from minillama.core.decoding import finite_logits as _finite
 from minillama.core.errors import MinillamaError
 from minillama.core.quant import QuantMatrix
 
-from .tuner import ThreadTuner
+from ..tuner import ThreadTuner
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -241,16 +241,17 @@ class FusedDecode(DecodePlans):
         logits = np.empty((B, _vocab(plan)), dtype=model.dtype)
         if B == 1:
             t = np.ascontiguousarray(tok[:, 0], dtype=np.int64)
-            self.tuner.run(self._numba, lambda threads, k: self._step_one(
+            self.tuner.run(self._numba_team, lambda threads, k: self._step_one(
                 plan, t, pos, kc, vc, logits, _NO_IDS, _NO_IDS, threads) or 1, 1)
         elif plan.get("quant"):
             t = np.ascontiguousarray(tok[:, 0], dtype=np.int64)
-            self.rows_tuner(B).run(self._numba, lambda threads, k: self._step_rows_q(
+            self.rows_tuner(B).run(self._numba_team, lambda threads, k: self._step_rows_q(
                 plan, t, pos, kc, vc, logits, threads) or 1, 1)
         else:
-            args = (np.ascontiguousarray(tok[:, 0], dtype=np.int64), pos,
-                    *_model_args(plan, kc, vc), logits, self.num_threads)
-            self._decode.decode_step(*args, _NO_IDS, _NO_IDS_2D)
+            t = np.ascontiguousarray(tok[:, 0], dtype=np.int64)
+            self.rows_tuner(B).run(self._numba_team, lambda threads, k: self._decode.decode_step(
+                t, pos, *_model_args(plan, kc, vc), logits, threads, _NO_IDS, _NO_IDS_2D) or 1,
+                1)
         return logits
 
     def greedy_steps(self, model, tok, start_pos, cache, k: int):
@@ -277,13 +278,13 @@ class FusedDecode(DecodePlans):
 
     @property
     def tuner(self) -> ThreadTuner:
-        """The thread count of one sequence's decode steps, by measured speed (:mod:`.tuner`)."""
+        """The thread count of one sequence's decode steps, by measured speed (:mod:`..tuner`)."""
         if getattr(self, "_tuner", None) is None:
             self._tuner = ThreadTuner(self.num_threads)
         return self._tuner
 
     def rows_tuner(self, B: int) -> ThreadTuner:
-        """The thread count of the quantized steps of B > 1 sequences, one :mod:`.tuner` per B
+        """The thread count of the steps of B > 1 sequences, one :mod:`..tuner` per B
         (a step's time grows with B, so each batch size is measured on its own)."""
         tuners = self.__dict__.setdefault("_rows_tuners", {})
         if B not in tuners:
@@ -344,7 +345,7 @@ class GreedyDecoder(ChunkDecoder):
         got = 0
         while got < k:  # in calls whose thread count the backend's tuner picks
             rest = ids[got:]
-            n = self.backend.tuner.run(self.backend._numba,
+            n = self.backend.tuner.run(self.backend._numba_team,
                                        lambda threads, n, rest=rest: self._steps(rest[:n], threads),
                                        k - got)
             if n == 0:

@@ -37,8 +37,9 @@ from ..reference import (
     composed_linear_cross_entropy_backward,
     composed_linear_cross_entropy_forward,
 )
+from ..tuner import ThreadTuner
 from .lora import LoRAOps
-from .threads import blas_for_rows, parallel_rows, split_gemm
+from .threads import blas_for_rows, num_threads, parallel_rows, split_gemm, team
 
 _MALLOC_TUNED: bool | None = None
 
@@ -486,6 +487,19 @@ class NumpyBackend(LoRAOps, ReferenceBackend):
     def __init__(self) -> None:
         super().__init__()
         tune_malloc()
+        self._step_tuners: dict[int, ThreadTuner] = {}
+
+    def _team(self, threads: int):
+        """The pools of this backend's ops on ``threads`` threads, for a ``with`` block."""
+        return team(threads)
+
+    def decode_threads(self, B: int):
+        """One cached decode step of B sequences on the thread count measured faster for B
+        (every thread, or one when other processes take the cores: :mod:`..tuner`)."""
+        tuner = self._step_tuners.get(B)
+        if tuner is None:
+            tuner = self._step_tuners[B] = ThreadTuner(num_threads())
+        return tuner.step(self._team)
 
     #: out = a b for the linear layers' GEMMs (2-D a, b, out); the numba backend overrides it
     _gemm = staticmethod(split_gemm)

@@ -13,6 +13,7 @@ these helpers (:mod:`.backend`) are held to them by parity tests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Any
@@ -37,11 +38,16 @@ SPLIT_GEMM_MIN_ROWS = 64
 
 _pool = None
 _pool_lock = threading.Lock()
+_team = threading.local()  # .size: the threads of a step run under :func:`team` in this thread
 
 
 def num_threads() -> int:
-    """Threads for the row-parallel parts of the NumPy ops: ``MINILLAMA_NUM_THREADS``, else
-    ``OMP_NUM_THREADS``, else ``OPENBLAS_NUM_THREADS``, else the CPU count."""
+    """Threads for the row-parallel parts of the NumPy ops: the size of the :func:`team` the
+    calling thread runs in, else ``MINILLAMA_NUM_THREADS``, else ``OMP_NUM_THREADS``, else
+    ``OPENBLAS_NUM_THREADS``, else the CPU count."""
+    size = getattr(_team, "size", None)
+    if size is not None:
+        return size
     for var in ("MINILLAMA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         value = os.environ.get(var, "").strip()
         if value.isdigit() and int(value) > 0:
@@ -180,6 +186,25 @@ class single_threaded_blas:  # used like a function: ``with single_threaded_blas
         if self._restore is not None:
             openblas_api()[1](self._restore)
         return False
+
+
+@contextlib.contextmanager
+def team(n: int):
+    """Run the block's NumPy ops on ``n`` threads: the row threads of :func:`parallel_rows` (for
+    the calling thread) and OpenBLAS's pool, both restored after. The thread tuner of the decode
+    steps (:mod:`minillama.backends.tuner`) sets it per step."""
+    before = getattr(_team, "size", None)
+    api = openblas_api()
+    blas = api[0]() if api is not None else None
+    _team.size = max(int(n), 1)
+    if api is not None and blas != _team.size:
+        api[1](_team.size)
+    try:
+        yield
+    finally:
+        _team.size = before
+        if api is not None and blas != api[0]():
+            api[1](blas)
 
 
 class _NoOp:

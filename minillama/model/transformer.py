@@ -175,7 +175,8 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         ``last_only`` returns only the last position's logits, (B, V), skipping the V x D head
         for the others; ``output_index`` ((B,) ints) picks one position per sequence likewise.
         A backend with ``decode_step(model, tok, start_pos, cache)`` may compute a one-token
-        cached step in one fused call (same logits; None from it means the per-op path).
+        cached step in one fused call (same logits; None from it means the per-op path), and
+        picks the thread count of a per-op one (``decode_threads``).
         ``segments`` ((B, T) example ids, no cache) runs packed rows
         (:mod:`minillama.model.packing`).
         """
@@ -188,8 +189,11 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
                 return logits if last_only or output_index is not None else logits[:, None]
         if last_only:
             output_index = tok.shape[1] - 1
-        logits, _ = self._run(tok, start_pos, cache, train=False, output_index=output_index)
-        return logits
+        threads = getattr(self.backend, "decode_threads", None)
+        if cache is None or tok.shape[1] != 1 or threads is None:
+            return self._run(tok, start_pos, cache, train=False, output_index=output_index)[0]
+        with threads(tok.shape[0]):  # a one-token step on the thread count measured faster
+            return self._run(tok, start_pos, cache, train=False, output_index=output_index)[0]
 
     __call__ = forward
 

@@ -1,11 +1,14 @@
-"""The thread count of the fused decode step, chosen by measured speed.
+"""The thread count of a decode step, chosen by measured speed (the CPU backends).
 
 A decode step runs a few hundred parallel regions (several per layer), each ending at a barrier
 where every thread waits for the slowest. On a quiet machine all threads have a core and the
 regions split the work; when other processes want the cores, a thread that loses its core holds
 every barrier until the scheduler gives it one back, and a step can take a hundred times longer
 than on one thread (measured on 2 cores with two busy processes: SmolLM2-135M Q4_1 at 0.8-13
-tokens/s on 2 threads, about 40 on 1; docs/BENCHMARKS.md, "Decode on a busy machine").
+tokens/s on 2 threads, about 40 on 1; docs/BENCHMARKS.md, "Decode on a busy machine"). The
+``numpy`` backend's per-op step is the same: OpenBLAS's matrix-vector products end at a barrier
+too (a 1536 x 576 product: 49 us quiet on 2 threads, 7.8 ms with two busy processes; 125 and
+212 us on one thread).
 
 :class:`ThreadTuner` keeps the seconds per step of the full thread count and of one thread (an
 exponential moving average of the recent calls), runs the faster, and now and then times one
@@ -18,6 +21,7 @@ change of load is followed within PROBE_RATIO slow steps.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -76,17 +80,24 @@ class ThreadTuner:
             self.per_step[threads] = EMA * t + (1 - EMA) * old
             self.since_probe += seconds
 
-    def run(self, numba, call, steps: int) -> int:
+    def run(self, use, call, steps: int) -> int:
         """``call(threads, k)`` (runs k <= steps steps on that many threads, returns how many it
-        ran) once, with the thread count and step count of :meth:`plan`; Numba's team size is
-        set for the call and restored after. Returns the steps run."""
+        ran) once, with the thread count and step count of :meth:`plan`, inside ``use(threads)``
+        (a context manager that sets the team size of the pools the call runs on and restores
+        it after). Returns the steps run."""
         threads, k = self.plan(steps)
-        before = numba.get_num_threads()
-        numba.set_num_threads(threads)
-        try:
+        with use(threads):
             t0 = time.perf_counter()
             n = call(threads, k)
             self.record(threads, n, time.perf_counter() - t0)
-        finally:
-            numba.set_num_threads(before)
         return n
+
+    @contextlib.contextmanager
+    def step(self, use):
+        """One step run in the ``with`` block, on the thread count of :meth:`plan` (set by
+        ``use(threads)`` as for :meth:`run`) and timed for the next plans. Yields the count."""
+        threads, _ = self.plan(1)
+        with use(threads):
+            t0 = time.perf_counter()
+            yield threads
+            self.record(threads, 1, time.perf_counter() - t0)

@@ -1,4 +1,4 @@
-"""The thread tuner of the numba backend's decode steps (backends/numba/tuner.py): on simulated
+"""The thread tuner of the CPU backends' decode steps (backends/tuner.py): on simulated
 timings it keeps the faster thread count, probes the other less and less often while it loses,
 and follows a machine whose load changes; on a real model its choice never changes the tokens."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minillama.backends.numba.tuner import PROBE_RATIO, ThreadTuner
+from minillama.backends.tuner import PROBE_RATIO, ThreadTuner
 
 
 class _Machine:
@@ -89,3 +89,42 @@ def test_tuned_decode_keeps_the_tokens(monkeypatch):
     monkeypatch.setattr(numba_be, "_tuner", tuner, raising=False)
     assert generate(fast, [1, 5, 9], 40) == generate(ref, [1, 5, 9], 40)
     assert set(tuner.per_step) == {1, 2}  # both counts ran
+
+
+def test_numpy_decode_step_runs_on_the_tuned_team(monkeypatch):
+    """On the numpy backend a per-op decode step runs its row threads and OpenBLAS on the count
+    the tuner plans for that step (here alternating 2 and 1), both as before after the step, and
+    the greedy tokens are the reference backend's whatever the count."""
+    from minillama.backends import get_backend
+    from minillama.backends.numpy import threads
+    from minillama.core.config import ModelConfig
+    from minillama.infer.generate import generate
+    from minillama.model.transformer import Transformer, init_params
+
+    be = get_backend("numpy")
+    api = threads.openblas_api()
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, hidden_dim=96,
+                      max_seq_len=64)
+    params = init_params(cfg, seed=1)
+    tuner = ThreadTuner(2)
+    counts = iter([2, 1] * 100)
+    monkeypatch.setattr(tuner, "plan", lambda steps: (next(counts), 1))
+    monkeypatch.setattr(be, "_step_tuners", {1: tuner})
+    seen = []
+    norm = be.rmsnorm_forward
+
+    def spy(*a, **k):
+        seen.append((threads.num_threads(), api[0]() if api is not None else None))
+        return norm(*a, **k)
+
+    monkeypatch.setattr(be, "rmsnorm_forward", spy)
+    outside = (threads.num_threads(), api[0]() if api is not None else None)
+    ref = Transformer(cfg, params, backend="reference")
+    fast = Transformer(cfg, params, backend="numpy")
+    assert generate(fast, [1, 5, 9], 12) == generate(ref, [1, 5, 9], 12)
+    steps = seen[2 * cfg.n_layers + 1:]  # after the prompt's forward
+    assert {n for n, _ in steps} == {1, 2}
+    if api is not None:
+        assert all(b == n for n, b in steps)  # OpenBLAS follows the team
+    assert (threads.num_threads(), api[0]() if api is not None else None) == outside
+    assert set(tuner.per_step) == {1, 2}
