@@ -54,7 +54,7 @@ def calls(monkeypatch):
         decode_step=counting(numba_decode.decode_step),
         decode_step_one=counting(numba_decode.decode_step_one)))
     # every call on all threads, as long as asked: the counts below are those of the chunking
-    # (the thread tuner's probes, which split calls, are tested in tests/test_numba_tuner.py)
+    # (the thread tuner's probes, which split calls, are tested in tests/test_tuner.py)
     monkeypatch.setattr(NUMBA, "_tuner", ThreadTuner(NUMBA.num_threads, adapt=False),
                         raising=False)
     return n

@@ -3,7 +3,7 @@ greedy decoder, ``kernels`` the index of the jitted kernels, which live in ``fas
 e^x), ``rope``, ``attention`` (forward loops), ``attention_backward``, ``attention_blas`` (tiled
 with BLAS) and ``rows`` (cross-entropy, RMSNorm, SwiGLU); ``blas`` OpenBLAS's GEMM called from
 kernels, ``gemv`` the small-batch products, ``decode`` the fused decode step, ``optim`` the one-pass
-AdamW; ``tuner`` the thread count of the decode steps, by measured speed.
+AdamW. The thread count of the decode steps, by measured speed, is ``backends/tuner.py``.
 """
 
 import os
