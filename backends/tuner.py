@@ -14,9 +14,10 @@ too (a 1536 x 576 product: 49 us quiet on 2 threads, 7.8 ms with two busy proces
 exponential moving average of the recent calls), runs the faster, and now and then times one
 step of the other (a probe, whose time replaces the other's stale one). A probe comes once the
 steps run since the last one took :data:`PROBE_RATIO` times what the probe is expected to cost
-(the first call of each count, which pays for cold caches, is not counted),
-so probing costs at most 1 / PROBE_RATIO of the time on any machine, quiet or busy, and a
-change of load is followed within PROBE_RATIO slow steps.
+(the first call of each count, which pays for cold caches, is not counted, and a count's first
+measure is the fastest of :data:`FIRST_STEPS` steps), so probing costs at most 1 / PROBE_RATIO
+of the time on any machine, quiet or busy, and a change of load is followed within PROBE_RATIO
+slow steps.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ import time
 PROBE_RATIO = 40.0
 #: weight of the newest call in the moving average of seconds per step
 EMA = 0.5
+#: steps of a count's first measure (after its warm-up call), of which the fastest counts: one
+#: step that meets a stall (a cold cache after a prefill, a woken thread) must not condemn a
+#: count until the next probe, which is due only after PROBE_RATIO times the stalled time
+FIRST_STEPS = 3
 
 
 class ThreadTuner:
@@ -40,6 +45,7 @@ class ThreadTuner:
         self.per_step: dict[int, float] = {}  # threads -> average seconds per step
         self.warm: set[int] = set()  # counts whose first call (page faults, caches) is over
         self.since_probe = 0.0  # seconds of steps run since the last probe
+        self.first: dict[int, list[float]] = {}  # threads -> seconds per step of its first calls
 
     def best(self) -> int:
         """The thread count measured fastest (``most`` until both are measured)."""
@@ -49,8 +55,8 @@ class ThreadTuner:
 
     def plan(self, steps: int) -> tuple[int, int]:
         """(threads, steps) of the next call of up to ``steps`` steps: one step of the count
-        that is due a probe (or not measured yet), else steps on the best count, as many as fit
-        before the next probe is due."""
+        that is due a probe (or not measured yet: :data:`FIRST_STEPS` calls of one step), else
+        steps on the best count, as many as fit before the next probe is due."""
         if self.most == 1 or not self.adapt:
             return self.most, steps
         best = self.best()
@@ -73,7 +79,13 @@ class ThreadTuner:
             return
         t = seconds / steps
         old = self.per_step.get(threads)
-        if old is None or threads != self.best():  # a probe: its time replaces the stale one
+        if old is None:  # the first measure: the fastest of its first FIRST_STEPS steps
+            got = self.first.setdefault(threads, [])
+            got.extend([t] * min(steps, FIRST_STEPS))
+            if len(got) >= FIRST_STEPS:
+                self.per_step[threads] = min(got)
+                self.since_probe = 0.0
+        elif threads != self.best():  # a probe: its time replaces the stale one
             self.per_step[threads] = t
             self.since_probe = 0.0
         else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minillama.backends.tuner import PROBE_RATIO, ThreadTuner
+from minillama.backends.tuner import FIRST_STEPS, PROBE_RATIO, ThreadTuner
 
 
 class _Machine:
@@ -38,8 +38,28 @@ def test_quiet_machine_runs_on_every_thread():
     t, m = ThreadTuner(2), _Machine({2: 0.005, 1: 0.009})
     ran = m.drive(t, 2000)
     assert t.best() == 2
-    assert 0 < ran[1] < 2000 * 0.005 / (PROBE_RATIO * 0.009) + 3  # a few one-step probes
+    # the first measure (a warm-up call and FIRST_STEPS steps), then a few one-step probes
+    assert 0 < ran[1] < 2000 * 0.005 / (PROBE_RATIO * 0.009) + FIRST_STEPS + 2
     assert _cost(m, ran, t) <= 2000 * 0.005 / PROBE_RATIO  # probing costs at most 1/RATIO
+
+
+def test_a_stalled_first_step_does_not_condemn_a_count():
+    """The first measured step on every thread meets a stall (ten times its time, as a cold
+    cache after a server's prefill does): the first measure keeps the fastest of its steps, so
+    the tuner still runs on every thread at once, not after PROBE_RATIO stalled steps' time."""
+    t, m = ThreadTuner(2), _Machine({2: 0.005, 1: 0.009})
+    stalled = iter([True])
+
+    def drive_one():
+        threads, k = t.plan(1)
+        slow = threads == 2 and 2 in t.warm and next(stalled, False)
+        t.record(threads, k, k * m.per_step[threads] * (10 if slow else 1))
+        return threads
+
+    ran = [drive_one() for _ in range(200)]
+    assert t.best() == 2
+    # past both first measures: on 2 threads but for one-step probes
+    assert ran[2 * (FIRST_STEPS + 1):].count(1) <= 200 * 0.005 / (PROBE_RATIO * 0.009) + 1
 
 
 def test_busy_machine_falls_back_to_one_thread_and_back():
