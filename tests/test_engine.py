@@ -272,6 +272,32 @@ def test_a_shared_system_prompt_is_copied_from_a_running_row():
         engine.close()
 
 
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+@pytest.mark.parametrize("prefill_tokens,forwards", [(4096, 1), (30, 2)])
+def test_second_turns_arriving_together_share_one_prefill(prefill_tokens, forwards, backend):
+    """Four conversations' second turns admitted at once, each from the row its first turn left
+    (cached prefixes of different lengths, new parts of different lengths): the new parts are
+    prefilled together, right-padded, each row from its own position (more forwards only when
+    the padded tokens would pass ``prefill_tokens``), and every reply is the cold run's."""
+    m = _model(backend=backend, max_seq_len=128)
+    rng = np.random.default_rng(8)
+    engine = Engine(m, max_batch=4, prefill_tokens=prefill_tokens)
+    try:
+        firsts = [rng.integers(0, 37, n).tolist() for n in (12, 20, 9, 16)]
+        replies = [engine.generate(p, max_tokens=4)[0] for p in firsts]
+        seconds = [f + r + rng.integers(0, 37, k).tolist()
+                   for f, r, k in zip(firsts, replies, (3, 11, 6, 1))]
+        prefills, cached = engine.batch.prefills, engine.stats.cached_tokens
+        got = _run_together(engine, [(p, {"max_tokens": 7}) for p in seconds], queued=True)
+        assert engine.batch.prefills - prefills == forwards
+        assert engine.stats.cached_tokens - cached == sum(
+            len(f) + len(r) - 1 for f, r in zip(firsts, replies))
+        for p, (tokens, reason) in zip(seconds, got):
+            assert tokens == generate(m, p, max_new_tokens=7) and reason == "length"
+    finally:
+        engine.close()
+
+
 def test_extra_prefix_rows_keep_conversations_that_others_displaced():
     """One slot and two prefix rows: conversation A's row survives B and C running in the slot
     after it (the least recently used content goes first), and A's second turn reuses it."""

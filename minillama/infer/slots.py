@@ -149,18 +149,25 @@ class SlotBatch:
                 s.req._finish(s.req.cancel_reason)
         self._compact()
         cold: list = []
+        warm: list = []  # (request, cached prefix length), placed in rows n, n + 1, ...
         for r in new:
             if r.cancelled:
                 r._finish(r.cancel_reason)
             elif min(r.max_tokens, self.S - len(r.prompt_ids) + 1) <= 0:
                 r._finish("length")
             else:
-                row, c = (self.rows.best(r.prompt_array, len(self._slots), self._slots)
-                          if self.reuse else (-1, 0))
+                row, c = self._best(r, warm)
+                if c >= self.min_reuse and warm and not self._fits(warm + [(r, c)]):
+                    self._admit_warm(warm)  # the group is full: prefill it, start another
+                    warm = []
+                    row, c = self._best(r, warm)
                 if c >= self.min_reuse:
-                    self._admit_warm(r, row, c)
+                    self._place_warm(row, len(self._slots) + len(warm), c)
+                    warm.append((r, c))
                 else:
                     cold.append(r)
+        if warm:
+            self._admit_warm(warm)
         group: list = []
         for r in cold:
             longest = max([len(q.prompt_ids) for q in group] + [len(r.prompt_ids)])
@@ -182,26 +189,59 @@ class SlotBatch:
             v = self._views[(lo, hi)] = self.cache.rows(lo, hi)
         return v
 
-    def _admit_warm(self, r, src: int, c: int) -> None:
-        """Start ``r`` in the next free row holding the K/V of its first ``c`` prompt ids (moved
-        there from the free row ``src``, or copied from the running row ``src``), prefilling only
-        the rest of its prompt from position c."""
-        n = len(self._slots)
+    def _best(self, r, warm: list) -> tuple[int, int]:
+        """(row, c) of :meth:`PrefixRows.best` for ``r`` among the rows not running and not
+        taken by the ``warm`` requests placed before it; (-1, 0) without prefix reuse."""
+        if not self.reuse:
+            return -1, 0
+        return self.rows.best(r.prompt_array, len(self._slots) + len(warm), self._slots)
+
+    def _fits(self, group: list) -> bool:
+        """Whether the (request, c) of ``group`` can share one padded prefill: the padding stays
+        within the cache and the padded tokens within :attr:`prefill_tokens`."""
+        L = max(len(r.prompt_ids) - c for r, c in group)
+        return (all(c + L <= self.S for _, c in group)
+                and L * len(group) <= max(self.prefill_tokens, L))
+
+    def _place_warm(self, src: int, n: int, c: int) -> None:
+        """Row n (free) gets the K/V of the first ``c`` positions of row ``src``: moved there
+        from the free row ``src``, or copied from the running row ``src``."""
         if src >= n:
             self.rows.swap(src, n, max(self.rows._len(src), self.rows._len(n)))
         else:
             self.rows.vacate(n)
             self.rows.copy(src, n, c)
         self.rows.take(n)
+
+    def _admit_warm(self, group: list) -> None:
+        """Start the requests of ``group`` ((request, c) each, placed by :meth:`_place_warm` in
+        the next free rows, in order; :meth:`_fits`) by prefilling the rest of each prompt from
+        its position c, all in one forward (right-padded to the longest rest, each row at its own
+        start; the padding's K/V lie beyond each row's positions, masked and later
+        overwritten)."""
+        n, k = len(self._slots), len(group)
+        rests = [r.prompt_ids[c:] for r, c in group]
+        L = max(len(x) for x in rests)
         self.prefills += 1
+        block = np.zeros((k, L), dtype=np.int64)
+        for b, x in enumerate(rests):
+            block[b, :len(x)] = x
+        starts = np.array([c for _, c in group], dtype=np.int64)
         try:
-            logits = self.model.forward(np.asarray([r.prompt_ids[c:]], dtype=np.int64), c,
-                                        self._view(n, n + 1), last_only=True)
+            if k == 1:
+                logits = self.model.forward(block, int(starts[0]), self._view(n, n + 1),
+                                            last_only=True)
+            else:
+                logits = self.model.forward(block, starts, self._view(n, n + k),
+                                            output_index=np.array([len(x) - 1 for x in rests]))
         except MinillamaError as e:
-            r._fail(str(e))
+            for r, _ in group:
+                r._fail(str(e))
             return
-        z = self.model.backend.to_numpy(logits).reshape(1, -1)
-        self._start(r, c, z[0], time.perf_counter())
+        z = self.model.backend.to_numpy(logits).reshape(k, -1)
+        now = time.perf_counter()
+        for b, (r, c) in enumerate(group):
+            self._start(r, c, z[b], now)
 
     def _admit(self, group: list) -> None:
         """Prefill the prompts of ``group`` into the next free rows in one forward (right-padded
