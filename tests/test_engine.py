@@ -298,6 +298,38 @@ def test_second_turns_arriving_together_share_one_prefill(prefill_tokens, forwar
         engine.close()
 
 
+def test_a_request_arriving_during_a_prefill_starts_in_the_same_step():
+    """B is submitted while A's prefill runs (from A's first-token event, on the scheduler
+    thread): it is admitted before the step's decode, so its first token comes with no decode
+    step in between, and both get the tokens they get alone."""
+    m = _model(max_seq_len=96)
+    rng = np.random.default_rng(9)
+    a, b = rng.integers(0, 37, 14).tolist(), rng.integers(0, 37, 9).tolist()
+    engine = Engine(m, max_batch=2)
+    try:
+        first_at = {}
+        later = []
+
+        def on_a(ev):
+            if "a" not in first_at:
+                first_at["a"] = engine.decode_steps
+                later.append(engine.submit(b, max_tokens=6, on_event=on_b))
+
+        def on_b(ev):
+            first_at.setdefault("b", engine.decode_steps)
+
+        ra = engine.submit(a, max_tokens=6, on_event=on_a)
+        t0 = time.time()
+        while (ra.finish_reason is None or not later or later[0].finish_reason is None) \
+                and time.time() - t0 < 60:
+            time.sleep(0.01)
+        assert first_at["a"] == first_at["b"]
+        assert ra.tokens == generate(m, a, max_new_tokens=6)
+        assert later[0].tokens == generate(m, b, max_new_tokens=6)
+    finally:
+        engine.close()
+
+
 def test_extra_prefix_rows_keep_conversations_that_others_displaced():
     """One slot and two prefix rows: conversation A's row survives B and C running in the slot
     after it (the least recently used content goes first), and A's second turn reuses it."""

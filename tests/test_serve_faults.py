@@ -302,9 +302,9 @@ def test_a_full_queue_answers_503_with_retry_after(tmp_path):
     gate.set()
     step = engine.batch.step
 
-    def gated_step(new):  # after the first step with a request running, wait for the gate
-        assert gate.wait(30)
-        step(new)
+    def gated_step(new, more=None):  # after the first step with a request running, wait for
+        assert gate.wait(30)  # the gate
+        step(new, more)
         if engine.active and not held:
             held.append(True)
             gate.clear()

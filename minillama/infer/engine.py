@@ -32,6 +32,7 @@ Nothing here knows HTTP: :mod:`minillama.infer.serve` is one client of it.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import queue
 import threading
@@ -291,12 +292,9 @@ class Engine:
                         r._finish(r.cancel_reason)
                     self._pending = collections.deque(r for r in self._pending
                                                       if r.finish_reason is None)
-                new = []
-                while self._pending and len(self._slots) + len(new) < self.max_batch:
-                    new.append(self._pending.popleft())
-                self._in_step = len(self._slots) + len(new)
+                new = self._take_pending()
             try:
-                self.batch.step(new)
+                self.batch.step(list(new), more=functools.partial(self._more, new))
             except Exception as e:  # an unexpected failure ends these requests,
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__  # not the server
                 for r in new + [s.req for s in self._slots]:
@@ -305,6 +303,23 @@ class Engine:
                 self._slots.clear()
                 self.batch.rows.reset()
             self._in_step = len(self._slots)
+
+    def _take_pending(self) -> list:
+        """Pop the pending requests that fit beside the running ones (lock held); they count as
+        in the step for the queue bound."""
+        new = []
+        while self._pending and len(self._slots) + len(new) < self.max_batch:
+            new.append(self._pending.popleft())
+        self._in_step = len(self._slots) + len(new)
+        return new
+
+    def _more(self, taken: list) -> list:
+        """Requests that arrived while a step admitted others, to admit in the same step (also
+        appended to ``taken``, the step's new requests, which a failing step ends)."""
+        with self._cv:
+            more = [] if self._closed else self._take_pending()
+        taken.extend(more)
+        return more
 
     @property
     def cache(self):

@@ -142,12 +142,25 @@ class SlotBatch:
         self.prefills = 0
         self.max_active = 0
 
-    def step(self, new: list) -> None:
+    def step(self, new: list, more=None) -> None:
+        """Admit the ``new`` requests, then those ``more()`` hands over while they were
+        prefilled (requests arriving a moment apart start in the same step instead of waiting
+        for a decode step of the others), and run one decode step of every running row."""
         for s in self._slots:
             if s.req.cancelled:
                 s.done = True
                 s.req._finish(s.req.cancel_reason)
         self._compact()
+        while new:
+            self._admit_new(new)
+            new = more() if more is not None else []
+        if self._slots:
+            self._decode()
+            self._compact()
+
+    def _admit_new(self, new: list) -> None:
+        """Prefill ``new`` into the next free rows: from cached prefixes where rows hold them
+        (:meth:`_admit_warm`), the others together from position 0 (:meth:`_admit`)."""
         cold: list = []
         warm: list = []  # (request, cached prefix length), placed in rows n, n + 1, ...
         for r in new:
@@ -178,9 +191,6 @@ class SlotBatch:
         if group:
             self._admit(group)
         self._compact()
-        if self._slots:
-            self._decode()
-            self._compact()
 
     def _view(self, lo: int, hi: int):
         """The cache rows lo..hi-1 (views made once each, so backends may key plans on them)."""
