@@ -133,7 +133,8 @@ def _real_where(cls: type, attr: str) -> str | None:
     for klass in cls.__mro__:
         if attr in vars(klass):
             value = vars(klass)[attr]
-            fn = getattr(value, "__func__", value)
+            fn = inspect.unwrap(getattr(value, "__func__", value))  # a decorated method: its own
+            # source (e.g. a context manager's generator)
             if not inspect.isfunction(fn):
                 return None
             path = Path(fn.__code__.co_filename).resolve().relative_to(ROOT).as_posix()
