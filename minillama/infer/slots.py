@@ -120,43 +120,12 @@ class PrefixRows:
         return best, best_c
 
 
-class SlotBatch:
-    """The rows of the KV cache and the requests running in them: prefills new requests into
-    free rows (reusing cached prefixes), runs one batched decode step over all of them, samples
-    and hands over each one's token, and keeps the running requests in rows 0..n-1."""
-
-    #: the fewest cached prompt tokens worth a prefill of its own (below this a request joins
-    #: the padded prefill of the others arriving with it)
-    min_reuse = 8
-
-    def __init__(self, model, max_batch: int, S: int, prefill_tokens: int, stats,
-                 extra_rows: int = 0, reuse: bool = True):
-        self.model, self.S, self.prefill_tokens, self.stats = model, S, prefill_tokens, stats
-        self.reuse = reuse
-        self.cache = model.new_cache(max_batch + extra_rows, S)
-        self.rows = PrefixRows(self.cache, max_batch + extra_rows)
-        self._views: dict[tuple[int, int], object] = {}
-        self._slots: list[_Slot] = []
-        self.slots = self._slots
-        self.decode_steps = 0
-        self.prefills = 0
-        self.max_active = 0
-
-    def step(self, new: list, more=None) -> None:
-        """Admit the ``new`` requests, then those ``more()`` hands over while they were
-        prefilled (requests arriving a moment apart start in the same step instead of waiting
-        for a decode step of the others), and run one decode step of every running row."""
-        for s in self._slots:
-            if s.req.cancelled:
-                s.done = True
-                s.req._finish(s.req.cancel_reason)
-        self._compact()
-        while new:
-            self._admit_new(new)
-            new = more() if more is not None else []
-        if self._slots:
-            self._decode()
-            self._compact()
+class Admission:
+    """How :class:`SlotBatch` starts new requests: prefilled into the next free rows, from the
+    cached prefix a row holds where one does (several such in one padded forward, each row from
+    its own position), the others together from position 0. Uses the batch's ``model``,
+    ``rows``, ``S``, ``prefill_tokens``, ``reuse``, ``min_reuse``, ``_slots``, ``_view`` and
+    ``_start``."""
 
     def _admit_new(self, new: list) -> None:
         """Prefill ``new`` into the next free rows: from cached prefixes where rows hold them
@@ -191,13 +160,6 @@ class SlotBatch:
         if group:
             self._admit(group)
         self._compact()
-
-    def _view(self, lo: int, hi: int):
-        """The cache rows lo..hi-1 (views made once each, so backends may key plans on them)."""
-        v = self._views.get((lo, hi))
-        if v is None:
-            v = self._views[(lo, hi)] = self.cache.rows(lo, hi)
-        return v
 
     def _best(self, r, warm: list) -> tuple[int, int]:
         """(row, c) of :meth:`PrefixRows.best` for ``r`` among the rows not running and not
@@ -279,6 +241,51 @@ class SlotBatch:
         now = time.perf_counter()
         for b, r in enumerate(group):
             self._start(r, 0, z[b], now)
+
+class SlotBatch(Admission):
+    """The rows of the KV cache and the requests running in them: prefills new requests into
+    free rows (reusing cached prefixes), runs one batched decode step over all of them, samples
+    and hands over each one's token, and keeps the running requests in rows 0..n-1."""
+
+    #: the fewest cached prompt tokens worth a prefill of its own (below this a request joins
+    #: the padded prefill of the others arriving with it)
+    min_reuse = 8
+
+    def __init__(self, model, max_batch: int, S: int, prefill_tokens: int, stats,
+                 extra_rows: int = 0, reuse: bool = True):
+        self.model, self.S, self.prefill_tokens, self.stats = model, S, prefill_tokens, stats
+        self.reuse = reuse
+        self.cache = model.new_cache(max_batch + extra_rows, S)
+        self.rows = PrefixRows(self.cache, max_batch + extra_rows)
+        self._views: dict[tuple[int, int], object] = {}
+        self._slots: list[_Slot] = []
+        self.slots = self._slots
+        self.decode_steps = 0
+        self.prefills = 0
+        self.max_active = 0
+
+    def step(self, new: list, more=None) -> None:
+        """Admit the ``new`` requests, then those ``more()`` hands over while they were
+        prefilled (requests arriving a moment apart start in the same step instead of waiting
+        for a decode step of the others), and run one decode step of every running row."""
+        for s in self._slots:
+            if s.req.cancelled:
+                s.done = True
+                s.req._finish(s.req.cancel_reason)
+        self._compact()
+        while new:
+            self._admit_new(new)
+            new = more() if more is not None else []
+        if self._slots:
+            self._decode()
+            self._compact()
+
+    def _view(self, lo: int, hi: int):
+        """The cache rows lo..hi-1 (views made once each, so backends may key plans on them)."""
+        v = self._views.get((lo, hi))
+        if v is None:
+            v = self._views[(lo, hi)] = self.cache.rows(lo, hi)
+        return v
 
     def _start(self, r, cached: int, z: np.ndarray, now: float) -> None:
         """``r``'s prompt is in the next row (``cached`` ids of it reused): it runs."""

@@ -175,24 +175,20 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
         ``last_only`` returns only the last position's logits, (B, V), skipping the V x D head
         for the others; ``output_index`` ((B,) ints) picks one position per sequence likewise.
         A backend with ``decode_step(model, tok, start_pos, cache)`` may compute a one-token
-        cached step in one fused call (same logits; None from it means the per-op path), and
-        picks the thread count of a per-op one (``decode_threads``).
-        ``segments`` ((B, T) example ids, no cache) runs packed rows
-        (:mod:`minillama.model.packing`).
+        cached step in one fused call (same logits; None from it means the per-op path); its
+        ``decode_threads(B)`` picks the threads of a per-op one. ``segments`` ((B, T) example
+        ids, no cache) runs packed rows (:mod:`minillama.model.packing`).
         """
         tok = self._tokens(tokens)
-        if cache is not None and tok.shape[1] == 1 and hasattr(self.backend, "decode_step") \
-                and self.lora is None:
-            # a backend may run a whole one-token cached step in one fused call (numba does)
+        step = cache is not None and tok.shape[1] == 1
+        if step and hasattr(self.backend, "decode_step") and self.lora is None:
             logits = self.backend.decode_step(self, tok, start_pos, cache)
             if logits is not None:
                 return logits if last_only or output_index is not None else logits[:, None]
         if last_only:
             output_index = tok.shape[1] - 1
-        threads = getattr(self.backend, "decode_threads", None)
-        if cache is None or tok.shape[1] != 1 or threads is None:
-            return self._run(tok, start_pos, cache, train=False, output_index=output_index)[0]
-        with threads(tok.shape[0]):  # a one-token step on the thread count measured faster
+        threads = getattr(self.backend, "decode_threads", None) if step else None
+        with threads(tok.shape[0]) if threads else contextlib.nullcontext():
             return self._run(tok, start_pos, cache, train=False, output_index=output_index)[0]
 
     __call__ = forward
