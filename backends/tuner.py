@@ -17,7 +17,9 @@ steps run since the last one took :data:`PROBE_RATIO` times what the probe is ex
 (the first call of each count, which pays for cold caches, is not counted, and a count's first
 measure is the fastest of :data:`FIRST_STEPS` steps), so probing costs at most 1 / PROBE_RATIO
 of the time on any machine, quiet or busy, and a change of load is followed within PROBE_RATIO
-slow steps.
+slow steps. The first measures cost up to 2 + 2 x FIRST_STEPS steps per tuner (a new batch size
+has its own), a count whose first step is :data:`COLLAPSED` times slower than the other's ending
+its measure there.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ EMA = 0.5
 #: step that meets a stall (a cold cache after a prefill, a woken thread) must not condemn a
 #: count until the next probe, which is due only after PROBE_RATIO times the stalled time
 FIRST_STEPS = 3
+#: ... but a first step this many times slower than the other count's measure ends it at once
+#: (a collapse, not a stall: on a busy machine one two-thread step can take a second)
+COLLAPSED = 10.0
 
 
 class ThreadTuner:
@@ -55,16 +60,16 @@ class ThreadTuner:
 
     def plan(self, steps: int) -> tuple[int, int]:
         """(threads, steps) of the next call of up to ``steps`` steps: one step of the count
-        that is due a probe (or not measured yet: :data:`FIRST_STEPS` calls of one step), else
-        steps on the best count, as many as fit before the next probe is due."""
+        that is due a probe (or not measured yet, one thread first: :data:`FIRST_STEPS` calls
+        of one step each after a warm-up call), else steps on the best count, as many as fit
+        before the next probe is due."""
         if self.most == 1 or not self.adapt:
             return self.most, steps
+        for count in (1, self.most):  # one thread first: cheap on a quiet machine, and on a
+            if count not in self.per_step:  # busy one it lets a collapsed first step of the
+                return count, 1  # full count end that count's first measure
         best = self.best()
         other = 1 if best == self.most else self.most
-        if best not in self.per_step:
-            return best, 1
-        if other not in self.per_step:
-            return other, 1
         left = PROBE_RATIO * self.per_step[other] - self.since_probe
         if left <= 0:
             return other, 1
@@ -82,7 +87,8 @@ class ThreadTuner:
         if old is None:  # the first measure: the fastest of its first FIRST_STEPS steps
             got = self.first.setdefault(threads, [])
             got.extend([t] * min(steps, FIRST_STEPS))
-            if len(got) >= FIRST_STEPS:
+            others = [v for k, v in self.per_step.items() if k != threads]
+            if len(got) >= FIRST_STEPS or (others and t > COLLAPSED * min(others)):
                 self.per_step[threads] = min(got)
                 self.since_probe = 0.0
         elif threads != self.best():  # a probe: its time replaces the stale one

@@ -330,6 +330,51 @@ def test_a_request_arriving_during_a_prefill_starts_in_the_same_step():
         engine.close()
 
 
+def test_requests_arriving_together_share_a_prefix_only_one_row_holds():
+    """A system prompt is cached in one free row; two requests that start with it arrive
+    together: the first takes that row, the second copies the prefix from the first's row before
+    their one shared prefill, and both get the tokens they get alone."""
+    m = _model(max_seq_len=96)
+    rng = np.random.default_rng(10)
+    system = rng.integers(0, 37, 20).tolist()
+    engine = Engine(m, max_batch=3)
+    try:
+        engine.generate(system + [1, 2], max_tokens=3)
+        jobs = [system + rng.integers(0, 37, k).tolist() for k in (4, 6)]
+        prefills = engine.batch.prefills
+        with engine._cv:
+            reqs = [engine.submit(p, max_tokens=5) for p in jobs]
+        for r, p in zip(reqs, jobs):
+            assert list(r.events(timeout=60))[-1] == ("done", "length")
+            assert r.cached_tokens >= len(system)
+            assert r.tokens == generate(m, p, max_new_tokens=5)
+        assert engine.batch.prefills - prefills == 1
+    finally:
+        engine.close()
+
+
+def test_one_step_admits_at_most_max_batch_requests():
+    """Requests that end at admission (max_tokens 1) free their rows at once; however many keep
+    arriving while a step admits, the step takes at most max_batch of them and returns."""
+    from minillama.core.sampling import SamplingParams
+    from minillama.infer.engine import Request
+
+    m = _model()
+    engine = Engine(m, max_batch=3)
+    calls = []
+
+    def req():
+        return Request(engine, [1, 2, 3], 1, SamplingParams(), set(), lambda ev: None)
+
+    def more():
+        calls.append(1)
+        return [req()]
+
+    engine.batch.step([req()], more=more)
+    assert len(calls) == 2  # 1 + 2 more: three requests admitted, then the step ends
+    assert not engine.batch.slots
+
+
 def test_extra_prefix_rows_keep_conversations_that_others_displaced():
     """One slot and two prefix rows: conversation A's row survives B and C running in the slot
     after it (the least recently used content goes first), and A's second turn reuses it."""

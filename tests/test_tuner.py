@@ -4,6 +4,8 @@ and follows a machine whose load changes; on a real model its choice never chang
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -60,6 +62,17 @@ def test_a_stalled_first_step_does_not_condemn_a_count():
     assert t.best() == 2
     # past both first measures: on 2 threads but for one-step probes
     assert ran[2 * (FIRST_STEPS + 1):].count(1) <= 200 * 0.005 / (PROBE_RATIO * 0.009) + 1
+
+
+def test_a_collapsed_first_step_ends_the_first_measure():
+    """On a machine where two threads collapse (50 times one thread's step), the first measure of
+    two threads ends after its first step instead of paying FIRST_STEPS of them."""
+    t, m = ThreadTuner(2), _Machine({2: 0.005, 1: 0.009})
+    m.per_step = {2: 0.5, 1: 0.01}
+    t.per_step[1], t.warm = 0.01, {1, 2}  # one thread measured; two threads' warm-up done
+    assert t.plan(16) == (2, 1)
+    t.record(2, 1, 0.5)
+    assert t.per_step[2] == 0.5 and t.best() == 1
 
 
 def test_busy_machine_falls_back_to_one_thread_and_back():
@@ -148,3 +161,39 @@ def test_numpy_decode_step_runs_on_the_tuned_team(monkeypatch):
         assert all(b == n for n, b in steps)  # OpenBLAS follows the team
     assert (threads.num_threads(), api[0]() if api is not None else None) == outside
     assert set(tuner.per_step) == {1, 2}
+
+
+def test_teams_in_two_threads_leave_openblas_as_it_was():
+    """Two threads enter and leave teams of different sizes, interleaved (A enters, B enters, A
+    leaves, B leaves): OpenBLAS's count is the one from before both, not a team's."""
+    from minillama.backends.numpy import threads
+
+    api = threads.openblas_api()
+    if api is None:
+        pytest.skip("OpenBLAS not found")
+    before = api[0]()
+    a_in, b_in, a_out = (threading.Event() for _ in range(3))
+
+    def a():
+        with threads.team(1):
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def b():
+        a_in.wait(10)
+        with threads.team(before + 1):
+            b_in.set()
+            a_out.wait(10)
+
+    ts = [threading.Thread(target=f) for f in (a, b)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(20)
+    assert api[0]() == before
+    with threads.team(1):
+        with threads.team(2):
+            assert threads.num_threads() == 2
+        assert threads.num_threads() == 1 and api[0]() == 1  # the outer team's size again
+    assert api[0]() == before

@@ -278,14 +278,16 @@ class FusedDecode(DecodePlans):
 
     @property
     def tuner(self) -> ThreadTuner:
-        """The thread count of one sequence's decode steps, by measured speed (:mod:`..tuner`)."""
+        """The thread count of one sequence's decode steps, by measured speed
+        (:mod:`minillama.backends.tuner`)."""
         if getattr(self, "_tuner", None) is None:
             self._tuner = ThreadTuner(self.num_threads)
         return self._tuner
 
     def rows_tuner(self, B: int) -> ThreadTuner:
-        """The thread count of the steps of B > 1 sequences, one :mod:`..tuner` per B
-        (a step's time grows with B, so each batch size is measured on its own)."""
+        """The thread count of the steps of B > 1 sequences, one
+        :mod:`minillama.backends.tuner` per B (a step's time grows with B, so each batch size is
+        measured on its own)."""
         tuners = self.__dict__.setdefault("_rows_tuners", {})
         if B not in tuners:
             tuners[B] = ThreadTuner(self.num_threads)

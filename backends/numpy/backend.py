@@ -495,7 +495,8 @@ class NumpyBackend(LoRAOps, ReferenceBackend):
 
     def decode_threads(self, B: int):
         """One cached decode step of B sequences on the thread count measured faster for B
-        (every thread, or one when other processes take the cores: :mod:`..tuner`)."""
+        (every thread, or one when other processes take the cores:
+        :mod:`minillama.backends.tuner`)."""
         tuner = self._step_tuners.get(B)
         if tuner is None:
             tuner = self._step_tuners[B] = ThreadTuner(num_threads())

@@ -188,23 +188,37 @@ class single_threaded_blas:  # used like a function: ``with single_threaded_blas
         return False
 
 
+_teams = {"active": 0, "blas": None}  # teams running in any thread; OpenBLAS's count before
+_teams_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def team(n: int):
     """Run the block's NumPy ops on ``n`` threads: the row threads of :func:`parallel_rows` (for
-    the calling thread) and OpenBLAS's pool, both restored after. The thread tuner of the decode
+    the calling thread) and OpenBLAS's pool (one setting for the process: a team inside another
+    in the same thread gives it back to the outer one's size on leaving, and the last team to
+    leave in any thread to the count from before the first). The thread tuner of the decode
     steps (:mod:`minillama.backends.tuner`) sets it per step."""
     before = getattr(_team, "size", None)
     api = openblas_api()
-    blas = api[0]() if api is not None else None
-    _team.size = max(int(n), 1)
-    if api is not None and blas != _team.size:
-        api[1](_team.size)
+    size = max(int(n), 1)
+    with _teams_lock:
+        if _teams["active"] == 0 and api is not None:
+            _teams["blas"] = api[0]()
+        _teams["active"] += 1
+        if api is not None and api[0]() != size:
+            api[1](size)
+    _team.size = size
     try:
         yield
     finally:
         _team.size = before
-        if api is not None and blas != api[0]():
-            api[1](blas)
+        with _teams_lock:
+            _teams["active"] -= 1
+            back = before if before is not None else (
+                _teams["blas"] if _teams["active"] == 0 else None)
+            if api is not None and back is not None and api[0]() != back:
+                api[1](back)
 
 
 class _NoOp:

@@ -162,11 +162,18 @@ class Admission:
         self._compact()
 
     def _best(self, r, warm: list) -> tuple[int, int]:
-        """(row, c) of :meth:`PrefixRows.best` for ``r`` among the rows not running and not
-        taken by the ``warm`` requests placed before it; (-1, 0) without prefix reuse."""
+        """(row, c) of :meth:`PrefixRows.best` for ``r`` among the free rows and the running
+        ones, and the rows of the ``warm`` requests placed before it (row n + j holds the K/V of
+        the first c_j ids of its prompt); (-1, 0) without prefix reuse."""
         if not self.reuse:
             return -1, 0
-        return self.rows.best(r.prompt_array, len(self._slots) + len(warm), self._slots)
+        n, cap = len(self._slots), len(r.prompt_ids) - 1
+        row, c = self.rows.best(r.prompt_array, n + len(warm), self._slots)
+        for j, (q, cq) in enumerate(warm):
+            cj = min(common_prefix(q.prompt_array, r.prompt_array), cq, cap)
+            if cj > c:
+                row, c = n + j, cj
+        return row, c
 
     def _fits(self, group: list) -> bool:
         """Whether the (request, c) of ``group`` can share one padded prefill: the padding stays
@@ -247,14 +254,14 @@ class SlotBatch(Admission):
     free rows (reusing cached prefixes), runs one batched decode step over all of them, samples
     and hands over each one's token, and keeps the running requests in rows 0..n-1."""
 
-    #: the fewest cached prompt tokens worth a prefill of its own (below this a request joins
-    #: the padded prefill of the others arriving with it)
+    #: the fewest cached prompt tokens worth reusing (below this a request joins the padded
+    #: prefill from position 0 of the others arriving with it)
     min_reuse = 8
 
     def __init__(self, model, max_batch: int, S: int, prefill_tokens: int, stats,
                  extra_rows: int = 0, reuse: bool = True):
         self.model, self.S, self.prefill_tokens, self.stats = model, S, prefill_tokens, stats
-        self.reuse = reuse
+        self.reuse, self.max_batch = reuse, max_batch
         self.cache = model.new_cache(max_batch + extra_rows, S)
         self.rows = PrefixRows(self.cache, max_batch + extra_rows)
         self._views: dict[tuple[int, int], object] = {}
@@ -273,9 +280,11 @@ class SlotBatch(Admission):
                 s.done = True
                 s.req._finish(s.req.cancel_reason)
         self._compact()
-        while new:
+        admitted = 0
+        while new:  # at most max_batch requests a step, however fast they end
             self._admit_new(new)
-            new = more() if more is not None else []
+            admitted += len(new)
+            new = more() if more is not None and admitted < self.max_batch else []
         if self._slots:
             self._decode()
             self._compact()
