@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 
 from minillama.cli import main as cli
@@ -70,6 +71,25 @@ def test_warm_up_says_it_compiles_only_on_a_compiling_backend(ckpt):
     assert dt > 0
     assert said[0] == "numba: compiling kernels (once, cached) ..."
     assert said[1].startswith(" done in ") and said[1].endswith(" s\n")
+
+
+def test_warm_up_runs_the_prefill_kernels_when_it_compiled(ckpt, monkeypatch):
+    """A warm-up that compiled (here: longer than note_after = 0) also runs a 64-token prompt
+    (or the context, if shorter) and two padded rows at their own positions, so the first long
+    prompt does not compile; one that loaded cached kernels (note_after large) runs neither."""
+    pytest.importorskip("numba")
+    model, tok = load_model(ckpt, backend="numba")
+    shapes = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda ids, *a, **k: (
+        shapes.append(np.shape(ids)), forward(ids, *a, **k))[1])
+    warm_up(model, tok.encode("x", bos=True), SamplingParams(), note_after=1e9, say=lambda t: 0)
+    assert all(s[1] <= 8 for s in shapes)
+    shapes.clear()
+    warm_up(model, tok.encode("x", bos=True), SamplingParams(), note_after=0.0, say=lambda t: 0)
+    T = min(64, model.cfg.max_seq_len)
+    assert (1, T) in shapes
+    assert ((2, 12) in shapes) == (model.cfg.max_seq_len >= 270)
 
 
 def test_generate_on_numba_says_compiling_on_stderr(ckpt, capsys, monkeypatch):
