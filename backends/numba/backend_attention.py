@@ -115,7 +115,7 @@ class AttentionOps:
         if dt not in _FLOATS:
             return ops.attention_forward(q, k, v, start_pos)
         q, k, v = (a if a.dtype == dt else a.astype(dt) for a in (q, k, v))
-        starts = np.ascontiguousarray(
+        starts = np.array(  # a writable copy: one array type for the kernels
             np.broadcast_to(np.asarray(start_pos, dtype=np.int64).reshape(-1), (B,)))
         if starts.min(initial=0) < 0:
             raise MinillamaError(f"attention start positions must be >= 0, got {start_pos}")

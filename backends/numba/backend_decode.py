@@ -229,7 +229,7 @@ class FusedDecode(DecodePlans):
             lo = hi = int(start_pos)
             pos = np.full(B, lo, dtype=np.int64)
         else:
-            pos = np.ascontiguousarray(
+            pos = np.array(  # a writable copy: one array type for the kernels
                 np.broadcast_to(np.asarray(start_pos, dtype=np.int64).reshape(-1), (B,)))
             lo, hi = int(pos.min()), int(pos.max())
         if lo < 0 or hi >= model.cfg.max_seq_len:

@@ -337,17 +337,31 @@ COMPILING_BACKENDS = ("numba", "cupy")
 
 
 def warm_prefill(model) -> None:
-    """Run the prefill's kernels once on scratch caches: a prompt of 64 tokens (attention by
-    tiles, products and row ops of many rows split over threads) and two rows of 12 tokens at
-    their own positions deep in a cache (the mid-length attention, split over threads), as a
-    long prompt and a server's padded prefills reach them."""
+    """Run the kernels of prompts and batches once, on scratch caches longer than what is
+    written (so attention reads a view of them, as in use): prompts of 8 and 64 tokens (the
+    latter: attention by tiles, products and row ops of many rows split over threads), four
+    rows of 64 tokens, two short rows, two rows of 12 tokens at their own positions deep in a
+    cache (the mid-length attention, split over threads) and one decode step of those two rows,
+    as prompts and a server's batches reach them."""
     S, V = model.cfg.max_seq_len, model.cfg.vocab_size
     ids = np.arange(1, 65, dtype=np.int64) % V
-    T = min(64, S)
-    model.forward(ids[None, :T], 0, model.new_cache(1, T), last_only=True)
-    if S >= 270:
-        model.forward(np.stack([ids[:12], ids[12:24]]), np.array([258, 250]),
-                      model.new_cache(2, 270), output_index=np.array([11, 11]))
+    T = min(64, S - 1)
+    if T < 2:
+        return
+    for t in sorted({min(8, T), T}):  # a short prompt (attention in one thread) and a long one
+        model.forward(ids[None, :t], 0, model.new_cache(1, t + 1), last_only=True)
+    # four long rows together (the row ops over threads, as a server's padded prefill has them)
+    model.forward(np.tile(ids[:T], (4, 1)), 0, model.new_cache(4, T + 1), last_only=True)
+    t = min(8, T - 1)  # two short rows (one thread; with B > 1 the keys are a strided view)
+    model.forward(np.stack([ids[:t], ids[8:8 + t]]), np.array([1, 0]),
+                  model.new_cache(2, t + 2), output_index=np.array([t - 1, t - 1]))
+    n = min(S, 280)
+    deep = np.array([n - 22, n - 30]) if n >= 64 else np.array([1, 0])
+    cache = model.new_cache(2, n)
+    if deep[0] + 12 < n:
+        model.forward(np.stack([ids[:12], ids[12:24]]), deep, cache,
+                      output_index=np.array([11, 11]))
+    model.forward(ids[:2, None], deep + 12 if deep[0] + 13 < n else deep, cache, last_only=True)
 
 
 def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = None,
