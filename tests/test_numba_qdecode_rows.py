@@ -20,7 +20,7 @@ import pytest
 from minillama.backends import get_backend
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
-from minillama.core.quant import QUANT_TYPES, QuantMatrix
+from minillama.core.quant import QUANT_TYPES
 from minillama.infer.engine import Engine
 from minillama.infer.generate import generate
 from minillama.model.transformer import Transformer, init_params
@@ -30,20 +30,11 @@ try:
 except MinillamaError as e:  # pragma: no cover - numba missing
     pytest.skip(f"numba backend unavailable: {e}", allow_module_level=True)
 
+from test_numba_quant import random_matrix  # noqa: E402
+
 from minillama.backends.numba import qdecode  # noqa: E402
 
 TOL = {"float": 1e-4, "int8": 2e-3}
-
-
-def random_matrix(qtype, N, K, rng):
-    """Random valid blocks: random bytes, every fp16 scale field a finite value of modest size."""
-    per, size = QUANT_TYPES[qtype].block_elems, QUANT_TYPES[qtype].block_bytes
-    nb = K // per
-    data = rng.integers(0, 256, size=(N, nb, size), dtype=np.uint8)
-    for o in QUANT_TYPES[qtype].scale_fields:
-        h = rng.uniform(-0.05, 0.05, size=(N, nb)).astype(np.float16)
-        data[:, :, o:o + 2] = h.view(np.uint8).reshape(N, nb, 2)
-    return QuantMatrix(qtype, (N, K), data.reshape(N, nb * size))
 
 
 def quant_model(types_, seed=0, quant_emb=True, n_kv_heads=2, max_seq_len=40):
