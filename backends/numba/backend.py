@@ -55,7 +55,6 @@ from ..reference import (
     composed_linear_cross_entropy_backward,
     composed_linear_cross_entropy_forward,
 )
-from ..tuner import ThreadTuner
 from .backend_attention import AttentionOps
 from .backend_decode import FusedDecode
 from .backend_rows import RowOps
@@ -118,13 +117,10 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
         with self._numba_team(threads), super()._team(threads):
             yield
 
-    def decode_threads(self, B: int):
-        """The per-op decode step's thread count by measured speed, as on numpy, with Numba's
-        team in the choice (the fused step, :meth:`decode_step`, has its own tuners)."""
-        tuner = self._step_tuners.get(B)
-        if tuner is None:
-            tuner = self._step_tuners[B] = ThreadTuner(self.num_threads)
-        return tuner.step(self._team)
+    def _most_threads(self) -> int:
+        """The full thread count of a per-op decode step (Numba's team; see
+        :meth:`NumpyBackend.decode_threads`, which numba's :meth:`_team` makes set all pools)."""
+        return self.num_threads
 
     def _parallel(self, work: int) -> bool:
         return work >= PARALLEL_MIN_WORK and self.num_threads > 1

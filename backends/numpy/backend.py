@@ -499,8 +499,12 @@ class NumpyBackend(LoRAOps, ReferenceBackend):
         :mod:`minillama.backends.tuner`)."""
         tuner = self._step_tuners.get(B)
         if tuner is None:
-            tuner = self._step_tuners[B] = ThreadTuner(num_threads())
+            tuner = self._step_tuners[B] = ThreadTuner(self._most_threads())
         return tuner.step(self._team)
+
+    def _most_threads(self) -> int:
+        """The full thread count a decode step may run on (the row threads')."""
+        return num_threads()
 
     #: out = a b for the linear layers' GEMMs (2-D a, b, out); the numba backend overrides it
     _gemm = staticmethod(split_gemm)

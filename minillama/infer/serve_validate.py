@@ -24,7 +24,6 @@ from minillama.infer.engine import MAX_TOP_LOGPROBS
 
 #: the roles a chat message may have
 ROLES = ("system", "developer", "user", "assistant", "tool")
-#: the most alternatives per token a request may ask log-probabilities for
 #: the largest request body read (bytes)
 MAX_BODY = 8 << 20
 
