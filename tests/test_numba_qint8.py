@@ -10,7 +10,8 @@ Two bounds, per output entry, for y = W x with x^ the rounded activations (x^_k 
   x_k 127 / max|x|), so |y - W x| <= 1/2 \sum_b d_b \sum_{k in b} |w_k| + 4 (K + 2) u
   \sum_k |w_k| (|x_k| + d_b).
 
-Both kernel builds are checked where the host allows: VNNI (``vpdpbusd``) and the portable IR.
+Both kernel builds are checked where the host allows: VNNI (``vpdpbusd``, and GFNI's
+``vgf2p8affineqb`` for the nibbles where the host has it) and the portable IR.
 """
 
 from __future__ import annotations

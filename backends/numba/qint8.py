@@ -42,6 +42,7 @@ from .qsimd import (
     _at,
     _const,
     _fma,
+    _fn,
     _half,
     _kscales,
     _load,
@@ -63,6 +64,9 @@ def _host_features() -> str:
 _FEATS = _host_features()
 #: unsigned-by-signed byte dots by ``vpdpbusd`` (zmm); else the portable IR
 VNNI = "+avx512vnni" in _FEATS and "+avx512bw" in _FEATS
+#: per-byte affine maps by ``vgf2p8affineqb`` (zmm) unpack nibbles in the VNNI build (else a
+#: select)
+GFNI = "+gfni" in _FEATS and "+avx512bw" in _FEATS
 #: LLVM 21 on takes the byte operands of the VNNI intrinsics as byte vectors (before: i32 lanes)
 _VNNI_BYTES = binding.llvm_version_info[0] >= 21
 
@@ -149,6 +153,34 @@ def _nib32(builder, blk, off):
     return _cat(builder, _and(builder, a, 15), _shr(builder, a, 4))
 
 
+def _affine_rows(f):
+    """The GF(2) 8x8 matrix of a byte map (result bit i = input bit j where f(i, j)) as the 8
+    bytes of a ``vgf2p8affineqb`` qword (byte 7 - i holds row i), signed."""
+    q = sum(sum(1 << j for j in range(8) if f(i, j)) << (8 * (7 - i)) for i in range(8))
+    return [((q >> (8 * b)) & 255) - (256 if (q >> (8 * b)) & 128 else 0) for b in range(8)]
+
+
+#: the low nibble and the high nibble of a byte as affine maps
+_LOW4 = _affine_rows(lambda i, j: i < 4 and j == i)
+_HIGH4 = _affine_rows(lambda i, j: i < 4 and j == i + 4)
+
+
+def _nib64(builder, p0, p1, gfni):
+    """The 4-bit codes of the 16 bytes at p0 and the 16 at p1 as <64 x i8>: low nibbles of p0,
+    high of p0, low of p1, high of p1. The 16 bytes of each run are loaded twice into adjacent
+    lanes, and one per-lane affine map (``gfni``: ``vgf2p8affineqb``) or a select of a mask and
+    a shift keeps the nibble each lane wants, so no lane shuffles the unpacked halves."""
+    v = builder.shuffle_vector(_b(builder, p0, 0, 16), _b(builder, p1, 0, 16),
+                               _const(_I32, 64, [k % 16 + 16 * (k >= 32) for k in range(64)]))
+    if gfni:
+        t = _vec(_I8, 64)
+        fn = _fn(builder, "llvm.x86.vgf2p8affineqb.512", t, [t, t, _I8])
+        rows = [b for k in range(8) for b in (_LOW4 if k % 4 < 2 else _HIGH4)]
+        return builder.call(fn, [v, ir.Constant(t, rows), ir.Constant(_I8, 0)])
+    low = _const(ir.IntType(1), 64, [(k // 16) % 2 == 0 for k in range(64)])
+    return builder.select(low, _and(builder, v, 15), _shr(builder, v, 4))
+
+
 def _qh_bits(builder, blk, off):
     """Bit l of the little-endian u32 at blk + off for l = 0..31, shifted to 16, <32 x i8>."""
     a = _shuf(builder, _b(builder, blk, off, 4), [k // 8 for k in range(32)])
@@ -175,6 +207,35 @@ def _block32(qt, builder, blk):
     return u, d, _half(builder, blk, 2)
 
 
+def _pair32(qt, builder, blk0, gfni):
+    """Blocks blk0 and the next as (u <64 x i8>, A <2 x float>, M <2 x float>): the codes of
+    :func:`_block32` of each, the nibbles unpacked by :func:`_nib64` (``gfni``: by GFNI)."""
+    size = BY_ID[qt].block_bytes
+    if qt == Q8_0:
+        (u0, a0, m0), (u1, a1, m1) = (_block32(qt, builder, builder.add(blk0, ir.Constant(
+            _I64, size * j))) for j in range(2))
+        u = _cat(builder, u0, u1)
+    else:
+        at = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8}[qt]
+        u = _nib64(builder, builder.add(blk0, ir.Constant(_I64, at)),
+                   builder.add(blk0, ir.Constant(_I64, size + at)), gfni)
+        if qt in (Q5_0, Q5_1):
+            off = 2 if qt == Q5_0 else 4
+            u = builder.or_(u, _cat(builder, _qh_bits(builder, blk0, off),
+                                    _qh_bits(builder, blk0, size + off)))
+        a0, a1 = _half(builder, blk0, 0), _half(builder, blk0, size)
+        if qt in (Q4_1, Q5_1):
+            m0, m1 = _half(builder, blk0, 2), _half(builder, blk0, size + 2)
+        else:
+            o = ir.Constant(_F32, -8.0 if qt == Q4_0 else -16.0)
+            m0, m1 = builder.fmul(a0, o), builder.fmul(a1, o)
+
+    def two(v0, v1):
+        return builder.insert_element(_splat(builder, v0, 2), v1, ir.Constant(_I32, 1))
+
+    return u, two(a0, a1), two(m0, m1)
+
+
 def _rows32(qt, vnni):
     size = BY_ID[qt].block_bytes
 
@@ -190,14 +251,10 @@ def _rows32(qt, vnni):
 
         with cgutils.for_range(builder, npair) as loop:  # blocks 2i, 2i + 1
             i = loop.index
-            blk0 = at(pw, i, 2 * size)
-            u0, a0, m0 = _block32(qt, builder, blk0)
-            u1, a1, m1 = _block32(qt, builder, builder.add(blk0, ir.Constant(_I64, size)))
+            u, a, m = _pair32(qt, builder, at(pw, i, 2 * size), vnni and GFNI)
             xs = _load(builder, at(pq, i, 64), 0, _vec(_I8, 64))
-            p = builder.sitofp(_dot4(builder, _cat(builder, u0, u1), xs, vnni), _vec(_F32, 16))
+            p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 16))
             dx = _load(builder, at(pd, i, 8), 0, _vec(_F32, 2), 4)
-            a = builder.insert_element(_splat(builder, a0, 2), a1, ir.Constant(_I32, 1))
-            m = builder.insert_element(_splat(builder, m0, 2), m1, ir.Constant(_I32, 1))
             builder.store(_fma(builder, p, _shuf(builder, builder.fmul(a, dx), lanes),
                                builder.load(acc)), acc)
             sums = _load(builder, at(ps, i, 16), 0, _vec(_F32, 4), 4)
@@ -242,13 +299,8 @@ def _rows32_multi(qt, vnni, R):
 
         with cgutils.for_range(builder, npair) as loop:  # blocks 2i, 2i + 1
             i = loop.index
-            blk0 = at(pw, i, 2 * size)
-            u0, a0, m0 = _block32(qt, builder, blk0)
-            u1, a1, m1 = _block32(qt, builder, builder.add(blk0, ir.Constant(_I64, size)))
-            u = _cat(builder, u0, u1)
-            a = builder.insert_element(_splat(builder, a0, 2), a1, ir.Constant(_I32, 1))
-            m = _shuf(builder, builder.insert_element(_splat(builder, m0, 2), m1,
-                                                      ir.Constant(_I32, 1)), [0, 0, 1, 1])
+            u, a, m = _pair32(qt, builder, at(pw, i, 2 * size), vnni and GFNI)
+            m = _shuf(builder, m, [0, 0, 1, 1])
             for r in range(R):
                 xs = _load(builder, at(row(pq, sq, r), i, 64), 0, _vec(_I8, 64))
                 p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 16))
