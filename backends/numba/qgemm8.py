@@ -224,10 +224,12 @@ def pack_x(x, xt, dt, st):  # pragma: no cover - compiled
     [i, j, l, t]), dt (M16, K / 32, 16) scales, st (M16, K / 16, 16) scaled sums of 16 codes;
     rows past M are zero."""
     M, K = x.shape
+    x32 = xt.view(np.uint32)  # (M16, K / 4, 16, 1): the 4 codes of [i, j, l] as one word
     for i in prange(xt.shape[0]):
         xq = np.zeros(K, np.int8)
         xd = np.zeros(K // 32, np.float32)
         xs = np.zeros(K // 16, np.float32)
+        q32 = xq.view(np.uint32)
         for lane in range(16):
             m = 16 * i + lane
             if m < M:
@@ -236,9 +238,8 @@ def pack_x(x, xt, dt, st):  # pragma: no cover - compiled
                 xq[:] = 0
                 xd[:] = 0
                 xs[:] = 0
-            for j in range(K // 4):
-                for t in range(4):
-                    xt[i, j, lane, t] = np.uint8(xq[4 * j + t] + 128)
+            for j in range(K // 4):  # + 128 on each byte: its top bit flipped
+                x32[i, j, lane, 0] = q32[j] ^ np.uint32(0x80808080)
             for j in range(K // 32):
                 dt[i, j, lane] = xd[j]
             for j in range(K // 16):
