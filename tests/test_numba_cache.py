@@ -1,5 +1,5 @@
 """The on-disk cache of the numba backend's kernels is keyed on all of their sources at once
-(backends/numba/__init__.py): a kernel compiled into another from a sibling file (qint8's rows
+(backends/numba/_cache.py): a kernel compiled into another from a sibling file (qint8's rows
 inside qdecode's decode step) must not outlive an edit of that file in the cache."""
 
 from __future__ import annotations
@@ -41,6 +41,48 @@ def test_kernels_share_one_stamp_over_every_source_of_the_folder():
     own = FunctionCache(njit(elsewhere).py_func)._impl.locator
     assert not getattr(own, "minillama_stamped", False)
     assert own.get_source_stamp() != step.get_source_stamp()
+
+
+def test_every_cached_kernel_of_the_folder_is_stamped():
+    """Each module that compiles kernels imports the stamp before its first @njit: every cached
+    dispatcher of every module in backends/numba has a stamped locator."""
+    import importlib
+    import pkgutil
+
+    from numba.core.dispatcher import Dispatcher
+
+    import minillama.backends.numba as pkg
+
+    seen = 0
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        m = importlib.import_module(f"{pkg.__name__}.{mod.name}")
+        for name, obj in vars(m).items():
+            if isinstance(obj, Dispatcher) and obj.__module__ == m.__name__ and obj._cache:
+                impl = getattr(obj._cache, "_impl", None)
+                if impl is None:  # a dispatcher without caching
+                    continue
+                assert getattr(impl.locator, "minillama_stamped", False), f"{mod.name}.{name}"
+                seen += 1
+    assert seen > 50
+
+
+def test_every_kernel_module_imports_the_stamp_at_its_top():
+    """Read statically (in one process the first module's import installs the stamp for all):
+    a module with an ``@njit`` imports ``_cache`` at module level."""
+    import ast
+
+    from minillama.backends.numba import qint8
+
+    folder = os.path.dirname(os.path.abspath(qint8.__file__))
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py") or name == "_cache.py":
+            continue
+        tree = ast.parse(open(os.path.join(folder, name), encoding="utf-8").read())
+        jits = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and any(
+            "njit" in ast.unparse(d) for d in n.decorator_list)]
+        stamped = any(isinstance(n, ast.ImportFrom) and n.level == 1 and n.module is None
+                      and any(a.name == "_cache" for a in n.names) for n in tree.body)
+        assert stamped or not jits, f"{name} compiles kernels without importing ._cache"
 
 
 def test_numba_cache_dir_still_chooses_where_kernels_are_cached(tmp_path, monkeypatch):

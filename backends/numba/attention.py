@@ -18,6 +18,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 from .fastmath import JIT_OPTS, fexp, rowmax
 
 #: query positions per tile of the attention kernels (each brings its G heads: BR*G rows)

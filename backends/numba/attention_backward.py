@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 from .attention import BC, BR, axpy_rows, scores
 from .fastmath import JIT_OPTS, fexp
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 from .fastmath import fexp
 
 #: output rows of W per tile of :func:`_tile` and per parallel iteration of :func:`decode_step`

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 from .decode import _argmax_finite, _attend_span, _join_spans, _pick, _rmsnorm_rows, _rope_store
 from .qint8 import ROWS, idot, idot_rows, int8_enabled, quantize_row
 from .qtypes import Q2_K, Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0

@@ -30,6 +30,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 from .qint8 import _OFFSET, _TYPES32, _TYPESK, VNNI, _b, _block32, _dot4, _kchunk, quantize_row
 from .qsimd import _F32, _I8, _I32, _I64, _at, _fma, _half, _kscales, _load, _splat, _vec
 from .qtypes import BY_ID, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0

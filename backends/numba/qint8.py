@@ -34,6 +34,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 from .qsimd import (
     _F32,
     _I8,

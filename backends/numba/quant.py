@@ -34,7 +34,11 @@ from minillama.core.errors import MinillamaError
 from minillama.core.quant import IQ4_GRID, QUANT_TYPES, QuantMatrix
 
 from ..numpy import threads as cpu_threads
-from . import blas, qsimd
+from . import (
+    _cache,  # noqa: F401  (the kernels' cache stamp, before any @njit)
+    blas,
+    qsimd,
+)
 from .qtypes import (
     IQ4_NL,
     IQ4_NL_BYTES,
