@@ -68,7 +68,7 @@ def test_every_cached_kernel_of_the_folder_is_stamped():
 
 def test_every_kernel_module_imports_the_stamp_at_its_top():
     """Read statically (in one process the first module's import installs the stamp for all):
-    a module with an ``@njit`` imports ``_cache`` at module level."""
+    a module with an ``@njit`` imports ``_cache`` at module level, above its first one."""
     import ast
 
     from minillama.backends.numba import qint8
@@ -80,9 +80,11 @@ def test_every_kernel_module_imports_the_stamp_at_its_top():
         tree = ast.parse(open(os.path.join(folder, name), encoding="utf-8").read())
         jits = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and any(
             "njit" in ast.unparse(d) for d in n.decorator_list)]
-        stamped = any(isinstance(n, ast.ImportFrom) and n.level == 1 and n.module is None
-                      and any(a.name == "_cache" for a in n.names) for n in tree.body)
-        assert stamped or not jits, f"{name} compiles kernels without importing ._cache"
+        stamps = [n.lineno for n in tree.body if isinstance(n, ast.ImportFrom) and n.level == 1
+                  and n.module is None and any(a.name == "_cache" for a in n.names)]
+        if jits:
+            assert stamps, f"{name} compiles kernels without importing ._cache"
+            assert stamps[0] < min(n.lineno for n in jits), f"{name}: ._cache after an @njit"
 
 
 def test_numba_cache_dir_still_chooses_where_kernels_are_cached(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import sys
 
 
 def stamp_kernel_caches() -> None:
@@ -19,25 +20,47 @@ def stamp_kernel_caches() -> None:
     sibling files (the row kernels of ``qint8`` compiled into the decode step of ``qdecode``): an
     edit to ``qint8`` alone would leave ``qdecode``'s cached step running the old rows. The
     locators below give every kernel of this folder one stamp, the hash of its ``.py`` files and
-    of ``minillama/core/quant.py`` (tables baked into the IR), so any edit recompiles them all."""
+    of ``minillama/core/quant.py`` (tables baked into the IR), so any edit recompiles them all.
+    (``NUMBA_CACHE_LOCATOR_CLASSES``, which replaces Numba's list of locators, turns it off.)"""
     try:
         from numba.core import caching
         mixin, classes = caching._SourceFileBackedLocatorMixin, caching.CacheImpl._locator_classes
     except (ImportError, AttributeError):  # no Numba, or one without the hook: its own stamps
         return
-    if any(getattr(k, "minillama_stamped", False) for k in classes):
-        return
+    if getattr(sys, "frozen", False) or any(getattr(k, "minillama_stamped", False)
+                                            for k in classes):
+        return  # a frozen app (Numba stamps it by its executable), or done already
     here = os.path.dirname(os.path.abspath(__file__))
-    files = sorted(os.path.join(here, f) for f in os.listdir(here) if f.endswith(".py"))
+    try:
+        names = sorted(f for f in os.listdir(here) if f.endswith(".py"))
+    except OSError:  # not a folder on disk (a zip): Numba's own stamps
+        return
+    if not names:
+        return
+    files = [os.path.join(here, f) for f in names]
     files.append(os.path.join(here, "..", "..", "minillama", "core", "quant.py"))
     if not os.path.exists(files[-1]):  # installed: minillama.backends beside minillama.core
         files[-1] = os.path.join(here, "..", "..", "core", "quant.py")
-    digest = hashlib.sha256()
-    for path in files:
-        with contextlib.suppress(OSError):
-            with open(path, "rb") as f:
-                digest.update(os.path.basename(path).encode() + b"\0" + f.read())
-    stamp = digest.digest()
+    memo = {}
+
+    def stamp():
+        """The hash of the sources, recomputed when one changes size or time (a long-lived
+        process that edits and reloads a kernel module gets a fresh stamp)."""
+        key = []
+        for path in files:
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+                key.append((path, st.st_mtime_ns, st.st_size))
+        key = tuple(key)
+        if key not in memo:
+            digest = hashlib.sha256()
+            for path in files:
+                with contextlib.suppress(OSError):
+                    with open(path, "rb") as f:
+                        digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+            memo.clear()
+            memo[key] = digest.digest()
+        return memo[key]
 
     def stamped(base):
         """``base`` (a locator backed by the source file: NUMBA_CACHE_DIR's, the in-tree
@@ -47,7 +70,7 @@ def stamp_kernel_caches() -> None:
             minillama_stamped = True
 
             def get_source_stamp(self):
-                return stamp
+                return stamp()
 
             @classmethod
             def from_function(cls, py_func, py_file):
