@@ -192,44 +192,41 @@ def _qh_bits(builder, blk, off):
 # blocks of 32: (u <32 x i8>, A, M) with M = -(o A + B) as float scalars
 
 
+#: byte offsets in a block of 32 of its nibbles and (Q5) of its 32 fifth bits
+_NIBBLES_AT = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8}
+_HIGH_BITS_AT = {Q5_0: 2, Q5_1: 4}
+
+
 def _block32(qt, builder, blk):
     d = _half(builder, blk, 0)
     if qt == Q8_0:
         u = builder.xor(_b(builder, blk, 2, 32), _const(_I8, 32, 128 - 256))
         return u, d, builder.fmul(d, ir.Constant(_F32, -128.0))
-    if qt == Q4_0:
-        return _nib32(builder, blk, 2), d, builder.fmul(d, ir.Constant(_F32, -8.0))
-    if qt == Q4_1:  # w = d q + m
-        return _nib32(builder, blk, 4), d, _half(builder, blk, 2)
-    if qt == Q5_0:
-        u = builder.or_(_nib32(builder, blk, 6), _qh_bits(builder, blk, 2))
-        return u, d, builder.fmul(d, ir.Constant(_F32, -16.0))
-    u = builder.or_(_nib32(builder, blk, 8), _qh_bits(builder, blk, 4))  # Q5_1
-    return u, d, _half(builder, blk, 2)
+    u = _nib32(builder, blk, _NIBBLES_AT[qt])
+    if qt in _HIGH_BITS_AT:
+        u = builder.or_(u, _qh_bits(builder, blk, _HIGH_BITS_AT[qt]))
+    if qt in (Q4_1, Q5_1):  # w = d q + m
+        return u, d, _half(builder, blk, 2)
+    return u, d, builder.fmul(d, ir.Constant(_F32, -8.0 if qt == Q4_0 else -16.0))
 
 
 def _pair32(qt, builder, blk0, gfni):
-    """Blocks blk0 and the next as (u <64 x i8>, A <2 x float>, M <2 x float>): the codes of
-    :func:`_block32` of each, the nibbles unpacked by :func:`_nib64` (``gfni``: by GFNI)."""
+    """Blocks blk0 and the next as (u <64 x i8>, A <2 x float>, M <2 x float>): those of
+    :func:`_block32`, with the nibbles of both unpacked at once by :func:`_nib64` (``gfni``: by
+    GFNI; the codes :func:`_block32` builds are then unused and dropped by LLVM)."""
     size = BY_ID[qt].block_bytes
+    (u0, a0, m0), (u1, a1, m1) = (_block32(qt, builder, builder.add(blk0, ir.Constant(
+        _I64, size * j))) for j in range(2))
     if qt == Q8_0:
-        (u0, a0, m0), (u1, a1, m1) = (_block32(qt, builder, builder.add(blk0, ir.Constant(
-            _I64, size * j))) for j in range(2))
         u = _cat(builder, u0, u1)
     else:
-        at = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8}[qt]
+        at = _NIBBLES_AT[qt]
         u = _nib64(builder, builder.add(blk0, ir.Constant(_I64, at)),
                    builder.add(blk0, ir.Constant(_I64, size + at)), gfni)
-        if qt in (Q5_0, Q5_1):
-            off = 2 if qt == Q5_0 else 4
+        if qt in _HIGH_BITS_AT:
+            off = _HIGH_BITS_AT[qt]
             u = builder.or_(u, _cat(builder, _qh_bits(builder, blk0, off),
                                     _qh_bits(builder, blk0, size + off)))
-        a0, a1 = _half(builder, blk0, 0), _half(builder, blk0, size)
-        if qt in (Q4_1, Q5_1):
-            m0, m1 = _half(builder, blk0, 2), _half(builder, blk0, size + 2)
-        else:
-            o = ir.Constant(_F32, -8.0 if qt == Q4_0 else -16.0)
-            m0, m1 = builder.fmul(a0, o), builder.fmul(a1, o)
 
     def two(v0, v1):
         return builder.insert_element(_splat(builder, v0, 2), v1, ir.Constant(_I32, 1))
