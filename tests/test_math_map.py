@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from minillama.cli.mathmap import citations
+from minillama.cli.mathmap import citations, sections
 from minillama.core import ops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,3 +146,167 @@ def test_math_md_has_no_control_characters():
     bad = [(n, line[:40]) for n, line in enumerate(text.splitlines(), 1)
            if re.search(r"[\x00-\x08\x0b-\x1f]|\t", line)]
     assert not bad, bad
+
+
+# ---------------------------------------------------------------------------------------------
+# what the text says about the code, held against the code
+# ---------------------------------------------------------------------------------------------
+U64 = float(np.finfo(np.float64).eps) / 2  # unit roundoff of float64
+
+
+def math_section(number: str) -> str:
+    """The text of MATH.md's section ``number`` ("4", "9b", "19.1"), heading included."""
+    for sec in sections(MATH):
+        if re.match(rf"#+ {re.escape(number)}[. ]", sec.heading):
+            return sec.text()
+    raise AssertionError(f"docs/MATH.md has no section {number}")
+
+
+def test_rope_backward_is_the_transpose_not_the_inverse_with_yarn():
+    """With YaRN the tables carry the attention factor a (> 1), so RoPE is a R and its gradient
+    a R^T: the adjoint identity <f(x), dy> = <x, f'(dy)> holds, and f'(f(x)) = a^2 x, not x."""
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    hd, T = 16, 12
+    cos, sin = ops.rope_tables(hd, T, dtype=np.float64, scaling=scaling)
+    a = ops.rope_frequencies(hd, scaling=scaling)[1]
+    assert a == pytest.approx(0.1 * np.log(4.0) + 1) and a > 1.1
+    rng = np.random.default_rng(0)
+    x, dy = rng.standard_normal((2, 2, T, 3, hd))
+    y, ctx = ops.rope_forward(x, cos, sin)
+    dx = ops.rope_backward(dy, ctx)
+    n = x.size  # terms of each inner product; each term a few roundings deep
+    bound = (n + 8) * U64 * (np.sum(np.abs(y * dy)) + np.sum(np.abs(x * dx)))
+    assert abs(np.sum(y * dy) - np.sum(x * dx)) <= bound
+    back = ops.rope_backward(y, ctx)  # a^2 x: the transpose, not the inverse rotation
+    pair = np.abs(x[..., 0::2]) + np.abs(x[..., 1::2])  # each entry mixes its pair's two
+    tol = np.repeat(8 * U64 * a * a * pair, 2, axis=-1)  # values: a few roundings of each
+    assert np.all(np.abs(back - a * a * x) <= tol)
+    assert np.max(np.abs(back - x)) > 0.1 * np.max(np.abs(x))
+    text = math_section("4")
+    assert r"a\,R(\varphi_{m,i})^\top" in text and "inverse rotation only when" in text
+    assert "transpose" in inspect.getdoc(ops.rope_backward)
+
+
+def test_hf_rope_permutation_is_the_one_section_4_describes():
+    """Section 4 states the HF row order (row c hd/2 + i of HF = row 2i + c of the interleaved
+    matrix) and cites the function; that function does exactly this, head by head."""
+    from minillama.io import hf
+
+    text = math_section("4")
+    assert "`minillama/io/hf.py:hf_to_interleaved`" in text
+    H, hd, D = 3, 8, 2
+    w_hf = np.arange(H * hd * D, dtype=np.float64).reshape(H * hd, D)
+    got = hf.hf_to_interleaved(w_hf, H)
+    for h in range(H):
+        for c in (0, 1):
+            for i in range(hd // 2):
+                assert np.array_equal(got[h * hd + 2 * i + c], w_hf[h * hd + c * hd // 2 + i])
+    assert np.array_equal(hf.interleaved_to_hf(got, H), w_hf)
+
+
+def test_section_references_name_existing_sections():
+    """Every "section N" / "sections N-M" / "§N" of MATH.md names a section that exists."""
+    text = MATH.read_text(encoding="utf-8")
+    numbers = {m.group(1) for m in re.finditer(r"^#+ (\d+(?:\.\d+)?[a-z]?)[. ]", text, re.M)}
+    cited = set()
+    for m in re.finditer(r"(?:sections?|§)\s*(\d+(?:\.\d+)?[a-z]?)(?:\s*-\s*(\d+))?", text):
+        cited.add(m.group(1))
+        if m.group(2):
+            cited.add(m.group(2))
+    assert cited and not cited - numbers, f"no such sections: {sorted(cited - numbers)}"
+
+
+def test_q4_1_and_q5_1_add_their_min_in_the_text_as_in_the_code():
+    """Q4_1 and Q5_1 store d and m and decode x = d q + m (llama.cpp's sign): a block built by
+    hand decodes so, and every equation the docs give for them has + m."""
+    from minillama.core import quant
+
+    d, m = np.float16(0.5), np.float16(-3.0)
+    q = np.arange(32) % 16
+    block = np.concatenate([np.frombuffer(np.array([d, m], "<f2").tobytes(), np.uint8),
+                            (q[:16] | q[16:] << 4).astype(np.uint8)])[None]
+    assert np.array_equal(quant.dequantize_q4_1(block)[0], np.float32(d) * q + np.float32(m))
+    docs = [MATH.read_text(encoding="utf-8")]
+    kernels = ROOT / "docs" / "KERNELS.md"
+    docs += [kernels.read_text(encoding="utf-8")] if kernels.is_file() else []
+    signs = []
+    for text in docs:
+        for row in re.findall(r"^\| Q[45]_1 \|.*$", text, re.M):
+            signs += re.findall(r"d\\,q_j ([+-]) m", row)
+        for sign, types in re.findall(r"\$w = d\\,q ([+-]) m\$ \(([^)]*)", text):
+            signs += [sign] if re.search(r"Q[45]_1", types) else []
+    assert len(signs) >= 3 and set(signs) == {"+"}, signs
+
+
+def test_ffn_hidden_formula_as_written_is_the_code():
+    """F = multiple_of ceil(floor(m floor(8D/3)) / multiple_of): the formula of section 7,
+    transcribed, equals llama_hidden_dim; the inner floor matters (D = 48, m = 1.004: 128, not
+    the 160 of rounding m floor(8D/3) up directly)."""
+    from minillama.core.config import llama_hidden_dim
+
+    assert (r"\lceil \lfloor m \lfloor 8D/3 \rfloor \rfloor / \mathit{multiple\_of} \rceil"
+            in math_section("7"))
+
+    def as_written(D, mult, m):
+        return mult * math.ceil(math.floor(m * math.floor(8 * D / 3)) / mult)
+
+    for D in (48, 64, 96, 288, 576, 768, 4096):
+        for mult in (32, 64, 256):
+            for m in (None, 1.004, 1.3, 0.75):
+                assert llama_hidden_dim(D, mult, m) == as_written(D, mult, m or 1.0), (D, mult, m)
+    assert llama_hidden_dim(48, 32, 1.004) == 128
+    assert 32 * math.ceil(1.004 * math.floor(8 * 48 / 3) / 32) == 160
+
+
+def test_files_named_in_the_package_exist():
+    """A ``path.py`` or ``dir/file.py`` named in the package's sources (docstrings and
+    comments) is a file of the repository: under the repository, ``minillama/`` or
+    ``backends/`` for a path, anywhere for a bare name."""
+    files = [*(ROOT / "minillama").rglob("*.py"), *(ROOT / "backends").rglob("*.py")]
+    names = {p.name for p in ROOT.rglob("*.py") if ".venv" not in p.parts}
+    missing = []
+    for file in files:
+        for named in re.findall(r"``([\w./-]+\.py)``", file.read_text(encoding="utf-8")):
+            if "/" in named:
+                ok = any((base / named).is_file()
+                         for base in (ROOT, ROOT / "minillama", ROOT / "backends", file.parent))
+            else:
+                ok = named in names
+            if not ok:
+                missing.append(f"{file.relative_to(ROOT)}: {named}")
+    assert not missing, missing
+
+
+def test_kept_rows_are_one_symbol_in_the_docs_and_the_docstrings():
+    r"""Cross-entropy's kept rows are \mathcal{K} in MATH.md and in the ops' docstrings alike."""
+    used = set(re.findall(r"\\mathcal\{(\w)\}", math_section("9")))
+    for name in ("cross_entropy_forward", "cross_entropy_backward",
+                 "linear_cross_entropy_forward"):
+        used |= set(re.findall(r"\\mathcal\{(\w)\}", inspect.getdoc(getattr(ops, name))))
+    assert used == {"K", "L"}, used  # \mathcal{L} the loss, \mathcal{K} the kept rows
+
+
+def test_sinusoidal_embedding_is_scaled_as_the_docstrings_say():
+    """h_0 = sqrt(D) E[x] + P, in the model and in every docstring that writes it."""
+    from minillama.core.config import ModelConfig
+    from minillama.model.ends import EndsWiring
+    from minillama.model.transformer import Transformer
+
+    cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=11, max_seq_len=8,
+                      pos_encoding="sinusoidal")
+    model = Transformer(cfg, backend="reference", dtype=np.float64)
+    tok = np.array([[3, 1, 4, 1, 5]])
+    h, _ = model._embed(tok)
+    E = model.params["tok_embeddings.weight"]
+    want = np.sqrt(16) * E[tok] + ops.sinusoidal_positions(8, 16, dtype=np.float64)[:5]
+    assert np.allclose(h, want, rtol=4 * U64, atol=0)
+    for doc in (inspect.getdoc(ops.sinusoidal_positions), inspect.getdoc(EndsWiring._embed)):
+        assert re.search(r"h_0 = \\sqrt\{D\}\\?,? ?E\[x\] \+ P", doc), doc
+
+
+def test_the_default_backend_is_auto_in_the_text():
+    """No backend but ``auto`` is called the default, and auto's chooser is cited."""
+    text = MATH.read_text(encoding="utf-8")
+    defaults = set(re.findall(r"`([\w-]+)` \(default\)", text))
+    assert defaults <= {"auto"}, defaults
+    assert "`backends/__init__.py:auto_backend`" in text

@@ -22,9 +22,12 @@ def llama_hidden_dim(dim: int, multiple_of: int = 256,
                      ffn_dim_multiplier: float | None = None) -> int:
     r"""LLaMA's rule for the SwiGLU hidden size F.
 
-    F = multiple\_of \cdot \lceil (m \cdot \lfloor 2 \cdot 4D / 3 \rfloor) / multiple\_of \rceil,
-    with m = ffn\_dim\_multiplier (1 when unset). The 2/3 keeps the parameter count of the three
-    SwiGLU matrices equal to that of a 4D two-matrix MLP.
+    F = multiple\_of \cdot
+        \lceil \lfloor m \cdot \lfloor 2 \cdot 4D / 3 \rfloor \rfloor / multiple\_of \rceil,
+
+    with m = ffn\_dim\_multiplier (1 when unset). The floor after m is Meta's rounding (D = 48,
+    m = 1.004, multiple\_of = 32 give 128; without it 160). The 2/3 keeps the parameter count of
+    the three SwiGLU matrices equal to that of a 4D two-matrix MLP.
     """
     hidden = int(2 * (4 * dim) / 3)
     if ffn_dim_multiplier is not None:

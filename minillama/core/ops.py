@@ -208,9 +208,13 @@ def rope_forward(x, cos, sin):
 
 
 def rope_backward(dy, ctx):
-    r"""RoPE is orthogonal, so its gradient is the inverse rotation R(-m\theta_i):
+    r"""Gradient of RoPE: the forward is linear, y = a R(m\theta_i) x with the tables holding
+    a \cos and a \sin (a the scaling's attention factor, 1 except for yarn), so the gradient is
+    its transpose a R(m\theta_i)^T, the same tables with the sine negated:
 
-    dx_{2i} = dy_{2i} \cos + dy_{2i+1} \sin, dx_{2i+1} = -dy_{2i} \sin + dy_{2i+1} \cos.
+    dx_{2i} = dy_{2i} \cos + dy_{2i+1} \sin, dx_{2i+1} = -dy_{2i} \sin + dy_{2i+1} \cos
+
+    (\cos, \sin the table entries, a included). It is the inverse rotation only when a = 1.
 
     dy: (B, T, nh, hd). Returns dx: (B, T, nh, hd).
     """
@@ -345,10 +349,11 @@ def swiglu_backward(dh, ctx):
 # Softmax cross-entropy (fused), with an ignore index
 # ---------------------------------------------------------------------------------------------
 def cross_entropy_forward(logits, targets, ignore_index: int = -1):
-    r"""Mean softmax cross-entropy over the rows whose target is not ``ignore_index``:
+    r"""Mean softmax cross-entropy over the rows whose target is not ``ignore_index``, the kept rows
+    \mathcal{K} = \{n : y_n \ne \mathrm{ignore}\}:
 
     \ell_n = \log \sum_v e^{z_{nv}} - z_{n, y_n},
-    L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} \ell_n
+    L = \frac{1}{|\mathcal{K}|} \sum_{n \in \mathcal{K}} \ell_n
 
     (L = 0 when every target is ignored). logits: (N, V); targets: (N,) integers.
     Returns the scalar loss (a 0-d array) and saves the probabilities p = softmax(z): (N, V).
@@ -366,7 +371,7 @@ def cross_entropy_forward(logits, targets, ignore_index: int = -1):
 
 def cross_entropy_backward(dloss, ctx):
     r"""Gradient of the mean cross-entropy:
-    \partial L / \partial z_{nv} = (p_{nv} - [v = y_n]) / |\mathcal{V}| for kept rows, 0 for
+    \partial L / \partial z_{nv} = (p_{nv} - [v = y_n]) / |\mathcal{K}| for kept rows, 0 for
     ignored rows, times the upstream scalar ``dloss``.
 
     Returns dlogits: (N, V).
@@ -382,7 +387,7 @@ def cross_entropy_backward(dloss, ctx):
 def linear_cross_entropy_forward(x, w, targets, ignore_index: int = -1):
     r"""The output projection and the mean cross-entropy as one op (the training loss head):
     z = x W^T, then
-    L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} (\mathrm{lse}(z_n) - z_{n, y_n})
+    L = \frac{1}{|\mathcal{K}|} \sum_{n \in \mathcal{K}} (\mathrm{lse}(z_n) - z_{n, y_n})
     as in :func:`linear_forward` and :func:`cross_entropy_forward`.
 
     x: (N, D); w: (V, D); targets: (N,). Returns the 0-d loss and ctx. Written here as the two ops
@@ -508,7 +513,8 @@ def batchnorm_inference(x, g, b, running_mean, running_var, eps):
 def sinusoidal_positions(max_seq_len: int, dim: int, base: float = 10000.0, dtype=np.float32,
                          xp=np):
     r"""The vanilla transformer's absolute positional encoding (Vaswani et al., 2017), added to
-    the token embeddings (h_0 = E[x] + P):
+    the token embeddings scaled by \sqrt{D} (h_0 = \sqrt{D}\, E[x] + P, as
+    :meth:`~minillama.model.ends.EndsWiring._embed` computes):
 
     P_{p, 2i} = \sin(p / \mathrm{base}^{2i/D}),  P_{p, 2i+1} = \cos(p / \mathrm{base}^{2i/D}).
 

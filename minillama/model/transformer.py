@@ -9,8 +9,8 @@ The model is a stack of pre-norm residual blocks (Touvron et al., 2023):
 
 This module holds the parameters (names, shapes, initialisation, checks) and the
 :class:`Transformer` with its two drivers, the forward (:meth:`Transformer._run`) and the backward
-(:meth:`Transformer.loss_and_grads`); the pieces they call are mixins in ``model_ends.py``,
-``model_block.py``, ``model_variants.py`` and ``model_inputs.py``.
+(:meth:`Transformer.loss_and_grads`); the pieces they call are mixins in ``model/ends.py``,
+``model/block.py``, ``model/variants.py`` and ``model/inputs.py``.
 
 Every op is called through the backend (``self.backend.<op>_forward``), so one wiring serves NumPy,
 Numba and CuPy. :meth:`Transformer.loss_and_grads` runs the forward keeping each op's ``ctx``, then
