@@ -225,37 +225,97 @@ def test_concurrent_clients_each_get_their_own_text(shakespeare):
     assert engine.max_active >= 2
 
 
-def _wait_idle(engine, timeout=10.0):
-    t0 = time.time()
-    while engine.active and time.time() - t0 < timeout:
+def _wait_idle(engine, timeout=120.0):
+    """Wait until no request holds a slot (``timeout`` only ends a hang); returns how many do."""
+    t0 = time.monotonic()
+    while engine.active and time.monotonic() - t0 < timeout:
         time.sleep(0.01)
     return engine.active
 
 
-def test_a_client_that_goes_away_frees_its_slot(chat):
+def _delta_text(line: str) -> str:
+    """The reply text a server-sent event line of a chat stream carries ('' for none)."""
+    if not line.startswith("data: {"):
+        return ""
+    return "".join(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
+
+
+class _Hold:
+    """Stops ``engine``'s scheduler after a step that leaves a running request holding tokens,
+    until :meth:`release`: no request can finish, however fast the machine, while the test makes
+    its client go away. :meth:`wait_cancelled` waits until the server has cancelled every request
+    submitted since :meth:`arm`."""
+
+    def __init__(self, engine, monkeypatch):
+        self.submitted, self.gate = [], threading.Event()
+        step, submit = engine.batch.step, engine.submit
+
+        def held_step(new, more=None):
+            step(new, more=more)
+            if any(s.req.tokens for s in engine.batch.slots) and not self.gate.is_set():
+                self.gate.wait(300)  # released by the test; the bound only ends a hang
+
+        def recorded_submit(*args, **kw):
+            self.submitted.append(submit(*args, **kw))
+            return self.submitted[-1]
+
+        monkeypatch.setattr(engine.batch, "step", held_step)
+        monkeypatch.setattr(engine, "submit", recorded_submit)
+
+    def arm(self):
+        self.submitted = []
+        self.gate.clear()
+
+    def wait_cancelled(self, timeout=120.0):
+        t0 = time.monotonic()
+        while not (self.submitted and all(r.cancelled for r in self.submitted)):
+            assert time.monotonic() - t0 < timeout, "the server never cancelled the request"
+            time.sleep(0.01)
+
+    def release(self):
+        self.gate.set()
+
+
+def test_a_client_that_goes_away_frees_its_slot(chat, monkeypatch):
     engine = chat.engine
     head = {"Authorization": f"Bearer {KEY}"}
     body = {"model": "tiny-chat", "messages": MESSAGES, "max_tokens": 900, "temperature": 0,
             "stream": True}
+    hold = _Hold(engine, monkeypatch)
+    hold.arm()
+    try:
+        _leave_twice(chat, engine, head, body, hold)
+    finally:
+        hold.release()  # the server must be able to shut down whatever failed
+    r = chat.client(KEY).chat.completions.create(model="tiny-chat", messages=MESSAGES,
+                                                 max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens <= 3
+
+
+def _leave_twice(chat, engine, head, body, hold):
+    """A streaming client, then a non-streaming one, leave while their request runs."""
     before = engine.finished["cancelled"]
     with httpx.Client(base_url=chat.url, headers=head, timeout=30) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
-            while '"content":"' not in next(lines) or engine.active == 0:
+            while not _delta_text(next(lines)):  # the first chunk holds only the role
                 pass
-            assert engine.active == 1
+            assert engine.active == 1  # held: it cannot have finished
+    hold.wait_cancelled()
+    hold.release()
     assert _wait_idle(engine) == 0
     assert engine.finished["cancelled"] == before + 1
-    # a non-streaming client that gives up (its read timeout) frees its slot too
+    # a non-streaming client that gives up (its read timeout) frees its slot too: held, the
+    # server cannot answer before the timeout
+    hold.arm()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(chat.url + "/v1/chat/completions", headers=head, timeout=0.3,
                    json={**body, "stream": False})
+    hold.wait_cancelled()
+    hold.release()
     assert _wait_idle(engine) == 0
     assert engine.finished["cancelled"] == before + 2
-    r = chat.client(KEY).chat.completions.create(model="tiny-chat", messages=MESSAGES,
-                                                 max_tokens=3, temperature=0)
-    assert r.usage.completion_tokens <= 3
 
 
 BAD = [  # (path, body, status, code)
