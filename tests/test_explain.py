@@ -328,3 +328,19 @@ def test_latex_to_text(latex, text):
 def test_latex_flag_prints_the_math_as_written(capsys):
     code, out, _ = _run(capsys, "rmsnorm", "--latex")
     assert code == 0 and r"\frac{1}{\sqrt{\frac{1}{D}\sum_i x_i^2 + \epsilon}}" in out
+
+
+def test_code_spans_print_as_written():
+    assert to_text("as `clip_grad_norm_` step by $\\bar{w}_i$") == "as clip_grad_norm_ step by w̄_i"
+    assert to_text("``x_{b}`` and $x_{b}$") == "x_{b} and x_b"
+
+
+def test_adamw_in_full():
+    """The optimizer the trainer runs has its equations, its code and its fused backends."""
+    out = explain("adamw", CHECKOUT)
+    assert mathmap.lookup("optimizer").name == mathmap.lookup("lr_at").name == "adamw"
+    assert "m_w ← β_1 m_w + (1 - β_1) w̄" in out  # the moment, as text
+    assert "w ← w - (η_k/(1 - β_1^k))" in out  # the bias-corrected update
+    assert "# minillama/train/optim.py:lr_at\ndef lr_at(" in out
+    assert "  numba      backends/numba/backend.py:NumbaBackend.adamw_update" in out
+    assert "tests/test_optim.py: " in out and "test_adamw_matches_hand_computed_steps" in out

@@ -310,3 +310,19 @@ def test_the_default_backend_is_auto_in_the_text():
     defaults = set(re.findall(r"`([\w-]+)` \(default\)", text))
     assert defaults <= {"auto"}, defaults
     assert "`backends/__init__.py:auto_backend`" in text
+
+
+def test_what_the_training_code_takes_from_the_optimizer_is_in_math_md():
+    """Every name that minillama/train/ imports from its optimizer module (AdamW, the clipping,
+    the schedule) is cited by a heading of MATH.md, with AdamW's update itself."""
+    heads = {c for sec in sections(MATH) for c in citations(sec.heading)}
+    optim = "minillama/train/optim.py"
+    used = set()
+    for file in (ROOT / "minillama" / "train").glob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module == "minillama.train.optim":
+                used |= {a.name for a in node.names}
+    assert {"AdamW", "lr_at", "clip_grad_norm"} <= used, used
+    cited = {name.split(".")[0] for path, name in heads if path == optim}
+    assert not used - cited, f"MATH.md has no section for {sorted(used - cited)}"
+    assert (optim, "AdamW.step") in heads

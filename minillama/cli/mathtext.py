@@ -171,12 +171,14 @@ def latex_to_text(text: str) -> str:
 
 def to_text(markdown: str) -> str:
     """A passage of docs/MATH.md (or a docstring) as plain text: its math through
-    :func:`latex_to_text`, bold and code markup dropped, a display equation (a line that starts
-    with ``$$``) indented by four spaces."""
+    :func:`latex_to_text`, code spans as they are, bold and code markup dropped, a display
+    equation (a line that starts with ``$$``) indented by four spaces."""
     lines = []
     markdown = ENVIRONMENT.sub(_environment, markdown)
     for line in markdown.splitlines():
         display = line.lstrip().startswith("$$")
-        line = latex_to_text(line.replace("**", "").replace("`", ""))
+        # odd parts: the code spans (`x` or ``x``), printed as they are
+        parts = line.replace("**", "").replace("``", "`").split("`")
+        line = "".join(part if i % 2 else latex_to_text(part) for i, part in enumerate(parts))
         lines.append("    " + line.strip() if display else line.rstrip())
     return "\n".join(lines)

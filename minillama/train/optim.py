@@ -33,20 +33,21 @@ def is_embedding(name: str) -> bool:
 class AdamW:
     r"""Adam with decoupled weight decay (Loshchilov & Hutter, 2019), as in ``torch.optim.AdamW``.
 
-    For every parameter \theta with gradient g, at step t = 1, 2, ... and learning rate \eta:
+    For every parameter w with gradient \bar{w}, at step k = 1, 2, ... and learning rate \eta_k
+    (docs/MATH.md section 9d):
 
     .. math::
 
-        \theta &\leftarrow \theta - \eta \lambda \theta \qquad\text{(only where decay applies)}\\
-        m &\leftarrow \beta_1 m + (1 - \beta_1) g \\
-        v &\leftarrow \beta_2 v + (1 - \beta_2) g^2 \\
-        \theta &\leftarrow \theta - \frac{\eta}{1 - \beta_1^t}
-                  \frac{m}{\sqrt{v} / \sqrt{1 - \beta_2^t} + \epsilon}
+        w &\leftarrow w - \eta_k \lambda w \qquad\text{(only where decay applies)}\\
+        m_w &\leftarrow \beta_1 m_w + (1 - \beta_1) \bar{w} \\
+        v_w &\leftarrow \beta_2 v_w + (1 - \beta_2) \bar{w}^2 \\
+        w &\leftarrow w - \frac{\eta_k}{1 - \beta_1^k}
+                  \frac{m_w}{\sqrt{v_w} / \sqrt{1 - \beta_2^k} + \epsilon_{adam}}
 
     ``params``: dict name -> array (any shape; NumPy or CuPy), updated in place.
     ``weight_decay`` \lambda is skipped for the names where ``no_decay(name)`` is true; by default
     the RMSNorm gains, plus the embedding when ``decay_embeddings`` is false.
-    The state (``m``, ``v`` per parameter and the step count t) round-trips through
+    The state (``m``, ``v`` per parameter and the step count k, ``self.t``) round-trips through
     :meth:`state_dict` / :meth:`load_state_dict` for checkpoints.
     ``backend`` (optional): when it provides a fused ``adamw_update(p, g, m, v, lr, beta1, beta2,
     eps, wd, t)`` (the CuPy and Numba backends do), each parameter is updated by that one kernel
@@ -91,9 +92,17 @@ class AdamW:
         self.v = {k: array_module(p).zeros_like(p) for k, p in params.items()}
 
     def step(self, grads: dict[str, Any], lr: float | None = None) -> None:
-        """One update of every parameter from ``grads`` (same names and shapes), in place.
+        r"""One update of every parameter w from its gradient \bar{w} in ``grads`` (same names
+        and shapes), in place, at step k = ``self.t`` (counted from 1) and rate \eta_k:
 
-        ``lr`` overrides the learning rate for this step (a schedule passes it here)."""
+        w \leftarrow w (1 - \eta_k \lambda),
+        m_w \leftarrow \beta_1 m_w + (1 - \beta_1) \bar{w},
+        v_w \leftarrow \beta_2 v_w + (1 - \beta_2) \bar{w} \odot \bar{w},
+        w \leftarrow w - \eta_k / (1 - \beta_1^k) \cdot
+        m_w / (\sqrt{v_w} / \sqrt{1 - \beta_2^k} + \epsilon_{adam}).
+
+        w, \bar{w}, m_w, v_w: (the parameter's shape). ``lr`` overrides the learning rate for this
+        step (the schedule :func:`lr_at` passes it here)."""
         missing = [k for k in self.params if k not in grads]
         if missing:
             raise MinillamaError(f"AdamW.step: no gradient for {missing[0]}")
@@ -208,18 +217,21 @@ def clip_grad_norm(grads: dict[str, Any], max_norm: float) -> float:
 
 
 def lr_at(step: int, max_lr: float, warmup: int, total: int, min_lr: float = 0.0) -> float:
-    r"""The learning rate for (0-based) ``step``: linear warmup, then cosine decay to ``min_lr``.
+    r"""The learning rate \eta_k of step k = ``step`` + 1 (``step`` counts from 0): linear warmup,
+    then a half cosine down to ``min_lr`` (docs/MATH.md section 9d).
 
     .. math::
 
-        \eta(s) = \begin{cases}
-          \eta_{max} (s + 1) / W & s < W \\
-          \eta_{min} + \tfrac12 (\eta_{max} - \eta_{min})(1 + \cos(\pi p)),\;
-            p = \frac{s - W}{\max(1, N - W)} & W \le s < N \\
-          \eta_{min} & s \ge N
+        \eta_k = \begin{cases}
+          \eta_{max}\, k / k_{warm} & k \le k_{warm} \\
+          \eta_{min} + \tfrac12 (\eta_{max} - \eta_{min})(1 + \cos(\pi\, \mathrm{prog}_k)),\;
+            \mathrm{prog}_k = \frac{k - 1 - k_{warm}}{\max(1, k_{end} - k_{warm})}
+            & k_{warm} < k \le k_{end} \\
+          \eta_{min} & k > k_{end}
         \end{cases}
 
-    with W = ``warmup`` steps and N = ``total`` steps.
+    with \eta_{max} = ``max_lr``, \eta_{min} = ``min_lr``, k_{warm} = ``warmup`` and
+    k_{end} = ``total`` steps.
     """
     if step < warmup:
         return max_lr * (step + 1) / warmup
