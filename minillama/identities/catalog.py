@@ -4,12 +4,14 @@ whole model, the notes' other pieces, the weights' other forms)."""
 from __future__ import annotations
 
 from minillama.core.errors import MinillamaError
-from minillama.identities import attention, model, notes, numeric, rows
+from minillama.identities import attention, grads, known, model, notes, numeric, rows
 from minillama.identities.base import Identity
 
-#: every identity, by topic: rope, norm, softmax, attention, model, notes, quant, lora
-CATALOG: tuple[Identity, ...] = tuple(rows.IDENTITIES + attention.IDENTITIES + model.IDENTITIES
-                                      + notes.IDENTITIES + numeric.IDENTITIES)
+#: every identity, by topic: rope, norm, softmax, attention (invariances, then known answers),
+#: model, notes, quant, lora, grad (each backward against its forward)
+CATALOG: tuple[Identity, ...] = tuple(rows.IDENTITIES + attention.IDENTITIES + known.IDENTITIES
+                                      + model.IDENTITIES + notes.IDENTITIES + numeric.IDENTITIES
+                                      + grads.IDENTITIES)
 #: name -> identity
 BY_NAME: dict[str, Identity] = {i.name: i for i in CATALOG}
 assert len(BY_NAME) == len(CATALOG), "identity names must be unique"

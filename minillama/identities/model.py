@@ -71,13 +71,16 @@ def _causality(s: Subject, ex: dict) -> float:
 def _kv_cache(s: Subject, ex: dict) -> float:
     cfg = small_config()
     model = s.model(cfg, lively_params(cfg, ex["seed"]))
-    P, N = ex["P"], ex["N"]
+    P, chunks = ex["P"], ex["chunks"]
+    N = sum(chunks)
     tok = _tokens(cfg, ex["seed"], 2, P + N)
     full = s.logits(model, tok)
     cache = model.new_cache(2)
     got = [s.logits(model, tok[:, :P], start_pos=0, cache=cache)]
-    for i in range(P, P + N):
-        got.append(s.logits(model, tok[:, i:i + 1], start_pos=i, cache=cache))
+    i = P
+    for c in chunks:  # a chunk of c > 1 tokens is a prefill after a cached prefix
+        got.append(s.logits(model, tok[:, i:i + c], start_pos=i, cache=cache))
+        i += c
     return ratio(np.concatenate(got, axis=1) - full, model_tolerance(model, P + N, s.u))
 
 
@@ -177,11 +180,14 @@ IDENTITIES = [
         ops=MODEL_FORWARD_OPS, fn=_causality),
     Identity(
         name="model_kv_cache_decode", topic="model",
-        statement="Prefilling P tokens into the KV cache and decoding N more one at a time "
-                  "gives the logits of one full forward over all P + N tokens.",
-        equation=r"[z_{0:P}, z_P, \ldots, z_{P+N-1}]_{\mathrm{cached}} = z(x_{0:P+N})",
+        statement="Prefilling P tokens into the KV cache and feeding N more in chunks (one "
+                  "token at a time, or several at once after the cached prefix) gives the "
+                  "logits of one full forward over all P + N tokens.",
+        equation=r"[z_{0:P}, z_{P:P+c_1}, \ldots]_{\mathrm{cached}} = z(x_{0:P+N}), \ "
+                 r"N = \sum_i c_i",
         strategy=st.fixed_dictionaries({"seed": ids.seeds, "P": st.integers(1, 6),
-                                        "N": st.integers(1, 5)}),
+                                        "chunks": st.lists(st.integers(1, 4), min_size=1,
+                                                           max_size=3)}),
         tolerance="model_tolerance",
         ops=MODEL_FORWARD_OPS, fn=_kv_cache),
     Identity(

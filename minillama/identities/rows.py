@@ -81,11 +81,13 @@ def _rmsnorm_unit_rms(s: Subject, ex: dict) -> float:
 # softmax and cross-entropy
 # ---------------------------------------------------------------------------------------------
 def _shifted_logits(s: Subject, ex: dict):
-    """x (N, V) = 5 N(0, 1), the row shifts c (N, 1), the targets (N,), x + c; all in dtype."""
+    """x (N, V) = 5 N(0, 1), the row shifts c (N, 1), the targets (N,; -1 where ignored), x + c;
+    all in dtype."""
     rng = np.random.default_rng(ex["seed"])
     x = (5 * rng.standard_normal((ex["N"], ex["V"]))).astype(s.dtype)
     c = ex["shift"] * (0.5 + 0.5 * rng.random((ex["N"], 1)))
     t = rng.integers(0, ex["V"], ex["N"])
+    t = np.where(rng.random(ex["N"]) < ex["ignored"], -1, t)  # -1: an ignored position
     return x, c, t, (x.astype(np.float64) + c).astype(s.dtype)
 
 
@@ -109,7 +111,8 @@ def _cross_entropy_shift(s: Subject, ex: dict) -> float:
 
 
 _LOGITS = st.fixed_dictionaries({"seed": ids.seeds, "N": st.integers(1, 5),
-                                 "V": st.integers(1, 30), "shift": ids.shifts()})
+                                 "V": st.integers(1, 30), "shift": ids.shifts(),
+                                 "ignored": st.sampled_from((0.0, 0.3, 1.0))})
 
 IDENTITIES = [
     Identity(
@@ -167,7 +170,8 @@ IDENTITIES = [
     Identity(
         name="cross_entropy_shift_invariance", topic="softmax",
         statement="Cross-entropy ignores a constant added to a row of logits, even a shift "
-                  "large enough to overflow an exponential that is not max-shifted.",
+                  "large enough to overflow an exponential that is not max-shifted (ignored "
+                  "targets among the rows).",
         equation=r"\mathrm{CE}(x + c\mathbf{1}, y) = \mathrm{CE}(x, y)",
         strategy=_LOGITS,
         tolerance="8u M + 4 (V + N + 8) u (1 + |L|): logits off by u M after the shift, a log "

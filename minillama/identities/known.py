@@ -1,0 +1,221 @@
+r"""Known answers, where the invariances are blind: every attention identity holds for any score
+scale, RoPE's for any base, the norms' scale identities for a gain applied wrongly. Each identity
+here builds inputs whose result is known in closed form and compares the op with it:
+
+* attention with one visible key returns that key's value, and with two keys whose scores are
+  0 and s returns v_0 + \sigma(s) (v_1 - v_0), s = q \cdot k / \sqrt{hd}; padding q, k and v with
+  zeros is the same attention with q scaled by \sqrt{hd / hd'} (the scale is 1 / \sqrt{hd'});
+* RoPE turns pair i of position m by m \theta^{-2i/hd}, for the subject's base \theta;
+* RMSNorm of a constant row, of an alternating row and of a one-hot row; the cross-entropy of
+  uniform rows and of rows with one raised logit, ignored targets among them.
+
+Tolerances follow :mod:`minillama.identities.base`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+from minillama.identities import strategies as ids
+from minillama.identities.base import Identity, Subject, attention_bound, ratio
+from minillama.identities.rows import table_error
+
+_THETAS = (10000.0, 500000.0, 1e6)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------------
+def _two_keys(s: Subject, ex: dict) -> float:
+    """Query 0 sees key 0 only (k_0 = 0): o_0 = v_0. Query 1 sees k_0 and k_1: scores 0 and s."""
+    rng = np.random.default_rng(ex["seed"])
+    B, KVH, G, hd = ex["B"], ex["KVH"], ex["G"], ex["hd"]
+    q = (ex["scale"] * rng.standard_normal((B, 2, KVH * G, hd))).astype(s.dtype)
+    k = np.zeros((B, 2, KVH, hd))
+    k[:, 1] = rng.standard_normal((B, KVH, hd))
+    k = k.astype(s.dtype)
+    v = rng.standard_normal((B, 2, KVH, hd)).astype(s.dtype)
+    o = s.attention(q, k, v, 0)
+    q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+    kk, vv = np.repeat(k64, G, axis=2), np.repeat(v64, G, axis=2)  # (B, 2, H, hd)
+    score = np.einsum("bhd,bhd->bh", q64[:, 1], kk[:, 1]) / np.sqrt(hd)  # (B, H)
+    p1 = (1.0 / (1.0 + np.exp(-score)))[..., None]
+    want = np.stack([vv[:, 0], vv[:, 0] + p1 * (vv[:, 1] - vv[:, 0])], axis=1)
+    # score rounding (hd + 2) u sum |q k| / sqrt(hd) moves p_1 by at most a quarter of it
+    terms = np.einsum("bhd,bhd->bh", np.abs(q64[:, 1]), np.abs(kk[:, 1])) / np.sqrt(hd)
+    dp = ((hd + 2) * terms / 4 + 8)[..., None] * s.u
+    spread = np.abs(vv[:, 0]) + np.abs(vv[:, 1])
+    tol = np.stack([4 * s.u * np.abs(vv[:, 0]), 4 * (dp + 4 * s.u) * spread], axis=1)
+    return ratio(o - want, tol)
+
+
+def _zero_padding(s: Subject, ex: dict) -> float:
+    q, k, v, start = ids.attention_arrays(ex, s.dtype)
+    hd, pad = q.shape[-1], ex["pad"]
+
+    def padded(a):
+        return np.concatenate([a, np.zeros(a.shape[:-1] + (pad,), dtype=a.dtype)], axis=-1)
+
+    o = s.attention(padded(q), padded(k), padded(v), start)
+    qs = (q.astype(np.float64) * np.sqrt(hd / (hd + pad))).astype(s.dtype)
+    o_small = s.attention(qs, k, v, start)
+    tol = 2 * attention_bound(q, k, v, s.u) + 2 * attention_bound(qs, k, v, s.u)
+    return max(ratio(o[..., :hd] - o_small, tol), ratio(o[..., hd:], tol))
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+# ---------------------------------------------------------------------------------------------
+def rope_base(s: Subject, ex: dict) -> float:
+    """The base theta the subject is held to: its own (``check_rope(fn, theta=...)``) or the
+    example's."""
+    return float(getattr(s, "rope_theta", None) or ex["theta"])
+
+
+def _rope_angles(s: Subject, ex: dict) -> float:
+    x, pos = ids.rope_arrays(ex, s.dtype, scale=1.0)
+    theta, hd = rope_base(s, ex), x.shape[-1]
+    y = s.rotate(x, pos, theta)
+    ang = np.outer(pos.astype(np.float64), theta ** (-np.arange(0, hd, 2) / hd))  # (T, hd/2)
+    c, sn = np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]
+    x0, x1 = s.rope_pairs(x.astype(np.float64))
+    y0, y1 = s.rope_pairs(y)
+    delta = np.array([table_error(s, p) for p in pos]).reshape(1, -1, 1, 1)
+    tol = 4 * (delta + 2 * s.u) * (np.abs(x0) + np.abs(x1))
+    return max(ratio(y0 - (x0 * c - x1 * sn), tol), ratio(y1 - (x0 * sn + x1 * c), tol))
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm and the loss
+# ---------------------------------------------------------------------------------------------
+def _rmsnorm_rows(s: Subject, ex: dict) -> float:
+    """A constant row c (ms = c^2), an alternating row +-a (ms = a^2) and a one-hot row a e_j
+    (ms = a^2 / D)."""
+    D, c, a, eps = ex["D"], ex["c"], ex["a"], ex["eps"]
+    g = np.random.default_rng(ex["seed"]).standard_normal(D)
+    j = ex["seed"] % D
+    x = np.stack([np.full(D, c), a * (-1.0) ** np.arange(D), a * (np.arange(D) == j)])
+    x, g = x.astype(s.dtype), g.astype(s.dtype)
+    x64, g64 = x.astype(np.float64), g.astype(np.float64)
+    ms = np.array([x64[0, 0] ** 2, x64[1, 0] ** 2, x64[2, j] ** 2 / D])[:, None]
+    want = x64 / np.sqrt(ms + eps) * g64
+    y = s.rmsnorm(x, g, eps)
+    return ratio(y - want, 2 * (D + 8) * s.u * np.abs(x64) / np.sqrt(ms + eps) * np.abs(g64))
+
+
+def _loss_rows(ex: dict, dtype):
+    """Logits (N, V) whose per-row loss is known, the targets (some ignored) and the mean loss
+    over the kept rows: a uniform row c (log V), or a row of zeros with a at column j
+    (log(V - 1 + e^a) - a [j = y])."""
+    rng = np.random.default_rng(ex["seed"])
+    N, V = len(ex["rows"]), ex["V"]
+    z = np.zeros((N, V))
+    t = rng.integers(0, V, N)
+    want = np.empty(N)
+    for n, (kind, a) in enumerate(ex["rows"]):
+        if kind == "uniform":
+            z[n] = a
+            want[n] = np.log(V)
+        else:
+            j = t[n] if kind == "target" else (t[n] + 1) % V
+            z[n, j] = a
+            want[n] = np.log(V - 1 + np.exp(a)) - (a if j == t[n] else 0.0)
+    kept = rng.random(N) >= ex["ignored"]
+    t = np.where(kept, t, -1)
+    mean = float(want[kept].sum() / max(kept.sum(), 1))
+    return z.astype(dtype), t, mean
+
+
+def _loss_tolerance(s: Subject, z, mean: float) -> float:
+    N, V = z.shape
+    return 8 * s.u * float(np.abs(z).max()) + 4 * (V + N + 8) * s.u * (1 + abs(mean))
+
+
+def _cross_entropy_values(s: Subject, ex: dict) -> float:
+    z, t, mean = _loss_rows(ex, s.dtype)
+    return ratio(s.cross_entropy(z, t) - mean, _loss_tolerance(s, z, mean))
+
+
+def _linear_cross_entropy_values(s: Subject, ex: dict) -> float:
+    """The loss head with W = I (D = V): its logits are the rows themselves."""
+    z, t, mean = _loss_rows(ex, s.dtype)
+    asarray = getattr(s.backend, "asarray", None)
+    tt = asarray(t) if asarray is not None else t
+    w = np.eye(z.shape[1])
+    loss, _ = s.backend.linear_cross_entropy_forward(s.put(z), s.put(w), tt)
+    return ratio(float(s.get(loss)) - mean, _loss_tolerance(s, z, mean))
+
+
+_LOSS_ROW = st.tuples(st.sampled_from(("uniform", "target", "other")), st.floats(-30.0, 30.0))
+_LOSS = st.fixed_dictionaries({"seed": ids.seeds, "V": st.integers(2, 12),
+                               "rows": st.lists(_LOSS_ROW, min_size=1, max_size=5),
+                               "ignored": st.sampled_from((0.0, 0.4, 1.0))})
+_LOSS_TOL = ("8u max|z| + 4 (V + N + 8) u (1 + |L|), as cross_entropy_shift_invariance; the "
+             "answer is computed in float64 from its closed form")
+
+IDENTITIES = [
+    Identity(
+        name="attention_two_keys_closed_form", topic="attention",
+        statement="With k_0 = 0, query 0 (one visible key) returns v_0 and query 1 returns "
+                  "v_0 + sigmoid(s) (v_1 - v_0), s = q_1 . k_1 / sqrt(hd): the softmax and the "
+                  "1 / sqrt(hd) scale, which every invariance of attention ignores.",
+        equation=r"o_0 = v_0, \quad o_1 = v_0 + \sigma\!\left(\frac{q_1 \cdot k_1}{\sqrt{hd}}"
+                 r"\right)(v_1 - v_0)",
+        strategy=st.fixed_dictionaries({
+            "seed": ids.seeds, "B": st.integers(1, 2), "KVH": st.integers(1, 2),
+            "G": st.integers(1, 3), "hd": st.sampled_from((1, 2, 4, 8, 16)),
+            "scale": st.floats(0.5, 3.0)}),
+        tolerance="4u |v_0| for query 0; 4 (dp + 4u) (|v_0| + |v_1|) for query 1, dp = "
+                  "(hd + 2) u sum |q k| / (4 sqrt(hd)) + 8u the rounding of the probability",
+        ops=("attention_forward",), fn=_two_keys),
+    Identity(
+        name="attention_zero_padding_rescales", topic="attention",
+        statement="Padding q, k and v with zeros to head dim hd' is the attention of the "
+                  "unpadded heads with q scaled by sqrt(hd / hd') (the scale is 1 / sqrt(hd')), "
+                  "and the padded output entries are 0.",
+        equation=r"\mathrm{attn}_{hd'}([Q, 0], [K, 0], [V, 0]) = "
+                 r"[\mathrm{attn}_{hd}(\sqrt{hd / hd'}\, Q, K, V), 0]",
+        strategy=st.builds(lambda c, pad: {**c, "pad": pad}, ids.attention_cases(),
+                           st.integers(1, 12)),
+        tolerance="attention_bound of both calls, doubled",
+        ops=("attention_forward",), fn=_zero_padding),
+    Identity(
+        name="rope_angles_known", topic="rope",
+        statement="RoPE turns pair i of position m by the angle m theta^(-2i/hd), theta the "
+                  "base (a user's function: the theta given to check_rope).",
+        equation=r"(y_{2i}, y_{2i+1}) = R(m\, \theta^{-2i/hd})\,(x_{2i}, x_{2i+1})",
+        strategy=st.fixed_dictionaries({
+            "seed": ids.seeds, "half": st.integers(1, 16), "T": st.integers(1, 6),
+            "start": st.integers(0, 3000), "theta": st.sampled_from(_THETAS)}),
+        tolerance="4 (delta_p + 2u) (|x_2i| + |x_2i+1|), delta_p the table error at position p",
+        ops=("rope_forward",), fn=_rope_angles),
+    Identity(
+        name="rmsnorm_known_rows", topic="norm",
+        statement="RMSNorm of a constant row c is c g / sqrt(c^2 + eps), of an alternating row "
+                  "+-a is +-a g / sqrt(a^2 + eps), of a one-hot row a e_j is "
+                  "a g_j / sqrt(a^2 / D + eps) at j and 0 elsewhere.",
+        equation=r"y = x g / \sqrt{ms + \epsilon}, \ ms \in \{c^2, a^2, a^2 / D\}",
+        strategy=st.fixed_dictionaries({
+            "seed": ids.seeds, "D": st.integers(1, 48), "c": st.floats(0.05, 5.0),
+            "a": st.floats(0.05, 5.0), "eps": st.sampled_from((1e-6, 1e-5, 1e-2, 0.5))}),
+        tolerance="2 (D + 8) u |x| |g| / sqrt(ms + eps) per entry",
+        ops=("rmsnorm_forward",), fn=_rmsnorm_rows),
+    Identity(
+        name="cross_entropy_known_values", topic="softmax",
+        statement="The mean cross-entropy of rows with a known loss (uniform: log V; one "
+                  "raised logit a: log(V - 1 + e^a), minus a on the target) over the kept "
+                  "rows only (ignored targets count for nothing; all ignored: 0).",
+        equation=r"L = \frac{1}{|\mathcal{V}|} \sum_{n \in \mathcal{V}} \ell_n, \ "
+                 r"\ell_n \in \{\log V, \log(V - 1 + e^a) - a [j = y_n]\}",
+        strategy=_LOSS, tolerance=_LOSS_TOL,
+        ops=("cross_entropy_forward",), fn=_cross_entropy_values),
+    Identity(
+        name="linear_cross_entropy_known_values", topic="softmax",
+        statement="The loss head with an identity head matrix gives the known mean "
+                  "cross-entropy of its rows (as cross_entropy_known_values), ignored targets "
+                  "included.",
+        equation=r"\mathrm{LCE}(x, I, y) = \mathrm{CE}(x, y)",
+        strategy=_LOSS, tolerance=_LOSS_TOL,
+        ops=("linear_cross_entropy_forward",), fn=_linear_cross_entropy_values),
+]
