@@ -40,14 +40,13 @@ from .qsimd import (
     _I8,
     _I32,
     _I64,
+    EXACT,
     _at,
     _const,
-    _fma,
     _fn,
     _half,
     _kscales,
     _load,
-    _reduce,
     _shuf,
     _splat,
     _vec,
@@ -201,13 +200,14 @@ def _block32(qt, builder, blk):
     d = _half(builder, blk, 0)
     if qt == Q8_0:
         u = builder.xor(_b(builder, blk, 2, 32), _const(_I8, 32, 128 - 256))
-        return u, d, builder.fmul(d, ir.Constant(_F32, -128.0))
+        return u, d, builder.fmul(d, ir.Constant(_F32, -128.0), flags=EXACT)
     u = _nib32(builder, blk, _NIBBLES_AT[qt])
     if qt in _HIGH_BITS_AT:
         u = builder.or_(u, _qh_bits(builder, blk, _HIGH_BITS_AT[qt]))
     if qt in (Q4_1, Q5_1):  # w = d q + m
         return u, d, _half(builder, blk, 2)
-    return u, d, builder.fmul(d, ir.Constant(_F32, -8.0 if qt == Q4_0 else -16.0))
+    return u, d, builder.fmul(d, ir.Constant(_F32, -8.0 if qt == Q4_0 else -16.0),
+                                 flags=EXACT)
 
 
 def _pair32(qt, builder, blk0, gfni):
@@ -234,60 +234,102 @@ def _pair32(qt, builder, blk0, gfni):
     return u, two(a0, a1), two(m0, m1)
 
 
-def _rows32(qt, vnni):
+# ---------------------------------------------------------------------------------------------
+# the one float order: a sequential chain over the sub-blocks (shared with .qgemm8's tiles)
+# ---------------------------------------------------------------------------------------------
+def _fma1(builder, a, b, c):
+    """fma(a, b, c) of float scalars (one rounding), called on one-lane vectors: Numba's
+    fastmath pass adds its flags to calls that return a float scalar, and with them LLVM may
+    split or reassociate the product."""
+    t = _vec(_F32, 1)
+    one = [builder.insert_element(ir.Constant(t, None), v, ir.Constant(_I32, 0)) for v in (a, b, c)]
+    out = builder.call(_fn(builder, "llvm.fma.v1f32", t, [t] * 3), one)
+    return builder.extract_element(out, ir.Constant(_I32, 0))
+
+
+def _isum(builder, p, lo, n):
+    """The integer sum of lanes lo .. lo + n - 1 of p (<16 x i32>): exact in any order."""
+    part = _shuf(builder, p, range(lo, lo + n))
+    fn = _fn(builder, f"llvm.vector.reduce.add.v{n}i32", _I32, [part.type])
+    return builder.call(fn, [part])
+
+
+def _chain(builder, acc, isum, dA, X, C):
+    r"""acc + I dA + X C as two fused multiply-adds, in this order: the step of one sub-block in
+    the float order every 8-bit product follows (:mod:`.qgemm8`'s tiles too), so a result does
+    not depend on the kernel, the rows beside it or the thread that computes it."""
+    acc = _fma1(builder, builder.sitofp(isum, _F32), dA, acc)
+    return _fma1(builder, X, C, acc)
+
+
+def _el(builder, v, i):
+    return builder.extract_element(v, ir.Constant(_I32, i))
+
+
+def _q8_signed(builder, q, xs):
+    """(|q|, xs with the sign of q) for Q8_0's signed codes q: their unsigned-by-signed dot is
+    the dot of q and xs (|-128| = 128 as an unsigned byte)."""
+    n = q.type.count
+    zero = _const(_I8, n, 0)
+    neg = builder.icmp_signed("<", q, zero)
+    return (builder.select(neg, builder.sub(zero, q), q),
+            builder.select(neg, builder.sub(zero, xs), xs))
+
+
+def _blocks32(qt, builder, blk, npair_blocks, gfni):
+    """(u, A, C) of one block (npair_blocks 1) or of a pair (2) of a type of blocks of 32, in
+    the form of :mod:`.qgemm8` (w = A u + C): Q8_0 as its signed codes q with A = d, C = 0
+    (its unsigned-by-signed dot is taken by :func:`_q8_signed`), the others as
+    :func:`_block32` builds them. A and C are float vectors of npair_blocks entries."""
+    size = BY_ID[qt].block_bytes
+    if qt == Q8_0:
+        qs = [_b(builder, blk, size * j + 2, 32) for j in range(npair_blocks)]
+        ds = [_half(builder, blk, size * j) for j in range(npair_blocks)]
+        q = qs[0] if npair_blocks == 1 else _cat(builder, qs[0], qs[1])
+        A = ir.Constant(_vec(_F32, npair_blocks), None)
+        for j, d in enumerate(ds):
+            A = builder.insert_element(A, d, ir.Constant(_I32, j))
+        return q, A, _const(_F32, npair_blocks, 0.0)
+    if npair_blocks == 2:
+        return _pair32(qt, builder, blk, gfni)
+    u, a, m = _block32(qt, builder, blk)
+    return u, _splat(builder, a, 1), _splat(builder, m, 1)
+
+
+def _step32(qt, builder, acc, blk, pq, pd, ps, nblocks, vnni):
+    """acc chained through the nblocks (1 or 2) blocks of 32 at blk with the activation blocks
+    at pq (codes), pd (scales), ps (scaled sums of 16)."""
+    u, A, C = _blocks32(qt, builder, blk, nblocks, vnni and GFNI)
+    xs = _load(builder, pq, 0, _vec(_I8, 32 * nblocks))
+    if qt == Q8_0:
+        u, xs = _q8_signed(builder, u, xs)
+    p = _dot4(builder, u, xs, vnni)
+    dx = _load(builder, pd, 0, _vec(_F32, nblocks), 4)
+    dA = builder.fmul(dx, A, flags=EXACT)
+    sums = _load(builder, ps, 0, _vec(_F32, 2 * nblocks), 4)
+    for j in range(nblocks):
+        X = builder.fadd(_el(builder, sums, 2 * j), _el(builder, sums, 2 * j + 1), flags=EXACT)
+        acc = _chain(builder, acc, _isum(builder, p, 8 * j, 8), _el(builder, dA, j), X,
+                     _el(builder, C, j))
+    return acc
+
+
+def _rows32(qt, vnni, R=1):
+    r"""The codegen of \sum_k W_k x_{rk} for a row of blocks of 32 and R activation rows, the
+    row of W decoded once per pair of blocks: per block b, I_b = \sum_{k in b} u_k xq_k (an
+    exact integer dot), then acc = fma(I_b, d_b A_b, acc), acc = fma(X_b, C_b, acc) with X_b
+    the scaled code sum of the activation block (:func:`_chain`). R = 1 returns the sum; R > 1
+    stores the R sums (each equal to the R = 1 result bit for bit)."""
     size = BY_ID[qt].block_bytes
 
     def codegen(context, builder, signature, args):
-        pw, pq, pd, ps, nb = args
-        acc = cgutils.alloca_once_value(builder, _const(_F32, 16, 0.0))
-        acc_m = cgutils.alloca_once_value(builder, _const(_F32, 4, 0.0))
+        if R == 1:
+            pw, pq, pd, ps, nb = args
+            sq = sd = ss = ir.Constant(_I64, 0)
+        else:
+            pw, pq, pd, ps, nb, sq, sd, ss, py, sy = args
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(R)]
         npair = builder.sdiv(nb, ir.Constant(_I64, 2))
-        lanes = [0] * 8 + [1] * 8
-
-        def at(base, i, step):
-            return builder.add(base, builder.mul(i, ir.Constant(_I64, step)))
-
-        with cgutils.for_range(builder, npair) as loop:  # blocks 2i, 2i + 1
-            i = loop.index
-            u, a, m = _pair32(qt, builder, at(pw, i, 2 * size), vnni and GFNI)
-            xs = _load(builder, at(pq, i, 64), 0, _vec(_I8, 64))
-            p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 16))
-            dx = _load(builder, at(pd, i, 8), 0, _vec(_F32, 2), 4)
-            builder.store(_fma(builder, p, _shuf(builder, builder.fmul(a, dx), lanes),
-                               builder.load(acc)), acc)
-            sums = _load(builder, at(ps, i, 16), 0, _vec(_F32, 4), 4)
-            builder.store(_fma(builder, sums, _shuf(builder, m, [0, 0, 1, 1]),
-                               builder.load(acc_m)), acc_m)
-        total = builder.fadd(_reduce(builder, builder.load(acc)),
-                             _reduce(builder, builder.load(acc_m)))
-        last = builder.sub(nb, ir.Constant(_I64, 1))
-        odd = builder.icmp_signed("!=", builder.mul(npair, ir.Constant(_I64, 2)), nb)
-        out = cgutils.alloca_once_value(builder, total)
-        with builder.if_then(odd):
-            u, a, m = _block32(qt, builder, at(pw, last, size))
-            xs = _load(builder, at(pq, last, 32), 0, _vec(_I8, 32))
-            p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 8))
-            dx = _load(builder, at(pd, last, 4), 0, _F32, 4)
-            sums = _reduce(builder, _load(builder, at(ps, last, 8), 0, _vec(_F32, 2), 4))
-            v = _reduce(builder, builder.fmul(p, _splat(builder, builder.fmul(a, dx), 8)))
-            builder.store(builder.fadd(total, builder.fadd(v, builder.fmul(sums, m))), out)
-        return builder.load(out)
-
-    return codegen
-
-
-def _rows32_multi(qt, vnni, R):
-    """The codegen of :func:`_rows32` for R activation rows at once: each pair of blocks of W is
-    decoded once and dotted with the R rows (the same operations per row, in the same order, so
-    each result equals :func:`_rows32`'s bit for bit); the R sums are stored, not returned."""
-    size = BY_ID[qt].block_bytes
-
-    def codegen(context, builder, signature, args):
-        pw, pq, pd, ps, nb, sq, sd, ss, py, sy = args
-        acc = [cgutils.alloca_once_value(builder, _const(_F32, 16, 0.0)) for _ in range(R)]
-        acc_m = [cgutils.alloca_once_value(builder, _const(_F32, 4, 0.0)) for _ in range(R)]
-        npair = builder.sdiv(nb, ir.Constant(_I64, 2))
-        lanes = [0] * 8 + [1] * 8
 
         def at(base, i, step):
             return builder.add(base, builder.mul(i, ir.Constant(_I64, step)))
@@ -295,45 +337,29 @@ def _rows32_multi(qt, vnni, R):
         def row(base, stride, r):
             return builder.add(base, builder.mul(stride, ir.Constant(_I64, r)))
 
-        with cgutils.for_range(builder, npair) as loop:  # blocks 2i, 2i + 1
-            i = loop.index
-            u, a, m = _pair32(qt, builder, at(pw, i, 2 * size), vnni and GFNI)
-            m = _shuf(builder, m, [0, 0, 1, 1])
+        def step(i, n):  # blocks n i .. n i + n - 1 (n = 2: a pair) into every row's chain
             for r in range(R):
-                xs = _load(builder, at(row(pq, sq, r), i, 64), 0, _vec(_I8, 64))
-                p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 16))
-                dx = _load(builder, at(row(pd, sd, r), i, 8), 0, _vec(_F32, 2), 4)
-                builder.store(_fma(builder, p, _shuf(builder, builder.fmul(a, dx), lanes),
-                                   builder.load(acc[r])), acc[r])
-                sums = _load(builder, at(row(ps, ss, r), i, 16), 0, _vec(_F32, 4), 4)
-                builder.store(_fma(builder, sums, m, builder.load(acc_m[r])), acc_m[r])
-        last = builder.sub(nb, ir.Constant(_I64, 1))
-        odd = builder.icmp_signed("!=", builder.mul(npair, ir.Constant(_I64, 2)), nb)
-        out = []
+                builder.store(_step32(qt, builder, builder.load(accs[r]), at(pw, i, n * size),
+                                      at(row(pq, sq, r), i, 32 * n),
+                                      at(row(pd, sd, r), i, 4 * n),
+                                      at(row(ps, ss, r), i, 8 * n), n, vnni), accs[r])
+
+        with cgutils.for_range(builder, npair) as loop:
+            step(loop.index, 2)
+        with builder.if_then(builder.icmp_signed("!=", builder.mul(npair, ir.Constant(_I64, 2)),
+                                                 nb)):
+            step(builder.sub(nb, ir.Constant(_I64, 1)), 1)
+        if R == 1:
+            return builder.load(accs[0])
         for r in range(R):
-            total = builder.fadd(_reduce(builder, builder.load(acc[r])),
-                                 _reduce(builder, builder.load(acc_m[r])))
-            out.append(cgutils.alloca_once_value(builder, total))
-        with builder.if_then(odd):
-            u, a, m = _block32(qt, builder, at(pw, last, size))
-            for r in range(R):
-                xs = _load(builder, at(row(pq, sq, r), last, 32), 0, _vec(_I8, 32))
-                p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 8))
-                dx = _load(builder, at(row(pd, sd, r), last, 4), 0, _F32, 4)
-                sums = _reduce(builder, _load(builder, at(row(ps, ss, r), last, 8), 0,
-                                              _vec(_F32, 2), 4))
-                v = _reduce(builder, builder.fmul(p, _splat(builder, builder.fmul(a, dx), 8)))
-                builder.store(builder.fadd(builder.load(out[r]),
-                                           builder.fadd(v, builder.fmul(sums, m))), out[r])
-        for r in range(R):
-            builder.store(builder.load(out[r]), _at(builder, row(py, sy, r), 0, _F32), align=4)
+            builder.store(builder.load(accs[r]), _at(builder, row(py, sy, r), 0, _F32), align=4)
         return context.get_dummy_value()
 
     return codegen
 
 
 def _make_multi(qt, vnni, R):
-    gen = _rows32_multi(qt, vnni, R)
+    gen = _rows32(qt, vnni, R)
 
     @intrinsic
     def irows(typingctx, pw, pq, pd, ps, nblocks, sq, sd, ss, py, sy):
@@ -387,46 +413,53 @@ def _kchunk(qt, builder, blk, c):
     return u
 
 
+def _kparts(qt, builder, blk):
+    """(A, C) of the super-block at blk in the form w = A u + C of :mod:`.qgemm8`: float
+    vectors of one entry per sub-block (8 of 32 values, or 16 of 16)."""
+    A, B = _kscales(BY_ID[qt].name, builder, blk)
+    n = A.type.count
+    if B is None:
+        return A, builder.fmul(A, _splat(builder, ir.Constant(_F32, -_OFFSET[qt]), n), flags=EXACT)
+    return A, builder.fsub(_splat(builder, ir.Constant(_F32, 0.0), n), B, flags=EXACT)
+
+
 def _rowsk(qt, vnni):
-    size, kind = BY_ID[qt].block_bytes, BY_ID[qt].name
+    r"""The codegen of \sum_k W_k x_k for a row of K super-blocks: per sub-block j (of G = 32 or
+    16 values), in the order of k, acc = fma(I_j, d A_j, acc), acc = fma(X_j, C_j, acc)
+    (:func:`_chain`, the order of :mod:`.qgemm8`'s tiles)."""
+    size = BY_ID[qt].block_bytes
 
     def codegen(context, builder, signature, args):
         pw, pq, pd, ps, nb = args
-        # two accumulators for the chunks (two chains of fused multiply-adds), one for the mins
-        accs = [cgutils.alloca_once_value(builder, _const(_F32, 16, 0.0)) for _ in range(3)]
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
         with cgutils.for_range(builder, nb) as loop:
             i = loop.index
             blk = builder.add(pw, builder.mul(i, ir.Constant(_I64, size)))
             qx = builder.add(pq, builder.mul(i, ir.Constant(_I64, 256)))
             dx = _load(builder, builder.add(pd, builder.mul(i, ir.Constant(_I64, 32))), 0,
                        _vec(_F32, 8), 4)
-            A, B = _kscales(kind, builder, blk)
-            n = A.type.count  # 8 (per 32-run) or 16 (per 16-run)
-            if n == 16:
-                dx = _shuf(builder, dx, [j // 2 for j in range(16)])
-            AD = builder.fmul(A, dx)
-            a = [builder.load(accs[0]), builder.load(accs[1])]
+            sums = _load(builder, builder.add(ps, builder.mul(i, ir.Constant(_I64, 64))), 0,
+                         _vec(_F32, 16), 4)
+            A, C = _kparts(qt, builder, blk)
+            n = A.type.count  # 8 (G = 32) or 16 (G = 16) sub-blocks
+            G = 256 // n
+            a = builder.load(acc)
             for c in range(4):
-                lanes = [2 * c + j // 8 for j in range(16)] if n == 8 else \
-                    [4 * c + j // 4 for j in range(16)]
                 xs = _load(builder, qx, 64 * c, _vec(_I8, 64))
-                p = builder.sitofp(_dot4(builder, _kchunk(qt, builder, blk, c), xs, vnni),
-                                   _vec(_F32, 16))
-                a[c % 2] = _fma(builder, p, _shuf(builder, AD, lanes), a[c % 2])
-            builder.store(a[0], accs[0])
-            builder.store(a[1], accs[1])
-            M = builder.fmul(A, _const(_F32, n, -_OFFSET[qt])) if qt in _OFFSET else None
-            if B is not None:
-                M = builder.fsub(_const(_F32, n, 0.0), B)
-            if M is not None:  # - (o A + B) times the scaled sums of each 16 codes
-                if n == 8:
-                    M = _shuf(builder, M, [j // 2 for j in range(16)])
-                sums = _load(builder, builder.add(ps, builder.mul(i, ir.Constant(_I64, 64))), 0,
-                             _vec(_F32, 16), 4)
-                builder.store(_fma(builder, sums, M, builder.load(accs[2])), accs[2])
-        v = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
-                         builder.load(accs[2]))
-        return _reduce(builder, v)
+                p = _dot4(builder, _kchunk(qt, builder, blk, c), xs, vnni)
+                for t in range(64 // G):
+                    j = (64 // G) * c + t
+                    dA = builder.fmul(_el(builder, dx, j * G // 32), _el(builder, A, j),
+                                      flags=EXACT)
+                    if G == 32:
+                        X = builder.fadd(_el(builder, sums, 2 * j),
+                                         _el(builder, sums, 2 * j + 1), flags=EXACT)
+                    else:
+                        X = _el(builder, sums, j)
+                    a = _chain(builder, a, _isum(builder, p, G // 4 * t, G // 4), dA, X,
+                               _el(builder, C, j))
+            builder.store(a, acc)
+        return builder.load(acc)
 
     return codegen
 
