@@ -23,6 +23,7 @@ from minillama.core.errors import MinillamaError
 from minillama.infer.chat import ChatSession
 from minillama.infer.generate import TextStreamer, warm_up
 from minillama.io.load import open_model
+from minillama.io.tokenizer import TOKENIZER_KINDS
 
 
 def add_cli(subparsers) -> None:
@@ -93,7 +94,7 @@ def _open_session(args):
     model, tok, _ = open_model(checkpoint, args.backend, args.dtype,
                                getattr(args, "adapter", None), args.tokenizer)
     if tok is None:
-        raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer")
+        raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer ({TOKENIZER_KINDS})")
     session = ChatSession(model, tok, system=args.system, max_new_tokens=args.max_new_tokens,
                           context=args.context, params=params)
     # a throwaway turn compiles (or loads) the kernels before the first prompt, saying so when

@@ -11,6 +11,7 @@ from minillama.core.config import COMPUTE_DTYPES, DTYPE_HELP
 from minillama.core.errors import MinillamaError
 from minillama.core.sampling import SamplingParams
 from minillama.io.load import DEFAULT_CHECKPOINT
+from minillama.io.tokenizer import TOKENIZER_KINDS
 
 
 def positive_int(text: str) -> int:
@@ -38,9 +39,8 @@ def add_model_flags(p, *, checkpoint_required: bool = False, checkpoint_help: st
                                            f"shipped with the package)")
     if tokenizer:
         p.add_argument("--tokenizer", "-t", default=None,
-                       help="tokenizer: llama2.c tokenizer.bin, Hugging Face tokenizer.json (or "
-                            "its folder), or 'byte' (default: the one stored with the "
-                            "checkpoint)")
+                       help=f"tokenizer: {TOKENIZER_KINDS} (default: the one stored with the "
+                            f"checkpoint)")
     if adapter:
         p.add_argument("--adapter", default=None,
                        help="a LoRA adapter folder (PEFT's adapter_config.json + "

@@ -25,7 +25,8 @@ from minillama.core.quantize import (
 from minillama.io.checkpoint import check_output_file, save_checkpoint
 from minillama.io.export import FORMATS, export
 from minillama.io.gguf import save_gguf
-from minillama.io.load import load_params
+from minillama.io.load import load_params, resolve_tokenizer
+from minillama.io.tokenizer import TOKENIZER_KINDS
 from minillama.model.gqa import convert_gqa
 
 
@@ -101,7 +102,9 @@ def _add_quantize(subparsers) -> None:
                     ".safetensors, a Hugging Face folder, a GGUF file) into a GGUF file that "
                     "llama.cpp and transformers read. Norms stay F32; the output head takes "
                     "Q6_K (or the base type if it has 6 bits or more) unless --output-type "
-                    f"says otherwise. Types: {types}. See docs/QUANTIZATION.md.")
+                    "says otherwise. The file carries the checkpoint's tokenizer (or "
+                    "--tokenizer's); one that cannot be carried is refused. "
+                    f"Types: {types}. See docs/QUANTIZATION.md.")
     p.add_argument("input", help="checkpoint file or folder")
     p.add_argument("output", help="GGUF file to write (atomically)")
     p.add_argument("--type", required=True, dest="qtype", metavar="TYPE",
@@ -110,6 +113,9 @@ def _add_quantize(subparsers) -> None:
                    help="type of the output head (default: Q6_K, or the base type if higher)")
     p.add_argument("--embedding-type", default=None, metavar="TYPE",
                    help="type of the token embeddings when not tied (default: the base type)")
+    p.add_argument("--tokenizer", "-t", default=None,
+                   help=f"the tokenizer the file carries: {TOKENIZER_KINDS} (default: the "
+                        f"checkpoint's own)")
     p.set_defaults(func=run_quantize)
 
 
@@ -122,11 +128,19 @@ def run_quantize(args) -> int:
     if Path(args.input).resolve() == out.resolve():
         raise MinillamaError("the output file is the input checkpoint; choose another path")
     t0 = time.perf_counter()
-    _, cfg, params, tok = load_params(args.input)
+    fmt, cfg, params, tok = load_params(args.input)
+    tok = resolve_tokenizer(args.tokenizer, tok, cfg, Path(args.input), fmt)
+    if tok is None:
+        raise MinillamaError(f"{args.input} has no tokenizer and a GGUF file without one cannot "
+                             f"take a text prompt; pass --tokenizer ({TOKENIZER_KINDS})")
     before = sum(int(np.prod(a.shape)) * 4 for a in params.values())
     qparams, types, notes = quantize_params(cfg, params, qtype, out_type, emb_type)
     notes_tok: list[str] = []
     save_gguf(out, cfg, qparams, tokenizer=tok, types=types, notes=notes_tok)
+    if notes_tok:  # the tokenizer could not be carried: no file without it
+        out.unlink()
+        raise MinillamaError(f"{notes_tok[0]}; nothing written (pass --tokenizer with one "
+                             f"GGUF holds: {TOKENIZER_KINDS})")
     secs = time.perf_counter() - t0
     counts: dict[str, int] = {}
     for name, a in qparams.items():
@@ -134,7 +148,7 @@ def run_quantize(args) -> int:
         counts[kind] = counts.get(kind, 0) + 1
     n_weights = sum(int(np.prod(a.shape)) for a in params.values())
     size = out.stat().st_size
-    for note in notes + notes_tok:
+    for note in notes:
         print(f"minillama: note: {note}", file=sys.stderr)
     print(f"wrote {out}: {size / 2**20:.2f} MiB ({8 * size / n_weights:.2f} bits per weight; "
           f"float32 {before / 2**20:.2f} MiB), tensors "

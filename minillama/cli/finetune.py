@@ -6,7 +6,6 @@ adapter into its base model as a Hugging Face folder. The run itself is
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,11 @@ from minillama.cli.common import (
     positive_int,
 )
 from minillama.core.errors import MinillamaError
-from minillama.io.checkpoint import check_output_dir
-from minillama.io.hf import is_hf_dir
+from minillama.io.checkpoint import atomic_write, check_output_dir
+from minillama.io.hf import HF_TOKENIZER_FILES, gguf_tokenizer_files, is_hf_dir
 from minillama.io.load import load_params, save_hf
 from minillama.io.peft import load_peft
+from minillama.io.tokenizer import ByteTokenizer, HFTokenizer
 from minillama.model.transformer import Transformer
 from minillama.train.finetune import SETTINGS, Finetuner, saved_settings, settle_memory
 from minillama.train.memplan import parse_size
@@ -76,8 +76,11 @@ def add_cli(subparsers) -> None:
 
     m = subparsers.add_parser(
         "merge", help="merge a LoRA adapter into its base model (writes a HF folder)",
-        description="Write BASE with ADAPTER merged (W + s B A) as a Hugging Face llama folder; "
-                    "the base's tokenizer files are copied beside it.")
+        description="Write BASE with ADAPTER merged (W + s B A) as a Hugging Face llama folder "
+                    "with the base's tokenizer and chat template (a Hugging Face base's files "
+                    "copied, a GGUF base's byte-level BPE or the byte tokenizer written as "
+                    "tokenizer.json), so generate, chat, serve and quantize take the folder as "
+                    "it is.")
     m.add_argument("base", help="the base checkpoint the adapter was trained on")
     m.add_argument("adapter", help="the adapter folder (adapter_config.json + "
                                    "adapter_model.safetensors)")
@@ -97,23 +100,47 @@ def _add_memory_flags(p) -> None:
 
 
 def run_merge(args) -> int:
-    """``minillama merge BASE ADAPTER --out DIR``."""
-    out = check_output_dir(args.out, "output folder (--out)")
+    """``minillama merge BASE ADAPTER --out DIR``: the merged weights and the base's tokenizer."""
     fmt, cfg, params, tok = load_params(args.base)
+    files = _tokenizer_files(args.base, fmt, tok)
+    out = check_output_dir(args.out, "output folder (--out)")
     model = Transformer(cfg, params, backend="reference", dtype=np.float32)
     lora = load_peft(model, args.adapter)
-    save_hf(out, cfg, lora.merged(model.params))  # float32: a quantized base is dequantized
-    if is_hf_dir(args.base):
-        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                     "special_tokens_map.json"):
-            if (Path(args.base) / name).is_file():
-                shutil.copyfile(Path(args.base) / name, out / name)
+    save_hf(out, cfg, lora.merged(model.params),  # float32: a quantized base is dequantized
+            tokenizer=tok if isinstance(tok, ByteTokenizer) else None)
+    for name, data in files.items():
+        atomic_write(out / name, lambda t, data=data: Path(t).write_bytes(data))
+    if files:
+        _check_carried(out, tok)
     print(f"wrote {out}: {args.base} with {args.adapter} merged "
           f"({len(lora.targets)} linears, rank {lora.lc.rank})", file=sys.stderr)
-    if fmt == "gguf" and tok is not None:
-        print(f"the tokenizer stays in {args.base}: run the merged model with --tokenizer "
-              f"{args.base}", file=sys.stderr)
     return 0
+
+
+def _tokenizer_files(base, fmt: str, tok) -> dict[str, bytes]:
+    """The tokenizer files a merged folder takes from ``base`` (the byte tokenizer is written by
+    ``save_hf``); a tokenizer that cannot be carried is refused before anything is written."""
+    if tok is None or isinstance(tok, ByteTokenizer):
+        return {}
+    if is_hf_dir(base):
+        return {name: (Path(base) / name).read_bytes() for name in HF_TOKENIZER_FILES
+                if (Path(base) / name).is_file()}
+    if fmt == "gguf":
+        files = gguf_tokenizer_files(base, tok)
+        if files is not None:
+            return files
+    raise MinillamaError(f"{base}: its {type(tok).__name__} cannot be written to a Hugging Face "
+                         f"folder (a byte-level BPE or the byte tokenizer can); merge a base in "
+                         f"another format")
+
+
+def _check_carried(out: Path, tok) -> None:
+    """The merged folder's tokenizer encodes, ends turns and renders chats as the base's."""
+    got = HFTokenizer(out)
+    text = "Merged: the cat sat on the mat, été 2024!\n  <|im_end|>"
+    if got.encode(text) != tok.encode(text) or got.chat_template != tok.chat_template \
+            or set(got.stop_ids) != set(getattr(tok, "stop_ids", set()) or got.stop_ids):
+        raise MinillamaError(f"the tokenizer written to {out} does not encode as the base's")
 
 
 def settings_from_args(args) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from minillama.infer.generate import (
 )
 from minillama.io.chat_template import encode_rendered, render_chat, stop_ids
 from minillama.io.load import DEFAULT_CHECKPOINT, open_model
-from minillama.io.tokenizer import ByteTokenizer
+from minillama.io.tokenizer import TOKENIZER_KINDS, ByteTokenizer
 
 #: the values of --cuda-graph
 CUDA_GRAPH_CHOICES = ("auto", "on", "off")
@@ -153,7 +153,7 @@ def _cli_prompt(args, tok, cfg, checkpoint, fmt) -> tuple[list[int], set[int]]:
         if args.prompt:
             hint = ("--tokenizer byte (its vocabulary of 258 is minillama's byte tokenizer)"
                     if cfg.vocab_size == ByteTokenizer.vocab_size else
-                    "--tokenizer (a llama2.c tokenizer.bin, a tokenizer.json, or byte)")
+                    f"--tokenizer ({TOKENIZER_KINDS})")
             raise MinillamaError(f"{checkpoint} has no tokenizer; pass {hint} to use a text "
                                  f"prompt")
         bos, stop = 1, ({1, 2} if fmt == "llama2c" else set())

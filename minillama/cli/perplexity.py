@@ -14,6 +14,7 @@ from minillama.cli.common import add_backend_flag, add_model_flags, positive_int
 from minillama.core.errors import MinillamaError
 from minillama.infer.perplexity import SHAKESPEARE_VAL, default_bos, perplexity, read_text
 from minillama.io.load import DEFAULT_CHECKPOINT, detect_format, load_model, resolve_tokenizer
+from minillama.io.tokenizer import TOKENIZER_KINDS
 
 
 def add_cli(subparsers) -> None:
@@ -50,8 +51,7 @@ def run_perplexity(args) -> int:
     model, model_tok = load_model(checkpoint, backend=args.backend)
     tok = resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt)
     if tok is None:
-        raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer (tokenizer.bin, "
-                             f"tokenizer.json or byte)")
+        raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer ({TOKENIZER_KINDS})")
     bos = default_bos(tok) if args.bos == "auto" else args.bos == "yes"
     if bos and tok.bos_id is None:
         raise MinillamaError("the tokenizer has no BOS token; pass --bos no")

@@ -20,6 +20,7 @@ from minillama.infer.engine import Engine
 from minillama.infer.generate import warm_up
 from minillama.infer.serve import build_app
 from minillama.io.load import DEFAULT_CHECKPOINT, detect_format, load_model, resolve_tokenizer
+from minillama.io.tokenizer import TOKENIZER_KINDS
 
 
 def non_negative_int(text: str) -> int:
@@ -83,7 +84,7 @@ def load_engine(args):
     model, model_tok = load_model(checkpoint, backend=args.backend, dtype=args.dtype)
     tok = resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt)
     if tok is None:
-        raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer")
+        raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer ({TOKENIZER_KINDS})")
     engine = Engine(model, max_batch=args.max_batch, max_seq_len=args.max_context,
                     max_queue=args.max_queue, prefix_reuse=args.prefix_reuse,
                     prefix_rows=args.prefix_cache)

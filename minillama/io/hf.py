@@ -32,8 +32,10 @@ import numpy as np
 
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
+from minillama.io.bpe import byte_level_json
 from minillama.io.checkpoint import atomic_write, check_finite, check_output_dir
-from minillama.io.families import family_for, hf_family
+from minillama.io.families import family_for, hf_family, pre_tokenizers
+from minillama.io.gguf_file import meta, open_gguf
 from minillama.io.safetensors_file import read_safetensors_file
 from minillama.io.tokenizer import ByteTokenizer, HFTokenizer
 from minillama.model.transformer import check_params
@@ -325,6 +327,45 @@ def _save_hf_weights(d: Path, out: dict[str, np.ndarray], max_shard_bytes: int |
         os.unlink(stale)
 
 
+#: the files of a Hugging Face folder that make its tokenizer and chat template
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                      "generation_config.json", "chat_template.jinja")
+
+
+def gguf_tokenizer_files(path, tok) -> dict[str, bytes] | None:
+    """A GGUF file's byte-level BPE tokenizer (``tokenizer.ggml.model`` ``gpt2``, read as
+    ``tok``) as Hugging Face files: ``tokenizer.json`` (vocabulary, merges, special tokens, the
+    pre-tokenizer's split pattern), ``tokenizer_config.json`` (BOS/EOS, whether encode adds
+    them, the chat template) and ``generation_config.json`` (every end-of-turn id). None for
+    another tokenizer model."""
+    reader = open_gguf(Path(path))
+    if meta(reader, "tokenizer.ggml.model") != "gpt2":
+        return None
+    tokens = [str(t) for t in meta(reader, "tokenizer.ggml.tokens")]
+    types = meta(reader, "tokenizer.ggml.token_type") or []
+    pattern, ignore = pre_tokenizers()[meta(reader, "tokenizer.ggml.pre", "default")]
+    special = [i for i, t in enumerate(types) if t == 3 and i < len(tokens)]
+    tj = byte_level_json(tokens, [str(m) for m in meta(reader, "tokenizer.ggml.merges")],
+                         special, pattern, ignore)
+    tj["added_tokens"] = [{**t, "single_word": False, "lstrip": False, "rstrip": False,
+                           "normalized": False} for t in tj["added_tokens"]]
+    split, level = tj["pre_tokenizer"]["pretokenizers"]  # the fields the tokenizers library asks
+    split.update(behavior="Isolated", invert=False)
+    level.update(trim_offsets=True)
+    tj["decoder"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                     "use_regex": False}
+    conf = {"bos_token": None if tok.bos_id is None else tokens[tok.bos_id],
+            "eos_token": None if tok.eos_id is None else tokens[tok.eos_id],
+            "add_bos_token": bool(tok.add_bos), "add_eos_token": bool(tok.add_eos)}
+    files = {"tokenizer.json": tj, "tokenizer_config.json": conf,
+             "generation_config.json": {"eos_token_id": sorted(tok.stop_ids)}}
+    out = {name: json.dumps(obj, indent=1, ensure_ascii=False).encode("utf-8")
+           for name, obj in files.items()}
+    if tok.chat_template:
+        out["chat_template.jinja"] = tok.chat_template.encode("utf-8")
+    return out
+
+
 def save_hf_tokenizer(d: Path, tokenizer, model_max_length: int) -> None:
     """The tokenizer files of a Hugging Face folder: the byte tokenizer as a byte-fallback BPE
     (:meth:`~minillama.io.tokenizer.ByteTokenizer.hf_files`), a folder's own ``tokenizer.json`` (and
@@ -335,8 +376,7 @@ def save_hf_tokenizer(d: Path, tokenizer, model_max_length: int) -> None:
         files = {name: json.dumps(obj, indent=2, ensure_ascii=False).encode("utf-8")
                  for name, obj in ByteTokenizer.hf_files(model_max_length).items()}
     elif isinstance(tokenizer, HFTokenizer):
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                     "generation_config.json"):
+        for name in HF_TOKENIZER_FILES:
             src = tokenizer.path.parent / name
             if src.is_file() and src.resolve() != (d / name).resolve():
                 files[name] = src.read_bytes()

@@ -330,6 +330,11 @@ def _pick_chat_template(value, where) -> str | None:
     raise MinillamaError(f"{where}: chat_template must be a string or a list with a 'default'")
 
 
+#: every tokenizer ``--tokenizer`` (:func:`load_tokenizer`) accepts, as the commands name them
+TOKENIZER_KINDS = ("a llama2.c tokenizer.bin, a Hugging Face tokenizer.json (or its folder), a "
+                   "GGUF file (the tokenizer in its metadata), or 'byte'")
+
+
 def load_tokenizer(spec: str):
     """A tokenizer from a command-line spec: ``byte``, a llama2.c ``tokenizer.bin``, a HF
     ``tokenizer.json`` or a folder holding one, or a GGUF file (the tokenizer in its metadata)."""
@@ -339,7 +344,7 @@ def load_tokenizer(spec: str):
         return ByteTokenizer()
     p = Path(spec)
     if not p.exists():
-        raise MinillamaError(f"tokenizer not found: {p}")
+        raise MinillamaError(f"tokenizer not found: {p} (a tokenizer is {TOKENIZER_KINDS})")
     if p.is_dir() or p.suffix == ".json":
         return HFTokenizer(p)
     if p.suffix == ".gguf":
@@ -348,8 +353,8 @@ def load_tokenizer(spec: str):
             raise MinillamaError(f"{p} holds no tokenizer")
         return tok
     if p.suffix == ".model":
-        raise MinillamaError(f"{p}: SentencePiece .model files are not read; use the llama2.c "
-                             f"tokenizer.bin or a Hugging Face tokenizer.json")
+        raise MinillamaError(f"{p}: SentencePiece .model files are not read; pass "
+                             f"{TOKENIZER_KINDS}")
     return Llama2cTokenizer(p)
 
 
