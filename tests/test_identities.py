@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -27,6 +28,7 @@ from minillama.core import ops
 from minillama.identities import CATALOG, check_norm, check_rope, doc
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
 MATH = ROOT / "docs" / "MATH.md"
 
 
@@ -131,6 +133,82 @@ class UnscaledLoRA(ReferenceBackend):
         return ops.lora_forward(x, w, a, b, 1.0, drop)
 
 
+# realistic one-op faults the invariances let through: a wrong backward, a wrong scale, ignored
+# targets counted, a cached chunk masked as a fresh prefill
+class RMSNormBackwardNoMeanTerm(ReferenceBackend):
+    """dx = r (dy g): the term through the shared 1/rms forgotten."""
+
+    def rmsnorm_backward(self, dy, ctx):
+        x, r, g = ctx
+        return r * dy * g, (dy * x * r).reshape(-1, x.shape[-1]).sum(axis=0)
+
+
+class AttentionBackwardUnscaledQ(ReferenceBackend):
+    """dq without the 1/sqrt(hd) of the scores."""
+
+    def attention_backward(self, dout, ctx):
+        dq, dk, dv = ops.attention_backward(dout, ctx)
+        return dq * np.sqrt(dout.shape[-1]), dk, dv
+
+
+class SwiGLUBackwardSigmoidOnly(ReferenceBackend):
+    """da = dh b sigma(a): silu's derivative taken as the sigmoid's value."""
+
+    def swiglu_backward(self, dh, ctx):
+        a, b, sig, silu = ctx
+        return dh * b * sig, dh * silu
+
+
+class LoRABackwardUnscaledB(ReferenceBackend):
+    """dB = dy^T u without the adapter's scale s."""
+
+    def lora_backward(self, dy, ctx):
+        dx, da, db = ops.lora_backward(dy, ctx)
+        return dx, da, db / ctx[4]
+
+
+class CrossEntropyBackwardAllRows(ReferenceBackend):
+    """The gradient of the mean over all N rows (ignored ones included) instead of the kept."""
+
+    def cross_entropy_backward(self, dloss, ctx):
+        p, t, valid, count = ctx
+        dz = p.copy()
+        dz[np.arange(p.shape[0]), t] -= 1.0
+        return dz * (np.asarray(dloss) / p.shape[0])
+
+
+class AttentionScaledByHd(ReferenceBackend):
+    """Scores q.k / hd instead of q.k / sqrt(hd) (and the matching backward)."""
+
+    def attention_forward(self, q, k, v, start_pos=0):
+        return ops.attention_forward(q / np.sqrt(q.shape[-1]), k, v, start_pos)
+
+
+class IgnoredTargetsCounted(ReferenceBackend):
+    """The mean loss over all rows: an ignored target (-1) reads the last logit as Python's
+    negative index does."""
+
+    def cross_entropy_forward(self, logits, targets, ignore_index=-1):
+        p = ops.softmax(logits)
+        rows = np.arange(len(targets))
+        return -np.log(p[rows, targets]).mean(), None
+
+
+class HeadIgnoresIgnoreIndex(ReferenceBackend):
+    """The loss head's logits, then a cross-entropy that never looks at the ignore index."""
+
+    def linear_cross_entropy_forward(self, x, w, targets, ignore_index=-1):
+        return IgnoredTargetsCounted.cross_entropy_forward(self, x @ w.T, targets)
+
+
+class ChunkMaskedAsPrefill(ReferenceBackend):
+    """A prefill path for T > 1 that masks as if no positions were cached (a decode step,
+    T = 1, keeps start_pos): a chunk after a cached prefix reads the wrong keys."""
+
+    def attention_forward(self, q, k, v, start_pos=0):
+        return ops.attention_forward(q, k, v, 0 if q.shape[1] > 1 else start_pos)
+
+
 PLANTED = [("NoMaskAttention", "attention_causal_mask"),
            ("NoMaskAttention", "model_causality"),
            ("StartPosIgnored", "attention_cached_rows"),
@@ -141,7 +219,18 @@ PLANTED = [("NoMaskAttention", "attention_causal_mask"),
            ("MeanAbsRMSNorm", "rmsnorm_unit_gain_rms"),
            ("WrongGroupAttention", "attention_gqa_equals_repeated_mha"),
            ("UnshiftedCrossEntropy", "cross_entropy_shift_invariance"),
-           ("UnscaledLoRA", "lora_merge_equivalence")]
+           ("UnscaledLoRA", "lora_merge_equivalence"),
+           ("RMSNormBackwardNoMeanTerm", "rmsnorm_gradient"),
+           ("AttentionBackwardUnscaledQ", "attention_gradient"),
+           ("SwiGLUBackwardSigmoidOnly", "swiglu_gradient"),
+           ("LoRABackwardUnscaledB", "lora_gradient"),
+           ("CrossEntropyBackwardAllRows", "cross_entropy_gradient"),
+           ("AttentionScaledByHd", "attention_two_keys_closed_form"),
+           ("AttentionScaledByHd", "attention_zero_padding_rescales"),
+           ("IgnoredTargetsCounted", "cross_entropy_known_values"),
+           ("HeadIgnoresIgnoreIndex", "linear_cross_entropy_known_values"),
+           ("ChunkMaskedAsPrefill", "attention_cached_rows"),
+           ("ChunkMaskedAsPrefill", "model_kv_cache_decode")]
 
 
 def _shrunk(out: str) -> dict:
@@ -159,11 +248,31 @@ def test_planted_fault_fails_with_a_shrunk_reproducible_example(cls, identity, c
     assert re.search(rf"^{identity}\s+\d+\s+\S+\s+FAIL\s", out, re.M), out
     assert f"FAILED {identity}" in out
     example = _shrunk(out)
-    line = re.search(r"reproduce: (minillama check .*)$", out, re.M).group(1)
+    env, line = re.search(r"reproduce: (PYTHONPATH=\S+ )?(minillama check .*)$", out,
+                          re.M).groups()
+    assert env == f"PYTHONPATH={TESTS} "  # the folder of the user's module, to run from anywhere
     assert f"--backend {spec} --only {identity} --seed 0" in line
     # the printed command reproduces the same shrunk example
     code2, out2, _ = run(capsys, *shlex.split(line)[2:])
     assert code2 == 1 and _shrunk(out2) == example
+
+
+@pytest.mark.parametrize(("cls", "blind"), [
+    ("RMSNormBackwardNoMeanTerm", ["model_batch_gradient_is_mean"]),
+    ("AttentionScaledByHd", ["attention_causal_mask", "attention_cached_rows",
+                             "attention_gqa_equals_repeated_mha", "attention_key_shift_invariance",
+                             "attention_head_permutation", "attention_batch_independence",
+                             "model_causality", "model_kv_cache_decode",
+                             "model_batch_independence"]),
+])
+def test_the_invariances_alone_let_these_faults_through(cls, blind, capsys):
+    """What the gradient and known-answer identities add: the faults above pass the invariances
+    of their op (linear in the gradient, or blind to the score scale; only the comparison with
+    the reference's cross-attention, another op, saw the scale before)."""
+    code, out, _ = run(capsys, "--backend", f"test_identities:{cls}", "--only", *blind,
+                       "--seed", "0", "--examples", "20")
+    assert code == 0, out
+    assert f"{len(blind)} passed, 0 failed" in out
 
 
 def test_a_shrunk_example_is_the_smallest_the_strategy_allows(capsys):
@@ -191,7 +300,8 @@ def test_json_reports_every_identity_and_the_failure(capsys):
     assert list(by_name) == names
     bad = by_name["attention_causal_mask"]
     assert bad["status"] == "fail" and bad["counterexample"]["T"] >= 2
-    assert bad["reproduce"].startswith("minillama check --backend test_identities:NoMaskAttention")
+    assert bad["reproduce"].startswith(f"PYTHONPATH={TESTS} minillama check --backend "
+                                       "test_identities:NoMaskAttention")
     for name in names[1:]:
         assert by_name[name]["status"] == "pass" and by_name[name]["examples"] >= 1
         assert 0 <= by_name[name]["worst"] <= 1
@@ -217,17 +327,85 @@ class BareRowOps:
 
 
 def test_a_user_backend_class_runs_its_ops_and_skips_the_rest(capsys):
+    """A bare class of two forwards: every identity that calls one of them runs (a model
+    identity with the reference's other ops, said in its row); those that touch none of them,
+    core code included, are skipped and not counted as passed."""
     code, out, _ = run(capsys, "--backend", "test_identities:BareRowOps", "--only",
                        "rope_relative_position", "rmsnorm_scale_invariance",
                        "attention_causal_mask", "model_causality", "quant_round_trip",
                        "--examples", "5", "--seed", "2")
     assert code == 0, out
     table = rows(out)
-    for name in ("rope_relative_position", "rmsnorm_scale_invariance", "quant_round_trip"):
+    for name in ("rope_relative_position", "rmsnorm_scale_invariance", "model_causality"):
         assert " pass " in table[name]
+    assert "(reference's embedding_forward, linear_forward, attention_forward" in \
+        table["model_causality"]
+    assert "reference's" not in table["rope_relative_position"]
     assert "skip (no attention_forward)" in table["attention_causal_mask"]
-    assert "skip (no embedding_forward" in table["model_causality"]
-    assert "3 passed, 0 failed, 2 skipped" in out
+    assert "skip (core code only" in table["quant_round_trip"]
+    assert "3 passed, 0 failed, 2 skipped; 1 ran with some of the reference's ops" in out
+
+
+class ForwardOnlyRMSNorm:
+    """A user's RMSNorm forward whose saved context is not the reference's."""
+
+    def rmsnorm_forward(self, x, g, eps):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g, "mine"
+
+
+class WrongBackwardRMSNorm(ForwardOnlyRMSNorm):
+    def rmsnorm_backward(self, dy, ctx):
+        return dy, dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+
+
+def test_a_forward_without_its_backward_gets_the_references_backward(capsys):
+    """The reference's backward is lent on the reference's context of the same arguments: the
+    gradient identity then holds the user's forward to the reference's derivative."""
+    names = ("rmsnorm_gradient", "model_batch_gradient_is_mean")
+    code, out, _ = run(capsys, "--backend", "test_identities:ForwardOnlyRMSNorm", "--only",
+                       *names, "--examples", "10", "--seed", "3")
+    assert code == 0, out
+    assert "(reference's rmsnorm_backward)" in rows(out)["rmsnorm_gradient"]
+    code, out, _ = run(capsys, "--backend", "test_identities:WrongBackwardRMSNorm", "--only",
+                       *names, "--examples", "10", "--seed", "3")
+    assert code == 1
+    assert " FAIL " in rows(out)["rmsnorm_gradient"]
+    assert "reference's" not in rows(out)["rmsnorm_gradient"]
+
+
+def test_the_reproduce_line_runs_from_another_folder(capsys, tmp_path):
+    code, out, _ = run(capsys, "--backend", "test_identities:WrongBackwardRMSNorm", "--only",
+                       "rmsnorm_gradient", "--examples", "5", "--seed", "4")
+    assert code == 1
+    line = re.search(r"reproduce: (.*)$", out, re.M).group(1)
+    assert line.startswith(f"PYTHONPATH={TESTS} minillama check ")
+    env, argv = line.split(" ", 1)
+    argv = shlex.split(argv)
+    argv[0:1] = [sys.executable, "-m", "minillama"]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, env.split("=", 1)[0]: env.split("=", 1)[1]})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "FAILED rmsnorm_gradient" in done.stdout and _shrunk(done.stdout) == _shrunk(out)
+
+
+@pytest.mark.parametrize(("spec", "hint"), [
+    ("mybackend.py:Mine", "(e.g. mybackend:Mine)"),
+    ("some/folder/mybackend.py:Mine", "(e.g. PYTHONPATH=some/folder minillama check --backend "
+                                      "mybackend:Mine)"),
+    ("mybackend", "named as module:Class (e.g. mybackend:Class)"),
+    ("numpi", "(did you mean numpy?)"),
+])
+def test_a_file_or_bare_module_as_backend_gets_a_hint(spec, hint, capsys):
+    code, out, err = run(capsys, "--backend", spec)
+    assert code == 2 and out == ""
+    assert err.startswith("minillama: error: ") and hint in err, err
+
+
+def test_a_misspelled_identity_names_the_close_matches(capsys):
+    code, _, err = run(capsys, "--only", "rmsnorm_gradeint")
+    assert code == 2
+    assert "did you mean rmsnorm_gradient" in err
+    assert "attention_causal_mask" not in err  # not the whole catalog
 
 
 @pytest.mark.parametrize("argv", [
@@ -235,6 +413,7 @@ def test_a_user_backend_class_runs_its_ops_and_skips_the_rest(capsys):
     ("--backend", "no_such_module_xyz:Backend"),
     ("--backend", "test_identities:NoSuchClass"),
     ("--backend", "no_such_backend"),
+    ("--backend", "tests/test_identities.py:NoMaskAttention"),
     ("--seed", "-1"),
 ])
 def test_bad_input_is_one_error_line_and_status_2(argv, capsys):
@@ -294,6 +473,32 @@ def test_check_rope_takes_either_pair_layout():
     assert {r.name for r in results} >= {"rope_relative_position", "rope_preserves_pair_norms"}
     with pytest.raises(AssertionError, match="rope_preserves_pair_norms"):
         check_rope(half_split, layout="interleaved", examples=20, seed=0)
+
+
+def _interleaved_rope(theta):
+    def rope(x, positions):
+        hd = x.shape[-1]
+        ang = np.asarray(positions, dtype=np.float64)[:, None] * theta ** (
+            -np.arange(0, hd, 2) / hd)
+        c, s = np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]
+        y = np.empty_like(x)
+        y[..., 0::2] = x[..., 0::2] * c - x[..., 1::2] * s
+        y[..., 1::2] = x[..., 0::2] * s + x[..., 1::2] * c
+        return y
+
+    return rope
+
+
+def test_check_rope_holds_a_function_to_its_base():
+    """Every invariance of RoPE holds for any base: only the known angles see a function that
+    uses LLaMA 2's 10000 where Llama 3's 500000 was meant."""
+    results = check_rope(_interleaved_rope(500000.0), theta=500000.0, examples=20, seed=0)
+    assert "rope_angles_known" in {r.name for r in results}
+    with pytest.raises(AssertionError) as e:
+        check_rope(_interleaved_rope(10000.0), theta=500000.0, examples=20, seed=0)
+    text = str(e.value)
+    assert "FAILED rope_angles_known" in text and "check_rope(fn, theta=500000.0" in text
+    assert "FAILED rope_relative_position" not in text
 
 
 def test_check_norm_catches_a_norm_without_epsilon():

@@ -16,6 +16,7 @@ from minillama.cli.common import positive_int
 from minillama.core.errors import MinillamaError
 from minillama.identities import CATALOG, DEFAULT_EXAMPLES, resolve_backend, run_catalog, select
 from minillama.identities.runner import (
+    RATIO_LEGEND,
     default_dtype,
     format_failure,
     format_row,
@@ -39,9 +40,11 @@ def add_cli(subparsers) -> None:
                     "minute or two on a fresh install, cached afterwards).")
     p.add_argument("--backend", default="numpy",
                    help=f"a registered backend ({', '.join(backend_names())}), or "
-                        f"package.module:Class, a backend class of one's own, instantiated with "
-                        f"no arguments: it needs only the ops of the identities it runs, the "
-                        f"others are listed as skipped")
+                        f"package.module:Class, a backend class of one's own (imported from "
+                        f"PYTHONPATH or the working directory), instantiated with no "
+                        f"arguments. A NumPy class with only some ops runs every identity that "
+                        f"calls one of them, the other ops lent by the reference backend (the "
+                        f"table says which); identities that touch none of its ops are skipped")
     p.add_argument("--examples", type=positive_int, default=DEFAULT_EXAMPLES,
                    help="hypothesis examples per identity")
     p.add_argument("--only", nargs="+", metavar="NAME", default=None,
@@ -101,6 +104,7 @@ def run_check(args) -> int:
             "results": [{**r.to_dict(), **({"reproduce": again[r.name]} if r.name in again
                                            else {})} for r in results]}))
     else:
+        print(RATIO_LEGEND)
         print(f"{summary(results)} in {seconds:.1f} s")
         for r in failed:
             print()

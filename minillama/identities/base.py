@@ -77,6 +77,9 @@ class Subject:
 
     #: which entries RoPE rotates together: "interleaved" (2i, 2i + 1) or "half" (i, i + hd/2)
     rope_layout = "interleaved"
+    #: the RoPE base a subject's own rotation uses (a user's function: ``check_rope``'s theta);
+    #: None for a backend, whose tables the identities build for the base they draw
+    rope_theta: float | None = None
 
     def __init__(self, backend, dtype=np.float64):
         self.backend = backend

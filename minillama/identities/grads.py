@@ -24,8 +24,8 @@ number of terms a gradient entry sums, is added, with \sum |w| |y| beside \sum |
 for a gradient that cancels (it is smaller than the difference's by about h / K). The upstream
 gradient w is drawn in the subject's dtype, so the backward sees it exactly.
 
-The ops of the backend run through the backend; the core ops without a backend entry (bias,
-BatchNorm, the two-matrix FFN, the post-norm residual, the latent array) run from
+The ops of the backend run through the backend; the core ops without a backend entry
+(BatchNorm, the two-matrix FFN, the post-norm residual, the latent array) run from
 :mod:`minillama.core.ops` and check core code alone.
 """
 
@@ -364,12 +364,12 @@ SPECS = [
                               _n(rng, ex["B"], ex["L"], ex["KVH"], ex["hd"]),
                               _n(rng, ex["B"], ex["L"], ex["KVH"], ex["hd"])],
              (0, 1, 2), _attention_bound, rounding_text="attention_bound"),
-    # the core ops without a backend entry
     GradSpec("bias", "a bias's gradient is the sum of the rows' gradients",
              r"\bar{b} = \sum_n \bar{y}_n",
              _ROWS, lambda ex, rng: [_n(rng, ex["N"], ex["D"]), _n(rng, ex["D"])],
-             (1,), lambda a, y: 2 * (np.abs(a[0]) + np.abs(a[1])), core=True,
+             (1,), lambda a, y: 2 * (np.abs(a[0]) + np.abs(a[1])),
              rounding_text="2 (|y| + |b|)"),
+    # the core ops without a backend entry
     GradSpec("batchnorm", "training-mode BatchNorm's gradients: every row's input gradient "
              "depends on the whole batch", r"\bar{x} = r (u - \mathrm{mean}_n(u) - \hat{x}\, "
              r"\mathrm{mean}_n(u \hat{x}))",

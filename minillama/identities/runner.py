@@ -4,21 +4,24 @@ and the results as a table, a failure report or JSON."""
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import math
 import os
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings, target
 from hypothesis import seed as fix_seed
 
-from minillama.backends import get_backend
+from minillama.backends import backend_names, get_backend
 from minillama.core.errors import MinillamaError
 from minillama.identities.base import Identity, Subject, as_subject
-from minillama.identities.catalog import BY_NAME, select
+from minillama.identities.catalog import BY_NAME, CATALOG, select
 
 #: examples per identity of ``minillama check`` without ``--examples``
 DEFAULT_EXAMPLES = 50
@@ -28,8 +31,10 @@ DEFAULT_EXAMPLES = 50
 class Result:
     """One identity's run: ``status`` pass, fail or skip; ``examples`` checks run (shrinking
     included); ``worst`` the largest error / tolerance seen; ``missing`` the ops a skipped
-    subject lacks; for a failure the shrunk ``counterexample``, its ratio and the exception
-    (``error``) when the check raised instead."""
+    subject lacks; ``borrowed`` the ops a user's partial backend lacked and the reference lent
+    it; ``note`` why an identity was skipped when no op is missing; for a failure the shrunk
+    ``counterexample``, its ratio and the exception (``error``) when the check raised
+    instead."""
 
     name: str
     status: str
@@ -37,6 +42,8 @@ class Result:
     worst: float = 0.0
     seconds: float = 0.0
     missing: tuple[str, ...] = ()
+    borrowed: tuple[str, ...] = ()
+    note: str | None = None
     counterexample: dict | None = None
     counter_ratio: float | None = None
     error: str | None = None
@@ -49,6 +56,7 @@ class Result:
             if v is not None and not math.isfinite(v):
                 out[key] = str(v)
         out["missing"] = list(self.missing)
+        out["borrowed"] = list(self.borrowed)
         return out
 
 
@@ -116,13 +124,106 @@ def run_catalog(backend="numpy", names=None, examples: int = DEFAULT_EXAMPLES,
     (a name, ``package.module:Class`` or a backend object) in ``dtype`` (default:
     :func:`default_dtype`). ``progress(result)`` is called after each identity."""
     backend = resolve_backend(backend)
-    subject = Subject(backend, dtype if dtype is not None else default_dtype(backend))
+    dtype = dtype if dtype is not None else default_dtype(backend)
+    own = partial_ops(backend)
+    subject = Subject(backend if own is None else Filled(backend, own), dtype)
     results = []
     for identity in select(names, topics):
-        results.append(run_identity(identity, subject, examples, seed))
+        results.append(run_identity(identity, subject, examples, seed) if own is None
+                       else _run_partial(identity, subject, own, examples, seed))
         if progress is not None:
             progress(results[-1])
     return results
+
+
+def catalog_ops() -> set[str]:
+    """Every backend op some identity of the catalog calls."""
+    return {op for identity in CATALOG for op in identity.ops}
+
+
+def partial_ops(backend) -> set[str] | None:
+    """The catalog's ops a NumPy backend of a user's has, when it lacks some (a class with only
+    the ops its author wrote); None for a backend with them all, or one on another array
+    module (whose arrays the reference's ops could not take). A backward without its forward
+    does not count (it could only read the reference's saved context)."""
+    if getattr(backend, "xp", np) is not np:
+        return None
+    have = {op for op in catalog_ops() if callable(getattr(backend, op, None))}
+    if have == catalog_ops():
+        return None
+    return {op for op in have if not op.endswith(_BACKWARD) and "_backward_" not in op
+            or _forward_of(op) in have}
+
+
+_BACKWARD = "_backward"
+
+
+def _forward_of(op: str) -> str:
+    """The forward an op's backward reads the context of (``linear_backward_input``:
+    ``linear_forward``)."""
+    return op.split(_BACKWARD)[0] + "_forward"
+
+
+class _Saved:
+    """A user's forward context, with the forward's arguments for a lent backward."""
+
+    def __init__(self, ctx, args, kwargs):
+        self.ctx, self.args, self.kwargs = ctx, args, kwargs
+
+
+class Filled:
+    """A user's partial backend, given the reference's op (and helper) wherever it has none, so
+    a model identity runs the user's rmsnorm inside the reference's Transformer. Where the user
+    wrote a forward and not its backward, the reference's backward is lent on the reference's
+    context of the same arguments (the user's forward keeps them beside its own context)."""
+
+    def __init__(self, backend, own: set[str]):
+        self._backend, self._own = backend, own
+        self._reference = get_backend("reference")
+        self.name = getattr(backend, "name", type(backend).__name__)
+
+    def __getattr__(self, key):
+        if key in catalog_ops() and key not in self._own:
+            if _BACKWARD in key and _forward_of(key) in self._own:
+                return self._lent_backward(key)
+            return getattr(self._reference, key)
+        try:
+            fn = getattr(self._backend, key)
+        except AttributeError:
+            return getattr(self._reference, key)
+        if key.endswith("_forward") and key.replace("_forward", _BACKWARD) not in self._own:
+            return self._keeping_arguments(fn)
+        return fn
+
+    @staticmethod
+    def _keeping_arguments(forward):
+        def call(*args, **kwargs):
+            y, ctx = forward(*args, **kwargs)
+            return y, _Saved(ctx, args, kwargs)
+
+        return call
+
+    def _lent_backward(self, key: str):
+        ref = self._reference
+
+        def call(dy, saved):
+            _, ctx = getattr(ref, _forward_of(key))(*saved.args, **saved.kwargs)
+            return getattr(ref, key)(dy, ctx)
+
+        return call
+
+
+def _run_partial(identity: Identity, subject: Subject, own: set[str], examples: int,
+                 seed: int | None) -> Result:
+    """An identity on a partial backend: run when it calls one of the backend's own ops (the
+    rest from the reference, listed in ``borrowed``), skipped when it touches none of them."""
+    if not identity.ops:
+        return Result(identity.name, "skip", note="core code only, none of the backend's")
+    if not own & set(identity.ops):
+        return Result(identity.name, "skip", missing=identity.ops)
+    result = run_identity(identity, subject, examples, seed)
+    result.borrowed = tuple(op for op in identity.ops if op not in own)
+    return result
 
 
 def resolve_backend(spec):
@@ -133,10 +234,18 @@ def resolve_backend(spec):
     if not isinstance(spec, str):
         return spec
     if ":" not in spec:
-        return get_backend(spec)
+        if spec in backend_names():
+            return get_backend(spec)
+        close = difflib.get_close_matches(spec, backend_names(), n=1)
+        raise MinillamaError(f"backend {spec!r} is not one of {', '.join(backend_names())}"
+                             + (f" (did you mean {close[0]}?)" if close else
+                                f"; a class of one's own is named as module:Class{_hint(spec)}"))
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise MinillamaError(f"backend {spec!r}: expected a name or package.module:Class")
+    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+        raise MinillamaError(f"backend {spec!r}: name the module by its import name, not its "
+                             f"file{_hint(module_name, attr)}")
     module = _import(spec, module_name)
     obj = module
     for part in attr.split("."):
@@ -148,6 +257,17 @@ def resolve_backend(spec):
     except Exception as e:
         raise MinillamaError(f"backend {spec!r}: {attr}() raised {type(e).__name__}: {e}") \
             from None
+
+
+def _hint(text: str, attr: str = "Class") -> str:
+    """A suggestion ``(e.g. PYTHONPATH=folder ... module:Class)`` for a file, a path or a bare
+    module name given where ``module:Class`` belongs."""
+    path = text[:-3] if text.endswith(".py") else text
+    folder, module = os.path.split(path)
+    if not module.isidentifier():
+        return ""
+    where = f"PYTHONPATH={folder} minillama check --backend " if folder else ""
+    return f" (e.g. {where}{module}:{attr})"
 
 
 def _import(spec: str, module_name: str):
@@ -172,13 +292,39 @@ def _import(spec: str, module_name: str):
 # the report
 # ---------------------------------------------------------------------------------------------
 def reproduce_command(spec: str, name: str, seed: int, examples: int, dtype=np.float64) -> str:
-    """The ``minillama check`` line that runs ``name`` again as it ran."""
+    """The ``minillama check`` line that runs ``name`` again as it ran, from any folder: a user's
+    module comes with ``PYTHONPATH=`` its folder (see :func:`module_folder`)."""
     line = f"minillama check --backend {spec} --only {name} --seed {seed} --examples {examples}"
+    folder = module_folder(spec)
+    if folder is not None:
+        line = f"PYTHONPATH={shlex.quote(folder)} {line}"
     return line if np.dtype(dtype) == np.float64 else line + f" --dtype {np.dtype(dtype).name}"
+
+
+def module_folder(spec: str) -> str | None:
+    """The folder a ``module:Class`` backend was imported from, when that is not where the
+    installed packages live (None for a registered name or an installed package)."""
+    if ":" not in spec:
+        return None
+    top = spec.partition(":")[0].split(".")[0]
+    module = sys.modules.get(top)
+    file = getattr(module, "__file__", None)
+    if file is None:
+        return None
+    path = Path(file).resolve()
+    folder = path.parent.parent if path.name == "__init__.py" else path.parent
+    if "site-packages" in folder.parts or "dist-packages" in folder.parts:
+        return None
+    return str(folder)
 
 
 def _ratio_text(v) -> str:
     return "-" if v is None else ("inf" if math.isinf(v) else f"{v:.2e}")
+
+
+#: what the err/tol column and the FAILED block's figure are
+RATIO_LEGEND = ("err/tol: the worst example's error divided by its tolerance (the error model's "
+                "bound); at most 1 passes")
 
 
 def table_header(width: int) -> str:
@@ -190,10 +336,12 @@ def format_row(r: Result, width: int) -> str:
     """One row: identity, examples tried, worst error / tolerance, result, seconds (a skipped
     identity: the ops the backend lacks)."""
     if r.status == "skip":
-        return f"{r.name:<{width}}  {'-':>8}  {'-':>8}  skip (no {', '.join(r.missing)})"
+        why = r.note or f"no {', '.join(r.missing)}"
+        return f"{r.name:<{width}}  {'-':>8}  {'-':>8}  skip ({why})"
     word = "pass" if r.status == "pass" else "FAIL"
+    lent = f"  (reference's {', '.join(r.borrowed)})" if r.borrowed else ""
     return (f"{r.name:<{width}}  {r.examples:>8}  {_ratio_text(r.worst):>8}  {word:<6}  "
-            f"{r.seconds:7.2f}")
+            f"{r.seconds:7.2f}{lent}")
 
 
 def format_table(results: list[Result]) -> str:
@@ -212,8 +360,10 @@ def format_failure(r: Result, reproduce: str) -> str:
     if r.error is not None:
         lines.append(f"  raised {r.error}")
     else:
-        lines.append(f"  error / tolerance: {_ratio_text(r.counter_ratio)}"
-                     + (f"  (tolerance: {ident.tolerance})" if ident else ""))
+        lines.append(f"  error / tolerance: {_ratio_text(r.counter_ratio)} (the shrunk "
+                     f"example's error divided by its tolerance; at most 1 passes)")
+        if ident:
+            lines.append(f"  tolerance: {ident.tolerance}")
     lines.append(f"  reproduce: {reproduce}")
     return "\n".join(lines)
 
@@ -222,5 +372,7 @@ def summary(results: list[Result]) -> str:
     """The summary line: how many identities passed, failed and were skipped."""
     count = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "skip")}
     noun = "identity" if len(results) == 1 else "identities"
+    lent = sum(bool(r.borrowed) for r in results if r.status != "skip")
     return (f"{len(results)} {noun}: {count['pass']} passed, {count['fail']} failed, "
-            f"{count['skip']} skipped")
+            f"{count['skip']} skipped" + (f"; {lent} ran with some of the reference's ops "
+                                          f"beside the backend's" if lent else ""))

@@ -91,26 +91,31 @@ def check_attention(fn, *, examples: int = 50, seed: int | None = None,
                           seed)
 
 
-def check_rope(fn, *, layout: str = "interleaved", examples: int = 50, seed: int | None = None,
-               dtype=np.float64) -> list[Result]:
+def check_rope(fn, *, theta: float = 10000.0, layout: str = "interleaved", examples: int = 50,
+               seed: int | None = None, dtype=np.float64) -> list[Result]:
     """Hold ``fn(x, positions) -> y`` to the RoPE identities (scores depend only on relative
-    position, every rotated pair keeps its length, position 0 is the identity, and the
-    sinusoidal contrast).
+    position, every rotated pair keeps its length, position 0 is the identity, pair i of
+    position m turns by m theta^(-2i/hd), and the sinusoidal contrast).
 
     Layouts: x and y (B, T, nh, hd) in ``dtype``, hd even; positions (T,) int64, the absolute
     position of each row of the T axis. ``layout`` names the rotated pairs: ``"interleaved"``
     (x_2i, x_2i+1: Meta's and llama2.c's layout, minillama's) or ``"half"`` (x_i, x_i+hd/2:
-    Hugging Face's). The function uses its own base theta. The angles should be formed in
-    float64 (positions reach 6000) when ``dtype`` is float64.
+    Hugging Face's). ``theta`` is the base the function is meant to use (10000 is LLaMA 2's,
+    500000 Llama 3's): the known-angle identity holds it to that base, which the invariances
+    cannot see. The angles should be formed in float64 (positions reach 6000) when ``dtype``
+    is float64.
 
     Runs ``examples`` hypothesis examples per identity; raises AssertionError with the shrunk
     example of each failure. Returns the results.
     """
     if layout not in ("interleaved", "half"):
         raise ValueError(f"layout must be 'interleaved' or 'half', got {layout!r}")
+    if not theta > 0:
+        raise ValueError(f"theta must be positive, got {theta!r}")
     subject = CallableSubject(dtype, rope=fn)
-    subject.rope_layout = layout
-    return check_callable(subject, f"check_rope(fn, layout={layout!r}, ", examples, seed)
+    subject.rope_layout, subject.rope_theta = layout, float(theta)
+    return check_callable(subject, f"check_rope(fn, theta={theta!r}, layout={layout!r}, ",
+                          examples, seed)
 
 
 def check_norm(fn, *, kind: str = "rmsnorm", examples: int = 50, seed: int | None = None,
