@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from minillama.backends import backend_help, backend_names, threads_in_use
 from minillama.core.config import COMPUTE_DTYPES, DTYPE_HELP
@@ -52,9 +53,22 @@ def add_backend_flag(p, *, dtype: bool = False, task: str = "decode") -> None:
     """``--backend`` (one backend name or auto; ``task``: what auto is chosen for, see
     :func:`~minillama.backends.backend_help`), and ``--dtype`` with ``dtype``."""
     p.add_argument("--backend", default=None, help=backend_help(task))
+    if task == "decode":
+        p.add_argument("--exact", action="store_true",
+                       help="float32 products with quantized weights (numba): activations stay "
+                            "float32 instead of being rounded to 8-bit blocks as llama.cpp does; "
+                            "slower, and on near-ties other tokens (the same as "
+                            "MINILLAMA_QUANT_DOTS=float)")
     if dtype:
         p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                        help=f"{DTYPE_HELP} (default {COMPUTE_DTYPES[0]})")
+
+
+def apply_exact(args) -> None:
+    """``--exact``: the switch the numba kernels read at each product
+    (``MINILLAMA_QUANT_DOTS=float``, :func:`minillama.backends.numba.qint8.int8_enabled`)."""
+    if getattr(args, "exact", False):
+        os.environ["MINILLAMA_QUANT_DOTS"] = "float"
 
 
 def add_backend_list_flag(p) -> None:

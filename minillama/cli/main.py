@@ -15,7 +15,7 @@ import textwrap
 
 from minillama import __version__
 from minillama.backends import set_threads
-from minillama.cli.common import add_threads_flag
+from minillama.cli.common import add_threads_flag, apply_exact
 from minillama.core.errors import MinillamaError
 from minillama.core.extras import missing_error
 
@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         command = f"minillama {args.command}"
         if getattr(args, "threads", None) is not None:
             set_threads(args.threads)
+        apply_exact(args)
         return int(args.func(args) or 0)
     except MinillamaError as e:
         print(f"minillama: error: {e}", file=sys.stderr)
