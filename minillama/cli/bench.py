@@ -9,11 +9,18 @@ scripts under ``scripts/``.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 
-from minillama.backends import AUTO_REFERENCE_MAX_PARAMS, ENV_VAR, backend_names, get_backend
+from minillama.backends import (
+    AUTO_REFERENCE_MAX_PARAMS,
+    ENV_VAR,
+    auto_backend,
+    backend_names,
+    get_backend,
+)
 from minillama.cli.common import add_backend_list_flag, positive_int
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
@@ -61,13 +68,29 @@ def cmd_backends(args) -> int:
             print(f"{name:{width}s} unavailable: {e}")
         else:
             print(f"{name:{width}s} ok ({getattr(be, 'device', 'cpu')})")
-    import os
-
-
-    print(f"default: auto (generating with a model of at most {AUTO_REFERENCE_MAX_PARAMS / 1e6:g}M "
-          f"parameters: reference; a larger one, and training: numpy)"
-          + (f"; {ENV_VAR}={os.environ[ENV_VAR]} overrides it" if os.environ.get(ENV_VAR) else ""))
+    print(auto_summary() + (f"; {ENV_VAR}={os.environ[ENV_VAR]} overrides it"
+                            if os.environ.get(ENV_VAR) else ""))
     return 0
+
+
+class _Size:
+    """A stand-in config of ``n`` parameters: all :func:`auto_backend` reads of a config."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def n_params(self) -> int:
+        return self.n
+
+
+def auto_summary() -> str:
+    """What ``auto`` picks here, asked of :func:`auto_backend` itself for each kind of model."""
+    m = AUTO_REFERENCE_MAX_PARAMS
+    small, large = _Size(m), _Size(m + 1)
+    return (f"default: auto, which picks by the model: a quantized model (weights in GGML "
+            f"blocks, e.g. a Q4 GGUF file): {auto_backend(small, quantized=True)}; a float model "
+            f"of more than {m / 1e6:g}M parameters: {auto_backend(large)}; a smaller one: "
+            f"{auto_backend(small)}; training and fine-tuning: {auto_backend(large, 'train')}")
 
 
 def _chosen(spec: str) -> list[str]:
