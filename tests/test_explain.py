@@ -212,7 +212,7 @@ def test_every_replacing_backend_is_listed(name):
 def test_rmsnorm_in_full():
     out = explain("rmsnorm", CHECKOUT)
     assert "r = 1/√((1/D)Σ_i x_i² + ε)" in out  # forward, as text
-    assert "x̄ = r(u - x̂" in out  # backward
+    assert "x̄ = r(x̂̄ - x̂" in out  # backward
     assert inspect.getsource(__import__("minillama.core.ops", fromlist=["x"]).rmsnorm_backward
                              ).strip() in out
     assert "  numba      backends/numba/backend_rows.py:RowOps.rmsnorm_forward" in out
@@ -251,7 +251,7 @@ def test_wheel_output_reads_the_docstrings(name):
 def test_wheel_rmsnorm_has_forward_and_backward_equations():
     out = explain("rmsnorm", WHEEL)
     assert "y = x r ⊙ g, r = 1 / √(mean(x²) + ε)" in out
-    assert "dx = r (u - x̂  mean(u ⊙ x̂))" in out
+    assert "x̄ = r (x̂̄ - x̂  mean(x̂̄ ⊙ x̂))" in out
 
 
 def test_runs_from_a_copy_laid_out_as_a_wheel(tmp_path):
@@ -312,6 +312,7 @@ def test_the_real_catalog_is_read():
 @pytest.mark.parametrize("latex,text", [
     (r"r = \frac{1}{\sqrt{\frac{1}{D}\sum_i x_i^2 + \epsilon}}", "r = 1/√((1/D)Σ_i x_i² + ε)"),
     (r"\bar{x} \odot \hat{x}", "x̄ ⊙ x̂"),
+    (r"\bar{\hat{x}}", "x̂̄"),  # an accent on an accented letter
     (r"y = x W^\top", "y = x Wᵀ"),
     (r"\theta_i = \mathrm{base}^{-2i/hd}", "θ_i = base^(-2i/hd)"),
     (r"\begin{pmatrix} a & b \\ c & d \end{pmatrix}", "[a, b; c, d]"),
@@ -340,7 +341,7 @@ def test_adamw_in_full():
     out = explain("adamw", CHECKOUT)
     assert mathmap.lookup("optimizer").name == mathmap.lookup("lr_at").name == "adamw"
     assert "m_w ← β_1 m_w + (1 - β_1) w̄" in out  # the moment, as text
-    assert "w ← w - (η_k/(1 - β_1^k))" in out  # the bias-corrected update
+    assert "w ← w - ((η_{it})/(1 - β_1^it))" in out  # the bias-corrected update
     assert "# minillama/train/optim.py:lr_at\ndef lr_at(" in out
     assert "  numba      backends/numba/backend.py:NumbaBackend.adamw_update" in out
     assert "tests/test_optim.py: " in out and "test_adamw_matches_hand_computed_steps" in out

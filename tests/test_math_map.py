@@ -26,6 +26,8 @@ from minillama.core import ops
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH = ROOT / "docs" / "MATH.md"
+#: the backends' notes, which MATH.md links
+KERNELS = ROOT / "docs" / "KERNELS.md"
 OPS = ROOT / "minillama" / "core" / "ops.py"
 #: the reference: ops.py and the RoPE table builders it re-exports (held to the same plainness)
 REFERENCE_FILES = (OPS, ROOT / "minillama" / "core" / "rope_scaling.py")
@@ -79,10 +81,11 @@ def test_math_md_cites_something():
     assert ("minillama/core/ops.py", "attention_forward") in cites
 
 
-def test_every_citation_exists():
+@pytest.mark.parametrize("doc", [MATH, KERNELS], ids=lambda p: p.name)
+def test_every_citation_exists(doc):
     missing = []
     cache: dict[str, set[str]] = {}
-    for path, name in math_citations():
+    for path, name in citations(doc.read_text(encoding="utf-8")):
         file = ROOT / path
         if not file.is_file():
             missing.append(f"{path} (no such file)")
@@ -91,7 +94,7 @@ def test_every_citation_exists():
             cache[path] = defined_names(file)
         if name not in cache[path]:
             missing.append(f"{path}:{name}")
-    assert not missing, f"docs/MATH.md cites what does not exist: {missing}"
+    assert not missing, f"docs/{doc.name} cites what does not exist: {missing}"
 
 
 def test_reference_ops_found():
@@ -183,7 +186,8 @@ def test_rope_backward_is_the_transpose_not_the_inverse_with_yarn():
     assert np.all(np.abs(back - a * a * x) <= tol)
     assert np.max(np.abs(back - x)) > 0.1 * np.max(np.abs(x))
     text = math_section("4")
-    assert r"a\,R(\varphi_{m,i})^\top" in text and "inverse rotation only when" in text
+    assert r"\bar{x} = \mathrm{mscale}\,\bar{y} R" in text
+    assert r"inverse rotation only when $\mathrm{mscale} = 1$" in text
     assert "transpose" in inspect.getdoc(ops.rope_backward)
 
 
@@ -204,16 +208,30 @@ def test_hf_rope_permutation_is_the_one_section_4_describes():
     assert np.array_equal(hf.interleaved_to_hf(got, H), w_hf)
 
 
+SECTION_REF = re.compile(r"(?:sections?|§)\s*(\d+(?:\.\d+)?[a-z]?)(?:\s*(?:-|and)\s*(\d+))?")
+
+
+def _section_numbers(text: str) -> set[str]:
+    return {m.group(1) for m in re.finditer(r"^#+ (\d+(?:\.\d+)?[a-z]?)[. ]", text, re.M)}
+
+
+def _references(text: str) -> set[str]:
+    return {n for m in SECTION_REF.finditer(text) for n in m.groups() if n}
+
+
 def test_section_references_name_existing_sections():
-    """Every "section N" / "sections N-M" / "§N" of MATH.md names a section that exists."""
-    text = MATH.read_text(encoding="utf-8")
-    numbers = {m.group(1) for m in re.finditer(r"^#+ (\d+(?:\.\d+)?[a-z]?)[. ]", text, re.M)}
-    cited = set()
-    for m in re.finditer(r"(?:sections?|§)\s*(\d+(?:\.\d+)?[a-z]?)(?:\s*-\s*(\d+))?", text):
-        cited.add(m.group(1))
-        if m.group(2):
-            cited.add(m.group(2))
-    assert cited and not cited - numbers, f"no such sections: {sorted(cited - numbers)}"
+    """Every "section N" / "sections N-M" / "§N" of MATH.md and KERNELS.md names a section that
+    exists: of the same page, of KERNELS.md after a link to it, of MATH.md after its name."""
+    math, kernels = MATH.read_text(encoding="utf-8"), KERNELS.read_text(encoding="utf-8")
+    to_kernels = r"\[KERNELS\.md\]\(KERNELS\.md\),?\s*" + SECTION_REF.pattern
+    to_math = r"MATH\.md(?:'s)?\s*" + SECTION_REF.pattern
+    wrong = []
+    for text, own, other, link in ((math, math, kernels, to_kernels),
+                                   (kernels, kernels, math, to_math)):
+        linked = "".join(m.group(0) for m in re.finditer(link, text))
+        wrong += sorted(_references(linked) - _section_numbers(other))
+        wrong += sorted(_references(re.sub(link, "", text)) - _section_numbers(own))
+    assert _references(math) and not wrong, f"no such sections: {wrong}"
 
 
 def test_q4_1_and_q5_1_add_their_min_in_the_text_as_in_the_code():
@@ -232,8 +250,8 @@ def test_q4_1_and_q5_1_add_their_min_in_the_text_as_in_the_code():
     signs = []
     for text in docs:
         for row in re.findall(r"^\| Q[45]_1 \|.*$", text, re.M):
-            signs += re.findall(r"d\\,q_j ([+-]) m", row)
-        for sign, types in re.findall(r"\$w = d\\,q ([+-]) m\$ \(([^)]*)", text):
+            signs += re.findall(r"d\\,c_j ([+-]) \\mathit\{min\}", row)
+        for sign, types in re.findall(r"\$w = d\\,c ([+-]) \\mathit\{min\}\$ \(([^)]*)", text):
             signs += [sign] if re.search(r"Q[45]_1", types) else []
     assert len(signs) >= 3 and set(signs) == {"+"}, signs
 
@@ -244,8 +262,8 @@ def test_ffn_hidden_formula_as_written_is_the_code():
     the 160 of rounding m floor(8D/3) up directly)."""
     from minillama.core.config import llama_hidden_dim
 
-    assert (r"\lceil \lfloor m \lfloor 8D/3 \rfloor \rfloor / \mathit{multiple\_of} \rceil"
-            in math_section("7"))
+    assert (r"\lceil \lfloor \mathit{mult} \lfloor 8D/3 \rfloor \rfloor"
+            r" / \mathit{multiple\_of} \rceil" in math_section("7"))
 
     def as_written(D, mult, m):
         return mult * math.ceil(math.floor(m * math.floor(8 * D / 3)) / mult)
@@ -301,12 +319,12 @@ def test_sinusoidal_embedding_is_scaled_as_the_docstrings_say():
     want = np.sqrt(16) * E[tok] + ops.sinusoidal_positions(8, 16, dtype=np.float64)[:5]
     assert np.allclose(h, want, rtol=4 * U64, atol=0)
     for doc in (inspect.getdoc(ops.sinusoidal_positions), inspect.getdoc(EndsWiring._embed)):
-        assert re.search(r"h_0 = \\sqrt\{D\}\\?,? ?E\[x\] \+ P", doc), doc
+        assert re.search(r"h_0 = \\sqrt\{D\}\\?,? ?E_\{\\mathrm\{tok\}\} \+ E\^\{pos\}", doc), doc
 
 
 def test_the_default_backend_is_auto_in_the_text():
     """No backend but ``auto`` is called the default, and auto's chooser is cited."""
-    text = MATH.read_text(encoding="utf-8")
+    text = MATH.read_text(encoding="utf-8") + KERNELS.read_text(encoding="utf-8")
     defaults = set(re.findall(r"`([\w-]+)` \(default\)", text))
     assert defaults <= {"auto"}, defaults
     assert "`backends/__init__.py:auto_backend`" in text
@@ -326,3 +344,97 @@ def test_what_the_training_code_takes_from_the_optimizer_is_in_math_md():
     cited = {name.split(".")[0] for path, name in heads if path == optim}
     assert not used - cited, f"MATH.md has no section for {sorted(used - cited)}"
     assert (optim, "AdamW.step") in heads
+
+
+# ---------------------------------------------------------------------------------------------
+# one notation: the table at the top of MATH.md, used by MATH.md and the reference docstrings
+# ---------------------------------------------------------------------------------------------
+def notation() -> dict[str, str]:
+    """MATH.md's notation table: each symbol (LaTeX, as written between $...$) -> its meaning."""
+    table = {}
+    for row in re.findall(r"^\| (\$.*?) \| (.*) \|$", math_section_named("Notation"), re.M):
+        for sym in re.findall(r"\$([^$]+)\$", row[0]):
+            for part in sym.split(";"):
+                part = part.strip()
+                assert part not in table, f"{part} is in the notation table twice"
+                table[part] = row[1]
+    return table
+
+
+def math_section_named(title: str) -> str:
+    return next(s.text() for s in sections(MATH) if s.title == title)
+
+
+def parts_i_to_iii() -> str:
+    """MATH.md up to Part IV (which the identities catalog writes with its own letters)."""
+    text = MATH.read_text(encoding="utf-8")
+    return text[:text.index("# Part IV")]
+
+
+def reference_docstrings() -> dict[str, str]:
+    return {name: inspect.getdoc(fn) or ""
+            for name, fn in inspect.getmembers(ops, inspect.isfunction)
+            if fn.__module__ == ops.__name__}
+
+
+def test_notation_table_defines_each_symbol_once():
+    table = notation()
+    for sym in ("B", "T", "S", "D", "V", "M_{tj}", r"\mathcal{K}", r"\delta^{(h)}_t",
+                r"A^{(h)}_{tj}", r"W_\downarrow", r"\theta_i", r"\mathrm{base}", r"m_w", "z"):
+        assert sym in table, sym
+
+
+def test_shapes_in_the_docstrings_use_the_size_letters():
+    """Every letter inside a shape of a reference docstring ((B, T, H, hd), (rank, in)) is a size
+    of the notation table (no ``nh``, no ``M``/``L`` for counts the table names T and S)."""
+    sizes = {"B", "T", "S", "D", "F", "V", "L", "H", "KVH", "G", "hd", "N", "in", "out", "rank",
+             "C", "max_seq_len", "spatial", "r", "heads"}
+    table = notation()
+    assert {"B", "T", "S", "D", "F", "V", "H", "KVH", "G", "hd", "N", r"\mathit{rank}"} <= set(
+        t for sym in table for t in [sym.strip()])
+    wrong = []
+    for name, doc in reference_docstrings().items():
+        for shape in re.findall(r":\s*(" + SHAPE.pattern + ")", doc):  # "x: (B, T, D)"
+            for word in re.findall(r"[A-Za-z_]+", shape.replace(" or ", ", ")):
+                if word not in sizes:
+                    wrong.append(f"{name}: {shape}")
+    assert not wrong, wrong
+
+
+def test_calligraphic_letters_are_in_the_table():
+    r"""Every \mathcal{X} of MATH.md (Parts I-III) and of the reference docstrings is a symbol of
+    the notation table (the kept rows are \mathcal{K}, never \mathcal{V})."""
+    table = notation()
+    used = set(re.findall(r"\\mathcal\{\w\}", parts_i_to_iii()))
+    for doc in reference_docstrings().values():
+        used |= set(re.findall(r"\\mathcal\{\w\}", doc))
+    assert used and not {u for u in used if u not in table}, used - set(table)
+
+
+def test_vectors_are_rows_everywhere():
+    """A weight multiplies from the right (x W^T), never a column vector from the left (W_1 n),
+    in MATH.md and in the docstrings of ops.py and the model's modules."""
+    texts = {"MATH.md": parts_i_to_iii()}
+    texts.update({f"ops.{n}": d for n, d in reference_docstrings().items()})
+    for file in (ROOT / "minillama" / "model").glob("*.py"):
+        texts[file.name] = file.read_text(encoding="utf-8")
+    left = re.compile(r"\bW_\{?(?:q|k|v|o|1|2|3|out|\\mathrm\{out\})\}?(?:\\,)?\s*"
+                      r"(?:\\mathrm\{\w+\}\(|\(|\\hat\{h\}|[hnx]\b)")
+    found = [f"{where}: {m.group(0)}" for where, text in texts.items()
+             for m in left.finditer(text)]
+    assert not found, found
+
+
+#: symbols the table retires (each had a second meaning), as they were written
+RETIRED = {r"D_t": r"\delta_t (D is the model width)", "nh": "H or KVH",
+           r"\mathcal{V}": r"\mathcal{K} (V is the vocabulary)",
+           r"\sigma(a)": r"\mathrm{sigmoid}(a) (\sigma^2 is a variance)",
+           r"a_\ell": "h'_l (a_1 is SwiGLU's gate)",
+           r"\phi(": r"\mathrm{act}( (\varphi is an angle)"}
+
+
+def test_retired_symbols_are_gone():
+    texts = [parts_i_to_iii(), *reference_docstrings().values()]
+    found = [f"{old} (now {new})" for old, new in RETIRED.items()
+             for text in texts if re.search(r"(?<![\w\\])" + re.escape(old) + r"(?![\w{])", text)]
+    assert not found, found

@@ -1,10 +1,11 @@
 """``minillama explain [NAME]``: one equation of the model at the terminal, with everything that
 computes and checks it.
 
-For a name (``rmsnorm``, ``rope``, ``attention``, ``q4_k``, ...) it prints the equations, forward
-and backward (the section of docs/MATH.md in a checkout of the repository, else the reference
-functions' docstrings), the reference code, the backends that replace it (``file:function``),
-the tests that hold it and the identities of ``minillama.identities`` that use it. Without a
+For a name (``rmsnorm``, ``rope``, ``attention``, ``q4_k``, ``adamw``, ...) it prints first the
+math, forward and backward (the section of docs/MATH.md in a checkout of the repository, else
+the reference functions' docstrings), then the reference code; after them the backends that
+replace it (``file:function``) and what docs/KERNELS.md says about how they compute it, the
+tests that hold it and the identities of ``minillama.identities`` that use it. Without a
 name it lists the names. The sources are read where the project keeps them
 (:mod:`minillama.cli.mathmap`), so what it prints is what ``tests/test_math_map.py`` checks.
 """
@@ -20,6 +21,7 @@ from minillama.cli.mathmap import (
     Sources,
     docstring,
     identities_for,
+    kernel_passages,
     lookup,
     math_passages,
     source,
@@ -117,6 +119,22 @@ def backends(entry: Entry, sources: Sources) -> list[str]:
     return lines
 
 
+def backend_notes(entry: Entry, sources: Sources, latex: bool = False) -> list[str]:
+    """What docs/KERNELS.md says about the backends' code for ``entry`` (nothing without the
+    file, as in a wheel)."""
+    if sources.kernels is None:
+        return []
+    classes = backend_classes(sources.package, sources.backends)
+    impls = classes.overrides(op_attributes(entry.replaceable(), classes))
+    passages = kernel_passages(entry, sources.kernels, [i.where for i in impls])
+    if not passages:
+        return []
+    lines = _heading("How the backends compute it (docs/KERNELS.md)")
+    for text in passages:
+        lines += ["", _readable(text, latex)]
+    return lines
+
+
 def tests(entry: Entry, sources: Sources) -> list[str]:
     lines = _heading("Tests that hold it")
     found = tests_for(entry, sources)
@@ -160,5 +178,6 @@ def explain(name: str, sources: Sources | None = None, latex: bool = False) -> s
     sources = sources or Sources.installed()
     lines = [f"{entry.name}: {entry.title}"]
     lines += equations(entry, sources, latex) + code(entry, sources)
-    lines += backends(entry, sources) + tests(entry, sources) + identities(entry)
+    lines += backends(entry, sources) + backend_notes(entry, sources, latex)
+    lines += tests(entry, sources) + identities(entry)
     return "\n".join(lines)

@@ -209,12 +209,15 @@ def lookup(name: str) -> Entry:
 @dataclass(frozen=True)
 class Sources:
     """The files ``explain`` reads: the package, the backends, and when the package runs from a
-    checkout of its repository, docs/MATH.md and tests/ (None when absent, as in a wheel)."""
+    checkout of its repository, docs/MATH.md, docs/KERNELS.md and tests/ (None when absent, as
+    in a wheel)."""
 
     package: Path
     backends: Path
     math: Path | None = None
     tests: Path | None = None
+    #: docs/KERNELS.md, the backends' notes (None when absent)
+    kernels: Path | None = None
 
     @classmethod
     def installed(cls) -> Sources:
@@ -228,8 +231,9 @@ class Sources:
                                                 project.read_text(encoding="utf-8"), re.M)):
             return cls(package, backends)
         math, tests = root / "docs" / "MATH.md", root / "tests"
+        kernels = root / "docs" / "KERNELS.md"
         return cls(package, backends, math if math.is_file() else None,
-                   tests if tests.is_dir() else None)
+                   tests if tests.is_dir() else None, kernels if kernels.is_file() else None)
 
     def file(self, path: str) -> Path:
         """The file of a path as docs/MATH.md writes it (``minillama/core/ops.py``,
@@ -335,6 +339,26 @@ def math_passages(entry: Entry, math: Path) -> list[str]:
                 break
     related = [split_cite(c) for c in entry.related]
     passages += [s.text() for s in sections(math) if any(c in s.cites() for c in related)]
+    return list(dict.fromkeys(passages))
+
+
+def kernel_passages(entry: Entry, kernels: Path, backend_code: list[str]) -> list[str]:
+    """What docs/KERNELS.md says about how the backends compute ``entry``: the sections whose
+    heading cites its :attr:`~Entry.related` code, then the paragraph citing each function of
+    ``backend_code`` (``path.py:Class.method`` as a backend class defines it; KERNELS.md may cite
+    the method by its bare name)."""
+    related = [split_cite(c) for c in entry.related]
+    passages = [s.text() for s in sections(kernels) if any(c in s.cites() for c in related)]
+    covered = {c for s in sections(kernels) if s.text() in passages for c in s.cites()}
+    for cite in backend_code:
+        path, name = split_cite(cite)
+        for candidate in dict.fromkeys([(path, name), (path, name.rpartition(".")[2])]):
+            if candidate in covered:
+                break
+            found = next((e for s in sections(kernels) if (e := excerpt(s, candidate))), None)
+            if found:
+                passages.append(found)
+                break
     return list(dict.fromkeys(passages))
 
 

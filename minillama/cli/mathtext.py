@@ -134,7 +134,8 @@ class _Reader:
             return "√" + _wrap(self._argument())
         if name in ACCENTS:
             arg = self._argument()
-            return arg + ACCENTS[name] if len(arg) == 1 else f"{name}({arg})"
+            one = re.fullmatch(r".[\u0300-\u036f\u20d7]*", arg)  # a letter, maybe accented
+            return arg + ACCENTS[name] if one else f"{name}({arg})"
         if name == "mathbb":
             arg = self._argument()
             return BLACKBOARD.get(arg, arg)

@@ -14,9 +14,11 @@ Conventions
 * ``*_forward(...)`` returns ``(out, ctx)``; ``ctx`` holds only what the backward needs and is
   opaque to callers (a backend may store different things for its own backward).
 * ``*_backward(dout, ctx)`` returns the gradients of the forward's differentiable inputs, in order.
-* Size letters: B batch, T query time, S key time, D model dim, H query heads, KVH key/value
-  heads, G = H / KVH query heads per KV head, hd head dim, F FFN hidden size, V vocabulary, N rows.
-* Linear weights are stored ``(out, in)`` as in Meta's and llama2.c's checkpoints: y = x W^T.
+* Symbols are those of the notation table of docs/MATH.md (one meaning each). Size letters: B
+  batch, T query positions, S key positions, D model width, H query heads, KVH key/value heads,
+  G = H / KVH query heads per KV head, hd head width, F FFN hidden size, V vocabulary, N rows.
+* Vectors are rows. Linear weights are stored ``(out, in)`` as in Meta's and llama2.c's
+  checkpoints: y = x W^T.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def array_module(x: Any):
 # Token embedding
 # ---------------------------------------------------------------------------------------------
 def embedding_forward(weight, tokens):
-    r"""Token embedding lookup: h_{b,t} = E[x_{b,t}].
+    r"""Token embedding lookup: h_{b,t} = E_{\mathrm{tok}_{b,t}}.
 
     weight: (V, D), or a :class:`~minillama.core.quant.QuantMatrix` (V, D) of which only the rows
     read are dequantized (a frozen table: no gradient); tokens: (B, T) integers in [0, V).
@@ -59,7 +61,7 @@ def embedding_forward(weight, tokens):
 
 def embedding_backward(dout, ctx):
     r"""Scatter-add of the output gradient into the rows that were read:
-    \partial L / \partial E_v = \sum_{(b,t): x_{b,t} = v} \partial L / \partial h_{b,t}.
+    \bar{E}_\nu = \sum_{(b,t): \mathrm{tok}_{b,t} = \nu} \bar{h}_{b,t}.
 
     dout: (B, T, D). Returns dE: (V, D), or None for a quantized (frozen) table.
     """
@@ -102,11 +104,13 @@ def linear_backward(dy, ctx):
 
 def lora_forward(x, w, a, b, scale: float, drop=None):
     r"""Linear map with a LoRA adapter (Hu et al., 2021), W frozen:
-    y = x W^T + s\, (\tilde{x} A^T) B^T, \tilde{x} = x \odot m (m: an optional dropout mask,
-    already divided by the keep probability; \tilde{x} = x without it).
+    y = x W^T + s_{lora}\, (\tilde{x} W_\downarrow^T) W_\uparrow^T, \tilde{x} = x \odot
+    \mathrm{drop}
+    (an optional dropout mask, already divided by the keep probability; \tilde{x} = x without it).
 
-    x: (..., in); w: (out, in); a: (r, in); b: (out, r); s = ``scale`` (alpha / r, or
-    alpha / \sqrt{r} for rsLoRA); drop: None or (..., in). Returns y: (..., out).
+    x: (..., in); w: (out, in); a = W_\downarrow: (rank, in); b = W_\uparrow: (out, rank);
+    s_{lora} = ``scale`` (\alpha / rank, or \alpha / \sqrt{rank} for rsLoRA); drop: None or
+    (..., in). Returns y: (..., out).
     """
     x2 = x.reshape(-1, x.shape[-1])  # (N, in): one 2-D product each, not one per leading index
     xa = x2 if drop is None else x2 * drop.reshape(x2.shape)
@@ -118,10 +122,13 @@ def lora_forward(x, w, a, b, scale: float, drop=None):
 
 def lora_backward(dy, ctx):
     r"""Gradients of the LoRA linear for the input and the adapter only (\bar{W} is never formed):
-    \bar{u} = s\, \bar{y} B, \bar{B} = s\, \bar{y}^T u, \bar{A} = \bar{u}^T \tilde{x},
-    \bar{x} = \bar{y} W + m \odot (\bar{u} A)  (sums over all leading axes; u = \tilde{x} A^T).
+    \bar{x}_\downarrow = s_{lora}\, \bar{y} W_\uparrow, \bar{W}_\uparrow = s_{lora}\, \bar{y}^T
+    x_\downarrow,
+    \bar{W}_\downarrow = \bar{x}_\downarrow^T \tilde{x}, \bar{x} = \bar{y} W + \mathrm{drop} \odot
+    (\bar{x}_\downarrow W_\downarrow)
+    (sums over all leading axes; x_\downarrow = \tilde{x} W_\downarrow^T, the code's ``u``).
 
-    dy: (..., out). Returns (dx: (..., in), dA: (r, in), dB: (out, r)).
+    dy: (..., out). Returns (dx: (..., in), da: (rank, in), db: (out, rank)).
     """
     shape, w, a, b, scale, drop, xa, u = ctx
     dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
@@ -136,7 +143,7 @@ def lora_backward(dy, ctx):
 
 def bias_forward(y, b):
     r"""Bias of a linear layer (Qwen2's q/k/v, HF ``attention_bias``, ``mlp_bias``):
-    y'_n = y_n + b for every row n.
+    y'_n = y_n + \beta for every row n (\beta the code's ``b``).
 
     y: (..., out); b: (out,). Returns (y' (..., out), ctx).
     """
@@ -144,7 +151,8 @@ def bias_forward(y, b):
 
 
 def bias_backward(dy, ctx):
-    r"""Gradient of y' = y + b: \partial L / \partial b = \sum_{rows} dy (dy itself flows on to y).
+    r"""Gradient of y' = y + \beta: \bar{\beta} = \sum_{rows} \bar{y} (\bar{y} itself flows on to
+    y).
 
     dy: (..., out). Returns db: (out,).
     """
@@ -166,8 +174,10 @@ def rmsnorm_forward(x, g, eps):
 
 
 def rmsnorm_backward(dy, ctx):
-    r"""Gradients of RMSNorm. With \hat{x} = x r and u = dy \odot g:
-    dx = r (u - \hat{x}\, \mathrm{mean}(u \odot \hat{x})), dg = \sum_{rows} dy \odot \hat{x}.
+    r"""Gradients of RMSNorm. With \hat{x} = x r and \bar{\hat{x}} = \bar{y} \odot g (the code's
+    ``u``):
+    \bar{x} = r (\bar{\hat{x}} - \hat{x}\, \mathrm{mean}(\bar{\hat{x}} \odot \hat{x})), \bar{g} =
+    \sum_{rows} \bar{y} \odot \hat{x}.
 
     dy: (..., D). Returns (dx: (..., D), dg: (D,)).
     """
@@ -188,7 +198,7 @@ def _rotate_pairs(x, cos, sin):
     xp = array_module(x)
     c = cos[None, :, None, :] if cos.ndim == 2 else cos[:, :, None, :]  # (1 or B, T, 1, hd/2)
     s = sin[None, :, None, :] if sin.ndim == 2 else sin[:, :, None, :]
-    x0, x1 = x[..., 0::2], x[..., 1::2]  # (B, T, nh, hd/2) each
+    x0, x1 = x[..., 0::2], x[..., 1::2]  # (B, T, heads, hd/2) each
     y = xp.empty(x.shape, dtype=xp.result_type(x, c))
     y[..., 0::2] = x0 * c - x1 * s
     y[..., 1::2] = x0 * s + x1 * c
@@ -196,27 +206,32 @@ def _rotate_pairs(x, cos, sin):
 
 
 def rope_forward(x, cos, sin):
-    r"""Rotate each pair (x_{2i}, x_{2i+1}) of every head by the angle m \theta_i of its position m:
+    r"""Rotate each pair (x_{2i}, x_{2i+1}) of every head by the angle \varphi_{m,i} = m \theta_i of
+    its position m (the tables carry \mathrm{mscale}, 1 except for yarn):
 
     y_{2i} = x_{2i} \cos(m\theta_i) - x_{2i+1} \sin(m\theta_i),
     y_{2i+1} = x_{2i} \sin(m\theta_i) + x_{2i+1} \cos(m\theta_i).
 
-    x: (B, T, nh, hd); cos, sin: (T, hd/2) or (B, T, hd/2), already gathered at the positions.
-    Returns y: (B, T, nh, hd).
+    x: (B, T, H or KVH, hd) (queries or keys); cos, sin: (T, hd/2) or (B, T, hd/2), already
+    gathered at the positions. Returns y: (B, T, H or KVH, hd).
     """
     return _rotate_pairs(x, cos, sin), (cos, sin)
 
 
 def rope_backward(dy, ctx):
-    r"""Gradient of RoPE: the forward is linear, y = a R(m\theta_i) x with the tables holding
-    a \cos and a \sin (a the scaling's attention factor, 1 except for yarn), so the gradient is
-    its transpose a R(m\theta_i)^T, the same tables with the sine negated:
+    r"""Gradient of RoPE: the forward is linear, per pair y = \mathrm{mscale}\, x
+    R(\varphi_{m,i})^T with the
+    tables holding \mathrm{mscale} \cos and \mathrm{mscale} \sin (1 except for yarn), so the
+    gradient is its transpose, \bar{x} = \mathrm{mscale}\, \bar{y} R(\varphi_{m,i}): the same tables
+    with the sine negated:
 
-    dx_{2i} = dy_{2i} \cos + dy_{2i+1} \sin, dx_{2i+1} = -dy_{2i} \sin + dy_{2i+1} \cos
+    \bar{x}_{2i} = \bar{y}_{2i} \cos + \bar{y}_{2i+1} \sin, \bar{x}_{2i+1} = -\bar{y}_{2i} \sin +
+    \bar{y}_{2i+1} \cos
 
-    (\cos, \sin the table entries, a included). It is the inverse rotation only when a = 1.
+    (\cos, \sin the table entries, \mathrm{mscale} included). It is the inverse rotation only
+    when \mathrm{mscale} = 1.
 
-    dy: (B, T, nh, hd). Returns dx: (B, T, nh, hd).
+    dy: (B, T, H or KVH, hd). Returns dx: (B, T, H or KVH, hd).
     """
     cos, sin = ctx
     return _rotate_pairs(dy, cos, -sin)
@@ -226,11 +241,13 @@ def rope_backward(dy, ctx):
 # Causal scaled dot-product attention with grouped KV heads (MHA / GQA / MQA)
 # ---------------------------------------------------------------------------------------------
 def causal_mask(xp, T: int, S: int, start_pos, window: int | None = None, segments=None):
-    r"""Boolean mask M_{b,t,j} = [j \le p_b + t]: query t of sequence b sits at absolute position
+    r"""Boolean (0/1) mask M_{b,t,j} = [j \le p_b + t]: query t of sequence b sits at absolute
+    position
     p_b + t and may read keys 0..p_b + t. ``start_pos`` is an int or a (B,) integer array.
-    With a sliding ``window`` W only the last W of them: M_{b,t,j} = [p_b + t - W < j \le p_b + t].
+    With a sliding ``window`` W_{win} only the last W_{win} of them:
+    M_{b,t,j} = [p_b + t - W_{win} < j \le p_b + t].
     Packed sequences (``segments`` (B, T) example ids, S = T) read only their own example:
-    M_{b,t,j} = [j \le t] [\sigma_{b,t} = \sigma_{b,j}] (block-diagonal causal).
+    M_{b,t,j} = [j \le t] [\mathrm{seg}_{b,t} = \mathrm{seg}_{b,j}] (block-diagonal causal).
 
     Returns a (1 or B, 1, 1, T, S) array that broadcasts over (B, KVH, G, T, S).
     """
@@ -247,7 +264,8 @@ def causal_mask(xp, T: int, S: int, start_pos, window: int | None = None, segmen
 
 def segment_positions(segments):
     r"""Positions that restart at every example of a packed row: m_{b,t} = t - (the first index
-    of \sigma_{b,t}'s run). segments: (B, T) example ids, each example one contiguous run.
+    of \mathrm{seg}_{b,t}'s run). segments: (B, T) example ids \mathrm{seg}, each example one
+    contiguous run.
     Returns (B, T) int64, so RoPE turns a packed example exactly as it turns it alone."""
     xp = array_module(segments)
     B, T = segments.shape
@@ -259,8 +277,10 @@ def segment_positions(segments):
 
 
 def softmax(x, axis: int = -1):
-    r"""Softmax with the row maximum subtracted: p_j = e^{x_j - m} / \sum_k e^{x_k - m},
-    m = \max_k x_k. Entries equal to -inf get probability 0. Any shape; reduces ``axis``."""
+    r"""Softmax with the row maximum subtracted: P_j = e^{x_j - x_{\max}} / \sum_{j'} e^{x_{j'} -
+    x_{\max}},
+    x_{\max} = \max_{j'} x_{j'}. Entries equal to -inf get probability 0. Any shape; reduces
+    ``axis``."""
     xp = array_module(x)
     e = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
     return e / xp.sum(e, axis=axis, keepdims=True)
@@ -269,9 +289,12 @@ def softmax(x, axis: int = -1):
 def attention_forward(q, k, v, start_pos=0, window: int | None = None, segments=None):
     r"""Causal scaled dot-product attention where query head h reads KV head h // G, G = H / KVH:
 
-    S = Q K^T / \sqrt{hd} + M  (M_{tj} = -\infty where j > p + t, and with a sliding ``window``
-    W also where j \le p + t - W, and for packed rows where \sigma_t \ne \sigma_j; else 0),
-    P = \mathrm{softmax}_j(S),  O = P V.
+    A^{(h)}_{tj} = q_{t,h} \cdot k_{j,\kappa(h)} / \sqrt{hd} where M_{tj} = 1 and -\infty where
+    M_{tj} = 0 (:func:`causal_mask`: j \le p_b + t, with a sliding ``window`` W_{win} also
+    j > p_b + t - W_{win}, for packed rows also \mathrm{seg}_{b,t} = \mathrm{seg}_{b,j}),
+    P^{(h)}_{tj} = \mathrm{softmax}_j(A^{(h)}_{t\cdot}),  o_{t,h} = \sum_j P^{(h)}_{tj}
+    v_{j,\kappa(h)}.
+    (The code's ``s`` holds the scores A, ``p`` the probabilities P.)
 
     q: (B, T, H, hd); k, v: (B, S, KVH, hd) with S >= T (S > T when earlier positions come from a
     KV cache); start_pos: int or (B,) ints, the absolute position of query 0; segments: None or
@@ -295,8 +318,12 @@ def attention_forward(q, k, v, start_pos=0, window: int | None = None, segments=
 def attention_backward(dout, ctx):
     r"""Gradients of causal GQA attention. With dO the output gradient:
 
-    dP = dO V^T,  dS = P \odot (dP - \mathrm{rowsum}(P \odot dP)),  dQ = dS K / \sqrt{hd},
-    dK = \sum_{g \in group} dS^T Q / \sqrt{hd},  dV = \sum_{g \in group} P^T dO.
+    \bar{P}_{tj} = \bar{o}_t \cdot v_j,  \delta_t = \sum_j P_{tj} \bar{P}_{tj},
+    \bar{A}_{tj} = P_{tj} (\bar{P}_{tj} - \delta_t),  \bar{q}_t = \sum_j \bar{A}_{tj} k_j /
+    \sqrt{hd},
+    \bar{k}_j = \sum_{h \in group} \sum_t \bar{A}_{tj} q_t / \sqrt{hd},
+    \bar{v}_j = \sum_{h \in group} \sum_t P_{tj} \bar{o}_t  (head indices as in the forward; the
+    code's ``dp``, ``ds``).
 
     dout: (B, T, H, hd). Returns (dq: (B, T, H, hd), dk, dv: (B, S, KVH, hd)).
     """
@@ -317,7 +344,8 @@ def attention_backward(dout, ctx):
 # SwiGLU gate
 # ---------------------------------------------------------------------------------------------
 def sigmoid(a):
-    r"""\sigma(a) = 1 / (1 + e^{-a}). For a very negative, e^{-a} overflows to +inf and the result
+    r"""\mathrm{sigmoid}(a) = 1 / (1 + e^{-a}). For a very negative, e^{-a} overflows to +inf and
+    the result
     is the correct limit 0 (the overflow warning is silenced); accurate in both tails."""
     xp = array_module(a)
     with np.errstate(over="ignore"):
@@ -325,10 +353,11 @@ def sigmoid(a):
 
 
 def swiglu_forward(a, b):
-    r"""SwiGLU gate: h = \mathrm{silu}(a) \odot b, \mathrm{silu}(a) = a \sigma(a).
+    r"""SwiGLU gate: f = \mathrm{silu}(a_1) \odot a_3, \mathrm{silu}(a) = a\, \mathrm{sigmoid}(a).
 
-    In the FFN, a = x W_1^T and b = x W_3^T, and the block returns h W_2^T.
-    a, b: (..., F). Returns h: (..., F). Saves a, b, \sigma(a) and silu(a).
+    In the FFN, a_1 = \hat{h} W_1^T (the argument ``a``) and a_3 = \hat{h} W_3^T (``b``), and the
+    block returns f W_2^T. a, b: (..., F). Returns f: (..., F). Saves a_1, a_3,
+    \mathrm{sigmoid}(a_1) and \mathrm{silu}(a_1).
     """
     s = sigmoid(a)
     silu = a * s
@@ -336,10 +365,11 @@ def swiglu_forward(a, b):
 
 
 def swiglu_backward(dh, ctx):
-    r"""Gradients of h = \mathrm{silu}(a) \odot b:
-    db = dh \odot \mathrm{silu}(a), da = dh \odot b \odot \sigma(a)(1 + a(1 - \sigma(a))).
+    r"""Gradients of f = \mathrm{silu}(a_1) \odot a_3:
+    \bar{a}_3 = \bar{f} \odot \mathrm{silu}(a_1),
+    \bar{a}_1 = \bar{f} \odot a_3 \odot \mathrm{sigmoid}(a_1)(1 + a_1(1 - \mathrm{sigmoid}(a_1))).
 
-    dh: (..., F). Returns (da, db), each (..., F).
+    dh = \bar{f}: (..., F). Returns (da, db) = (\bar{a}_1, \bar{a}_3), each (..., F).
     """
     a, b, s, silu = ctx
     return dh * b * s * (1.0 + a * (1.0 - s)), dh * silu
@@ -350,13 +380,13 @@ def swiglu_backward(dh, ctx):
 # ---------------------------------------------------------------------------------------------
 def cross_entropy_forward(logits, targets, ignore_index: int = -1):
     r"""Mean softmax cross-entropy over the rows whose target is not ``ignore_index``, the kept rows
-    \mathcal{K} = \{n : y_n \ne \mathrm{ignore}\}:
+    \mathcal{K} = \{n : \mathrm{tgt}_n \ne \mathrm{ignore}\}:
 
-    \ell_n = \log \sum_v e^{z_{nv}} - z_{n, y_n},
-    L = \frac{1}{|\mathcal{K}|} \sum_{n \in \mathcal{K}} \ell_n
+    \ell_n = \log \sum_\nu e^{z_{n\nu}} - z_{n, \mathrm{tgt}_n},
+    \mathcal{L} = \frac{1}{|\mathcal{K}|} \sum_{n \in \mathcal{K}} \ell_n
 
-    (L = 0 when every target is ignored). logits: (N, V); targets: (N,) integers.
-    Returns the scalar loss (a 0-d array) and saves the probabilities p = softmax(z): (N, V).
+    (\mathcal{L} = 0 when every target is ignored). logits z: (N, V); targets \mathrm{tgt}: (N,)
+    integers. Returns the scalar loss (a 0-d array) and saves P = softmax(z): (N, V).
     """
     xp = array_module(logits)
     valid = targets != ignore_index  # (N,)
@@ -371,8 +401,10 @@ def cross_entropy_forward(logits, targets, ignore_index: int = -1):
 
 def cross_entropy_backward(dloss, ctx):
     r"""Gradient of the mean cross-entropy:
-    \partial L / \partial z_{nv} = (p_{nv} - [v = y_n]) / |\mathcal{K}| for kept rows, 0 for
-    ignored rows, times the upstream scalar ``dloss``.
+    \bar{z}_{n\nu} = \bar{\mathcal{L}}\, (P_{n\nu} - [\nu = \mathrm{tgt}_n]) / |\mathcal{K}| for
+    kept
+    rows,
+    0 for ignored rows (\bar{\mathcal{L}} the upstream scalar ``dloss``).
 
     Returns dlogits: (N, V).
     """
@@ -387,7 +419,8 @@ def cross_entropy_backward(dloss, ctx):
 def linear_cross_entropy_forward(x, w, targets, ignore_index: int = -1):
     r"""The output projection and the mean cross-entropy as one op (the training loss head):
     z = x W^T, then
-    L = \frac{1}{|\mathcal{K}|} \sum_{n \in \mathcal{K}} (\mathrm{lse}(z_n) - z_{n, y_n})
+    \mathcal{L} = \frac{1}{|\mathcal{K}|} \sum_{n \in \mathcal{K}} (\mathrm{lse}_n - z_{n,
+    \mathrm{tgt}_n})
     as in :func:`linear_forward` and :func:`cross_entropy_forward`.
 
     x: (N, D); w: (V, D); targets: (N,). Returns the 0-d loss and ctx. Written here as the two ops
@@ -400,7 +433,7 @@ def linear_cross_entropy_forward(x, w, targets, ignore_index: int = -1):
 
 def linear_cross_entropy_backward(dloss, ctx):
     r"""Gradients of :func:`linear_cross_entropy_forward`: \bar{z} from
-    :func:`cross_entropy_backward`, then dx = \bar{z} W and dW = \bar{z}^T x.
+    :func:`cross_entropy_backward`, then \bar{x} = \bar{z} W and \bar{W} = \bar{z}^T x.
 
     Returns (dx: (N, D), dW: (V, D)).
     """
@@ -414,9 +447,10 @@ def linear_cross_entropy_backward(dloss, ctx):
 # and the latent array of a Perceiver-style block. Plain bodies, array-module generic.
 # =============================================================================================
 def _norm_backward(dy, xhat, r, g, axes):
-    r"""Shared backward of y = \hat{x} \odot g (+ b), \hat{x} = (x - \mu) r, statistics over
-    ``axes``: dx = r (u - \mathrm{mean}(u) - \hat{x}\,\mathrm{mean}(u \odot \hat{x})),
-    u = dy \odot g."""
+    r"""Shared backward of y = \hat{x} \odot g (+ \beta), \hat{x} = (x - \mu) r, statistics over
+    ``axes``: \bar{x} = r (\bar{\hat{x}} - \mathrm{mean}(\bar{\hat{x}}) -
+    \hat{x}\,\mathrm{mean}(\bar{\hat{x}} \odot \hat{x})),
+    \bar{\hat{x}} = \bar{y} \odot g (the code's ``u``)."""
     u = dy * g
     return r * (u - u.mean(axis=axes, keepdims=True)
                 - xhat * (u * xhat).mean(axis=axes, keepdims=True))
@@ -427,9 +461,9 @@ def layernorm_forward(x, g, b, eps):
 
     \mu = \mathrm{mean}(x), \sigma^2 = \mathrm{mean}((x - \mu)^2),
     \hat{x} = (x - \mu) / \sqrt{\sigma^2 + \epsilon},
-    y = \hat{x} \odot g + b.
+    y = \hat{x} \odot g + \beta.
 
-    x: (..., D); g, b: (D,). Returns y: (..., D). Saves \hat{x} and
+    x: (..., D); g, b = \beta: (D,). Returns y: (..., D). Saves \hat{x} and
     r = 1/\sqrt{\sigma^2+\epsilon}: (..., 1).
     """
     xp = array_module(x)
@@ -440,9 +474,10 @@ def layernorm_forward(x, g, b, eps):
 
 
 def layernorm_backward(dy, ctx):
-    r"""Gradients of LayerNorm, u = dy \odot g:
-    dx = r (u - \mathrm{mean}(u) - \hat{x}\,\mathrm{mean}(u \odot \hat{x})),
-    dg = \sum_{rows} dy \odot \hat{x}, db = \sum_{rows} dy.
+    r"""Gradients of LayerNorm, \bar{\hat{x}} = \bar{y} \odot g:
+    \bar{x} = r (\bar{\hat{x}} - \mathrm{mean}(\bar{\hat{x}}) -
+    \hat{x}\,\mathrm{mean}(\bar{\hat{x}} \odot \hat{x})),
+    \bar{g} = \sum_{rows} \bar{y} \odot \hat{x}, \bar{\beta} = \sum_{rows} \bar{y}.
 
     dy: (..., D). Returns (dx: (..., D), dg: (D,), db: (D,)).
     """
@@ -457,17 +492,20 @@ def _bn_axes_shape(x):
 
 
 def batchnorm_forward(x, g, b, eps, running=None, momentum=0.1):
-    r"""BatchNorm, training mode: per channel c, statistics over the batch and every spatial axis,
+    r"""BatchNorm, training mode: per channel \mathit{ch}, statistics over the batch and every
+    spatial axis,
 
-    \mu_c = \mathrm{mean}_{n,*}(x_{n,c,*}),
-    \sigma_c^2 = \mathrm{mean}_{n,*}((x - \mu_c)^2) (biased),
-    y = (x - \mu_c)/\sqrt{\sigma_c^2 + \epsilon} \odot g_c + b_c.
+    \mu_{ch} = \mathrm{mean}_{n,*}(x_{n,ch,*}),
+    \sigma_{ch}^2 = \mathrm{mean}_{n,*}((x - \mu_{ch})^2) (biased),
+    y = (x - \mu_{ch})/\sqrt{\sigma_{ch}^2 + \epsilon} \odot g_{ch} + \beta_{ch}.
 
     x: (N, C) or (N, C, *spatial); g, b: (C,). Returns y shaped like x. ``running`` (a dict with
     ``mean`` and ``var``, each (C,)) is updated in place as PyTorch does:
-    m \leftarrow (1 - \mathrm{momentum})\, m + \mathrm{momentum}\, \mu,
-    v \leftarrow (1 - \mathrm{momentum})\, v + \mathrm{momentum}\, \sigma^2 n/(n-1) (unbiased),
-    n = the number of values per channel. Inference uses :func:`batchnorm_inference`.
+    \mu^{run} \leftarrow (1 - \mathrm{momentum})\, \mu^{run} + \mathrm{momentum}\, \mu,
+    \sigma^{2,run} \leftarrow (1 - \mathrm{momentum})\, \sigma^{2,run} + \mathrm{momentum}\,
+    \sigma^2 n_{ch}/(n_{ch}-1)
+    (unbiased), n_{ch} = the number of values per channel. Inference uses
+    :func:`batchnorm_inference`.
     """
     xp = array_module(x)
     axes, shape = _bn_axes_shape(x)
@@ -488,8 +526,10 @@ def batchnorm_forward(x, g, b, eps, running=None, momentum=0.1):
 def batchnorm_backward(dy, ctx):
     r"""Gradients of training-mode BatchNorm: the formula of LayerNorm's backward with the means
     over (N, *spatial) instead of D, because every sample's output depends on the whole batch:
-    dx = r (u - \mathrm{mean}(u) - \hat{x}\,\mathrm{mean}(u \odot \hat{x})), u = dy \odot g;
-    dg_c = \sum_{n,*} dy \odot \hat{x}, db_c = \sum_{n,*} dy.
+    \bar{x} = r (\bar{\hat{x}} - \mathrm{mean}(\bar{\hat{x}}) -
+    \hat{x}\,\mathrm{mean}(\bar{\hat{x}} \odot \hat{x})),
+    \bar{\hat{x}} = \bar{y} \odot g; \bar{g}_{ch} = \sum_{n,*} \bar{y} \odot \hat{x},
+    \bar{\beta}_{ch} = \sum_{n,*} \bar{y}.
 
     dy shaped like x. Returns (dx, dg: (C,), db: (C,)).
     """
@@ -500,7 +540,8 @@ def batchnorm_backward(dy, ctx):
 
 def batchnorm_inference(x, g, b, running_mean, running_var, eps):
     r"""BatchNorm at inference: the running statistics replace the batch's, so each sample is
-    normalised on its own: y = (x - m_c) / \sqrt{v_c + \epsilon} \odot g_c + b_c.
+    normalised on its own: y = (x - \mu^{run}_{ch}) / \sqrt{\sigma^{2,run}_{ch} + \epsilon} \odot
+    g_{ch} + \beta_{ch}.
 
     x: (N, C, *spatial); g, b, running_mean, running_var: (C,). Returns y shaped like x.
     """
@@ -513,12 +554,13 @@ def batchnorm_inference(x, g, b, running_mean, running_var, eps):
 def sinusoidal_positions(max_seq_len: int, dim: int, base: float = 10000.0, dtype=np.float32,
                          xp=np):
     r"""The vanilla transformer's absolute positional encoding (Vaswani et al., 2017), added to
-    the token embeddings scaled by \sqrt{D} (h_0 = \sqrt{D}\, E[x] + P, as
+    the token embeddings scaled by \sqrt{D} (h_0 = \sqrt{D}\, E_{\mathrm{tok}} + E^{pos}, as
     :meth:`~minillama.model.ends.EndsWiring._embed` computes):
 
-    P_{p, 2i} = \sin(p / \mathrm{base}^{2i/D}),  P_{p, 2i+1} = \cos(p / \mathrm{base}^{2i/D}).
+    E^{pos}_{m, 2i} = \sin(m / \mathrm{base}^{2i/D}),  E^{pos}_{m, 2i+1} = \cos(m /
+    \mathrm{base}^{2i/D}).
 
-    Computed in float64 and cast. Returns P: (max_seq_len, D). D must be even.
+    Computed in float64 and cast. Returns E^{pos}: (max_seq_len, D). D must be even.
     """
     if dim % 2:
         raise MinillamaError(f"sinusoidal positions need an even model dimension, got {dim}")
@@ -536,9 +578,9 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 def gelu_forward(a):
     r"""GELU in its tanh form (GPT-2, BERT; PyTorch's ``approximate="tanh"``):
 
-    \mathrm{gelu}(a) = \tfrac12 a (1 + \tanh u),  u = \sqrt{2/\pi}(a + 0.044715 a^3).
+    \mathrm{gelu}(a) = \tfrac12 a (1 + \tanh \xi),  \xi = \sqrt{2/\pi}(a + 0.044715 a^3).
 
-    a: (..., F). Returns h: (..., F). Saves a and \tanh u.
+    a: (..., F). Returns h: (..., F). Saves a and \tanh \xi.
     """
     xp = array_module(a)
     t = xp.tanh(_GELU_C * (a + 0.044715 * a * a * a))
@@ -546,8 +588,8 @@ def gelu_forward(a):
 
 
 def gelu_backward(dh, ctx):
-    r"""d\,\mathrm{gelu}/da = \tfrac12 (1 + \tanh u) +
-    \tfrac12 a (1 - \tanh^2 u) \sqrt{2/\pi}(1 + 3 \cdot 0.044715 a^2).
+    r"""d\,\mathrm{gelu}/da = \tfrac12 (1 + \tanh \xi) +
+    \tfrac12 a (1 - \tanh^2 \xi) \sqrt{2/\pi}(1 + 3 \cdot 0.044715 a^2).
 
     dh: (..., F). Returns da: (..., F).
     """
@@ -571,7 +613,7 @@ ACTIVATIONS = {"gelu": (gelu_forward, gelu_backward), "relu": (relu_forward, rel
 
 
 def mlp_forward(x, w1, w2, activation: str = "gelu"):
-    r"""The classic two-matrix FFN: y = \phi(x W_1^T) W_2^T, \phi = GELU or ReLU.
+    r"""The classic two-matrix FFN: y = \mathrm{act}(x W_1^T) W_2^T, \mathrm{act} = GELU or ReLU.
 
     x: (..., D); w1: (F, D); w2: (D, F). Returns y: (..., D).
     """
@@ -583,7 +625,9 @@ def mlp_forward(x, w1, w2, activation: str = "gelu"):
 
 
 def mlp_backward(dy, ctx):
-    r"""dh = dy W_2, dW_2 = dy^T h; da = \phi'(a) \odot dh; dx = da W_1, dW_1 = da^T x.
+    r"""\bar{h} = \bar{y} W_2, \bar{W}_2 = \bar{y}^T h; \bar{a} = \mathrm{act}'(a) \odot \bar{h};
+    \bar{x} = \bar{a} W_1,
+    \bar{W}_1 = \bar{a}^T x (a = x W_1^T, h = \mathrm{act}(a)).
 
     dy: (..., D). Returns (dx: (..., D), dw1: (F, D), dw2: (D, F)).
     """
@@ -594,11 +638,12 @@ def mlp_backward(dy, ctx):
 
 
 def postnorm_residual_forward(x, fx, g, b, eps):
-    r"""The post-norm residual (the original transformer's): y = \mathrm{Norm}(x + F(x)), with
+    r"""The post-norm residual (the original transformer's): y = \mathrm{Norm}(x +
+    \mathrm{Sub}(x)), with
     LayerNorm when a bias ``b`` is given and RMSNorm when ``b`` is None. (Pre-norm, LLaMA's, is
-    y = x + F(\mathrm{Norm}(x)): the skip path bypasses the norm.)
+    y = x + \mathrm{Sub}(\mathrm{Norm}(x)): the skip path bypasses the norm.)
 
-    x, fx: (..., D) (fx = F(x), computed by the caller); g, b: (D,). Returns y: (..., D).
+    x, fx: (..., D) (fx = \mathrm{Sub}(x), computed by the caller); g, b: (D,). Returns y: (..., D).
     """
     s = x + fx
     if b is None:
@@ -609,7 +654,8 @@ def postnorm_residual_forward(x, fx, g, b, eps):
 
 
 def postnorm_residual_backward(dy, ctx):
-    r"""ds = \mathrm{Norm}'(dy); the sum sends ds to both x and F(x): dx = ds, dfx = ds.
+    r"""\bar{\Sigma} = \mathrm{Norm}'(\bar{y}); the sum sends it to both x and \mathrm{Sub}(x):
+    \bar{x} = \overline{\mathrm{Sub}(x)} = \bar{\Sigma}.
     Every gradient passes through the norm (no identity path as in pre-norm).
 
     Returns (dx, dfx, dg, db) (db is None for RMSNorm).
@@ -624,23 +670,25 @@ def postnorm_residual_backward(dy, ctx):
 
 
 def logit_scale_forward(z, scale: float):
-    r"""Scaled logits z' = s z. Without it std(z) grows like \sqrt{D}\,\sigma for unit-RMS
-    features and weights of std \sigma; s = 1/\sqrt{D} keeps it flat. z: (..., V)."""
+    r"""Scaled logits z' = s_z z. Without it std(z) grows like \sqrt{D}\, \mathrm{std}_W for
+    unit-RMS features and weights of std \mathrm{std}_W; s_z = 1/\sqrt{D} keeps it flat. z: (...,
+    V)."""
     return z * scale, scale
 
 
 def logit_scale_backward(dz, ctx):
-    r"""dz = s\, dz'. Returns dz: (..., V)."""
+    r"""\bar{z} = s_z\, \bar{z}'. Returns dz: (..., V)."""
     return dz * ctx
 
 
 def cross_attention_forward(q, k, v):
-    r"""Scaled dot-product cross-attention, no mask: M queries of one sequence against L keys and
-    values of another; query head h reads KV head h // G (G = H / KVH, so MHA, GQA and MQA):
+    r"""Scaled dot-product cross-attention, no mask: T queries of one sequence against S keys and
+    values of another (the code's ``M`` and ``L``); query head h reads KV head \kappa(h) = h // G:
 
-    S_{mj} = q_m \cdot k_j / \sqrt{hd},  P = \mathrm{softmax}_j(S),  o_m = \sum_j P_{mj} v_j.
+    A_{tj} = q_t \cdot k_j / \sqrt{hd},  P_{tj} = \mathrm{softmax}_j(A_{t\cdot}),  o_t = \sum_j
+    P_{tj} v_j.
 
-    q: (B, M, H, hd); k, v: (B, L, KVH, hd). Returns o: (B, M, H, hd). Cost O(B H M L hd).
+    q: (B, T, H, hd); k, v: (B, S, KVH, hd). Returns o: (B, T, H, hd). Cost O(B H T S hd).
     """
     xp = array_module(q)
     B, M, H, hd = q.shape
@@ -657,11 +705,12 @@ def cross_attention_forward(q, k, v):
 
 
 def cross_attention_backward(dout, ctx):
-    r"""Gradients of cross-attention, D_m = dO_m \cdot o_m:
-    dV = P^T dO, dS = P \odot (dO V^T - D), dQ = dS K / \sqrt{hd}, dK = dS^T Q / \sqrt{hd}
-    (the G heads of a group are rows of one matrix, so dK, dV sum over the group).
+    r"""Gradients of cross-attention, \delta_t = \bar{o}_t \cdot o_t:
+    \bar{v}_j = \sum_t P_{tj} \bar{o}_t, \bar{A}_{tj} = P_{tj} (\bar{o}_t \cdot v_j - \delta_t),
+    \bar{q}_t = \sum_j \bar{A}_{tj} k_j / \sqrt{hd}, \bar{k}_j = \sum_t \bar{A}_{tj} q_t / \sqrt{hd}
+    (the G heads of a group are rows of one matrix, so \bar{k}, \bar{v} sum over the group).
 
-    dout: (B, M, H, hd). Returns (dq: (B, M, H, hd), dk, dv: (B, L, KVH, hd)).
+    dout: (B, T, H, hd). Returns (dq: (B, T, H, hd), dk, dv: (B, S, KVH, hd)).
     """
     qg, kk, vv, p, o, scale = ctx
     xp = array_module(dout)
@@ -678,13 +727,13 @@ def cross_attention_backward(dout, ctx):
 
 
 def latent_expand_forward(z, batch_size: int):
-    r"""The learned latent array Z: (M, D), shared by every sequence: z_b = Z for b < B.
-    Returns (B, M, D) (a broadcast view; do not write into it)."""
+    r"""The learned latent array Z: (T, D) of T latents, shared by every sequence: Z_b = Z for
+    b < B. Returns (B, T, D) (a broadcast view; do not write into it)."""
     xp = array_module(z)
     return xp.broadcast_to(z, (batch_size,) + z.shape), None
 
 
 def latent_expand_backward(dz, ctx):
-    r"""dZ = \sum_b dz_b: each sequence's gradient flows into the one shared array.
-    Returns (M, D)."""
+    r"""\bar{Z} = \sum_b \bar{Z}_b: each sequence's gradient flows into the one shared array.
+    Returns (T, D)."""
     return dz.sum(axis=0)

@@ -14,28 +14,33 @@ from minillama.core.errors import MinillamaError
 
 def rope_frequencies(head_dim: int, theta: float = 10000.0, scaling: dict | None = None,
                      seq_len: int | None = None):
-    r"""RoPE's per-pair frequencies \theta_i (i < hd/2) and the attention factor a, in float64.
+    r"""RoPE's per-pair frequencies \theta_i (i < hd/2) and the attention factor \mathrm{mscale},
+    in float64. The argument ``theta`` is the base (the config's ``rope_theta``), written
+    \mathrm{base} here as in docs/MATH.md; \theta_i are the frequencies.
 
-    Plain RoPE: \theta_i = \mathrm{base}^{-2i/hd}, a = 1. The scalings of ``scaling["rope_type"]``
-    (transformers' names; s = ``factor``, L_0 = ``original_max_position_embeddings``):
+    Plain RoPE: \theta_i = \mathrm{base}^{-2i/hd}, \mathrm{mscale} = 1. The scalings of
+    ``scaling["rope_type"]`` (transformers' names; s = ``factor``,
+    L_0 = ``original_max_position_embeddings``; \theta'_i the scaled frequencies):
 
-    * ``linear`` (position interpolation): \theta_i / s.
-    * ``dynamic`` (NTK-aware, for a sequence of L = \max(\mathrm{seq\_len}, L_0) positions): the
-      base grows, \mathrm{base}' = \mathrm{base} (s L / L_0 - (s - 1))^{hd / (hd - 2)}, and
-      \theta_i = \mathrm{base}'^{-2i/hd}.
-    * ``llama3`` (Llama 3.1's bands, with wavelength \lambda_i = 2\pi / \theta_i and factors
-      f_{lo} < f_{hi}): \theta_i if \lambda_i < L_0 / f_{hi}; \theta_i / s if
-      \lambda_i > L_0 / f_{lo}; between them (1 - \gamma) \theta_i / s + \gamma \theta_i with
-      \gamma = (L_0 / \lambda_i - f_{lo}) / (f_{hi} - f_{lo}).
-    * ``yarn``: \theta_i = (1 - r_i) \theta_i / s + r_i \theta_i with the ramp
-      r_i = 1 - \mathrm{clip}((i - l) / (h - l), 0, 1) between the pair indices l, h where the
-      pair turns \beta_{fast} = 32 and \beta_{slow} = 1 times over L_0
-      (d(n) = hd \ln(L_0 / (2\pi n)) / (2 \ln \mathrm{base}), l = \lfloor d(\beta_{fast}) \rfloor,
-      h = \lceil d(\beta_{slow}) \rceil); a = 0.1 \ln s + 1 (or ``attention_factor``).
-    * ``freq_factors`` (llama.cpp's ``rope_freqs`` tensor f: (hd/2,)): \theta_i / f_i.
+    * ``linear`` (position interpolation): \theta'_i = \theta_i / s.
+    * ``dynamic`` (NTK-aware, for a sequence of S = \max(\mathrm{seq\_len}, L_0) positions): the
+      base grows, \mathrm{base}' = \mathrm{base} (s S / L_0 - (s - 1))^{hd / (hd - 2)}, and
+      \theta'_i = \mathrm{base}'^{-2i/hd}.
+    * ``llama3`` (Llama 3.1's bands, with wavelength \Lambda_i = 2\pi / \theta_i and factors
+      low < high): \theta_i if \Lambda_i < L_0 / high; \theta_i / s if \Lambda_i > L_0 / low;
+      between them (1 - \gamma_i) \theta_i / s + \gamma_i \theta_i with
+      \gamma_i = (L_0 / \Lambda_i - low) / (high - low).
+    * ``yarn``: \theta'_i = (1 - \gamma_i) \theta_i / s + \gamma_i \theta_i with the ramp
+      \gamma_i = 1 - \mathrm{clip}((i - i_{lo}) / (i_{hi} - i_{lo}), 0, 1) between the pair
+      indices where the pair turns \beta_{fast} = 32 and \beta_{slow} = 1 times over L_0
+      (\mathrm{pair}(n_{rot}) = hd \ln(L_0 / (2\pi n_{rot})) / (2 \ln \mathrm{base}),
+      i_{lo} = \lfloor \mathrm{pair}(\beta_{fast}) \rfloor, i_{hi} = \lceil
+      \mathrm{pair}(\beta_{slow}) \rceil);
+      \mathrm{mscale} = 0.1 \ln s + 1 (or ``attention_factor``).
+    * ``freq_factors`` (llama.cpp's ``rope_freqs`` tensor ff: (hd/2,)): \theta'_i = \theta_i / ff_i.
 
-    Returns (theta: (hd/2,) float64, a: float). cos/sin tables are built from them by
-    :func:`rope_tables` (multiplied by a, so q \cdot k gains a^2).
+    Returns (\theta': (hd/2,) float64, \mathrm{mscale}: float). cos/sin tables are built from them
+    by :func:`rope_tables` (multiplied by \mathrm{mscale}, so q \cdot k gains \mathrm{mscale}^2).
     """
     if head_dim % 2:
         raise MinillamaError(f"RoPE needs an even head dimension, got {head_dim}")
@@ -71,8 +76,8 @@ def _rope_llama3(inv_freq, scaling):
 
 
 def _rope_yarn(inv_freq, hd: int, theta: float, scaling):
-    """YaRN's ramp between interpolated and original frequencies, and its attention factor (see
-    :func:`rope_frequencies`)."""
+    r"""YaRN's ramp \gamma_i (``keep``) between interpolated and original frequencies, and its
+    attention factor \mathrm{mscale} (``a``; see :func:`rope_frequencies`)."""
     s, L0 = scaling["factor"], scaling["original_max_position_embeddings"]
 
     def pair_index(n_rot):  # the pair that turns n_rot times over L0
@@ -97,9 +102,10 @@ def _rope_yarn(inv_freq, hd: int, theta: float, scaling):
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float = 10000.0, dtype=np.float32, xp=np,
                 scaling: dict | None = None, seq_len: int | None = None):
-    r"""The cos/sin tables of RoPE: angle_{m,i} = m \theta_i with \theta_i from
-    :func:`rope_frequencies` (plain: \theta_i = \mathrm{base}^{-2i/hd}), each entry times the
-    scaling's attention factor a (1 unless yarn): a \cos(angle), a \sin(angle).
+    r"""The cos/sin tables of RoPE: \varphi_{m,i} = m \theta_i with \theta_i from
+    :func:`rope_frequencies` (plain: \theta_i = \mathrm{base}^{-2i/hd}, \mathrm{base} = ``theta``),
+    each entry times the scaling's attention factor (1 unless yarn):
+    \mathrm{mscale} \cos \varphi_{m,i}, \mathrm{mscale} \sin \varphi_{m,i}.
 
     Computed in float64 and cast to ``dtype``. ``seq_len`` is the sequence length a dynamic
     scaling adapts to. Returns (cos, sin), each (max_seq_len, hd/2).

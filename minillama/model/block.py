@@ -11,8 +11,9 @@ class BlockWiring:
     :class:`~minillama.model.transformer.Transformer`."""
 
     def _attention_sublayer(self, layer: int, h, cos, sin, cache, start_pos):
-        r"""\mathrm{Attn}(h) = W_o\, \mathrm{attn}(\mathrm{RoPE}(W_q h), \mathrm{RoPE}(W_k h),
-        W_v h) (no RoPE when ``cos`` is None), h the block's (pre-norm: normalised) input.
+        r"""\mathrm{Attn}(h) = \mathrm{attn}(\mathrm{RoPE}(h W_q^T), \mathrm{RoPE}(h W_k^T),
+        h W_v^T)\, W_o^T (rows; no RoPE when ``cos`` is None), h the block's (pre-norm:
+        normalised, \hat{h} in docs/MATH.md) input.
 
         h: (B, T, D). With a ``cache`` the new K/V are written at ``start_pos`` and attention reads
         every cached position. Returns the branch output (B, T, D) (not yet added to x) and ctx.
@@ -39,8 +40,10 @@ class BlockWiring:
         return o, (c_q, c_k, c_v, c_rq, c_rk, (att_backward, c_att), c_o)
 
     def _ffn_sublayer(self, layer: int, n):
-        r"""\mathrm{FFN}(n) = W_2(\mathrm{silu}(W_1 n) \odot W_3 n) (SwiGLU), or the two-matrix
-        W_2\, \phi(W_1 n) with \phi = GELU or ReLU (``cfg.ffn``).
+        r"""\mathrm{FFN}(\hat{h}) = (\mathrm{silu}(\hat{h} W_1^T) \odot \hat{h} W_3^T) W_2^T
+        (SwiGLU),
+        or the two-matrix \mathrm{act}(\hat{h} W_1^T) W_2^T with \mathrm{act} = GELU or ReLU
+        (``cfg.ffn``); rows, \hat{h} the normalised input (the argument ``n``).
 
         n: (B, T, D). Returns the branch output (B, T, D) (not yet added to x) and ctx.
         """

@@ -13,9 +13,10 @@ class EndsWiring:
     :class:`~minillama.model.transformer.Transformer`."""
 
     def _embed(self, tok, start_pos=0):
-        r"""h_0 = E[x]: (B, T) ids -> (B, T, D). With sinusoidal positions, as in the vanilla
-        transformer, h_0 = \sqrt{D}\, E[x] + P[positions] (P is fixed; without the \sqrt{D} the
-        unit-amplitude P drowns embeddings of std 0.02). Returns (h_0, ctx)."""
+        r"""h_0 = E_{\mathrm{tok}}: (B, T) ids -> (B, T, D). With sinusoidal positions, as in the
+        vanilla transformer, h_0 = \sqrt{D}\, E_{\mathrm{tok}} + E^{pos}_m at the positions m
+        (E^{pos} is fixed; without the \sqrt{D} the unit-amplitude E^{pos} drowns embeddings of
+        std 0.02). Returns (h_0, ctx)."""
         h, ctx = self.backend.embedding_forward(self.params["tok_embeddings.weight"],
                                                 self.backend.asarray(tok))
         h = h.astype(self.dtype, copy=False)  # a quantized table's rows come as float32

@@ -2,10 +2,13 @@ r"""The LLaMA decoder: parameters, forward pass and the hand-written backward pa
 
 The model is a stack of pre-norm residual blocks (Touvron et al., 2023):
 
-    h_0 = E[x]
-    a_l = h_{l-1} + \mathrm{Attn}(\mathrm{RMSNorm}(h_{l-1}; g^{att}_l))
-    h_l = a_l + W_2 (\mathrm{silu}(W_1 n) \odot W_3 n),  n = \mathrm{RMSNorm}(a_l; g^{ffn}_l)
+    h_0 = E_{\mathrm{tok}}
+    h'_l = h_{l-1} + \mathrm{Attn}(\mathrm{RMSNorm}(h_{l-1}; g^{att}_l))
+    h_l = h'_l + (\mathrm{silu}(\hat{h} W_1^T) \odot \hat{h} W_3^T) W_2^T,  \hat{h} =
+    \mathrm{RMSNorm}(h'_l; g^{ffn}_l)
     z = \mathrm{RMSNorm}(h_L; g) W_{out}^T          (W_{out} = E when the head is tied)
+
+(rows: every vector is a row and a linear layer is x W^T, as in docs/MATH.md).
 
 This module holds the parameters (names, shapes, initialisation, checks) and the
 :class:`Transformer` with its two drivers, the forward (:meth:`Transformer._run`) and the backward
@@ -17,8 +20,9 @@ Numba and CuPy. :meth:`Transformer.loss_and_grads` runs the forward keeping each
 walks the layers in reverse calling the matching ``<op>_backward``.
 
 The config's variants (docs/MATH.md part II) swap single pieces, defaults being LLaMA's:
-``norm`` (RMSNorm | LayerNorm), ``norm_position`` (pre | post: a = Norm(x + Attn(x))),
-``pos_encoding`` (RoPE | sinusoidal P added to \sqrt{D} E[x] | none), ``ffn`` (SwiGLU | GELU |
+``norm`` (RMSNorm | LayerNorm), ``norm_position`` (pre | post: h' = Norm(h + Attn(h))),
+``pos_encoding`` (RoPE | sinusoidal E^{pos} added to \sqrt{D} E_{tok} | none), ``ffn`` (SwiGLU |
+GELU |
 ReLU two-matrix) and ``logit_scale`` s (z = s Norm(h_L) W_out^T).
 """
 

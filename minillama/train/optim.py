@@ -33,21 +33,21 @@ def is_embedding(name: str) -> bool:
 class AdamW:
     r"""Adam with decoupled weight decay (Loshchilov & Hutter, 2019), as in ``torch.optim.AdamW``.
 
-    For every parameter w with gradient \bar{w}, at step k = 1, 2, ... and learning rate \eta_k
+    For every parameter w with gradient \bar{w}, at step it = 1, 2, ... and learning rate \eta_{it}
     (docs/MATH.md section 9d):
 
     .. math::
 
-        w &\leftarrow w - \eta_k \lambda w \qquad\text{(only where decay applies)}\\
+        w &\leftarrow w - \eta_{it} \lambda w \qquad\text{(only where decay applies)}\\
         m_w &\leftarrow \beta_1 m_w + (1 - \beta_1) \bar{w} \\
         v_w &\leftarrow \beta_2 v_w + (1 - \beta_2) \bar{w}^2 \\
-        w &\leftarrow w - \frac{\eta_k}{1 - \beta_1^k}
-                  \frac{m_w}{\sqrt{v_w} / \sqrt{1 - \beta_2^k} + \epsilon_{adam}}
+        w &\leftarrow w - \frac{\eta_{it}}{1 - \beta_1^{it}}
+                  \frac{m_w}{\sqrt{v_w} / \sqrt{1 - \beta_2^{it}} + \epsilon_{adam}}
 
     ``params``: dict name -> array (any shape; NumPy or CuPy), updated in place.
     ``weight_decay`` \lambda is skipped for the names where ``no_decay(name)`` is true; by default
     the RMSNorm gains, plus the embedding when ``decay_embeddings`` is false.
-    The state (``m``, ``v`` per parameter and the step count k, ``self.t``) round-trips through
+    The state (``m``, ``v`` per parameter and the step count it, ``self.t``) round-trips through
     :meth:`state_dict` / :meth:`load_state_dict` for checkpoints.
     ``backend`` (optional): when it provides a fused ``adamw_update(p, g, m, v, lr, beta1, beta2,
     eps, wd, t)`` (the CuPy and Numba backends do), each parameter is updated by that one kernel
@@ -93,13 +93,13 @@ class AdamW:
 
     def step(self, grads: dict[str, Any], lr: float | None = None) -> None:
         r"""One update of every parameter w from its gradient \bar{w} in ``grads`` (same names
-        and shapes), in place, at step k = ``self.t`` (counted from 1) and rate \eta_k:
+        and shapes), in place, at step it = ``self.t`` (counted from 1) and rate \eta_{it}:
 
-        w \leftarrow w (1 - \eta_k \lambda),
+        w \leftarrow w (1 - \eta_{it} \lambda),
         m_w \leftarrow \beta_1 m_w + (1 - \beta_1) \bar{w},
         v_w \leftarrow \beta_2 v_w + (1 - \beta_2) \bar{w} \odot \bar{w},
-        w \leftarrow w - \eta_k / (1 - \beta_1^k) \cdot
-        m_w / (\sqrt{v_w} / \sqrt{1 - \beta_2^k} + \epsilon_{adam}).
+        w \leftarrow w - \eta_{it} / (1 - \beta_1^{it}) \cdot
+        m_w / (\sqrt{v_w} / \sqrt{1 - \beta_2^{it}} + \epsilon_{adam}).
 
         w, \bar{w}, m_w, v_w: (the parameter's shape). ``lr`` overrides the learning rate for this
         step (the schedule :func:`lr_at` passes it here)."""
@@ -217,21 +217,22 @@ def clip_grad_norm(grads: dict[str, Any], max_norm: float) -> float:
 
 
 def lr_at(step: int, max_lr: float, warmup: int, total: int, min_lr: float = 0.0) -> float:
-    r"""The learning rate \eta_k of step k = ``step`` + 1 (``step`` counts from 0): linear warmup,
+    r"""The learning rate \eta_{it} of step it = ``step`` + 1 (``step`` counts from 0): linear
+    warmup,
     then a half cosine down to ``min_lr`` (docs/MATH.md section 9d).
 
     .. math::
 
-        \eta_k = \begin{cases}
-          \eta_{max}\, k / k_{warm} & k \le k_{warm} \\
-          \eta_{min} + \tfrac12 (\eta_{max} - \eta_{min})(1 + \cos(\pi\, \mathrm{prog}_k)),\;
-            \mathrm{prog}_k = \frac{k - 1 - k_{warm}}{\max(1, k_{end} - k_{warm})}
-            & k_{warm} < k \le k_{end} \\
-          \eta_{min} & k > k_{end}
+        \eta_{it} = \begin{cases}
+          \eta_{max}\, it / it_{warm} & it \le it_{warm} \\
+          \eta_{min} + \tfrac12 (\eta_{max} - \eta_{min})(1 + \cos(\pi\, \mathrm{prog}_{it})),\;
+            \mathrm{prog}_{it} = \frac{it - 1 - it_{warm}}{\max(1, it_{end} - it_{warm})}
+            & it_{warm} < it \le it_{end} \\
+          \eta_{min} & it > it_{end}
         \end{cases}
 
-    with \eta_{max} = ``max_lr``, \eta_{min} = ``min_lr``, k_{warm} = ``warmup`` and
-    k_{end} = ``total`` steps.
+    with \eta_{max} = ``max_lr``, \eta_{min} = ``min_lr``, it_{warm} = ``warmup`` and
+    it_{end} = ``total`` steps.
     """
     if step < warmup:
         return max_lr * (step + 1) / warmup
