@@ -345,3 +345,18 @@ def test_adamw_in_full():
     assert "# minillama/train/optim.py:lr_at\ndef lr_at(" in out
     assert "  numba      backends/numba/backend.py:NumbaBackend.adamw_update" in out
     assert "tests/test_optim.py: " in out and "test_adamw_matches_hand_computed_steps" in out
+
+
+@pytest.mark.parametrize("name", ["q4_0", "attention", "rope", "linear"])
+def test_math_and_reference_code_come_before_the_backends_notes(name):
+    """The equations and the reference code are printed first; what the backends do for speed
+    (docs/KERNELS.md) only after them, never inside the equations."""
+    out = explain(name, CHECKOUT)
+    eq, code = out.index("Equations (docs/MATH.md)"), out.index("Reference code")
+    notes = out.find("How the backends compute it (docs/KERNELS.md)")
+    assert eq < code < out.index("Backends that replace it")
+    assert notes == -1 or code < notes
+    for word in ("vpdpbusd", "3xTF32", "single-threaded BLAS", "CUDA graph"):
+        assert word not in out[eq:code], word
+    if name in ("q4_0", "attention"):
+        assert notes > 0
