@@ -1,7 +1,11 @@
 """Transformer identities as a product: a catalog of named, checkable statements of the math
 (RoPE depends only on relative position, RMSNorm is scale invariant, attention is causal, the KV
 cache changes nothing, GQA is MHA with repeated heads, quantization stays within half a step,
-a LoRA adapter equals its merge, ...).
+a LoRA adapter equals its merge, ...), the known answers the invariances cannot see
+(attention's score scale, RoPE's base, the norms' and the loss's values), and a gradient
+identity for every op with a backward (the backward's directional derivative against the
+central difference of the forward). docs/IDENTITIES.md says what each kind catches and what
+the catalog's mutation score is.
 
 * :data:`CATALOG`: every :class:`Identity` (name, statement, equation, hypothesis strategy,
   tolerance with its reason, the backend ops it needs, and ``check(backend, example)``);

@@ -21,7 +21,9 @@ equation, the hypothesis strategy it draws inputs from, its tolerance and the ba
 calls). `minillama check --backend B` runs them all against a backend (a registered name, or
 `package.module:Class` for one's own), `check_attention`, `check_rope` and `check_norm` hold a
 user's NumPy function to the ones of its op, and the test suite runs the same objects on every
-backend (`tests/test_properties.py`, `tests/test_notes_properties.py`). This part is generated
+backend (`tests/test_properties.py`, `tests/test_notes_properties.py`,
+`tests/test_identities_grads.py`); [IDENTITIES.md](IDENTITIES.md) says what each kind of
+identity catches, with the catalog's mutation score. This part is generated
 from the catalog (`python -m minillama.identities.doc docs/MATH.md`); `tests/test_identities.py`
 fails when the two differ.
 

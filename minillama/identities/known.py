@@ -7,7 +7,9 @@ here builds inputs whose result is known in closed form and compares the op with
   zeros is the same attention with q scaled by \sqrt{hd / hd'} (the scale is 1 / \sqrt{hd'});
 * RoPE turns pair i of position m by m \theta^{-2i/hd}, for the subject's base \theta;
 * RMSNorm of a constant row, of an alternating row and of a one-hot row; the cross-entropy of
-  uniform rows and of rows with one raised logit, ignored targets among them.
+  uniform rows and of rows with one raised logit, ignored targets among them;
+* core code the backends leave to the reference: the sliding window and packed rows of
+  attention, BatchNorm's running statistics (these call :mod:`minillama.core.ops` directly).
 
 Tolerances follow :mod:`minillama.identities.base`.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
+from minillama.core import ops
 from minillama.identities import strategies as ids
 from minillama.identities.base import Identity, Subject, attention_bound, ratio
 from minillama.identities.rows import table_error
@@ -147,6 +150,68 @@ def _linear_cross_entropy_values(s: Subject, ex: dict) -> float:
     return ratio(float(s.get(loss)) - mean, _loss_tolerance(s, z, mean))
 
 
+# ---------------------------------------------------------------------------------------------
+# core code the backends do not replace: the sliding window, packed rows, BatchNorm's statistics
+# ---------------------------------------------------------------------------------------------
+def _window(s: Subject, ex: dict) -> float:
+    """Query t (position p = start + t) with a window W reads keys p - W + 1..p: the same as
+    causal attention over those keys alone."""
+    q, k, v, start = ids.attention_arrays(ex, s.dtype)
+    W = ex["window"]
+    o = ops.attention_forward(q, k, v, start, window=W)[0].astype(np.float64)
+    tol = attention_bound(q, k, v, s.u)
+    worst = 0.0
+    for t in range(q.shape[1]):
+        p = start + t
+        lo = max(0, p - W + 1)
+        alone = ops.attention_forward(q[:, t:t + 1], k[:, lo:p + 1], v[:, lo:p + 1], p - lo)[0]
+        worst = max(worst, ratio(o[:, t:t + 1] - alone, tol))
+    return worst
+
+
+def _packed(s: Subject, ex: dict) -> float:
+    """A row packed from examples of the drawn lengths: each example's attention is its causal
+    attention alone, and its positions restart at 0."""
+    lengths = ex["lengths"]
+    T = sum(lengths)
+    q, k, v, _ = ids.attention_arrays({**ex, "T": T, "extra": 0}, s.dtype)
+    seg = np.repeat(np.arange(len(lengths)), lengths)[None].repeat(q.shape[0], axis=0)
+    o = ops.attention_forward(q, k, v, 0, segments=seg)[0].astype(np.float64)
+    tol = attention_bound(q, k, v, s.u)
+    starts = np.cumsum([0] + list(lengths))
+    worst = 0.0
+    for a, b in zip(starts[:-1], starts[1:]):
+        alone = ops.attention_forward(q[:, a:b], k[:, a:b], v[:, a:b], 0)[0]
+        worst = max(worst, ratio(o[:, a:b] - alone, tol))
+    want = np.concatenate([np.arange(n) for n in lengths])[None].repeat(q.shape[0], axis=0)
+    return max(worst, ratio(ops.segment_positions(seg) - want, 0.0))
+
+
+def _batchnorm_statistics(s: Subject, ex: dict) -> float:
+    """One training step updates the running statistics as m <- (1 - a) m + a mu and
+    v <- (1 - a) v + a sigma^2 n / (n - 1); inference normalises with them."""
+    rng = np.random.default_rng(ex["seed"])
+    N, C, a = ex["N"], ex["C"], ex["momentum"]
+    x = (rng.standard_normal((N, C)) + 0.5).astype(s.dtype)
+    g, b, m0 = rng.standard_normal((3, C)).astype(s.dtype)
+    v0 = (1 + rng.random(C)).astype(s.dtype)
+    running = {"mean": m0.copy(), "var": v0.copy()}
+    ops.batchnorm_forward(x, g, b, 1e-5, running=running, momentum=a)
+    x64 = x.astype(np.float64)
+    mu, var = x64.mean(0), x64.var(0)
+    m_want = (1 - a) * m0 + a * mu
+    v_want = (1 - a) * v0 + a * var * N / (N - 1)
+    terms = 4 * (N + 8) * s.u
+    worst = max(ratio(running["mean"] - m_want, terms * (np.abs(m0) + np.abs(x64).max(0))),
+                ratio(running["var"] - v_want, terms * (v0 + 2 * (x64 * x64).mean(0) * N / (N - 1)
+                                                        + mu * mu)))
+    m, v = running["mean"].astype(np.float64), running["var"].astype(np.float64)
+    y = ops.batchnorm_inference(x, g, b, running["mean"], running["var"], 1e-5)
+    want = (x64 - m) / np.sqrt(v + 1e-5) * g + b
+    return max(worst, ratio(y - want, 8 * s.u * ((np.abs(x64) + np.abs(m)) / np.sqrt(v + 1e-5)
+                                                 * np.abs(g) + np.abs(b))))
+
+
 _LOSS_ROW = st.tuples(st.sampled_from(("uniform", "target", "other")), st.floats(-30.0, 30.0))
 _LOSS = st.fixed_dictionaries({"seed": ids.seeds, "V": st.integers(2, 12),
                                "rows": st.lists(_LOSS_ROW, min_size=1, max_size=5),
@@ -218,4 +283,37 @@ IDENTITIES = [
         equation=r"\mathrm{LCE}(x, I, y) = \mathrm{CE}(x, y)",
         strategy=_LOSS, tolerance=_LOSS_TOL,
         ops=("linear_cross_entropy_forward",), fn=_linear_cross_entropy_values),
+    Identity(
+        name="attention_sliding_window", topic="attention",
+        statement="With a sliding window W, query t at position p reads only keys p - W + 1..p: "
+                  "its output is causal attention over those keys alone (core code: the op "
+                  "with window, which the backends leave to the reference).",
+        equation=r"\mathrm{attn}_W(Q, K, V)_t = \mathrm{attn}(q_t, K_{p-W+1:p+1}, "
+                 r"V_{p-W+1:p+1})",
+        strategy=st.builds(lambda c, w: {**c, "window": w}, ids.attention_cases(),
+                           st.integers(1, 6)),
+        tolerance="attention_bound of the windowed call",
+        ops=(), fn=_window),
+    Identity(
+        name="attention_packed_rows_equal_alone", topic="attention",
+        statement="A row packed from several examples attends within each example only: each "
+                  "example's output equals its causal attention alone, and its positions "
+                  "restart at 0 (core code: segments and segment_positions).",
+        equation=r"\mathrm{attn}(Q, K, V; \sigma)_{a:b} = \mathrm{attn}(Q_{a:b}, K_{a:b}, "
+                 r"V_{a:b}), \ m_t = t - a",
+        strategy=st.builds(lambda c, n: {**c, "lengths": n}, ids.attention_cases(),
+                           st.lists(st.integers(1, 4), min_size=1, max_size=4)),
+        tolerance="attention_bound; the positions exactly",
+        ops=(), fn=_packed),
+    Identity(
+        name="batchnorm_running_statistics", topic="notes",
+        statement="A training step of BatchNorm moves the running mean and (unbiased) variance "
+                  "by the momentum, and inference normalises with them, each row on its own.",
+        equation=r"m \leftarrow (1 - a) m + a \mu, \ v \leftarrow (1 - a) v + a \sigma^2 "
+                 r"\tfrac{n}{n - 1}, \ y = (x - m) / \sqrt{v + \epsilon}\, g + b",
+        strategy=st.fixed_dictionaries({"seed": ids.seeds, "N": st.integers(2, 6),
+                                        "C": st.integers(1, 5),
+                                        "momentum": st.sampled_from((0.1, 0.5, 1.0))}),
+        tolerance="4 (N + 8) u times the terms of each statistic; 8u times those of y",
+        ops=(), fn=_batchnorm_statistics),
 ]
