@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from errormodel import logits_bound
 
 from minillama.cli import main as cli
 from minillama.core.errors import MinillamaError
@@ -414,7 +415,8 @@ def test_merge_on_a_quantized_base_writes_the_adapter_model(tmp_path, capsys, qt
     want, _ = load_model(base, backend="reference")
     apply_adapter(want, tmp_path / "ad")
     ids = np.array([[1, 5, 9, 3, 7]])
-    np.testing.assert_allclose(merged.forward(ids), want.forward(ids), rtol=1e-4, atol=1e-4)
+    assert np.abs(merged.forward(ids) - want.forward(ids)).max() <= logits_bound(merged,
+                                                                                 ids.shape[1])
     prompt = [1, 5, 9]
     assert generate(merged, prompt, 12) == generate(want, prompt, 12)
     plain, _ = load_model(base, backend="reference")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from errormodel import logits_bound
 from gradcheck import central_differences, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -240,4 +241,4 @@ def test_an_adapter_over_a_quantized_base_stays_attached(tmp_path):
                                                  QuantMatrix)
     want = merged.forward(ids)
     assert np.abs(want - Transformer(cfg, fp, backend="reference").forward(ids)).max() > 1e-3
-    np.testing.assert_allclose(quant.forward(ids), want, rtol=1e-4, atol=1e-4)
+    assert np.abs(quant.forward(ids) - want).max() <= logits_bound(merged, ids.shape[1])
