@@ -1,8 +1,9 @@
-"""The gradient identities (topic ``grad`` of :mod:`minillama.identities`) on every backend that
-can run here: each op's backward against the float64 central difference of its own forward
-(:func:`test_properties.check_identity`, hypothesis' shrunk example in the failure message);
-the core ops without a backend entry on ``reference`` alone. Also in float32, where the step and
-the tolerance follow the dtype's roundoff."""
+"""The gradient identities (topic ``grad`` of :mod:`minillama.identities`) and the FFN's
+activations (topic ``ffn``) on every backend that can run here: each op's backward against the
+float64 central difference of its own forward (:func:`test_properties.check_identity`,
+hypothesis' shrunk example in the failure message); the core ops without a backend entry on
+``reference`` alone. Also in float32, where the step and the tolerance follow the dtype's
+roundoff."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from minillama.identities import CATALOG, Subject, run_identity, select
 from minillama.identities.runner import format_failure
 
 
-@pytest.mark.parametrize(("identity", "backend_name"), identity_cases(("grad",)))
+@pytest.mark.parametrize(("identity", "backend_name"), identity_cases(("grad", "ffn")))
 def test_gradient_identity(identity, backend_name):
     check_identity(identity, backend_name, examples=10)
 

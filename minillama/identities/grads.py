@@ -122,6 +122,8 @@ def gradient_ratio(s: Subject, spec: GradSpec, ex: dict) -> float:
     w = np.asarray(rng.standard_normal(y.shape)).astype(s.dtype).astype(np.float64)  # exact
     pairs = [(i, g) for i, g in zip(spec.wrt, calls.backward(w, ctx))
              if i is not None and g is not None]
+    if any(g.shape != args[i].shape for i, g in pairs):  # a gradient that only broadcasts
+        return float("inf")
     dirs = {}
     for i, _ in pairs:
         x = np.abs(args[i].astype(np.float64))
@@ -209,6 +211,21 @@ def _rope_bound(args, y):
     return 4 * np.repeat(pair, 2, axis=-1)
 
 
+def _lora_args(ex, rng):
+    """x, W, A, B, s and a dropout mask (keep 3/4, kept entries 4/3) or None."""
+    N, din = ex["N"], ex["din"]
+    drop = (rng.random((N, din)) < 0.75) / 0.75 if ex["drop"] else None
+    return [_n(rng, N, din), _n(rng, ex["dout"], din), _n(rng, ex["r"], din),
+            _n(rng, ex["dout"], ex["r"]), ex["alpha"] / ex["r"], drop]
+
+
+def _lora_bound(args, y):
+    x, w, a, b, scale, drop = args
+    xa = np.abs(x) if drop is None else np.abs(x * drop)
+    return (w.shape[1] + a.shape[0] + 4) * (np.abs(x) @ np.abs(w).T
+                                            + scale * (xa @ np.abs(a).T) @ np.abs(b).T)
+
+
 def _attention_args(ex, rng):
     B, T, KVH, G, hd = ex["B"], ex["T"], ex["KVH"], ex["G"], ex["hd"]
     S = T + ex["extra"]
@@ -237,6 +254,15 @@ def _mlp_bound(args, y):
     h = ops.ACTIVATIONS[act][0](a)[0]
     ha = 1.2 * _dot_bound(x, w1) + (_gelu_bound(a, h) if act == "gelu" else 0)
     return _dot_bound(h, w2) + ha @ np.abs(w2).T
+
+
+def _batchnorm_bound(args, y):
+    """LayerNorm's bound with each channel's values (over the batch and spatial axes) as the
+    row; x (N, C) or (N, C, L)."""
+    x, g = args[0], args[1]
+    rows = np.moveaxis(x, 1, 0).reshape(x.shape[1], -1)  # (C, N L)
+    bound = _norm_bound(rows, g[:, None], True).reshape(np.moveaxis(x, 1, 0).shape)
+    return np.moveaxis(bound, 0, 1) + 2 * np.abs(y)
 
 
 def _postnorm_args(ex, rng):
@@ -284,15 +310,12 @@ SPECS = [
              (0,), lambda args, y: _dot_bound(*args[:2]), backward="linear_backward_input",
              rounding_text="(K + 2) |x| |W|^T"),
     GradSpec("lora", "the LoRA linear's gradients of the input and of both adapter matrices "
-             "(W frozen)", r"\bar{x}, \bar{A}, \bar{B} \text{ of } x W^T + s (x A^T) B^T",
-             ids.lora_cases(),
-             lambda ex, rng: [_n(rng, ex["N"], ex["din"]), _n(rng, ex["dout"], ex["din"]),
-                              _n(rng, ex["r"], ex["din"]), _n(rng, ex["dout"], ex["r"]),
-                              ex["alpha"] / ex["r"]],
-             (0, 2, 3), lambda a, y: (a[1].shape[1] + a[2].shape[0] + 4) * (
-                 np.abs(a[0]) @ np.abs(a[1]).T
-                 + a[4] * (np.abs(a[0]) @ np.abs(a[2]).T) @ np.abs(a[3]).T),
-             rounding_text="(in + r + 4) |x| (|W| + s |B| |A|)^T"),
+             "(W frozen), with and without a dropout mask",
+             r"\bar{x}, \bar{A}, \bar{B} \text{ of } x W^T + s ((x \odot m) A^T) B^T",
+             st.builds(lambda c, drop: {**c, "drop": drop}, ids.lora_cases(), st.booleans()),
+             _lora_args, (0, 2, 3), _lora_bound,
+             rounding_text="(in + r + 4) |x| (|W| + s |B| |A|)^T, the dropout mask's |m| in "
+                           "the adapter's term"),
     GradSpec("rmsnorm", "RMSNorm's gradients of the input (through the shared r) and the gain",
              r"\bar{x} = r (u - \hat{x}\, \mathrm{mean}(u \hat{x})), u = \bar{y} g",
              _ROWS, lambda ex, rng: [_n(rng, ex["N"], ex["D"]) + 0.3,
@@ -376,12 +399,11 @@ SPECS = [
              "depends on the whole batch", r"\bar{x} = r (u - \mathrm{mean}_n(u) - \hat{x}\, "
              r"\mathrm{mean}_n(u \hat{x}))",
              st.fixed_dictionaries({"seed": ids.seeds, "N": st.integers(2, 6),
-                                    "D": st.integers(1, 6)}),
-             lambda ex, rng: [_n(rng, ex["N"], ex["D"]), _n(rng, ex["D"]), _n(rng, ex["D"]),
-                              1e-5],
-             (0, 1, 2), lambda a, y: (_norm_bound(a[0].T, a[1][:, None], True).T
-                                      + 2 * np.abs(y)), core=True,
-             rounding_text="LayerNorm's over the batch axis"),
+                                    "D": st.integers(1, 6), "L": st.integers(0, 3)}),
+             lambda ex, rng: [_n(rng, ex["N"], ex["D"], *([ex["L"]] if ex["L"] else [])),
+                              _n(rng, ex["D"]), _n(rng, ex["D"]), 1e-5],
+             (0, 1, 2), _batchnorm_bound, core=True,
+             rounding_text="LayerNorm's over the batch (and spatial) axes"),
     GradSpec("mlp", "the two-matrix FFN's gradients of the input and both matrices",
              r"\bar{x}, \bar{W}_1, \bar{W}_2 \text{ of } \phi(x W_1^T) W_2^T",
              st.fixed_dictionaries({"seed": ids.seeds, "N": st.integers(1, 4),

@@ -8,6 +8,8 @@ here builds inputs whose result is known in closed form and compares the op with
 * RoPE turns pair i of position m by m \theta^{-2i/hd}, for the subject's base \theta;
 * RMSNorm of a constant row, of an alternating row and of a one-hot row; the cross-entropy of
   uniform rows and of rows with one raised logit, ignored targets among them;
+* the FFN's activations: SwiGLU's and ReLU's odd parts, GELU's tanh form against the exact
+  GELU;
 * core code the backends leave to the reference: the sliding window and packed rows of
   attention, BatchNorm's running statistics (these call :mod:`minillama.core.ops` directly).
 
@@ -15,6 +17,8 @@ Tolerances follow :mod:`minillama.identities.base`.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from hypothesis import strategies as st
@@ -151,6 +155,43 @@ def _linear_cross_entropy_values(s: Subject, ex: dict) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# the FFN's activations
+# ---------------------------------------------------------------------------------------------
+#: max over a of |tanh-form GELU(a) - a Phi(a)|: 4.73e-4, at a = +-2.70 (the tanh form's known
+#: approximation error; a dense float64 scan of [-10, 10], where beyond both equal relu to 1e-20)
+GELU_TANH_ERROR = 4.8e-4
+
+
+def _swiglu_odd_part(s: Subject, ex: dict) -> float:
+    """silu(a) - silu(-a) = a sigma(a) + a (1 - sigma(a)) = a, so h(a, b) - h(-a, b) = a b."""
+    rng = np.random.default_rng(ex["seed"])
+    a = (ex["scale"] * rng.standard_normal((ex["N"], ex["F"]))).astype(s.dtype)
+    b = rng.standard_normal((ex["N"], ex["F"])).astype(s.dtype)
+    h = s.get(s.backend.swiglu_forward(s.put(a), s.put(b))[0])
+    h_neg = s.get(s.backend.swiglu_forward(s.put(-a), s.put(b))[0])
+    ab = np.abs(a.astype(np.float64) * b)
+    return ratio(h - h_neg - a.astype(np.float64) * b, 16 * s.u * ab)
+
+
+def _relu_odd_part(s: Subject, ex: dict) -> float:
+    """relu(a) - relu(-a) = a and relu(a) >= 0, exactly (a product with 0 or 1)."""
+    a = np.random.default_rng(ex["seed"]).standard_normal((ex["N"], ex["F"])).astype(s.dtype)
+    h = s.get(s.backend.relu_forward(s.put(a))[0])
+    h_neg = s.get(s.backend.relu_forward(s.put(-a))[0])
+    return max(ratio(h - h_neg - a.astype(np.float64), 0.0), ratio(np.minimum(h, 0.0), 0.0))
+
+
+def _gelu_erf(s: Subject, ex: dict) -> float:
+    rng = np.random.default_rng(ex["seed"])
+    a = (ex["scale"] * rng.standard_normal((ex["N"], ex["F"]))).astype(s.dtype)
+    h = s.get(s.backend.gelu_forward(s.put(a))[0])
+    a64 = a.astype(np.float64)
+    exact = 0.5 * a64 * (1 + np.vectorize(math.erf)(a64 / math.sqrt(2)))
+    rounding = 8 * s.u * (np.abs(a64) + 0.1 * np.abs(a64) ** 3 + 1) * np.abs(a64)
+    return ratio(h - exact, GELU_TANH_ERROR + rounding)
+
+
+# ---------------------------------------------------------------------------------------------
 # core code the backends do not replace: the sliding window, packed rows, BatchNorm's statistics
 # ---------------------------------------------------------------------------------------------
 def _window(s: Subject, ex: dict) -> float:
@@ -191,25 +232,33 @@ def _batchnorm_statistics(s: Subject, ex: dict) -> float:
     """One training step updates the running statistics as m <- (1 - a) m + a mu and
     v <- (1 - a) v + a sigma^2 n / (n - 1); inference normalises with them."""
     rng = np.random.default_rng(ex["seed"])
-    N, C, a = ex["N"], ex["C"], ex["momentum"]
-    x = (rng.standard_normal((N, C)) + 0.5).astype(s.dtype)
+    N, C, L, a = ex["N"], ex["C"], ex["L"], ex["momentum"]
+    x = (rng.standard_normal((N, C) + ((L,) if L else ())) + 0.5).astype(s.dtype)
     g, b, m0 = rng.standard_normal((3, C)).astype(s.dtype)
     v0 = (1 + rng.random(C)).astype(s.dtype)
     running = {"mean": m0.copy(), "var": v0.copy()}
-    ops.batchnorm_forward(x, g, b, 1e-5, running=running, momentum=a)
+    y_train = ops.batchnorm_forward(x, g, b, 1e-5, running=running, momentum=a)[0]
     x64 = x.astype(np.float64)
-    mu, var = x64.mean(0), x64.var(0)
+    axes, shape = (0, 2) if L else (0,), (1, C, 1) if L else (1, C)
+    n = x.size // C
+    mu, var = x64.mean(axes), x64.var(axes)
     m_want = (1 - a) * m0 + a * mu
-    v_want = (1 - a) * v0 + a * var * N / (N - 1)
-    terms = 4 * (N + 8) * s.u
-    worst = max(ratio(running["mean"] - m_want, terms * (np.abs(m0) + np.abs(x64).max(0))),
-                ratio(running["var"] - v_want, terms * (v0 + 2 * (x64 * x64).mean(0) * N / (N - 1)
-                                                        + mu * mu)))
-    m, v = running["mean"].astype(np.float64), running["var"].astype(np.float64)
+    v_want = (1 - a) * v0 + a * var * n / (n - 1)
+    terms = 4 * (n + 8) * s.u
+    worst = max(ratio(running["mean"] - m_want, terms * (np.abs(m0) + np.abs(x64).max(axes))),
+                ratio(running["var"] - v_want, terms * (v0 + 2 * (x64 * x64).mean(axes) * n
+                                                        / (n - 1) + mu * mu)))
+    gb, bb = g.reshape(shape).astype(np.float64), b.reshape(shape).astype(np.float64)
+    xc = x64 - mu.reshape(shape)
+    want = xc / np.sqrt(var.reshape(shape) + 1e-5) * gb + bb
+    spread = (np.abs(x64) + np.abs(mu.reshape(shape))) / np.sqrt(var.reshape(shape) + 1e-5)
+    worst = max(worst, ratio(y_train - want, 4 * (n + 8) * s.u * (spread * np.abs(gb)
+                                                                   + np.abs(bb))))
+    m, v = running["mean"].reshape(shape), running["var"].reshape(shape)
     y = ops.batchnorm_inference(x, g, b, running["mean"], running["var"], 1e-5)
-    want = (x64 - m) / np.sqrt(v + 1e-5) * g + b
+    want = (x64 - m) / np.sqrt(v + 1e-5) * gb + bb
     return max(worst, ratio(y - want, 8 * s.u * ((np.abs(x64) + np.abs(m)) / np.sqrt(v + 1e-5)
-                                                 * np.abs(g) + np.abs(b))))
+                                                 * np.abs(gb) + np.abs(bb))))
 
 
 _LOSS_ROW = st.tuples(st.sampled_from(("uniform", "target", "other")), st.floats(-30.0, 30.0))
@@ -284,6 +333,37 @@ IDENTITIES = [
         strategy=_LOSS, tolerance=_LOSS_TOL,
         ops=("linear_cross_entropy_forward",), fn=_linear_cross_entropy_values),
     Identity(
+        name="swiglu_odd_part", topic="ffn",
+        statement="silu(a) - silu(-a) = a (sigma(a) + sigma(-a) = 1), so the SwiGLU gate "
+                  "h(a, b) - h(-a, b) = a b: a wrong sigmoid shows, which the gradient identity "
+                  "(forward and backward wrong alike) and the model's invariances miss.",
+        equation=r"\mathrm{silu}(a) b - \mathrm{silu}(-a) b = a b",
+        strategy=st.fixed_dictionaries({"seed": ids.seeds, "N": st.integers(1, 4),
+                                        "F": st.integers(1, 16),
+                                        "scale": st.sampled_from((0.5, 3.0, 30.0))}),
+        tolerance="16 u |a b|: the sigmoid, the products and the difference, each a few u",
+        ops=("swiglu_forward",), fn=_swiglu_odd_part),
+    Identity(
+        name="relu_odd_part", topic="ffn",
+        statement="relu(a) - relu(-a) = a and relu(a) >= 0, exactly: a mask taken the wrong way "
+                  "round passes the gradient identity (forward and backward agree) but not this.",
+        equation=r"\max(a, 0) - \max(-a, 0) = a",
+        strategy=st.fixed_dictionaries({"seed": ids.seeds, "N": st.integers(1, 4),
+                                        "F": st.integers(1, 16)}),
+        tolerance="0: the output is the input or 0",
+        ops=("relu_forward",), fn=_relu_odd_part),
+    Identity(
+        name="gelu_tanh_within_its_approximation", topic="ffn",
+        statement="GELU's tanh form is within 4.8e-4 of a Phi(a), the exact GELU (its largest "
+                  "approximation error, 4.73e-4 at a = +-2.70).",
+        equation=r"|\tfrac12 a (1 + \tanh(\sqrt{2/\pi}(a + 0.044715 a^3))) - a \Phi(a)| "
+                 r"\le 4.8 \cdot 10^{-4}",
+        strategy=st.fixed_dictionaries({"seed": ids.seeds, "N": st.integers(1, 4),
+                                        "F": st.integers(1, 16),
+                                        "scale": st.sampled_from((0.5, 2.0, 5.0))}),
+        tolerance="4.8e-4 plus 8 u (|a| + 0.1 |a|^3 + 1) |a| of rounding",
+        ops=("gelu_forward",), fn=_gelu_erf),
+    Identity(
         name="attention_sliding_window", topic="attention",
         statement="With a sliding window W, query t at position p reads only keys p - W + 1..p: "
                   "its output is causal attention over those keys alone (core code: the op "
@@ -307,13 +387,15 @@ IDENTITIES = [
         ops=(), fn=_packed),
     Identity(
         name="batchnorm_running_statistics", topic="notes",
-        statement="A training step of BatchNorm moves the running mean and (unbiased) variance "
-                  "by the momentum, and inference normalises with them, each row on its own.",
+        statement="A training step of BatchNorm normalises each channel over the batch (and "
+                  "spatial) axes and moves the running mean and (unbiased) variance by the "
+                  "momentum; inference normalises with them, each row on its own.",
         equation=r"m \leftarrow (1 - a) m + a \mu, \ v \leftarrow (1 - a) v + a \sigma^2 "
                  r"\tfrac{n}{n - 1}, \ y = (x - m) / \sqrt{v + \epsilon}\, g + b",
         strategy=st.fixed_dictionaries({"seed": ids.seeds, "N": st.integers(2, 6),
-                                        "C": st.integers(1, 5),
+                                        "C": st.integers(1, 5), "L": st.integers(0, 3),
                                         "momentum": st.sampled_from((0.1, 0.5, 1.0))}),
-        tolerance="4 (N + 8) u times the terms of each statistic; 8u times those of y",
+        tolerance="4 (n + 8) u times the terms of each statistic and of the training output "
+                  "(n values per channel); 8u times those of the inference output",
         ops=(), fn=_batchnorm_statistics),
 ]

@@ -1,5 +1,6 @@
 r"""Identities of the weights' other forms: GGML block quantization (the round trip of the
-quantizers, and a backend's product with blocks) and LoRA (the adapter equals its merge).
+quantizers, a backend's product with blocks and its embedding rows from blocks) and LoRA (the
+adapter equals its merge).
 
 The blocks hold float16 scales and float32 values: u_{32} = 2^{-24} is the roundoff of their
 arithmetic whatever the dtype of the activations.
@@ -78,6 +79,18 @@ def _quant_linear(s: Subject, ex: dict) -> float:
     return ratio(y - x64 @ deq.T, 4 * (K + 2) * max(s.u, U32) * dot_terms(x64, deq))
 
 
+def _quant_embedding(s: Subject, ex: dict) -> float:
+    rng = np.random.default_rng(ex["seed"])
+    V, K = ex["out"], ex["blocks"] * QUANT_TYPES[ex["qtype"]].block_elems
+    qm = quantize(rng.standard_normal((V, K)).astype(np.float32), ex["qtype"])
+    tokens = rng.integers(0, V, (ex["N"], 3))
+    asarray = getattr(s.backend, "asarray", None)
+    w, t = (qm, tokens) if asarray is None else (asarray(qm, s.dtype), asarray(tokens))
+    h = s.get(s.backend.embedding_forward(w, t)[0])
+    deq = dequantize(qm).astype(np.float64)[tokens]
+    return ratio(h - deq, 4 * U32 * np.abs(deq))
+
+
 def _lora_merge(s: Subject, ex: dict) -> float:
     rng = np.random.default_rng(ex["seed"])
     N, din, dout, r = ex["N"], ex["din"], ex["dout"], ex["r"]
@@ -116,6 +129,16 @@ IDENTITIES = [
         tolerance="4 (K + 2) max(u, u32) sum_k |x_k| |deq(W)_nk|: a K-term sum, in float32 where "
                   "a backend dequantizes into float32 tiles",
         ops=("linear_forward",), fn=_quant_linear),
+    Identity(
+        name="quantized_embedding_matches_dequantized", topic="quant",
+        statement="An embedding table kept in GGML blocks returns the dequantized rows of the "
+                  "tokens read (and only those rows are dequantized).",
+        equation=r"\mathrm{emb}(W_q, x)_{bt} = \mathrm{deq}(W_q)_{x_{bt}}",
+        strategy=st.fixed_dictionaries({
+            "seed": ids.seeds, "qtype": st.sampled_from(tuple(QUANTIZERS)),
+            "N": st.integers(1, 3), "out": st.integers(1, 6), "blocks": st.integers(1, 2)}),
+        tolerance="4 u32 |deq(W)|: the same float32 dequantization, row by row",
+        ops=("embedding_forward",), fn=_quant_embedding),
     Identity(
         name="lora_merge_equivalence", topic="lora",
         statement="A linear layer with a LoRA adapter equals the plain linear layer with the "
