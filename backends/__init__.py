@@ -56,7 +56,7 @@ def backend_names() -> list[str]:
 #: share); a larger one, or one whose weights stay in GGML blocks, on ``numba`` (its fused decode
 #: step and block kernels: 40x numpy on SmolLM2-135M Q4_1, at or above llama.cpp; the first run
 #: compiles its kernels once, says so, and caches them). Without Numba: ``numpy`` above the
-#: threshold. Measured with ``scripts/bench_default_backend.py``; figures in README.
+#: threshold. Measured with ``scripts/bench_default_backend.py``; figures in docs/BACKENDS.md.
 AUTO_REFERENCE_MAX_PARAMS = 50_000_000
 
 
@@ -112,7 +112,8 @@ def auto_backend(cfg=None, task: str = "decode", quantized: bool = False) -> str
 
 
 #: what ``auto`` picks, by task, in a ``--backend`` help (see :func:`auto_backend`)
-_AUTO_HELP = {"decode": "picks by the model: numba for quantized or large ones, see README",
+_AUTO_HELP = {"decode": "picks by the model: numba for quantized or large ones; `minillama "
+                        "backends` says what",
               "train": "trains on numpy"}
 
 

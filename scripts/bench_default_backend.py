@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Which CPU backend decodes fastest, per model size: the measurement behind the ``auto``
-backend (:func:`minillama.backends.auto_backend`, README "Switch backends").
+backend (:func:`minillama.backends.auto_backend`, docs/BACKENDS.md).
 
 For each shape (random weights) it runs batch-1 decodes on every CPU backend, the backends
 taking turns repetition by repetition (so all see the same background load), after one
