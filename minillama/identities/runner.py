@@ -5,6 +5,7 @@ and the results as a table, a failure report or JSON."""
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import math
 import os
@@ -136,9 +137,10 @@ def run_catalog(backend="numpy", names=None, examples: int = DEFAULT_EXAMPLES,
     return results
 
 
-def catalog_ops() -> set[str]:
+@functools.cache
+def catalog_ops() -> frozenset[str]:
     """Every backend op some identity of the catalog calls."""
-    return {op for identity in CATALOG for op in identity.ops}
+    return frozenset(op for identity in CATALOG for op in identity.ops)
 
 
 def partial_ops(backend) -> set[str] | None:
