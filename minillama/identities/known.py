@@ -228,6 +228,16 @@ def _packed(s: Subject, ex: dict) -> float:
     return max(worst, ratio(ops.segment_positions(seg) - want, 0.0))
 
 
+def _sinusoidal_known(s: Subject, ex: dict) -> float:
+    """With D = 8 and base 10^4 the frequencies are 10^0, 10^-1, 10^-2, 10^-3: P_{p, 2i} =
+    sin(p 10^-i), P_{p, 2i+1} = cos(p 10^-i)."""
+    pos = np.arange(ex["start"], ex["start"] + ex["T"])
+    P = ops.sinusoidal_positions(int(pos[-1]) + 1, 8, dtype=s.dtype)[pos].astype(np.float64)
+    ang = pos[:, None] * 10.0 ** -np.arange(4.0)
+    want = np.stack([np.sin(ang), np.cos(ang)], axis=-1).reshape(len(pos), 8)
+    return ratio(P - want, s.u + (4 * pos[:, None] + 8) * float(np.finfo(np.float64).eps))
+
+
 def _batchnorm_statistics(s: Subject, ex: dict) -> float:
     """One training step updates the running statistics as m <- (1 - a) m + a mu and
     v <- (1 - a) v + a sigma^2 n / (n - 1); inference normalises with them."""
@@ -385,6 +395,14 @@ IDENTITIES = [
                            st.lists(st.integers(1, 4), min_size=1, max_size=4)),
         tolerance="attention_bound; the positions exactly",
         ops=(), fn=_packed),
+    Identity(
+        name="sinusoidal_positions_known", topic="notes",
+        statement="With D = 8 and base 10^4 the sinusoidal positions are sin and cos of p, "
+                  "p / 10, p / 100 and p / 1000 (core code).",
+        equation=r"P_{p, 2i} = \sin(p\, 10^{-i}), \ P_{p, 2i+1} = \cos(p\, 10^{-i})",
+        strategy=st.fixed_dictionaries({"start": st.integers(0, 3000), "T": st.integers(1, 6)}),
+        tolerance="u + (4p + 8) u64: the cast to the dtype and the float64 angle p 10^-i",
+        ops=(), fn=_sinusoidal_known),
     Identity(
         name="batchnorm_running_statistics", topic="notes",
         statement="A training step of BatchNorm normalises each channel over the batch (and "
