@@ -31,6 +31,7 @@ The ops of the backend run through the backend; the core ops without a backend e
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +39,8 @@ import numpy as np
 from hypothesis import strategies as st
 
 from minillama.core import ops
+from minillama.core.quant import QuantMatrix, dequantize
+from minillama.core.quantize import quantize
 from minillama.core.rope_scaling import rope_tables
 from minillama.identities import strategies as ids
 from minillama.identities.base import Identity, Subject, attention_bound, ratio
@@ -82,6 +85,9 @@ class _Calls:
         self.bwd = getattr(src, spec.backward_name)
 
     def put(self, a):
+        if isinstance(a, QuantMatrix) and not self.spec.core:  # its blocks go to the device
+            asarray = getattr(self.s.backend, "asarray", None)
+            return a if asarray is None else asarray(a, self.s.dtype)
         if not isinstance(a, np.ndarray):
             return a
         if a.ndim == 0:  # an upstream scalar: a 0-d array in the dtype (not a (1,) array)
@@ -97,12 +103,19 @@ class _Calls:
     def get(self, a) -> np.ndarray:
         return np.asarray(a, dtype=np.float64) if self.spec.core else self.s.get(a)
 
+    def exact(self):
+        """The backend's exact products (where GGML blocks have a faster approximate path)."""
+        exact = None if self.spec.core else getattr(self.s.backend, "exact_products", None)
+        return contextlib.nullcontext() if exact is None else exact()
+
     def forward(self, args):
-        y, ctx = self.fwd(*[self.put(a) for a in args])
+        with self.exact():
+            y, ctx = self.fwd(*[self.put(a) for a in args])
         return self.get(y), ctx
 
     def backward(self, w, ctx) -> list:
-        g = self.bwd(self.put(np.asarray(w, dtype=np.float64)), ctx)
+        with self.exact():
+            g = self.bwd(self.put(np.asarray(w, dtype=np.float64)), ctx)
         g = g if isinstance(g, tuple) else (g,)
         return [None if x is None else self.get(x) for x in g]
 
@@ -213,11 +226,24 @@ def _rope_bound(args, y):
     return 4 * np.repeat(pair, 2, axis=-1)
 
 
+def _frozen_linear_args(ex, rng):
+    """x (2, N, K) and W (M, K), or W in Q8_0 blocks (K a multiple of 32)."""
+    if not ex["quant"]:
+        return [_n(rng, 2, ex["N"], ex["K"]), _n(rng, ex["M"], ex["K"])]
+    K = 32 * ex["K"]
+    return [_n(rng, 2, ex["N"], K), quantize(_n(rng, ex["M"], K).astype(np.float32), "Q8_0")]
+
+
+def _frozen_linear_bound(args, y):
+    x, w = args
+    return _dot_bound(x, w if isinstance(w, np.ndarray) else dequantize(w).astype(np.float64))
+
+
 def _lora_args(ex, rng):
-    """x, W, A, B, s and a dropout mask (keep 3/4, kept entries 4/3) or None."""
+    """x (2, N, in), W, A, B, s and a dropout mask (keep 3/4, kept entries 4/3) or None."""
     N, din = ex["N"], ex["din"]
-    drop = (rng.random((N, din)) < 0.75) / 0.75 if ex["drop"] else None
-    return [_n(rng, N, din), _n(rng, ex["dout"], din), _n(rng, ex["r"], din),
+    drop = (rng.random((2, N, din)) < 0.75) / 0.75 if ex["drop"] else None
+    return [_n(rng, 2, N, din), _n(rng, ex["dout"], din), _n(rng, ex["r"], din),
             _n(rng, ex["dout"], ex["r"]), ex["alpha"] / ex["r"], drop]
 
 
@@ -307,11 +333,12 @@ SPECS = [
              lambda ex, rng: ([_n(rng, 64, 256), _n(rng, 256, 256)] if ex["N"] == 64
                               else [_n(rng, 2, ex["N"], ex["K"]), _n(rng, ex["M"], ex["K"])]),
              (0, 1), lambda args, y: _dot_bound(*args[:2]), rounding_text="(K + 2) |x| |W|^T"),
-    GradSpec("linear", "the input gradient alone (W frozen) is dy W", r"\bar{x} = \bar{y} W",
+    GradSpec("linear", "the input gradient alone (W frozen, a float matrix or GGML blocks) "
+             "is dy W", r"\bar{x} = \bar{y} W",
              st.fixed_dictionaries({"seed": ids.seeds, "N": st.integers(1, 6),
-                                    "K": st.integers(1, 8), "M": st.integers(1, 8)}),
-             lambda ex, rng: [_n(rng, ex["N"], ex["K"]), _n(rng, ex["M"], ex["K"])],
-             (0,), lambda args, y: _dot_bound(*args[:2]), backward="linear_backward_input",
+                                    "K": st.integers(1, 8), "M": st.integers(1, 8),
+                                    "quant": st.booleans()}),
+             _frozen_linear_args, (0,), _frozen_linear_bound, backward="linear_backward_input",
              rounding_text="(K + 2) |x| |W|^T"),
     GradSpec("lora", "the LoRA linear's gradients of the input and of both adapter matrices "
              "(W frozen), with and without a dropout mask",

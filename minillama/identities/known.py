@@ -247,7 +247,9 @@ def _batchnorm_statistics(s: Subject, ex: dict) -> float:
     g, b, m0 = rng.standard_normal((3, C)).astype(s.dtype)
     v0 = (1 + rng.random(C)).astype(s.dtype)
     running = {"mean": m0.copy(), "var": v0.copy()}
-    y_train = ops.batchnorm_forward(x, g, b, 1e-5, running=running, momentum=a)[0]
+    kw = {} if a is None else {"momentum": a}  # None: the default, PyTorch's 0.1
+    y_train = ops.batchnorm_forward(x, g, b, 1e-5, running=running, **kw)[0]
+    a = 0.1 if a is None else a
     x64 = x.astype(np.float64)
     axes, shape = (0, 2) if L else (0,), (1, C, 1) if L else (1, C)
     n = x.size // C
@@ -407,12 +409,13 @@ IDENTITIES = [
         name="batchnorm_running_statistics", topic="notes",
         statement="A training step of BatchNorm normalises each channel over the batch (and "
                   "spatial) axes and moves the running mean and (unbiased) variance by the "
-                  "momentum; inference normalises with them, each row on its own.",
+                  "momentum (0.1 by default); inference normalises with them, each row on its "
+                  "own.",
         equation=r"m \leftarrow (1 - a) m + a \mu, \ v \leftarrow (1 - a) v + a \sigma^2 "
                  r"\tfrac{n}{n - 1}, \ y = (x - m) / \sqrt{v + \epsilon}\, g + b",
         strategy=st.fixed_dictionaries({"seed": ids.seeds, "N": st.integers(2, 6),
                                         "C": st.integers(1, 5), "L": st.integers(0, 3),
-                                        "momentum": st.sampled_from((0.1, 0.5, 1.0))}),
+                                        "momentum": st.sampled_from((None, 0.5, 1.0))}),
         tolerance="4 (n + 8) u times the terms of each statistic and of the training output "
                   "(n values per channel); 8u times those of the inference output",
         ops=(), fn=_batchnorm_statistics),
