@@ -43,6 +43,7 @@ from .qsimd import (
     EXACT,
     _at,
     _const,
+    _fma,
     _fn,
     _half,
     _kscales,
@@ -377,6 +378,120 @@ irows_q8_0, irows_q4_0, irows_q4_1, irows_q5_0, irows_q5_1 = (_make_multi(t, VNN
                                                               for t in _TYPES32)
 
 
+def _prefetch(builder, addr):
+    """A read prefetch of the cache line at addr (the same place in the next rows of W: from
+    memory, the chains of a few rows alone keep too few loads in flight)."""
+    i8p = ir.IntType(8).as_pointer()
+    fn = _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [i8p, _I32, _I32, _I32])
+    builder.call(fn, [builder.inttoptr(addr, i8p), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                      ir.Constant(_I32, 1)])
+
+
+def _sums_by_row(builder, ps, per):
+    """The integer sums of each run of ``per`` lanes of every vector of ps (one per row of W,
+    equal lengths) as one vector in run-major order: lane j R + r holds the sum of run j of
+    ps[r] (R = len(ps)). Adjacent lanes are summed pairwise across two vectors at a time
+    (integer sums: exact in any order)."""
+    n, runs, R = ps[0].type.count, ps[0].type.count // per, len(ps)
+
+    def pairs(a, b, m):  # lanes 2i + 2i+1 of a then of b (m lanes out)
+        ev = builder.shuffle_vector(a, b, _const(_I32, m, range(0, 2 * m, 2)))
+        od = builder.shuffle_vector(a, b, _const(_I32, m, range(1, 2 * m, 2)))
+        return builder.add(ev, od)
+
+    vs = list(ps)
+    while len(vs) > 1:  # each round halves the lanes of a run and the count of vectors
+        vs = [pairs(vs[i], vs[i + 1], n) for i in range(0, len(vs), 2)]
+        per //= 2
+    v = vs[0]
+    while per > 1:
+        v = pairs(v, v, v.type.count // 2)
+        per //= 2
+    return _shuf(builder, v, [r * runs + j for j in range(runs) for r in range(R)])
+
+
+def _run_major(builder, vals):
+    """The vectors of vals (one per row of W, n entries each) as one vector in run-major order
+    (lane j R + r: entry j of vals[r]), as :func:`_sums_by_row` lays out its sums."""
+    n, R = vals[0].type.count, len(vals)
+    while len(vals) > 1:
+        vals = [_cat(builder, vals[i], vals[i + 1]) for i in range(0, len(vals), 2)]
+    return _shuf(builder, vals[0], [r * n + j for j in range(n) for r in range(R)])
+
+
+def _part(builder, v, j, R):
+    """Lanes j R .. j R + R - 1 of v: run j of a run-major vector."""
+    return _shuf(builder, v, range(j * R, j * R + R))
+
+
+def _chain4(builder, acc, isum, dA, X, C):
+    """:func:`_chain` of NW rows of W at once, one per lane (vector fused multiply-adds:
+    each lane rounds as the scalar chain does)."""
+    n = isum.type.count
+    acc = _fma(builder, builder.sitofp(isum, _vec(_F32, n)), dA, acc)
+    return _fma(builder, _splat(builder, X, n), C, acc)
+
+
+#: rows of W per call of the one-activation-row kernels (:func:`idot4`): independent chains,
+#: so the fused multiply-adds of one wait on none of the others'
+WROWS = 4
+#: how many rows of W ahead the one-activation-row kernels prefetch
+PREFETCH_ROWS = 16
+
+
+def _wrows32(qt, vnni, NW=WROWS):
+    """The codegen of :func:`_rows32` for NW consecutive rows of W (row stride ``sw`` bytes)
+    and one activation row: the same chain per row of W, the rows' chains side by side in the
+    lanes of one vector; the NW sums stored at py."""
+    size = BY_ID[qt].block_bytes
+
+    def codegen(context, builder, signature, args):
+        pw, sw, pq, pd, ps, nb, py = args
+        acc = cgutils.alloca_once_value(builder, _const(_F32, NW, 0.0))
+        npair = builder.sdiv(nb, ir.Constant(_I64, 2))
+
+        def at(base, i, step):
+            return builder.add(base, builder.mul(i, ir.Constant(_I64, step)))
+
+        def step(i, n):
+            xq = _load(builder, at(pq, i, 32 * n), 0, _vec(_I8, 32 * n))
+            dx = _load(builder, at(pd, i, 4 * n), 0, _vec(_F32, n), 4)
+            sums = _load(builder, at(ps, i, 8 * n), 0, _vec(_F32, 2 * n), 4)
+            prods, As, Cs = [], [], []
+            for r in range(NW):
+                blk = at(builder.add(pw, builder.mul(sw, ir.Constant(_I64, r))), i, n * size)
+                _prefetch(builder, builder.add(blk, builder.mul(sw, ir.Constant(
+                    _I64, PREFETCH_ROWS))))
+                u, A, C = _blocks32(qt, builder, blk, n, vnni and GFNI)
+                xs = xq
+                if qt == Q8_0:
+                    u, xs = _q8_signed(builder, u, xq)
+                prods.append(_dot4(builder, u, xs, vnni))
+                As.append(A)
+                Cs.append(C)
+            isums = _sums_by_row(builder, prods, 8)
+            dA = builder.fmul(_shuf(builder, dx, [j for j in range(n) for _ in range(NW)]),
+                              _run_major(builder, As), flags=EXACT)
+            C = _run_major(builder, Cs)
+            a = builder.load(acc)
+            for j in range(n):
+                X = builder.fadd(_el(builder, sums, 2 * j), _el(builder, sums, 2 * j + 1),
+                                 flags=EXACT)
+                a = _chain4(builder, a, _part(builder, isums, j, NW), _part(builder, dA, j, NW),
+                            X, _part(builder, C, j, NW))
+            builder.store(a, acc)
+
+        with cgutils.for_range(builder, npair) as loop:
+            step(loop.index, 2)
+        with builder.if_then(builder.icmp_signed("!=", builder.mul(npair, ir.Constant(_I64, 2)),
+                                                 nb)):
+            step(builder.sub(nb, ir.Constant(_I64, 1)), 1)
+        builder.store(builder.load(acc), _at(builder, py, 0, _vec(_F32, NW)), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
 # K-quants: chunk c (0..3) of a super-block is the values 64c .. 64c + 63 (32-runs 2c, 2c + 1)
 # the code offset o of the K types without mins
 _OFFSET = {Q6_K: 32.0, Q3_K: 4.0}
@@ -464,6 +579,70 @@ def _rowsk(qt, vnni):
     return codegen
 
 
+def _wrowsk(qt, vnni, NW=WROWS):
+    """The codegen of :func:`_rowsk` for NW consecutive rows of W (row stride ``sw`` bytes) and
+    one activation row, the rows' chains side by side in the lanes of one vector."""
+    size = BY_ID[qt].block_bytes
+
+    def codegen(context, builder, signature, args):
+        pw, sw, pq, pd, ps, nb, py = args
+        acc = cgutils.alloca_once_value(builder, _const(_F32, NW, 0.0))
+        with cgutils.for_range(builder, nb) as loop:
+            i = loop.index
+            blks = [builder.add(builder.add(pw, builder.mul(sw, ir.Constant(_I64, r))),
+                                builder.mul(i, ir.Constant(_I64, size))) for r in range(NW)]
+            qx = builder.add(pq, builder.mul(i, ir.Constant(_I64, 256)))
+            dx = _load(builder, builder.add(pd, builder.mul(i, ir.Constant(_I64, 32))), 0,
+                       _vec(_F32, 8), 4)
+            sums = _load(builder, builder.add(ps, builder.mul(i, ir.Constant(_I64, 64))), 0,
+                         _vec(_F32, 16), 4)
+            for b in blks:
+                _prefetch(builder, builder.add(b, builder.mul(sw, ir.Constant(_I64,
+                                                                         PREFETCH_ROWS))))
+            parts = [_kparts(qt, builder, b) for b in blks]
+            n = parts[0][0].type.count  # 8 (G = 32) or 16 (G = 16) sub-blocks
+            G = 256 // n
+            a = builder.load(acc)
+            runs = 64 // G  # sub-blocks of a chunk of 64 codes
+            dxs = _shuf(builder, dx, [j * G // 32 for j in range(n) for _ in range(NW)])
+            dA = builder.fmul(dxs, _run_major(builder, [A for A, _ in parts]), flags=EXACT)
+            C = _run_major(builder, [c for _, c in parts])
+            for c in range(4):
+                xs = _load(builder, qx, 64 * c, _vec(_I8, 64))
+                isums = _sums_by_row(builder, [_dot4(builder, _kchunk(qt, builder, b, c), xs,
+                                                     vnni) for b in blks], G // 4)
+                for t in range(runs):
+                    j = runs * c + t
+                    if G == 32:
+                        X = builder.fadd(_el(builder, sums, 2 * j),
+                                         _el(builder, sums, 2 * j + 1), flags=EXACT)
+                    else:
+                        X = _el(builder, sums, j)
+                    a = _chain4(builder, a, _part(builder, isums, t, NW),
+                                _part(builder, dA, j, NW), X, _part(builder, C, j, NW))
+            builder.store(a, acc)
+        builder.store(builder.load(acc), _at(builder, py, 0, _vec(_F32, NW)), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _make4(qt, vnni):
+    gen = _wrowsk(qt, vnni) if qt in _TYPESK else _wrows32(qt, vnni)
+
+    @intrinsic
+    def irow4(typingctx, pw, sw, pq, pd, ps, nblocks, py):
+        r""":func:`irow` of the :data:`WROWS` rows of W at pw, pw + sw, ... with one activation
+        row, stored as float32 at py."""
+        return types.none(*([types.int64] * 7)), gen
+
+    return irow4
+
+
+(irow4_q8_0, irow4_q4_0, irow4_q4_1, irow4_q5_0, irow4_q5_1, irow4_q4_k, irow4_q5_k, irow4_q6_k,
+ irow4_q3_k, irow4_q2_k) = (_make4(t, VNNI) for t in _TYPES32 + _TYPESK)
+
+
 def _make(qt, vnni):
     gen = _rowsk(qt, vnni) if qt in _TYPESK else _rows32(qt, vnni)
 
@@ -536,6 +715,49 @@ def idot(qt, w, n, xq, xd, xs):  # pragma: no cover - compiled
 
 
 @njit(inline="always", **_opts)
+def idot4(qt, w, n, xq, xd, xs, y, c):  # pragma: no cover - compiled
+    """y[c + r] = :func:`idot` of row n + r of w with the activation row (xq, xd, xs) for
+    r < :data:`WROWS` (each equal to idot's bit for bit)."""
+    pw = w.ctypes.data + n * w.shape[1]
+    sw = w.shape[1]
+    pq, pd, ps = xq.ctypes.data, xd.ctypes.data, xs.ctypes.data
+    py = y.ctypes.data + c * 4
+    nb = xd.shape[0]
+    if qt == Q8_0:
+        irow4_q8_0(pw, sw, pq, pd, ps, nb, py)
+    elif qt == Q4_0:
+        irow4_q4_0(pw, sw, pq, pd, ps, nb, py)
+    elif qt == Q4_1:
+        irow4_q4_1(pw, sw, pq, pd, ps, nb, py)
+    elif qt == Q5_0:
+        irow4_q5_0(pw, sw, pq, pd, ps, nb, py)
+    elif qt == Q5_1:
+        irow4_q5_1(pw, sw, pq, pd, ps, nb, py)
+    elif qt == Q4_K:
+        irow4_q4_k(pw, sw, pq, pd, ps, nb // 8, py)
+    elif qt == Q5_K:
+        irow4_q5_k(pw, sw, pq, pd, ps, nb // 8, py)
+    elif qt == Q6_K:
+        irow4_q6_k(pw, sw, pq, pd, ps, nb // 8, py)
+    elif qt == Q3_K:
+        irow4_q3_k(pw, sw, pq, pd, ps, nb // 8, py)
+    else:
+        irow4_q2_k(pw, sw, pq, pd, ps, nb // 8, py)
+
+
+@njit(inline="always", **_opts)
+def idot_span(qt, w, lo, hi, xq, xd, xs, y):  # pragma: no cover - compiled
+    """y[n] = :func:`idot` of row n of w with the activation row (xq, xd, xs), lo <= n < hi
+    (y 1-d, contiguous): :data:`WROWS` rows of W per call of :func:`idot4`, then one by one."""
+    n = lo
+    while n + WROWS <= hi:
+        idot4(qt, w, n, xq, xd, xs, y, n)
+        n += WROWS
+    for m in range(n, hi):
+        y[m] = idot(qt, w, m, xq, xd, xs)
+
+
+@njit(inline="always", **_opts)
 def idot_rows(qt, w, n, xq, xd, xs, b, y, c):  # pragma: no cover - compiled
     """y[b + r, c] = :func:`idot` of row n of w with activation row b + r of (xq, xd, xs) (2-d,
     rows of 8-bit blocks) for r < :data:`ROWS`, W's row read once; a type of blocks of 32
@@ -574,16 +796,14 @@ def _gemv_parallel(qt, xq, xd, xs, w, y, parts):  # pragma: no cover - compiled
     N = w.shape[0]
     step = (N + parts - 1) // parts
     for t in prange(parts):
-        for n in range(t * step, min(N, t * step + step)):
-            for m in range(xq.shape[0]):
-                y[m, n] = idot(qt, w, n, xq[m], xd[m], xs[m])
+        for m in range(xq.shape[0]):
+            idot_span(qt, w, t * step, min(N, t * step + step), xq[m], xd[m], xs[m], y[m])
 
 
 @njit(**_opts)
 def _gemv_serial(qt, xq, xd, xs, w, y):  # pragma: no cover - compiled
-    for n in range(w.shape[0]):
-        for m in range(xq.shape[0]):
-            y[m, n] = idot(qt, w, n, xq[m], xd[m], xs[m])
+    for m in range(xq.shape[0]):
+        idot_span(qt, w, 0, w.shape[0], xq[m], xd[m], xs[m], y[m])
 
 
 def gemv(qt: int, x: np.ndarray, w: np.ndarray, y: np.ndarray, parts: int) -> None:
