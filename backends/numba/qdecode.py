@@ -25,7 +25,7 @@ from numba import njit, prange
 
 from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 from .decode import _argmax_finite, _attend_span, _join_spans, _pick, _rmsnorm_rows, _rope_store
-from .qint8 import ROWS, idot, idot_rows, idot_span, int8_enabled, quantize_row
+from .qint8 import ROWS, idot, idot_rows, int8_enabled, quantize_row
 from .qtypes import Q2_K, Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0
 from .quant import _dequant_row, _dot
 
@@ -52,8 +52,8 @@ def _mv(qt, W, Wf, x, a8, y, lo, hi, lut, kv):  # pragma: no cover - compiled
                 s += x[0, k] * Wf[n, k]
             y[n] = s
     elif a8[0] and _int8(qt):
-        if hi > lo:
-            idot_span(qt, W, lo, hi, a8[1], a8[2], a8[3], y)
+        for n in range(lo, hi):
+            y[n] = idot(qt, W, n, a8[1], a8[2], a8[3])
     else:
         for n in range(lo, hi):
             y[n] = _dot(qt, W, n, x, 0, lut, kv, 16)

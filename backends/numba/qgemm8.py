@@ -31,8 +31,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
-from .qint8 import _TYPES32, _TYPESK, VNNI, _b, _block32, _dot4, _kchunk, _kparts, quantize_row
-from .qsimd import _F32, _I8, _I32, _I64, EXACT, _at, _fma, _half, _load, _splat, _vec
+from .qint8 import _OFFSET, _TYPES32, _TYPESK, VNNI, _b, _block32, _dot4, _kchunk, quantize_row
+from .qsimd import _F32, _I8, _I32, _I64, _at, _fma, _half, _kscales, _load, _splat, _vec
 from .qtypes import BY_ID, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
 #: the GGML type ids with an integer GEMM (those of :data:`.qint8.INT8_TYPES`)
@@ -60,7 +60,11 @@ def _codes(qt, builder, blk, dst):
         return a, c
     for c in range(4):
         _store(builder, _kchunk(qt, builder, blk, c), dst, 64 * c)
-    return _kparts(qt, builder, blk)
+    A, B = _kscales(BY_ID[qt].name, builder, blk)
+    n = A.type.count
+    if B is None:
+        return A, builder.fmul(A, _splat(builder, ir.Constant(_F32, -_OFFSET[qt]), n))
+    return A, builder.fsub(_splat(builder, ir.Constant(_F32, 0.0), n), B)
 
 
 def _unpack_ir(qt):
@@ -134,7 +138,7 @@ def _tile(G, vnni):
                                                   c64(64)))
                 s = _load(builder, row, 0, _vec(_F32, 16), 4)
                 if G == 32:
-                    s = builder.fadd(s, _load(builder, row, 64, _vec(_F32, 16), 4), flags=EXACT)
+                    s = builder.fadd(s, _load(builder, row, 64, _vec(_F32, 16), 4))
                 xs.append(s)
             for r in range(R):
                 at = builder.mul(builder.add(builder.mul(c64(r), nsub), b), c64(4))
@@ -142,8 +146,7 @@ def _tile(G, vnni):
                 c = _splat(builder, _load(builder, builder.add(pc, at), 0, _F32, 4), 16)
                 for v in range(V):
                     f = builder.sitofp(iacc[r][v], _vec(_F32, 16))
-                    acc = _fma(builder, f, builder.fmul(dx[v], a, flags=EXACT),
-                               builder.load(facc[r][v]))
+                    acc = _fma(builder, f, builder.fmul(dx[v], a), builder.load(facc[r][v]))
                     builder.store(_fma(builder, xs[v], c, acc), facc[r][v])
         for r in range(R):
             for v in range(V):

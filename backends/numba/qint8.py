@@ -40,7 +40,6 @@ from .qsimd import (
     _I8,
     _I32,
     _I64,
-    EXACT,
     _at,
     _const,
     _fma,
@@ -48,6 +47,7 @@ from .qsimd import (
     _half,
     _kscales,
     _load,
+    _reduce,
     _shuf,
     _splat,
     _vec,
@@ -201,14 +201,13 @@ def _block32(qt, builder, blk):
     d = _half(builder, blk, 0)
     if qt == Q8_0:
         u = builder.xor(_b(builder, blk, 2, 32), _const(_I8, 32, 128 - 256))
-        return u, d, builder.fmul(d, ir.Constant(_F32, -128.0), flags=EXACT)
+        return u, d, builder.fmul(d, ir.Constant(_F32, -128.0))
     u = _nib32(builder, blk, _NIBBLES_AT[qt])
     if qt in _HIGH_BITS_AT:
         u = builder.or_(u, _qh_bits(builder, blk, _HIGH_BITS_AT[qt]))
     if qt in (Q4_1, Q5_1):  # w = d q + m
         return u, d, _half(builder, blk, 2)
-    return u, d, builder.fmul(d, ir.Constant(_F32, -8.0 if qt == Q4_0 else -16.0),
-                                 flags=EXACT)
+    return u, d, builder.fmul(d, ir.Constant(_F32, -8.0 if qt == Q4_0 else -16.0))
 
 
 def _pair32(qt, builder, blk0, gfni):
@@ -235,102 +234,60 @@ def _pair32(qt, builder, blk0, gfni):
     return u, two(a0, a1), two(m0, m1)
 
 
-# ---------------------------------------------------------------------------------------------
-# the one float order: a sequential chain over the sub-blocks (shared with .qgemm8's tiles)
-# ---------------------------------------------------------------------------------------------
-def _fma1(builder, a, b, c):
-    """fma(a, b, c) of float scalars (one rounding), called on one-lane vectors: Numba's
-    fastmath pass adds its flags to calls that return a float scalar, and with them LLVM may
-    split or reassociate the product."""
-    t = _vec(_F32, 1)
-    one = [builder.insert_element(ir.Constant(t, None), v, ir.Constant(_I32, 0)) for v in (a, b, c)]
-    out = builder.call(_fn(builder, "llvm.fma.v1f32", t, [t] * 3), one)
-    return builder.extract_element(out, ir.Constant(_I32, 0))
-
-
-def _isum(builder, p, lo, n):
-    """The integer sum of lanes lo .. lo + n - 1 of p (<16 x i32>): exact in any order."""
-    part = _shuf(builder, p, range(lo, lo + n))
-    fn = _fn(builder, f"llvm.vector.reduce.add.v{n}i32", _I32, [part.type])
-    return builder.call(fn, [part])
-
-
-def _chain(builder, acc, isum, dA, X, C):
-    r"""acc + I dA + X C as two fused multiply-adds, in this order: the step of one sub-block in
-    the float order every 8-bit product follows (:mod:`.qgemm8`'s tiles too), so a result does
-    not depend on the kernel, the rows beside it or the thread that computes it."""
-    acc = _fma1(builder, builder.sitofp(isum, _F32), dA, acc)
-    return _fma1(builder, X, C, acc)
-
-
-def _el(builder, v, i):
-    return builder.extract_element(v, ir.Constant(_I32, i))
-
-
-def _q8_signed(builder, q, xs):
-    """(|q|, xs with the sign of q) for Q8_0's signed codes q: their unsigned-by-signed dot is
-    the dot of q and xs (|-128| = 128 as an unsigned byte)."""
-    n = q.type.count
-    zero = _const(_I8, n, 0)
-    neg = builder.icmp_signed("<", q, zero)
-    return (builder.select(neg, builder.sub(zero, q), q),
-            builder.select(neg, builder.sub(zero, xs), xs))
-
-
-def _blocks32(qt, builder, blk, npair_blocks, gfni):
-    """(u, A, C) of one block (npair_blocks 1) or of a pair (2) of a type of blocks of 32, in
-    the form of :mod:`.qgemm8` (w = A u + C): Q8_0 as its signed codes q with A = d, C = 0
-    (its unsigned-by-signed dot is taken by :func:`_q8_signed`), the others as
-    :func:`_block32` builds them. A and C are float vectors of npair_blocks entries."""
-    size = BY_ID[qt].block_bytes
-    if qt == Q8_0:
-        qs = [_b(builder, blk, size * j + 2, 32) for j in range(npair_blocks)]
-        ds = [_half(builder, blk, size * j) for j in range(npair_blocks)]
-        q = qs[0] if npair_blocks == 1 else _cat(builder, qs[0], qs[1])
-        A = ir.Constant(_vec(_F32, npair_blocks), None)
-        for j, d in enumerate(ds):
-            A = builder.insert_element(A, d, ir.Constant(_I32, j))
-        return q, A, _const(_F32, npair_blocks, 0.0)
-    if npair_blocks == 2:
-        return _pair32(qt, builder, blk, gfni)
-    u, a, m = _block32(qt, builder, blk)
-    return u, _splat(builder, a, 1), _splat(builder, m, 1)
-
-
-def _step32(qt, builder, acc, blk, pq, pd, ps, nblocks, vnni):
-    """acc chained through the nblocks (1 or 2) blocks of 32 at blk with the activation blocks
-    at pq (codes), pd (scales), ps (scaled sums of 16)."""
-    u, A, C = _blocks32(qt, builder, blk, nblocks, vnni and GFNI)
-    xs = _load(builder, pq, 0, _vec(_I8, 32 * nblocks))
-    if qt == Q8_0:
-        u, xs = _q8_signed(builder, u, xs)
-    p = _dot4(builder, u, xs, vnni)
-    dx = _load(builder, pd, 0, _vec(_F32, nblocks), 4)
-    dA = builder.fmul(dx, A, flags=EXACT)
-    sums = _load(builder, ps, 0, _vec(_F32, 2 * nblocks), 4)
-    for j in range(nblocks):
-        X = builder.fadd(_el(builder, sums, 2 * j), _el(builder, sums, 2 * j + 1), flags=EXACT)
-        acc = _chain(builder, acc, _isum(builder, p, 8 * j, 8), _el(builder, dA, j), X,
-                     _el(builder, C, j))
-    return acc
-
-
-def _rows32(qt, vnni, R=1):
-    r"""The codegen of \sum_k W_k x_{rk} for a row of blocks of 32 and R activation rows, the
-    row of W decoded once per pair of blocks: per block b, I_b = \sum_{k in b} u_k xq_k (an
-    exact integer dot), then acc = fma(I_b, d_b A_b, acc), acc = fma(X_b, C_b, acc) with X_b
-    the scaled code sum of the activation block (:func:`_chain`). R = 1 returns the sum; R > 1
-    stores the R sums (each equal to the R = 1 result bit for bit)."""
+def _rows32(qt, vnni):
     size = BY_ID[qt].block_bytes
 
     def codegen(context, builder, signature, args):
-        if R == 1:
-            pw, pq, pd, ps, nb = args
-            sq = sd = ss = ir.Constant(_I64, 0)
-        else:
-            pw, pq, pd, ps, nb, sq, sd, ss, py, sy = args
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(R)]
+        pw, pq, pd, ps, nb = args
+        acc = cgutils.alloca_once_value(builder, _const(_F32, 16, 0.0))
+        acc_m = cgutils.alloca_once_value(builder, _const(_F32, 4, 0.0))
         npair = builder.sdiv(nb, ir.Constant(_I64, 2))
+        lanes = [0] * 8 + [1] * 8
+
+        def at(base, i, step):
+            return builder.add(base, builder.mul(i, ir.Constant(_I64, step)))
+
+        with cgutils.for_range(builder, npair) as loop:  # blocks 2i, 2i + 1
+            i = loop.index
+            u, a, m = _pair32(qt, builder, at(pw, i, 2 * size), vnni and GFNI)
+            xs = _load(builder, at(pq, i, 64), 0, _vec(_I8, 64))
+            p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 16))
+            dx = _load(builder, at(pd, i, 8), 0, _vec(_F32, 2), 4)
+            builder.store(_fma(builder, p, _shuf(builder, builder.fmul(a, dx), lanes),
+                               builder.load(acc)), acc)
+            sums = _load(builder, at(ps, i, 16), 0, _vec(_F32, 4), 4)
+            builder.store(_fma(builder, sums, _shuf(builder, m, [0, 0, 1, 1]),
+                               builder.load(acc_m)), acc_m)
+        total = builder.fadd(_reduce(builder, builder.load(acc)),
+                             _reduce(builder, builder.load(acc_m)))
+        last = builder.sub(nb, ir.Constant(_I64, 1))
+        odd = builder.icmp_signed("!=", builder.mul(npair, ir.Constant(_I64, 2)), nb)
+        out = cgutils.alloca_once_value(builder, total)
+        with builder.if_then(odd):
+            u, a, m = _block32(qt, builder, at(pw, last, size))
+            xs = _load(builder, at(pq, last, 32), 0, _vec(_I8, 32))
+            p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 8))
+            dx = _load(builder, at(pd, last, 4), 0, _F32, 4)
+            sums = _reduce(builder, _load(builder, at(ps, last, 8), 0, _vec(_F32, 2), 4))
+            v = _reduce(builder, builder.fmul(p, _splat(builder, builder.fmul(a, dx), 8)))
+            builder.store(builder.fadd(total, builder.fadd(v, builder.fmul(sums, m))), out)
+        return builder.load(out)
+
+    return codegen
+
+
+def _rows32_multi(qt, vnni, R):
+    """The codegen of :func:`_rows32` for R activation rows at once: each pair of blocks of W is
+    decoded once and dotted with the R rows (the same operations per row, in the same order, so
+    each result equals :func:`_rows32`'s bit for bit); the R sums are stored, not returned."""
+    size = BY_ID[qt].block_bytes
+
+    def codegen(context, builder, signature, args):
+        pw, pq, pd, ps, nb, sq, sd, ss, py, sy = args
+        acc = [cgutils.alloca_once_value(builder, _const(_F32, 16, 0.0)) for _ in range(R)]
+        acc_m = [cgutils.alloca_once_value(builder, _const(_F32, 4, 0.0)) for _ in range(R)]
+        npair = builder.sdiv(nb, ir.Constant(_I64, 2))
+        lanes = [0] * 8 + [1] * 8
 
         def at(base, i, step):
             return builder.add(base, builder.mul(i, ir.Constant(_I64, step)))
@@ -338,29 +295,45 @@ def _rows32(qt, vnni, R=1):
         def row(base, stride, r):
             return builder.add(base, builder.mul(stride, ir.Constant(_I64, r)))
 
-        def step(i, n):  # blocks n i .. n i + n - 1 (n = 2: a pair) into every row's chain
+        with cgutils.for_range(builder, npair) as loop:  # blocks 2i, 2i + 1
+            i = loop.index
+            u, a, m = _pair32(qt, builder, at(pw, i, 2 * size), vnni and GFNI)
+            m = _shuf(builder, m, [0, 0, 1, 1])
             for r in range(R):
-                builder.store(_step32(qt, builder, builder.load(accs[r]), at(pw, i, n * size),
-                                      at(row(pq, sq, r), i, 32 * n),
-                                      at(row(pd, sd, r), i, 4 * n),
-                                      at(row(ps, ss, r), i, 8 * n), n, vnni), accs[r])
-
-        with cgutils.for_range(builder, npair) as loop:
-            step(loop.index, 2)
-        with builder.if_then(builder.icmp_signed("!=", builder.mul(npair, ir.Constant(_I64, 2)),
-                                                 nb)):
-            step(builder.sub(nb, ir.Constant(_I64, 1)), 1)
-        if R == 1:
-            return builder.load(accs[0])
+                xs = _load(builder, at(row(pq, sq, r), i, 64), 0, _vec(_I8, 64))
+                p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 16))
+                dx = _load(builder, at(row(pd, sd, r), i, 8), 0, _vec(_F32, 2), 4)
+                builder.store(_fma(builder, p, _shuf(builder, builder.fmul(a, dx), lanes),
+                                   builder.load(acc[r])), acc[r])
+                sums = _load(builder, at(row(ps, ss, r), i, 16), 0, _vec(_F32, 4), 4)
+                builder.store(_fma(builder, sums, m, builder.load(acc_m[r])), acc_m[r])
+        last = builder.sub(nb, ir.Constant(_I64, 1))
+        odd = builder.icmp_signed("!=", builder.mul(npair, ir.Constant(_I64, 2)), nb)
+        out = []
         for r in range(R):
-            builder.store(builder.load(accs[r]), _at(builder, row(py, sy, r), 0, _F32), align=4)
+            total = builder.fadd(_reduce(builder, builder.load(acc[r])),
+                                 _reduce(builder, builder.load(acc_m[r])))
+            out.append(cgutils.alloca_once_value(builder, total))
+        with builder.if_then(odd):
+            u, a, m = _block32(qt, builder, at(pw, last, size))
+            for r in range(R):
+                xs = _load(builder, at(row(pq, sq, r), last, 32), 0, _vec(_I8, 32))
+                p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 8))
+                dx = _load(builder, at(row(pd, sd, r), last, 4), 0, _F32, 4)
+                sums = _reduce(builder, _load(builder, at(row(ps, ss, r), last, 8), 0,
+                                              _vec(_F32, 2), 4))
+                v = _reduce(builder, builder.fmul(p, _splat(builder, builder.fmul(a, dx), 8)))
+                builder.store(builder.fadd(builder.load(out[r]),
+                                           builder.fadd(v, builder.fmul(sums, m))), out[r])
+        for r in range(R):
+            builder.store(builder.load(out[r]), _at(builder, row(py, sy, r), 0, _F32), align=4)
         return context.get_dummy_value()
 
     return codegen
 
 
 def _make_multi(qt, vnni, R):
-    gen = _rows32(qt, vnni, R)
+    gen = _rows32_multi(qt, vnni, R)
 
     @intrinsic
     def irows(typingctx, pw, pq, pd, ps, nblocks, sq, sd, ss, py, sy):
@@ -376,120 +349,6 @@ def _make_multi(qt, vnni, R):
 ROWS = 4
 irows_q8_0, irows_q4_0, irows_q4_1, irows_q5_0, irows_q5_1 = (_make_multi(t, VNNI, ROWS)
                                                               for t in _TYPES32)
-
-
-def _prefetch(builder, addr):
-    """A read prefetch of the cache line at addr (the same place in the next rows of W: from
-    memory, the chains of a few rows alone keep too few loads in flight)."""
-    i8p = ir.IntType(8).as_pointer()
-    fn = _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [i8p, _I32, _I32, _I32])
-    builder.call(fn, [builder.inttoptr(addr, i8p), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
-                      ir.Constant(_I32, 1)])
-
-
-def _sums_by_row(builder, ps, per):
-    """The integer sums of each run of ``per`` lanes of every vector of ps (one per row of W,
-    equal lengths) as one vector in run-major order: lane j R + r holds the sum of run j of
-    ps[r] (R = len(ps)). Adjacent lanes are summed pairwise across two vectors at a time
-    (integer sums: exact in any order)."""
-    n, runs, R = ps[0].type.count, ps[0].type.count // per, len(ps)
-
-    def pairs(a, b, m):  # lanes 2i + 2i+1 of a then of b (m lanes out)
-        ev = builder.shuffle_vector(a, b, _const(_I32, m, range(0, 2 * m, 2)))
-        od = builder.shuffle_vector(a, b, _const(_I32, m, range(1, 2 * m, 2)))
-        return builder.add(ev, od)
-
-    vs = list(ps)
-    while len(vs) > 1:  # each round halves the lanes of a run and the count of vectors
-        vs = [pairs(vs[i], vs[i + 1], n) for i in range(0, len(vs), 2)]
-        per //= 2
-    v = vs[0]
-    while per > 1:
-        v = pairs(v, v, v.type.count // 2)
-        per //= 2
-    return _shuf(builder, v, [r * runs + j for j in range(runs) for r in range(R)])
-
-
-def _run_major(builder, vals):
-    """The vectors of vals (one per row of W, n entries each) as one vector in run-major order
-    (lane j R + r: entry j of vals[r]), as :func:`_sums_by_row` lays out its sums."""
-    n, R = vals[0].type.count, len(vals)
-    while len(vals) > 1:
-        vals = [_cat(builder, vals[i], vals[i + 1]) for i in range(0, len(vals), 2)]
-    return _shuf(builder, vals[0], [r * n + j for j in range(n) for r in range(R)])
-
-
-def _part(builder, v, j, R):
-    """Lanes j R .. j R + R - 1 of v: run j of a run-major vector."""
-    return _shuf(builder, v, range(j * R, j * R + R))
-
-
-def _chain4(builder, acc, isum, dA, X, C):
-    """:func:`_chain` of NW rows of W at once, one per lane (vector fused multiply-adds:
-    each lane rounds as the scalar chain does)."""
-    n = isum.type.count
-    acc = _fma(builder, builder.sitofp(isum, _vec(_F32, n)), dA, acc)
-    return _fma(builder, _splat(builder, X, n), C, acc)
-
-
-#: rows of W per call of the one-activation-row kernels (:func:`idot4`): independent chains,
-#: so the fused multiply-adds of one wait on none of the others'
-WROWS = 4
-#: how many rows of W ahead the one-activation-row kernels prefetch
-PREFETCH_ROWS = 16
-
-
-def _wrows32(qt, vnni, NW=WROWS):
-    """The codegen of :func:`_rows32` for NW consecutive rows of W (row stride ``sw`` bytes)
-    and one activation row: the same chain per row of W, the rows' chains side by side in the
-    lanes of one vector; the NW sums stored at py."""
-    size = BY_ID[qt].block_bytes
-
-    def codegen(context, builder, signature, args):
-        pw, sw, pq, pd, ps, nb, py = args
-        acc = cgutils.alloca_once_value(builder, _const(_F32, NW, 0.0))
-        npair = builder.sdiv(nb, ir.Constant(_I64, 2))
-
-        def at(base, i, step):
-            return builder.add(base, builder.mul(i, ir.Constant(_I64, step)))
-
-        def step(i, n):
-            xq = _load(builder, at(pq, i, 32 * n), 0, _vec(_I8, 32 * n))
-            dx = _load(builder, at(pd, i, 4 * n), 0, _vec(_F32, n), 4)
-            sums = _load(builder, at(ps, i, 8 * n), 0, _vec(_F32, 2 * n), 4)
-            prods, As, Cs = [], [], []
-            for r in range(NW):
-                blk = at(builder.add(pw, builder.mul(sw, ir.Constant(_I64, r))), i, n * size)
-                _prefetch(builder, builder.add(blk, builder.mul(sw, ir.Constant(
-                    _I64, PREFETCH_ROWS))))
-                u, A, C = _blocks32(qt, builder, blk, n, vnni and GFNI)
-                xs = xq
-                if qt == Q8_0:
-                    u, xs = _q8_signed(builder, u, xq)
-                prods.append(_dot4(builder, u, xs, vnni))
-                As.append(A)
-                Cs.append(C)
-            isums = _sums_by_row(builder, prods, 8)
-            dA = builder.fmul(_shuf(builder, dx, [j for j in range(n) for _ in range(NW)]),
-                              _run_major(builder, As), flags=EXACT)
-            C = _run_major(builder, Cs)
-            a = builder.load(acc)
-            for j in range(n):
-                X = builder.fadd(_el(builder, sums, 2 * j), _el(builder, sums, 2 * j + 1),
-                                 flags=EXACT)
-                a = _chain4(builder, a, _part(builder, isums, j, NW), _part(builder, dA, j, NW),
-                            X, _part(builder, C, j, NW))
-            builder.store(a, acc)
-
-        with cgutils.for_range(builder, npair) as loop:
-            step(loop.index, 2)
-        with builder.if_then(builder.icmp_signed("!=", builder.mul(npair, ir.Constant(_I64, 2)),
-                                                 nb)):
-            step(builder.sub(nb, ir.Constant(_I64, 1)), 1)
-        builder.store(builder.load(acc), _at(builder, py, 0, _vec(_F32, NW)), align=4)
-        return context.get_dummy_value()
-
-    return codegen
 
 
 # K-quants: chunk c (0..3) of a super-block is the values 64c .. 64c + 63 (32-runs 2c, 2c + 1)
@@ -528,119 +387,48 @@ def _kchunk(qt, builder, blk, c):
     return u
 
 
-def _kparts(qt, builder, blk):
-    """(A, C) of the super-block at blk in the form w = A u + C of :mod:`.qgemm8`: float
-    vectors of one entry per sub-block (8 of 32 values, or 16 of 16)."""
-    A, B = _kscales(BY_ID[qt].name, builder, blk)
-    n = A.type.count
-    if B is None:
-        return A, builder.fmul(A, _splat(builder, ir.Constant(_F32, -_OFFSET[qt]), n), flags=EXACT)
-    return A, builder.fsub(_splat(builder, ir.Constant(_F32, 0.0), n), B, flags=EXACT)
-
-
 def _rowsk(qt, vnni):
-    r"""The codegen of \sum_k W_k x_k for a row of K super-blocks: per sub-block j (of G = 32 or
-    16 values), in the order of k, acc = fma(I_j, d A_j, acc), acc = fma(X_j, C_j, acc)
-    (:func:`_chain`, the order of :mod:`.qgemm8`'s tiles)."""
-    size = BY_ID[qt].block_bytes
+    size, kind = BY_ID[qt].block_bytes, BY_ID[qt].name
 
     def codegen(context, builder, signature, args):
         pw, pq, pd, ps, nb = args
-        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+        # two accumulators for the chunks (two chains of fused multiply-adds), one for the mins
+        accs = [cgutils.alloca_once_value(builder, _const(_F32, 16, 0.0)) for _ in range(3)]
         with cgutils.for_range(builder, nb) as loop:
             i = loop.index
             blk = builder.add(pw, builder.mul(i, ir.Constant(_I64, size)))
             qx = builder.add(pq, builder.mul(i, ir.Constant(_I64, 256)))
             dx = _load(builder, builder.add(pd, builder.mul(i, ir.Constant(_I64, 32))), 0,
                        _vec(_F32, 8), 4)
-            sums = _load(builder, builder.add(ps, builder.mul(i, ir.Constant(_I64, 64))), 0,
-                         _vec(_F32, 16), 4)
-            A, C = _kparts(qt, builder, blk)
-            n = A.type.count  # 8 (G = 32) or 16 (G = 16) sub-blocks
-            G = 256 // n
-            a = builder.load(acc)
+            A, B = _kscales(kind, builder, blk)
+            n = A.type.count  # 8 (per 32-run) or 16 (per 16-run)
+            if n == 16:
+                dx = _shuf(builder, dx, [j // 2 for j in range(16)])
+            AD = builder.fmul(A, dx)
+            a = [builder.load(accs[0]), builder.load(accs[1])]
             for c in range(4):
+                lanes = [2 * c + j // 8 for j in range(16)] if n == 8 else \
+                    [4 * c + j // 4 for j in range(16)]
                 xs = _load(builder, qx, 64 * c, _vec(_I8, 64))
-                p = _dot4(builder, _kchunk(qt, builder, blk, c), xs, vnni)
-                for t in range(64 // G):
-                    j = (64 // G) * c + t
-                    dA = builder.fmul(_el(builder, dx, j * G // 32), _el(builder, A, j),
-                                      flags=EXACT)
-                    if G == 32:
-                        X = builder.fadd(_el(builder, sums, 2 * j),
-                                         _el(builder, sums, 2 * j + 1), flags=EXACT)
-                    else:
-                        X = _el(builder, sums, j)
-                    a = _chain(builder, a, _isum(builder, p, G // 4 * t, G // 4), dA, X,
-                               _el(builder, C, j))
-            builder.store(a, acc)
-        return builder.load(acc)
+                p = builder.sitofp(_dot4(builder, _kchunk(qt, builder, blk, c), xs, vnni),
+                                   _vec(_F32, 16))
+                a[c % 2] = _fma(builder, p, _shuf(builder, AD, lanes), a[c % 2])
+            builder.store(a[0], accs[0])
+            builder.store(a[1], accs[1])
+            M = builder.fmul(A, _const(_F32, n, -_OFFSET[qt])) if qt in _OFFSET else None
+            if B is not None:
+                M = builder.fsub(_const(_F32, n, 0.0), B)
+            if M is not None:  # - (o A + B) times the scaled sums of each 16 codes
+                if n == 8:
+                    M = _shuf(builder, M, [j // 2 for j in range(16)])
+                sums = _load(builder, builder.add(ps, builder.mul(i, ir.Constant(_I64, 64))), 0,
+                             _vec(_F32, 16), 4)
+                builder.store(_fma(builder, sums, M, builder.load(accs[2])), accs[2])
+        v = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
+                         builder.load(accs[2]))
+        return _reduce(builder, v)
 
     return codegen
-
-
-def _wrowsk(qt, vnni, NW=WROWS):
-    """The codegen of :func:`_rowsk` for NW consecutive rows of W (row stride ``sw`` bytes) and
-    one activation row, the rows' chains side by side in the lanes of one vector."""
-    size = BY_ID[qt].block_bytes
-
-    def codegen(context, builder, signature, args):
-        pw, sw, pq, pd, ps, nb, py = args
-        acc = cgutils.alloca_once_value(builder, _const(_F32, NW, 0.0))
-        with cgutils.for_range(builder, nb) as loop:
-            i = loop.index
-            blks = [builder.add(builder.add(pw, builder.mul(sw, ir.Constant(_I64, r))),
-                                builder.mul(i, ir.Constant(_I64, size))) for r in range(NW)]
-            qx = builder.add(pq, builder.mul(i, ir.Constant(_I64, 256)))
-            dx = _load(builder, builder.add(pd, builder.mul(i, ir.Constant(_I64, 32))), 0,
-                       _vec(_F32, 8), 4)
-            sums = _load(builder, builder.add(ps, builder.mul(i, ir.Constant(_I64, 64))), 0,
-                         _vec(_F32, 16), 4)
-            for b in blks:
-                _prefetch(builder, builder.add(b, builder.mul(sw, ir.Constant(_I64,
-                                                                         PREFETCH_ROWS))))
-            parts = [_kparts(qt, builder, b) for b in blks]
-            n = parts[0][0].type.count  # 8 (G = 32) or 16 (G = 16) sub-blocks
-            G = 256 // n
-            a = builder.load(acc)
-            runs = 64 // G  # sub-blocks of a chunk of 64 codes
-            dxs = _shuf(builder, dx, [j * G // 32 for j in range(n) for _ in range(NW)])
-            dA = builder.fmul(dxs, _run_major(builder, [A for A, _ in parts]), flags=EXACT)
-            C = _run_major(builder, [c for _, c in parts])
-            for c in range(4):
-                xs = _load(builder, qx, 64 * c, _vec(_I8, 64))
-                isums = _sums_by_row(builder, [_dot4(builder, _kchunk(qt, builder, b, c), xs,
-                                                     vnni) for b in blks], G // 4)
-                for t in range(runs):
-                    j = runs * c + t
-                    if G == 32:
-                        X = builder.fadd(_el(builder, sums, 2 * j),
-                                         _el(builder, sums, 2 * j + 1), flags=EXACT)
-                    else:
-                        X = _el(builder, sums, j)
-                    a = _chain4(builder, a, _part(builder, isums, t, NW),
-                                _part(builder, dA, j, NW), X, _part(builder, C, j, NW))
-            builder.store(a, acc)
-        builder.store(builder.load(acc), _at(builder, py, 0, _vec(_F32, NW)), align=4)
-        return context.get_dummy_value()
-
-    return codegen
-
-
-def _make4(qt, vnni):
-    gen = _wrowsk(qt, vnni) if qt in _TYPESK else _wrows32(qt, vnni)
-
-    @intrinsic
-    def irow4(typingctx, pw, sw, pq, pd, ps, nblocks, py):
-        r""":func:`irow` of the :data:`WROWS` rows of W at pw, pw + sw, ... with one activation
-        row, stored as float32 at py."""
-        return types.none(*([types.int64] * 7)), gen
-
-    return irow4
-
-
-(irow4_q8_0, irow4_q4_0, irow4_q4_1, irow4_q5_0, irow4_q5_1, irow4_q4_k, irow4_q5_k, irow4_q6_k,
- irow4_q3_k, irow4_q2_k) = (_make4(t, VNNI) for t in _TYPES32 + _TYPESK)
 
 
 def _make(qt, vnni):
@@ -715,49 +503,6 @@ def idot(qt, w, n, xq, xd, xs):  # pragma: no cover - compiled
 
 
 @njit(inline="always", **_opts)
-def idot4(qt, w, n, xq, xd, xs, y, c):  # pragma: no cover - compiled
-    """y[c + r] = :func:`idot` of row n + r of w with the activation row (xq, xd, xs) for
-    r < :data:`WROWS` (each equal to idot's bit for bit)."""
-    pw = w.ctypes.data + n * w.shape[1]
-    sw = w.shape[1]
-    pq, pd, ps = xq.ctypes.data, xd.ctypes.data, xs.ctypes.data
-    py = y.ctypes.data + c * 4
-    nb = xd.shape[0]
-    if qt == Q8_0:
-        irow4_q8_0(pw, sw, pq, pd, ps, nb, py)
-    elif qt == Q4_0:
-        irow4_q4_0(pw, sw, pq, pd, ps, nb, py)
-    elif qt == Q4_1:
-        irow4_q4_1(pw, sw, pq, pd, ps, nb, py)
-    elif qt == Q5_0:
-        irow4_q5_0(pw, sw, pq, pd, ps, nb, py)
-    elif qt == Q5_1:
-        irow4_q5_1(pw, sw, pq, pd, ps, nb, py)
-    elif qt == Q4_K:
-        irow4_q4_k(pw, sw, pq, pd, ps, nb // 8, py)
-    elif qt == Q5_K:
-        irow4_q5_k(pw, sw, pq, pd, ps, nb // 8, py)
-    elif qt == Q6_K:
-        irow4_q6_k(pw, sw, pq, pd, ps, nb // 8, py)
-    elif qt == Q3_K:
-        irow4_q3_k(pw, sw, pq, pd, ps, nb // 8, py)
-    else:
-        irow4_q2_k(pw, sw, pq, pd, ps, nb // 8, py)
-
-
-@njit(inline="always", **_opts)
-def idot_span(qt, w, lo, hi, xq, xd, xs, y):  # pragma: no cover - compiled
-    """y[n] = :func:`idot` of row n of w with the activation row (xq, xd, xs), lo <= n < hi
-    (y 1-d, contiguous): :data:`WROWS` rows of W per call of :func:`idot4`, then one by one."""
-    n = lo
-    while n + WROWS <= hi:
-        idot4(qt, w, n, xq, xd, xs, y, n)
-        n += WROWS
-    for m in range(n, hi):
-        y[m] = idot(qt, w, m, xq, xd, xs)
-
-
-@njit(inline="always", **_opts)
 def idot_rows(qt, w, n, xq, xd, xs, b, y, c):  # pragma: no cover - compiled
     """y[b + r, c] = :func:`idot` of row n of w with activation row b + r of (xq, xd, xs) (2-d,
     rows of 8-bit blocks) for r < :data:`ROWS`, W's row read once; a type of blocks of 32
@@ -796,14 +541,16 @@ def _gemv_parallel(qt, xq, xd, xs, w, y, parts):  # pragma: no cover - compiled
     N = w.shape[0]
     step = (N + parts - 1) // parts
     for t in prange(parts):
-        for m in range(xq.shape[0]):
-            idot_span(qt, w, t * step, min(N, t * step + step), xq[m], xd[m], xs[m], y[m])
+        for n in range(t * step, min(N, t * step + step)):
+            for m in range(xq.shape[0]):
+                y[m, n] = idot(qt, w, n, xq[m], xd[m], xs[m])
 
 
 @njit(**_opts)
 def _gemv_serial(qt, xq, xd, xs, w, y):  # pragma: no cover - compiled
-    for m in range(xq.shape[0]):
-        idot_span(qt, w, 0, w.shape[0], xq[m], xd[m], xs[m], y[m])
+    for n in range(w.shape[0]):
+        for m in range(xq.shape[0]):
+            y[m, n] = idot(qt, w, n, xq[m], xd[m], xs[m])
 
 
 def gemv(qt: int, x: np.ndarray, w: np.ndarray, y: np.ndarray, parts: int) -> None:

@@ -25,11 +25,6 @@ from minillama.core.quant import IQ4_GRID, QUANT_TYPES
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
-#: the flags of a float operation whose rounding must stay as written: Numba's fastmath pass
-#: flags every float operation that has none (and LLVM may then reassociate it), and "afn"
-#: (approximate library functions) means nothing for +, - and *, so it keeps the operation exact
-EXACT = ("afn",)
-
 
 def _vec(t, n):
     return ir.VectorType(t, n)
@@ -216,7 +211,7 @@ def _kscales(kind, builder, blk):
 
     def fl(v, d):
         n = v.type.count
-        return builder.fmul(builder.sitofp(v, _vec(_F32, n)), _splat(builder, d, n), flags=EXACT)
+        return builder.fmul(builder.sitofp(v, _vec(_F32, n)), _splat(builder, d, n))
 
     c8 = lambda vals: _const(_I32, 8, vals)  # noqa: E731
     if kind in ("Q4_K", "Q5_K"):  # 12 bytes of 6-bit (scale, min) pairs at byte 4
