@@ -97,6 +97,20 @@ def _batch_independence(s: Subject, ex: dict) -> float:
                      tol[b:b + 1]) for b in range(q.shape[0]))
 
 
+def _per_row_starts(s: Subject, ex: dict) -> float:
+    """Rows whose queries start at their own positions p_b (a (B,) start_pos, rows of a batch at
+    different depths of their caches) equal each row's own call with p_b."""
+    q, k, v, _ = ids.attention_arrays(ex, s.dtype)
+    starts = np.array(ex["starts"][:q.shape[0]], dtype=np.int64) % (ex["extra"] + 1)
+    backend = s.backend
+    asarray = getattr(backend, "asarray", None)
+    sp = asarray(starts) if asarray is not None else starts
+    o = s.get(backend.attention_forward(s.put(q), s.put(k), s.put(v), sp)[0])
+    tol = attention_bound(q, k, v, s.u)
+    return max(ratio(s.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], int(p)) - o[b:b + 1],
+                     tol[b:b + 1]) for b, p in enumerate(starts))
+
+
 IDENTITIES = [
     Identity(
         name="attention_causal_mask", topic="attention",
@@ -154,4 +168,14 @@ IDENTITIES = [
         strategy=ids.attention_cases(max_batch=3, min_batch=2),
         tolerance="attention_bound",
         ops=_OPS, fn=_batch_independence),
+    Identity(
+        name="attention_per_row_start_positions", topic="attention",
+        statement="With one start position per sequence (a batch whose rows sit at different "
+                  "depths of their caches), each row equals its own call with its start.",
+        equation=r"\mathrm{attn}(Q, K, V; (p_b)_b)_b = \mathrm{attn}(Q_b, K_b, V_b; p_b)",
+        strategy=st.builds(lambda c, p: {**c, "starts": p},
+                           ids.attention_cases(max_batch=3, min_batch=2),
+                           st.lists(st.integers(0, 4), min_size=3, max_size=3)),
+        tolerance="attention_bound",
+        ops=_OPS, fn=_per_row_starts),
 ]

@@ -242,8 +242,8 @@ def _batchnorm_statistics(s: Subject, ex: dict) -> float:
     """One training step updates the running statistics as m <- (1 - a) m + a mu and
     v <- (1 - a) v + a sigma^2 n / (n - 1); inference normalises with them."""
     rng = np.random.default_rng(ex["seed"])
-    N, C, L, a = ex["N"], ex["C"], ex["L"], ex["momentum"]
-    x = (rng.standard_normal((N, C) + ((L,) if L else ())) + 0.5).astype(s.dtype)
+    N, C, a, spatial = ex["N"], ex["C"], ex["momentum"], tuple(ex["spatial"])
+    x = (rng.standard_normal((N, C) + spatial) + 0.5).astype(s.dtype)
     g, b, m0 = rng.standard_normal((3, C)).astype(s.dtype)
     v0 = (1 + rng.random(C)).astype(s.dtype)
     running = {"mean": m0.copy(), "var": v0.copy()}
@@ -251,7 +251,8 @@ def _batchnorm_statistics(s: Subject, ex: dict) -> float:
     y_train = ops.batchnorm_forward(x, g, b, 1e-5, running=running, **kw)[0]
     a = 0.1 if a is None else a
     x64 = x.astype(np.float64)
-    axes, shape = (0, 2) if L else (0,), (1, C, 1) if L else (1, C)
+    axes = (0,) + tuple(range(2, x.ndim))
+    shape = (1, C) + (1,) * len(spatial)
     n = x.size // C
     mu, var = x64.mean(axes), x64.var(axes)
     m_want = (1 - a) * m0 + a * mu
@@ -414,7 +415,8 @@ IDENTITIES = [
         equation=r"m \leftarrow (1 - a) m + a \mu, \ v \leftarrow (1 - a) v + a \sigma^2 "
                  r"\tfrac{n}{n - 1}, \ y = (x - m) / \sqrt{v + \epsilon}\, g + b",
         strategy=st.fixed_dictionaries({"seed": ids.seeds, "N": st.integers(2, 6),
-                                        "C": st.integers(1, 5), "L": st.integers(0, 3),
+                                        "C": st.integers(1, 5),
+                                        "spatial": st.lists(st.integers(1, 3), max_size=2),
                                         "momentum": st.sampled_from((None, 0.5, 1.0))}),
         tolerance="4 (n + 8) u times the terms of each statistic and of the training output "
                   "(n values per channel); 8u times those of the inference output",
