@@ -44,6 +44,10 @@ from .fastmath import fexp
 #: output rows of W per tile of :func:`_tile` and per parallel iteration of :func:`decode_step`
 #: (even: a tile holds whole RoPE pairs)
 TILE = 4
+#: cache rows per span of the decode steps' attention (:func:`_attend_span`): the spans of a
+#: sequence at position p are rows [0, SPAN), [SPAN, 2 SPAN), ... whatever the thread count, so
+#: the order of its sums, and its logits, do not depend on how many threads share the spans
+SPAN = 64
 
 #: :func:`decode_step` takes a product with K inputs row by row (:func:`_row`) when the B rows
 #: of x it multiplies, B * K * itemsize bytes, fit in this much of L1, with at least 4 sequences;
@@ -349,6 +353,12 @@ def _join_spans(ml, o, out):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline='always')
+def _spans(n):  # pragma: no cover - compiled
+    """How many spans of :data:`SPAN` rows cover n cache rows."""
+    return max(1, (n + SPAN - 1) // SPAN)
+
+
+@njit(cache=True, nogil=True, inline='always')
 def _sizes(emb, wq, wk, w1, kc, n_heads):  # pragma: no cover - compiled
     """V, D, L, H, q width H*hd, kv width KVH*hd, hd, KVH, G = H/KVH, F and the cache length S
     of a decode step's arguments."""
@@ -616,16 +626,16 @@ def decode_step_one(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, 
     att = np.empty((1, qd), dtype=dt)
     h = np.empty((1, F), dtype=dt)
     n_max = pos[0] + n_steps  # cache rows attended to at the last step
-    scores = np.empty((threads, H, n_max), dtype=dt)
-    ml = np.empty((threads, H, 2), dtype=dt)
-    parts = np.empty((threads, qd), dtype=dt)
+    scores = np.empty((_spans(n_max), H, SPAN), dtype=dt)
+    ml = np.empty((_spans(n_max), H, 2), dtype=dt)
+    parts = np.empty((_spans(n_max), qd), dtype=dt)
     best = np.empty(threads, dtype=np.int64)
     finite = np.empty(threads, dtype=np.bool_)
     scale = dt.type(1.0 / np.sqrt(hd))
     for step in range(n_steps):
         p = pos[0] + step
         n = p + 1  # cache rows attended to
-        P = max(1, min(threads, n // 8))  # spans of the cache rows in attention
+        P = _spans(n)  # spans of SPAN cache rows in attention
         x[0, :] = emb[t]
         for layer in range(L):
             Wq = wq[layer]
@@ -655,10 +665,10 @@ def decode_step_one(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, 
                     c = _dot(xn, Wv, r - qd - kvd + 1, zero)
                     d0 = (r - qd - kvd) % hd
                 _rope_store(r, a, c, d0, p, qd, kvd, hd, cos, sin, qkv, Kc, Vc)
-            # attention over cache rows 0..p in P spans of consecutive rows (each thread streams
-            # its own part of the cache), then the spans joined
+            # attention over cache rows 0..p in P spans of SPAN consecutive rows (each thread
+            # streams its own spans of the cache), then the spans joined in order
             for u in prange(P):
-                _attend_span(qkv[0], Kc[0], Vc[0], u * n // P, (u + 1) * n // P, G, scale,
+                _attend_span(qkv[0], Kc[0], Vc[0], u * SPAN, min(n, (u + 1) * SPAN), G, scale,
                              scores[u], ml[u], parts[u])
             _join_spans(ml[:P], parts[:P], att[0])
             for i in prange(D):

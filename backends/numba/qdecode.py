@@ -24,7 +24,16 @@ import numpy as np
 from numba import njit, prange
 
 from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
-from .decode import _argmax_finite, _attend_span, _join_spans, _pick, _rmsnorm_rows, _rope_store
+from .decode import (
+    SPAN,
+    _argmax_finite,
+    _attend_span,
+    _join_spans,
+    _pick,
+    _rmsnorm_rows,
+    _rope_store,
+    _spans,
+)
 from .qint8 import ROWS, idot, idot_rows, int8_enabled, quantize_row
 from .qtypes import Q2_K, Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0
 from .quant import _dequant_row, _dot
@@ -120,9 +129,9 @@ def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, 
     att = np.empty((1, qd), dtype=np.float32)
     h = np.empty((1, F), dtype=np.float32)
     n_max = pos[0] + n_steps
-    scores = np.empty((threads, H, n_max), dtype=np.float32)
-    ml = np.empty((threads, H, 2), dtype=np.float32)
-    parts = np.empty((threads, qd), dtype=np.float32)
+    scores = np.empty((_spans(n_max), H, SPAN), dtype=np.float32)
+    ml = np.empty((_spans(n_max), H, 2), dtype=np.float32)
+    parts = np.empty((_spans(n_max), qd), dtype=np.float32)
     best = np.empty(threads, dtype=np.int64)
     finite = np.empty(threads, dtype=np.bool_)
     scale = np.float32(1.0 / np.sqrt(hd))
@@ -135,7 +144,7 @@ def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, 
     for step in range(n_steps):
         p = pos[0] + step
         n = p + 1
-        P = max(1, min(threads, n // 8))
+        P = _spans(n)  # spans of SPAN cache rows in attention, whatever the thread count
         if emb_qt == 0:
             x[0, :] = emb_f[t]
         else:
@@ -166,7 +175,7 @@ def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, 
                     d0 = (r if r < qd else (r - qd if r < qd + kvd else r - qd - kvd)) % hd
                     _rope_store(r, y[r], y[r + 1], d0, p, qd, kvd, hd, cos, sin, qkv, Kc, Vc)
             for u in prange(P):
-                _attend_span(qkv[0], Kc[0], Vc[0], u * n // P, (u + 1) * n // P, G, scale,
+                _attend_span(qkv[0], Kc[0], Vc[0], u * SPAN, min(n, (u + 1) * SPAN), G, scale,
                              scores[u], ml[u], parts[u])
             _join_spans(ml[:P], parts[:P], att[0])
             a8 = _a8(int8, att, xq, xd, xm)
@@ -266,8 +275,8 @@ def decode_step_rows_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f,
     cuts each sequence's cache rows 0..p_b into the spans of :func:`decode_step_one_q_kernel`
     (all the sequences' spans in one parallel loop), joined per sequence by
     :func:`.decode._join_spans`. Every operation on a row is the one-sequence kernel's, in the
-    same order, so on as many threads each row's logits and K/V are that kernel's bit for bit:
-    batching shares the reads of the weights and nothing else."""
+    same order, so on any thread count each row's logits and K/V are that kernel's bit for
+    bit: batching shares the reads of the weights and nothing else."""
     B = tok.shape[0]
     D = g_final.shape[0]
     V = logits.shape[1]
@@ -286,8 +295,8 @@ def decode_step_rows_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f,
     n_max = 1
     for b in range(B):
         n_max = max(n_max, pos[b] + 1)
-    P = threads  # the most spans of a sequence in attention (scratch per (sequence, span))
-    scores = np.empty((B * P, H, n_max), dtype=np.float32)
+    P = _spans(n_max)  # the most spans of a sequence in attention (scratch per (sequence, span))
+    scores = np.empty((B * P, H, SPAN), dtype=np.float32)
     ml = np.empty((B * P, H, 2), dtype=np.float32)
     parts = np.empty((B * P, qd), dtype=np.float32)
     scale = np.float32(1.0 / np.sqrt(hd))
@@ -322,17 +331,16 @@ def decode_step_rows_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f,
                     d0 = (r if r < qd else (r - qd if r < qd + kvd else r - qd - kvd)) % hd
                     _rope_store(r, y[b, r], y[b, r + 1], d0, pos[b], qd, kvd, hd, cos, sin,
                                 qkv[b:b + 1], Kc[b:b + 1], Vc[b:b + 1])
-        # sequence b's cache rows 0..p_b in the spans the one-sequence kernel takes
+        # sequence b's cache rows 0..p_b in the spans of SPAN rows the one-sequence kernel takes
         for u in prange(B * P):
             b = u // P
             c = u - b * P
             n = pos[b] + 1
-            Pb = max(1, min(threads, n // 8))
-            if c < Pb:
-                _attend_span(qkv[b], Kc[b], Vc[b], c * n // Pb, (c + 1) * n // Pb, G, scale,
+            if c < _spans(n):
+                _attend_span(qkv[b], Kc[b], Vc[b], c * SPAN, min(n, (c + 1) * SPAN), G, scale,
                              scores[u], ml[u], parts[u])
         for b in range(B):
-            Pb = max(1, min(threads, (pos[b] + 1) // 8))
+            Pb = _spans(pos[b] + 1)
             _join_spans(ml[b * P:b * P + Pb], parts[b * P:b * P + Pb], att[b])
         a8 = _a8_rows(int8, att, xq, xd, xm)
         for u in prange(threads):
