@@ -151,11 +151,21 @@ def test_max_new_tokens_and_end_of_context():
 def test_batched_generation_equals_each_alone(backend, temperature):
     m = _model(backend=backend.name)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9], [4, 4, 2, 8]]
-    alone = [generate(m, p, max_new_tokens=10, temperature=temperature, top_k=20, seed=11 + b,
-                      stop_ids=[7]) for b, p in enumerate(prompts)]
+    alone = [generate(m, p, max_new_tokens=10, temperature=temperature, top_k=20, seed=11,
+                      stop_ids=[7]) for p in prompts]
     batched = generate(m, prompts, max_new_tokens=10, temperature=temperature, top_k=20, seed=11,
                        stop_ids=[7])
     assert batched == alone
+
+
+def test_a_seeded_prompt_samples_the_same_text_wherever_it_stands_in_a_batch(backend):
+    """Sequence b's generator does not depend on b: the same prompt first, last and alone."""
+    m = _model(backend=backend.name)
+    p, other = [4, 4, 2, 8], [1, 2, 3]
+    kw = dict(max_new_tokens=12, temperature=1.0, seed=5)
+    first = generate(m, [p, other, other], **kw)[0]
+    last = generate(m, [other, other, p], **kw)[2]
+    assert first == last == generate(m, p, **kw)
 
 
 def test_batched_sequences_stop_independently():

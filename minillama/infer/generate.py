@@ -10,8 +10,9 @@ The loop for a batch of B prompts of lengths n_b (right-padded to the longest):
    0..p_b only; padding rows beyond p_b are masked and later overwritten.
 
 Each sequence stops on its own (a stop token, ``max_new_tokens`` or the end of the context);
-the batch ends when all have stopped. Sequence b samples with its own generator seeded
-``seed + b``, so a batch gives the same tokens as generating each prompt alone.
+the batch ends when all have stopped. Each sequence samples with its own generator seeded
+``seed``, so a prompt gives the same tokens wherever it stands in a batch, and alone (without a
+seed, each sequence draws a fresh one).
 """
 
 from __future__ import annotations
@@ -142,12 +143,13 @@ def _prompt_lengths(cfg, seqs) -> np.ndarray:
 
 
 def _sequence_rngs(seed, B: int) -> list:
-    """One generator per sequence, seeded seed + b (a fresh seed when None)."""
+    """One generator per sequence, each seeded ``seed`` (its draws do not depend on its place
+    in the batch); without a seed, a fresh one per sequence."""
     if seed is None:
-        seed = int(np.random.SeedSequence().entropy % (1 << 63))
-    elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        return [np.random.default_rng() for _ in range(B)]
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise MinillamaError(f"seed must be a non-negative integer, got {seed!r}")
-    return [np.random.default_rng(seed + b) for b in range(B)]
+    return [np.random.default_rng(seed) for _ in range(B)]
 
 
 def _prefill(model, seqs, lens, cache) -> np.ndarray:
