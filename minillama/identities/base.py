@@ -55,6 +55,9 @@ class Identity:
     tolerance: str
     ops: tuple[str, ...]
     fn: Callable[[Subject, dict], float] = field(repr=False)
+    #: whether ``check_attention`` & co. run it on a user's function (False: it calls the
+    #: backend op with arguments a user's function does not take)
+    for_functions: bool = True
 
     def missing(self, subject) -> list[str]:
         """The ops of :attr:`ops` that ``subject`` (a :class:`Subject` or a backend) lacks."""

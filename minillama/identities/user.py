@@ -63,7 +63,7 @@ def check_callable(subject: CallableSubject, call: str, examples: int,
     reruns them, completed with the seed and the examples)."""
     seed = random.randrange(2**32) if seed is None else seed
     results = [run_identity(i, subject, examples, seed) for i in CATALOG
-               if i.ops and set(i.ops) <= subject.provides]
+               if i.ops and set(i.ops) <= subject.provides and i.for_functions]
     failed = [r for r in results if r.status == "fail"]
     if failed:
         again = f"{call}seed={seed}, examples={examples})"
