@@ -313,3 +313,18 @@ def test_smollm2_served_chat_equals_transformers(smol_ref, smol_ours):
         thread.join(10)
         sock.close()
         engine.close()
+
+
+def test_a_reply_cut_at_a_stop_text_is_what_the_next_turn_sees(tiny_chat):
+    """cut_reply: the conversation goes on from the reply as shown (cut at a stop text), and
+    the next turn's prompt equals that of a fresh session given the same history."""
+    _, model, tok = tiny_chat
+    s = ChatSession(model, tok, max_new_tokens=6, temperature=0.0)
+    list(s.reply("hello"))
+    s.cut_reply("cut")
+    assert s.messages[-1] == {"role": "assistant", "content": "cut"}
+    second = list(s.reply("again"))
+    fresh = ChatSession(model, tok, max_new_tokens=6, temperature=0.0)
+    fresh.messages += [{"role": "user", "content": "hello"},
+                       {"role": "assistant", "content": "cut"}]
+    assert list(fresh.reply("again")) == second

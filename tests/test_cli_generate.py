@@ -181,3 +181,18 @@ def test_training_run_folder_is_a_checkpoint(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["generate", "-c", str(tmp_path / "empty")]) == 2
     assert "training run" in _err_line(capsys)
+
+
+def test_stop_text_cuts_the_output_where_it_first_appears(byte_ckpt, capsys):
+    """--stop: the output is the unstopped output up to the first occurrence of the text (the
+    text itself not shown), for a stop text that the unstopped output holds."""
+    args = ["generate", "-c", str(byte_ckpt), "--prompt", "To be", "-n", "40", "--temperature",
+            "0.8", "--seed", "4"]
+    assert main(args) == 0
+    full = capsys.readouterr().out.rstrip("\n")
+    cont = full[len("To be"):]
+    stop = next(cont[i:i + 2] for i in range(len(cont) - 1)
+                if cont[i:i + 2].strip() and cont[i:i + 2] not in cont[:i])
+    assert main(args + ["--stop", stop, "--stop", "\x00never"]) == 0
+    want = "To be" + cont[:cont.index(stop)]
+    assert capsys.readouterr().out.rstrip("\n") == want.rstrip("\n")

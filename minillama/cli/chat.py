@@ -20,6 +20,7 @@ from minillama.cli.common import (
     sampling_params,
 )
 from minillama.core.errors import MinillamaError
+from minillama.core.sampling import StopText
 from minillama.infer.chat import ChatSession
 from minillama.infer.generate import TextStreamer, warm_up
 from minillama.io.load import open_model
@@ -117,13 +118,20 @@ def _stream_reply(session, tok, text: str, out) -> bool:
     """Write the reply to ``text`` as it is generated; False when the turn was refused (too long,
     the template objects: said on stderr). Ctrl-C stops the reply, keeping what was written."""
     streamer = TextStreamer(tok)
+    stopper = StopText(session.params.stop)
     steps = session.reply(text)
-    t0, n = time.perf_counter(), 0
+    t0, n, shown = time.perf_counter(), 0, []
     try:
         for t in steps:
-            out.write(streamer.put(t))
+            piece = stopper.push(streamer.put(t))
+            shown.append(piece)
+            out.write(piece)
             out.flush()
             n += 1
+            if stopper.hit:  # a stop text appeared: the reply ends before it
+                steps.close()
+                session.cut_reply("".join(shown))
+                break
     except MinillamaError as e:  # this turn is refused (too long, the template objects)
         print(f"minillama: error: {e}", file=sys.stderr)
         return False
@@ -132,7 +140,12 @@ def _stream_reply(session, tok, text: str, out) -> bool:
         out.write(streamer.flush() + "\n")
         print("[reply stopped]", file=sys.stderr)
         return True
-    out.write(streamer.flush() + "\n")
+    if not stopper.hit:
+        tail = stopper.push(streamer.flush()) + stopper.flush()
+        out.write(tail)
+        if stopper.hit:
+            session.cut_reply("".join(shown) + tail)
+    out.write("\n")
     out.flush()
     dt = time.perf_counter() - t0
     print(f"[{n} tokens in {dt:.2f} s, {n / dt if dt > 0 else 0.0:.1f} tok/s; "

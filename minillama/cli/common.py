@@ -116,6 +116,8 @@ def add_sampling_flags(p, temperature: float, top_p: float | None, min_p: float 
                    help="subtract this from the logit of every token among the last "
                         "--repeat-last-n tokens, in [-2, 2] (default 0)")
     p.add_argument("--seed", type=int, default=None, help="random seed (reproducible sampling)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end the output where this text appears (not shown); repeat for several")
 
 
 def sampling_params(args) -> SamplingParams:
@@ -127,7 +129,7 @@ def sampling_params(args) -> SamplingParams:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
         frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
-        seed=args.seed)
+        seed=args.seed, stop=tuple(getattr(args, "stop", None) or ()))
 
 
 def add_threads_flag(p) -> None:

@@ -21,6 +21,7 @@ from minillama.cli.common import (
 from minillama.cli.main import main
 from minillama.core.decoding import stream_greedy
 from minillama.core.errors import MinillamaError
+from minillama.core.sampling import StopText
 from minillama.infer.generate import (
     GenerationStats,
     TextStreamer,
@@ -83,6 +84,8 @@ def run_cli(args) -> int:
     model, tok, checkpoint, fmt, graph_mode = _load_for_cli(args)
     cfg = model.cfg
     prompt_ids, stop = _cli_prompt(args, tok, cfg, checkpoint, fmt)
+    if params.stop and tok is None:
+        raise MinillamaError("--stop needs a tokenizer (the output is token ids)")
     if len(prompt_ids) > cfg.max_seq_len:
         raise MinillamaError(f"prompt of {len(prompt_ids)} tokens is longer than the model "
                              f"context of {cfg.max_seq_len}")
@@ -111,11 +114,16 @@ def run_cli(args) -> int:
         warm_up(model, prompt_ids, params)
         steps = generate_steps(model, [prompt_ids], args.max_new_tokens, params, stop_ids=stop,
                                stats=stats)
+    stopper = StopText(params.stop)
     for step in steps:
         for _, t in step:
-            out.write(streamer.put(t) if tok is not None else f"{t} ")
+            out.write(stopper.push(streamer.put(t)) if tok is not None else f"{t} ")
         out.flush()
-    out.write((streamer.flush() if tok is not None else "") + "\n")
+        if stopper.hit:
+            steps.close()  # a stop text appeared: no more tokens
+            break
+    tail = stopper.push(streamer.flush()) + stopper.flush() if tok is not None else ""
+    out.write(tail + "\n")
     out.flush()
     _print_stats(stats, model, decoder is not None)
     return 0

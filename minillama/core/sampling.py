@@ -27,6 +27,7 @@ sorted, never the whole vocabulary.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -244,4 +245,44 @@ def sample(logits, rng: np.random.Generator | None = None, temperature: float = 
     return int(ids[min(j, len(ids) - 1)])
 
 
+class StopText:
+    """Cuts streamed text at the first occurrence of any of some stop strings.
 
+    :meth:`push` takes the next piece of text and returns what may be shown now: everything up to
+    a stop string once one appears (then :attr:`hit` is set), else everything except a tail that
+    could still be the start of a stop string (held back until the next piece decides it)."""
+
+    def __init__(self, stops: Iterable[str] = ()):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.hit = False
+
+    def push(self, piece: str) -> str:
+        if self.hit:
+            return ""
+        text = self.held + piece
+        first = self._first_stop(text)
+        end = len(text) if first is None else first
+        # a tail that begins a stop which more text could complete before `end`: wait for it
+        longest = max((len(s) for s in self.stops), default=1)
+        for j in range(max(0, len(text) - longest + 1), end):
+            if any(len(s) > len(text) - j and s.startswith(text[j:]) for s in self.stops):
+                self.held = text[j:]
+                return text[:j]
+        self.held = ""
+        self.hit = first is not None
+        return text[:end]
+
+    def _first_stop(self, text: str) -> int | None:
+        """Where the earliest complete stop string in ``text`` starts (None: nowhere)."""
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return min(found) if found else None
+
+    def flush(self) -> str:
+        """The held-back tail, once no more text comes (cut at a stop string it holds)."""
+        out, self.held = ("" if self.hit else self.held), ""
+        first = self._first_stop(out)
+        if first is not None:
+            self.hit = True
+            out = out[:first]
+        return out

@@ -98,6 +98,12 @@ class ChatSession:
         out = self.model.forward(block, start_pos=start, cache=self.cache, last_only=True)
         return finite_logits(self.model.backend.to_numpy(out)[0], f"position {start}")
 
+    def cut_reply(self, text: str) -> None:
+        """The last reply as the user saw it, ``text`` (cut at a stop text): the conversation
+        goes on from it (the next turn's prompt holds ``text``, not the tokens after it)."""
+        if self.messages and self.messages[-1]["role"] == "assistant":
+            self.messages[-1]["content"] = text
+
     def reply(self, text: str):
         """Add the user message ``text`` and yield the reply's token ids (stop tokens are not
         yielded). Only the ids past the cached common prefix are prefilled."""
