@@ -13,7 +13,7 @@ import pytest
 from minillama.cli import main as cli
 from minillama.core.config import ModelConfig
 from minillama.core.sampling import SamplingParams
-from minillama.infer.generate import warm_up
+from minillama.infer.generate import warm_prefill, warm_up
 from minillama.io.checkpoint import save_checkpoint
 from minillama.io.data import prepare_text_file
 from minillama.io.load import load_model
@@ -68,16 +68,17 @@ def test_warm_up_says_it_compiles_only_on_a_compiling_backend(ckpt):
     dt = warm_up(model, tok.encode("x", bos=True), SamplingParams(temperature=1.0, top_p=0.9),
                  note_after=0.0,
                  say=said.append)
-    assert dt > 0
-    assert said[0] == "numba: compiling kernels (once, cached) ..."
-    assert said[1].startswith(" done in ") and said[1].endswith(" s\n")
+    assert dt > 0  # which of the two depends on the kernel cache: tests/test_numba_warmup.py
+    assert said[0] in ("numba: compiling kernels (once, cached) ...",
+                       "numba: loading compiled kernels ...")
+    assert said[1].startswith(" done in ") and said[1].endswith((" s\n", " compiled)\n"))
 
 
-def test_warm_up_runs_the_prefill_kernels_when_it_compiled(ckpt, monkeypatch):
-    """A warm-up that compiled (here: longer than note_after = 0) also runs a 64-token prompt
-    (or the context, if shorter), two padded rows at their own positions and a decode step of
-    two rows, so the first long prompt or batch does not compile; one that loaded cached kernels
-    (note_after large) runs none of them."""
+def test_warm_up_runs_the_prefill_kernels_when_asked(ckpt, monkeypatch):
+    """A warm-up runs a few tokens of the prompt only (what the first answer needs); with
+    then=warm_prefill (a server) also a 64-token prompt (or the context, if shorter), two padded
+    rows at their own positions and a decode step of two rows, so the first long prompt or batch
+    does not compile."""
     pytest.importorskip("numba")
     model, tok = load_model(ckpt, backend="numba")
     shapes = []
@@ -87,14 +88,15 @@ def test_warm_up_runs_the_prefill_kernels_when_it_compiled(ckpt, monkeypatch):
     warm_up(model, tok.encode("x", bos=True), SamplingParams(), note_after=1e9, say=lambda t: 0)
     assert all(s[1] <= 8 for s in shapes)
     shapes.clear()
-    warm_up(model, tok.encode("x", bos=True), SamplingParams(), note_after=0.0, say=lambda t: 0)
+    warm_up(model, tok.encode("x", bos=True), SamplingParams(), note_after=0.0, say=lambda t: 0,
+            then=warm_prefill)
     S = model.cfg.max_seq_len
     assert {(1, min(64, S - 1)), (4, min(64, S - 1)), (2, 1)} <= set(shapes)  # prompts, a step
     if S >= 64:
         assert (2, 12) in shapes
 
 
-def test_generate_on_numba_says_compiling_on_stderr(ckpt, capsys, monkeypatch):
+def test_generate_on_numba_says_its_warm_up_on_stderr(ckpt, capsys, monkeypatch):
     pytest.importorskip("numba")
     import minillama.cli.generate as g
 
@@ -103,7 +105,8 @@ def test_generate_on_numba_says_compiling_on_stderr(ckpt, capsys, monkeypatch):
     rc, out, err = _gen(capsys, "-c", str(ckpt), "--backend", "numba", "-n", "4", "--seed", "1")
     assert rc == 0
     first, stats = err.strip().splitlines()[-2:]
-    assert first.startswith("numba: compiling kernels (once, cached) ... done in ")
+    assert first.startswith(("numba: compiling kernels (once, cached) ... done in ",
+                             "numba: loading compiled kernels ... done in "))
     assert stats.startswith("prefill: ") and "backend numba" in stats
 
 

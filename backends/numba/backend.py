@@ -66,6 +66,23 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 PARALLEL_MIN_WORK = 1 << 22
 
 
+class CompileWatch:
+    """A listener of Numba's ``numba:compile`` events (see :meth:`NumbaBackend.watch_compiles`):
+    ``started`` counts the compilations begun, ``compiled`` those finished, ``names`` the
+    kernels' qualified names in the order they finished."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.compiled = 0
+        self.names: list[str] = []
+
+    def ended(self, data) -> None:
+        """One compilation finished (``data``: the event's, with its ``dispatcher``)."""
+        self.compiled += 1
+        func = getattr((data or {}).get("dispatcher"), "py_func", None)
+        self.names.append(getattr(func, "__qualname__", "?"))
+
+
 class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
     """NumPy + BLAS, with Numba kernels for RoPE, attention and cross-entropy (forward and
     backward)."""
@@ -99,6 +116,29 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
     def num_threads(self) -> int:
         """Threads of the parallel kernels (``NUMBA_NUM_THREADS``, default: the core count)."""
         return int(self._numba.get_num_threads())
+
+    @contextlib.contextmanager
+    def watch_compiles(self):
+        """A :class:`CompileWatch` counting the kernels Numba compiles (each a cache miss:
+        Numba's ``numba:compile`` event, which a kernel loaded from the disk cache does not
+        fire) in the ``with`` block, in any thread."""
+        from numba.core import event
+
+        watch = CompileWatch()
+
+        class Relay(event.Listener):
+            def on_start(self, ev):
+                watch.started += 1
+
+            def on_end(self, ev):
+                watch.ended(ev.data)
+
+        relay = Relay()
+        event.register("numba:compile", relay)
+        try:
+            yield watch
+        finally:
+            event.unregister("numba:compile", relay)
 
     @contextlib.contextmanager
     def _numba_team(self, threads: int):

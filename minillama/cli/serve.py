@@ -17,7 +17,7 @@ from pathlib import Path
 from minillama.cli.common import add_backend_flag, add_model_flags, positive_int
 from minillama.core.errors import MinillamaError
 from minillama.infer.engine import Engine
-from minillama.infer.generate import warm_up
+from minillama.infer.generate import warm_prefill, warm_up
 from minillama.infer.serve import build_app
 from minillama.io.load import DEFAULT_CHECKPOINT, detect_format, load_model, resolve_tokenizer
 from minillama.io.tokenizer import TOKENIZER_KINDS
@@ -89,8 +89,8 @@ def load_engine(args):
                     max_queue=args.max_queue, prefix_reuse=args.prefix_reuse,
                     prefix_rows=args.prefix_cache)
     # the first request should not wait for the compiler: compile (or load) the kernels now,
-    # saying so when it takes a while
-    warm_up(model, [0], run=lambda: engine.generate([0], max_tokens=2))
+    # with those of long prompts and batches when it compiled, saying so when it takes a while
+    warm_up(model, [0], run=lambda: engine.generate([0], max_tokens=2), then=warm_prefill)
     return engine, tok, args.model_name or model_name_for(checkpoint)
 
 

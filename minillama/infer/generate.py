@@ -18,6 +18,7 @@ seed, each sequence draws a fresh one).
 from __future__ import annotations
 
 import codecs
+import contextlib
 import sys
 import threading
 import time
@@ -367,22 +368,26 @@ def warm_prefill(model) -> None:
 
 
 def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-            note_after: float = 1.0, say=None, run: Callable[[], object] | None = None) -> float:
+            note_after: float = 1.0, say=None, run: Callable[[], object] | None = None,
+            then: Callable[[object], object] | None = None) -> float:
     """Run the generation's code paths once (``run``, by default a prefill of a few prompt tokens
-    and a few decode steps, thrown away; then, when that compiled, :func:`warm_prefill`) on a
-    backend that compiles kernels on first use, so the reported speeds time the model and not
-    the compiler (and a server's first long prompt does not wait for it). When it runs longer
-    than ``note_after`` seconds (compiling, not loading cached kernels), "compiling kernels
-    (once, cached)" goes to stderr while it runs, and its time once done. Returns the seconds
-    spent."""
-    if getattr(model.backend, "name", "") not in COMPILING_BACKENDS:
+    and a few decode steps, thrown away) on a backend that compiles kernels on first use, so the
+    first answer and the reported speeds time the model and not the compiler. ``then(model)``
+    runs after it (e.g. :func:`warm_prefill`: a server's long prompts and batches); the kernels
+    of other paths compile, or load, when first used.
+
+    When it runs longer than ``note_after`` seconds a notice goes to stderr while it runs, and its
+    time once done: "compiling kernels (once, cached)" when the backend compiled a kernel by then
+    (numba: a cache miss, :meth:`NumbaBackend.watch_compiles`), "loading compiled kernels" when it
+    only read them from the disk cache so far (with the count compiled after all, if any, at the
+    end); a backend that cannot tell says "compiling kernels". Nothing is said when it ends
+    sooner. Returns the seconds spent."""
+    name = getattr(model.backend, "name", "")
+    if name not in COMPILING_BACKENDS:
         return 0.0
     say = say or (lambda text: print(text, end="", file=sys.stderr, flush=True))
-    said = threading.Event()
-
-    def note() -> None:
-        said.set()
-        say(f"{model.backend.name}: compiling kernels (once, cached) ...")
+    said: list[str] = []
+    watch = getattr(model.backend, "watch_compiles", None)
 
     def steps() -> None:
         prompt = list(prompt_ids[-8:])
@@ -391,16 +396,25 @@ def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = No
             for _ in generate_steps(model, [prompt], n, params, seed=0):
                 pass
 
-    timer = threading.Timer(note_after, note)
     t0 = time.perf_counter()
-    timer.start()
-    try:
-        (run or steps)()
-        if time.perf_counter() - t0 > note_after:  # compiled (cached kernels load in less)
-            warm_prefill(model)
-    finally:
-        timer.cancel()
+    with (watch() if watch is not None else contextlib.nullcontext()) as seen:
+        def note() -> None:
+            loading = seen is not None and seen.started == 0
+            said.append("loading" if loading else "compiling")
+            say(f"{name}: " + ("loading compiled kernels" if loading
+                               else "compiling kernels (once, cached)") + " ...")
+
+        timer = threading.Timer(note_after, note)
+        timer.start()
+        try:
+            (run or steps)()
+            if then is not None:
+                then(model)
+        finally:
+            timer.cancel()
+            timer.join()
     dt = time.perf_counter() - t0
-    if said.is_set():
-        say(f" done in {dt:.1f} s\n")
+    if said:
+        extra = f" ({seen.compiled} compiled)" if said[0] == "loading" and seen.compiled else ""
+        say(f" done in {dt:.1f} s{extra}\n")
     return dt
