@@ -59,7 +59,7 @@ def test_chunking_and_bos(shipped):
     full = perplexity(model, ids, 32, bos_id=tok.bos_id, batch_size=3, tok=tok)
     assert full.chunks == n and full.tokens_scored == n * 15  # the tail chunk is dropped
     one_batch = perplexity(model, ids, 32, bos_id=tok.bos_id, batch_size=64, tok=tok)
-    assert one_batch.nll == pytest.approx(full.nll, rel=1e-9)
+    assert one_batch.nll == full.nll  # each chunk is its own forward: bit for bit
     no_bos = perplexity(model, ids, 32, bos_id=None, batch_size=64, tok=tok)
     assert no_bos.nll != pytest.approx(full.nll, rel=1e-6)  # BOS changes every chunk's context
     longer = perplexity(model, ids, 64, bos_id=tok.bos_id, tok=tok)

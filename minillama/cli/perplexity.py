@@ -31,7 +31,9 @@ def add_cli(subparsers) -> None:
                    help="tokens per chunk (default: 512, or the model's context if shorter)")
     p.add_argument("--limit-chunks", type=positive_int, default=None, metavar="N",
                    help="score only the first N chunks")
-    p.add_argument("--batch-size", type=positive_int, default=4, help="chunks per forward")
+    p.add_argument("--batch-size", type=positive_int, default=4,
+                   help="chunks between two progress lines (each chunk is its own forward, "
+                        "so the result does not depend on it)")
     p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
                    help="replace each chunk's first token by BOS (auto: as the tokenizer's "
                         "model does)")

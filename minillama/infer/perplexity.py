@@ -81,7 +81,9 @@ def perplexity(model, tokens, n_ctx: int, bos_id: int | None = None,
     """llama.cpp's perplexity of ``model`` on the token ids ``tokens`` (see the module doc:
     the text's ids, after a BOS when the model uses one); ``bos_id`` replaces the first token
     of each chunk when given; bytes are counted with
-    ``tok`` (one byte per token without one)."""
+    ``tok`` (one byte per token without one). Each chunk is its own forward, so the result
+    does not depend on ``batch_size`` (the chunks between two ``progress`` calls) nor on what a
+    backend's products do with more rows."""
     tokens = np.asarray(tokens, dtype=np.int64)
     if n_ctx < 4 or n_ctx % 2:
         raise MinillamaError(f"--ctx must be an even number >= 4, got {n_ctx}")
@@ -100,9 +102,8 @@ def perplexity(model, tokens, n_ctx: int, bos_id: int | None = None,
     t0 = time.perf_counter()
     nll_sum, scored = 0.0, 0
     targets_all = []
-    for c0 in range(0, n_chunks, batch_size):
-        c1 = min(c0 + batch_size, n_chunks)
-        x = tokens[c0 * n_ctx:c1 * n_ctx].reshape(c1 - c0, n_ctx).copy()
+    for c in range(n_chunks):  # one chunk per forward: its logits do not depend on the others
+        x = tokens[c * n_ctx:(c + 1) * n_ctx].reshape(1, n_ctx).copy()
         targets = x[:, first + 1:].copy()  # what positions first .. n_ctx-2 predict
         if bos_id is not None:
             x[:, 0] = bos_id
@@ -113,8 +114,8 @@ def perplexity(model, tokens, n_ctx: int, bos_id: int | None = None,
         nll_sum += float((logz - picked).sum())
         scored += targets.size
         targets_all.append(targets.reshape(-1))
-        if progress is not None:
-            progress(c1, n_chunks, math.exp(nll_sum / scored))
+        if progress is not None and ((c + 1) % batch_size == 0 or c + 1 == n_chunks):
+            progress(c + 1, n_chunks, math.exp(nll_sum / scored))
     secs = time.perf_counter() - t0
     nll = nll_sum / scored
     n_bytes = token_bytes(tok, np.concatenate(targets_all)) if tok is not None else scored
