@@ -547,3 +547,14 @@ def test_the_package_root_does_not_import_the_identities():
             "assert 'minillama.identities' not in sys.modules, 'imported'; "
             "assert 'hypothesis' not in sys.modules, 'hypothesis imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_readme_counts_the_catalog():
+    """README's count of the identities is the catalog's."""
+    from pathlib import Path
+
+    from minillama.identities.catalog import CATALOG
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    counts = {int(n) for n in re.findall(r"(\d+) identities", readme)}
+    assert counts == {len(CATALOG)}, counts
