@@ -67,19 +67,31 @@ PARALLEL_MIN_WORK = 1 << 22
 
 
 class CompileWatch:
-    """A listener of Numba's ``numba:compile`` events (see :meth:`NumbaBackend.watch_compiles`):
-    ``started`` counts the compilations begun, ``compiled`` those finished, ``names`` the
-    kernels' qualified names in the order they finished."""
+    """What Numba's ``numba:compile`` events showed (see :meth:`NumbaBackend.watch_compiles`):
+    ``started`` counts the compilations begun of kernels with a disk cache (``cache=True``: each
+    a cache miss, compiled once), ``compiled`` those finished, ``names`` their qualified names
+    in the order they finished; ``uncached`` counts those of functions without one (Numba's
+    own helpers, e.g. of ``numba.typed.List``, compiled anew in every process)."""
 
     def __init__(self) -> None:
         self.started = 0
         self.compiled = 0
+        self.uncached = 0
         self.names: list[str] = []
+
+    @staticmethod
+    def cached(data) -> bool:
+        """Whether the event's dispatcher keeps its kernels in a disk cache."""
+        cache = getattr((data or {}).get("dispatcher"), "_cache", None)
+        return cache is not None and type(cache).__name__ != "NullCache"
 
     def ended(self, data) -> None:
         """One compilation finished (``data``: the event's, with its ``dispatcher``)."""
+        if not self.cached(data):
+            self.uncached += 1
+            return
         self.compiled += 1
-        func = getattr((data or {}).get("dispatcher"), "py_func", None)
+        func = getattr(data.get("dispatcher"), "py_func", None)
         self.names.append(getattr(func, "__qualname__", "?"))
 
 
@@ -128,7 +140,8 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
 
         class Relay(event.Listener):
             def on_start(self, ev):
-                watch.started += 1
+                if CompileWatch.cached(ev.data):
+                    watch.started += 1
 
             def on_end(self, ev):
                 watch.ended(ev.data)

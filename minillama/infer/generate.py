@@ -370,8 +370,8 @@ def warm_prefill(model) -> None:
 def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = None,
             note_after: float = 1.0, say=None, run: Callable[[], object] | None = None,
             then: Callable[[object], object] | None = None) -> float:
-    """Run the generation's code paths once (``run``, by default a prefill of a few prompt tokens
-    and a few decode steps, thrown away) on a backend that compiles kernels on first use, so the
+    """Run the generation's code paths once (``run``, by default a prefill of the prompt's last
+    64 tokens or fewer and a few decode steps, thrown away) on a backend that compiles kernels on first use, so the
     first answer and the reported speeds time the model and not the compiler. ``then(model)``
     runs after it (e.g. :func:`warm_prefill`: a server's long prompts and batches); the kernels
     of other paths compile, or load, when first used.
@@ -390,7 +390,7 @@ def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = No
     watch = getattr(model.backend, "watch_compiles", None)
 
     def steps() -> None:
-        prompt = list(prompt_ids[-8:])
+        prompt = list(prompt_ids[-64:])  # the prompt's own kernels (attention by tiles from 16)
         n = min(3, model.cfg.max_seq_len - len(prompt) + 1)
         if n > 0:
             for _ in generate_steps(model, [prompt], n, params, seed=0):
