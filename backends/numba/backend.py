@@ -71,9 +71,11 @@ class CompileWatch:
     ``started`` counts the compilations begun of kernels with a disk cache (``cache=True``: each
     a cache miss, compiled once), ``compiled`` those finished, ``names`` their qualified names
     in the order they finished; ``uncached`` counts those of functions without one (Numba's
-    own helpers, e.g. of ``numba.typed.List``, compiled anew in every process)."""
+    own helpers, e.g. of ``numba.typed.List``, compiled anew in every process); ``on_first``,
+    when set, is called (in the compiling thread) as the first of the former begins."""
 
     def __init__(self) -> None:
+        self.on_first = None
         self.started = 0
         self.compiled = 0
         self.uncached = 0
@@ -142,6 +144,8 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
             def on_start(self, ev):
                 if CompileWatch.cached(ev.data):
                     watch.started += 1
+                    if watch.started == 1 and watch.on_first is not None:
+                        watch.on_first()
 
             def on_end(self, ev):
                 watch.ended(ev.data)

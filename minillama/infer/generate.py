@@ -371,17 +371,18 @@ def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = No
             note_after: float = 1.0, say=None, run: Callable[[], object] | None = None,
             then: Callable[[object], object] | None = None) -> float:
     """Run the generation's code paths once (``run``, by default a prefill of the prompt's last
-    64 tokens or fewer and a few decode steps, thrown away) on a backend that compiles kernels on first use, so the
-    first answer and the reported speeds time the model and not the compiler. ``then(model)``
+    64 tokens or fewer and a few decode steps, thrown away) on a backend that compiles kernels
+    on first use, so the first answer and the reported speeds time the model and not the
+    compiler. ``then(model)``
     runs after it (e.g. :func:`warm_prefill`: a server's long prompts and batches); the kernels
     of other paths compile, or load, when first used.
 
     When it runs longer than ``note_after`` seconds a notice goes to stderr while it runs, and its
     time once done: "compiling kernels (once, cached)" when the backend compiled a kernel by then
     (numba: a cache miss, :meth:`NumbaBackend.watch_compiles`), "loading compiled kernels" when it
-    only read them from the disk cache so far (with the count compiled after all, if any, at the
-    end); a backend that cannot tell says "compiling kernels". Nothing is said when it ends
-    sooner. Returns the seconds spent."""
+    only read them from the disk cache so far (then "compiling kernels" as the first compile
+    begins, if one does, and the count compiled at the end); a backend that cannot tell says
+    "compiling kernels". Nothing is said when it ends sooner. Returns the seconds spent."""
     name = getattr(model.backend, "name", "")
     if name not in COMPILING_BACKENDS:
         return 0.0
@@ -396,13 +397,24 @@ def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = No
             for _ in generate_steps(model, [prompt], n, params, seed=0):
                 pass
 
+    lock = threading.Lock()  # the notice's timer and the first compile may come together
     t0 = time.perf_counter()
     with (watch() if watch is not None else contextlib.nullcontext()) as seen:
         def note() -> None:
-            loading = seen is not None and seen.started == 0
-            said.append("loading" if loading else "compiling")
-            say(f"{name}: " + ("loading compiled kernels" if loading
-                               else "compiling kernels (once, cached)") + " ...")
+            with lock:
+                loading = seen is not None and seen.started == 0
+                said.append("loading" if loading else "compiling")
+                say(f"{name}: " + ("loading compiled kernels" if loading
+                                   else "compiling kernels (once, cached)") + " ...")
+
+        def first_compile() -> None:
+            with lock:
+                if said == ["loading"]:  # compiling after all (e.g. a kernel source changed)
+                    said.append("compiling")
+                    say(" compiling kernels (once, cached) ...")
+
+        if seen is not None:
+            seen.on_first = first_compile
 
         timer = threading.Timer(note_after, note)
         timer.start()
