@@ -130,3 +130,51 @@ def test_float_decode_step_is_thread_invariant(numba_threads):
         numba.set_num_threads(pool)
         runs.append(_one(model, _copy(model, base), 0, tok, LENS[1], threads))
     np.testing.assert_array_equal(runs[1], runs[0])
+
+
+def _copy_rows(model, src, n, B=1):
+    """A new cache of B rows holding src's first n positions in row 0."""
+    out = model.new_cache(B, S)
+    for a, r in zip(out.k + out.v, src.k + src.v):
+        a[0, :n] = r[0, :n]
+    return out
+
+
+def test_a_prompt_gives_the_same_logits_cold_after_a_cached_prefix_and_beside_others(
+        monkeypatch, numba_threads):
+    """Block weights, 8-bit products: a prompt's last-position logits and K/V rows are the same
+    bit for bit prefilled cold, after a cached prefix of another prompt's rows (the server's
+    prefix cache), beside longer prompts in a padded group, and on another thread count: its
+    rows but the last are computed row by row alike (the integer GEMM for any row count,
+    attention in the decode steps' spans), its last token by the decode step."""
+    monkeypatch.setenv("MINILLAMA_QUANT_DOTS", "int8")
+    model = quant_model(("Q4_1", "Q4_K", "Q8_0"), seed=13, max_seq_len=S)
+    rng = np.random.default_rng(14)
+    V = model.cfg.vocab_size
+    P = decode.SPAN + 26
+    prompt = rng.integers(0, V, (1, P))
+    cold = model.new_cache(1, S)
+    z = model.forward(prompt, 0, cold, last_only=True)[0]
+    # an earlier request that shared the first c tokens, its rows kept by the prefix cache
+    for c in (P - 1, 40, 5):
+        other = np.concatenate([prompt[:, :c], rng.integers(0, V, (1, 9))], axis=1)
+        earlier = model.new_cache(1, S)
+        model.forward(other, 0, earlier, last_only=True)
+        warm = _copy_rows(model, earlier, c)
+        got = model.forward(prompt[:, c:], c, warm, last_only=True)[0]
+        np.testing.assert_array_equal(got, z)
+        for a, r in zip(warm.k + warm.v, cold.k + cold.v):
+            np.testing.assert_array_equal(a[0, :P], r[0, :P])
+    # a padded group: the prompt beside a longer and a shorter one
+    longer = rng.integers(0, V, (1, P + 30))
+    block = np.concatenate([np.concatenate([prompt, np.zeros((1, 30), np.int64)], axis=1),
+                            longer, np.concatenate([prompt[:, :7], np.zeros((1, P + 23),
+                                                                            np.int64)], axis=1)])
+    group = model.new_cache(3, S)
+    zg = model.forward(block, 0, group, output_index=np.array([P - 1, P + 29, 6]))
+    np.testing.assert_array_equal(zg[0], z)
+    for a, r in zip(group.k + group.v, cold.k + cold.v):
+        np.testing.assert_array_equal(a[0, :P], r[0, :P])
+    numba.set_num_threads(1)
+    one = model.new_cache(1, S)
+    np.testing.assert_array_equal(model.forward(prompt, 0, one, last_only=True)[0], z)

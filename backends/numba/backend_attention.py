@@ -13,6 +13,7 @@ from minillama.core import ops
 from minillama.core.errors import MinillamaError
 
 from ..numpy import threads as cpu_threads
+from .backend_decode import in_prompt_rows
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -122,7 +123,15 @@ class AttentionOps:
         scale = dt.type(1.0 / math.sqrt(hd))
         out = np.empty((B, T, H, hd), dtype=dt)
         lse = np.empty((B, H, T), dtype=dt)
-        if B * T * H:
+        if B * T * H and dt == np.float32 and in_prompt_rows():  # rows as the decode steps
+            if int(starts.max()) + T > S:
+                raise MinillamaError(f"attention reads {int(starts.max()) + T} positions of a "
+                                     f"cache of {S}")
+            lse.fill(np.nan)  # inference only: no backward from these rows
+            from . import decode
+
+            decode.attend_rows(*(np.ascontiguousarray(a) for a in (q, k, v)), starts, scale, out)
+        elif B * T * H:
             keys = int(min(S, int(starts.max()) + T))
             work = 2 * B * H * T * keys * hd
             par = self._parallel(work)

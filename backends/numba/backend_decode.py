@@ -6,8 +6,10 @@ greedy decoding of many steps per call (:class:`GreedyDecoder`, :meth:`FusedDeco
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
+import threading
 
 import numpy as np
 
@@ -42,6 +44,14 @@ def _model_args(plan, kc, vc):
     RoPE tables and the constants."""
     return (plan["emb"], plan["out"], plan["norm"], *plan["layers"], kc, vc, plan["cos"],
             plan["sin"], plan["eps"], plan["heads"], plan["zero"])
+
+
+_PROMPT = threading.local()
+
+
+def in_prompt_rows() -> bool:
+    """Whether this thread is inside :meth:`FusedDecode.prompt_rows`."""
+    return getattr(_PROMPT, "on", False)
 
 
 class DecodePlans:
@@ -253,6 +263,35 @@ class FusedDecode(DecodePlans):
                 t, pos, *_model_args(plan, kc, vc), logits, threads, _NO_IDS, _NO_IDS_2D) or 1,
                 1)
         return logits
+
+    def prompt_rows_invariant(self, model) -> bool:
+        """Whether ``model``'s prompt rows on this backend can be computed row by row alike
+        whatever their count (:meth:`prompt_rows`): a plan of GGML block weights with 8-bit
+        products, where the last prompt token then takes the fused decode step."""
+        plan = self._decode_plan(model)
+        return plan is not None and bool(plan.get("quant")) and self._quant_int8()
+
+    @contextlib.contextmanager
+    def prompt_rows(self):
+        """Within it (in this thread) the per-op forward computes each row of a prompt as it
+        would alone: every 8-bit product by the integer GEMM whatever the row count
+        (:func:`.qint8.gemm_products`) and attention row by row in the decode steps' spans
+        (:func:`.decode.attend_rows`). So a prompt's K/V rows do not depend on how the prompt
+        was cut into chunks, on a cached prefix or on the prompts prefilled beside it."""
+        from . import qint8
+
+        before = in_prompt_rows()
+        _PROMPT.on = True
+        try:
+            with qint8.gemm_products():
+                yield
+        finally:
+            _PROMPT.on = before
+
+    def _quant_int8(self) -> bool:
+        from . import qint8
+
+        return qint8.int8_enabled()
 
     def greedy_steps(self, model, tok, start_pos, cache, k: int):
         """Up to ``k`` greedy decode steps of B > 1 sequences in one compiled call, or None to

@@ -93,6 +93,28 @@ def exact_products():
         _EXACT.on = before
 
 
+_ROWS = threading.local()
+
+
+@contextlib.contextmanager
+def gemm_products():
+    """Within it (in this thread) every 8-bit product takes the integer GEMM of :mod:`.qgemm8`
+    whatever its row count, so a row's result does not depend on how many rows are multiplied
+    with it (the GEMM's sums per output do not; the row kernels' order is another): the rows
+    of a prompt (:meth:`~.backend_decode.FusedDecode.prompt_rows`)."""
+    before = getattr(_ROWS, "on", False)
+    _ROWS.on = True
+    try:
+        yield
+    finally:
+        _ROWS.on = before
+
+
+def gemm_only() -> bool:
+    """Whether :func:`gemm_products` is on in this thread."""
+    return getattr(_ROWS, "on", False)
+
+
 def int8_enabled() -> bool:
     """Whether the float32 products of block matrices round the activations to 8 bits (the
     default for inference; ``MINILLAMA_QUANT_DOTS=float`` or :func:`exact_products` keeps

@@ -445,7 +445,8 @@ def qmatmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
     r"""y = x W^T, y_{mn} = \sum_k x_{mk} W_{nk} from W's blocks: for a type of
     :data:`.qint8.INT8_TYPES` (unless :func:`.qint8.int8_enabled` says no) x rounded to 8-bit
     blocks and integer dots (:mod:`.qint8` up to :data:`GEMV_MAX_ROWS` rows, :mod:`.qgemm8`
-    beyond), else float32 sums of the dequantized blocks (row kernels, or tiles and a GEMM).
+    beyond or within :func:`.qint8.gemm_products`), else float32 sums of the dequantized
+    blocks (row kernels, or tiles and a GEMM).
     x: float32 (M, K); W: QuantMatrix (N, K). Returns float32 (M, N)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     M, K = x.shape
@@ -460,7 +461,7 @@ def qmatmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
     from . import qint8
 
     int8 = qt in qint8.INT8_TYPES and qint8.int8_enabled()
-    if M <= GEMV_MAX_ROWS:
+    if M <= GEMV_MAX_ROWS and not (int8 and qint8.gemm_only()):
         parts = numba.get_num_threads() if _parallel() and M * N * K >= PARALLEL_MIN_WORK else 1
         if int8:
             qint8.gemv(qt, x, w.data, y, parts)

@@ -189,6 +189,12 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
             logits = self.backend.decode_step(self, tok, start_pos, cache)
             if logits is not None:
                 return logits if last_only or output_index is not None else logits[:, None]
+        if cache is not None and not step and self.lora is None and (
+                last_only or output_index is not None) and self._rows_alike():
+            logits = self._prompt_then_step(tok, start_pos, cache, None if last_only
+                                            else output_index)
+            if logits is not None:
+                return logits
         if last_only:
             output_index = tok.shape[1] - 1
         threads = getattr(self.backend, "decode_threads", None) if step else None
@@ -196,6 +202,27 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
             return self._run(tok, start_pos, cache, train=False, output_index=output_index)[0]
 
     __call__ = forward
+
+    def _rows_alike(self) -> bool:
+        """Whether the backend computes a prompt's rows alike whatever their count
+        (``prompt_rows``) and its one-token steps by ``decode_step``."""
+        alike = getattr(self.backend, "prompt_rows_invariant", None)
+        return alike is not None and alike(self)
+
+    def _prompt_then_step(self, tok, start_pos, cache, output_index):
+        """A cached prompt as the backend's row-alike prefill of all but each sequence's last
+        token, then that token by ``decode_step``: the logits (B, V) at ``output_index`` (default
+        the last column), or None when the step declines. A cold prompt, one whose prefix came
+        from a cache and one cut into chunks then end in the same computations, so their logits
+        and K/V agree bit for bit."""
+        B, T = tok.shape
+        idx = np.broadcast_to(np.asarray(T - 1 if output_index is None else output_index,
+                                         dtype=np.int64).reshape(-1), (B,))
+        with self.backend.prompt_rows():
+            self._run(tok[:, :-1], start_pos, cache, train=False, head=False)
+        starts = np.broadcast_to(np.asarray(start_pos, dtype=np.int64).reshape(-1), (B,))
+        return self.backend.decode_step(self, tok[np.arange(B), idx][:, None], starts + idx,
+                                        cache)
 
     # ----------------------------------------------------------------------------------------
     # backward, the same pieces in reverse

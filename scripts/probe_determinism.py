@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""How many distinct texts ``minillama serve`` gives to one greedy request sent many times under a
+mixed concurrent load (and, with ``--peer``, llama.cpp's ``llama-server`` on the same file).
+
+The server is started as in ``bench_serve.py``. Rounds of ``--clients`` concurrent streaming
+chat requests follow one another; in each round a random number of the clients (at least one)
+send the target question, the others send other questions (companions of other lengths), all at
+temperature 0 with ``--tokens`` new tokens. The first target request of a run meets a cold
+prefix cache, later ones may find its prefix cached. During the middle third of the rounds
+``--busy`` processes spin on the CPU beside the server (the thread tuner then sees another
+machine). The script prints, per server, how many target replies came back and how many distinct
+texts they held (1 is the promise of a batch- and load-invariant engine), and the most common
+text's share.
+
+    python scripts/probe_determinism.py --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --requests 200 --clients 8 --tokens 48 --busy 2 [--peer /path/to/llama-server]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_serve import QUESTIONS, reply_text, start_minillama, start_peer, stop, stream_once  # noqa: E402
+
+TARGET = "Tell me about a violin."
+
+
+def busy(n: int) -> list:
+    """n processes that spin on the CPU until stopped."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def probe(url: str, name: str, args, rng: random.Random) -> collections.Counter:
+    """Send rounds until ``args.requests`` target requests have come back; the texts counted."""
+    texts: collections.Counter = collections.Counter()
+    rounds = -(-args.requests // max(1, args.clients // 2))
+    spinners: list = []
+    r = 0
+    while sum(texts.values()) < args.requests:
+        if r == rounds // 3 and args.busy:
+            spinners = busy(args.busy)
+        if r == 2 * rounds // 3:
+            for p in spinners:
+                p.kill()
+            spinners = []
+        n_target = rng.randint(1, args.clients)
+        who = set(rng.sample(range(args.clients), n_target))
+        out = [None] * args.clients
+        gate = threading.Barrier(args.clients)
+
+        def client(i, who=who, out=out, gate=gate):
+            q = TARGET if i in who else QUESTIONS[rng.randrange(len(QUESTIONS))]
+            body = {"model": name, "max_tokens": args.tokens, "temperature": 0, "stream": True,
+                    "messages": [{"role": "user", "content": q}]}
+            out[i] = reply_text(stream_once(url, "/v1/chat/completions", body, gate)["raw"])
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i in sorted(who):
+            texts[out[i]] += 1
+        r += 1
+    for p in spinners:
+        p.kill()
+    return texts
+
+
+def report(label: str, texts: collections.Counter) -> None:
+    n = sum(texts.values())
+    top = texts.most_common(1)[0][1] if texts else 0
+    print(f"{label}: {n} target replies, {len(texts)} distinct texts, the most common "
+          f"{top}/{n}", flush=True)
+    for text, k in texts.most_common(4):
+        print(f"    {k:4d} x {text[:90]!r}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", required=True, help="a GGUF (or other) chat model")
+    ap.add_argument("--backend", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--requests", type=int, default=200, help="target requests per server")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--busy", type=int, default=2, help="spinning processes in the middle third")
+    ap.add_argument("--max-context", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peer", default=None, help="llama-server to compare with")
+    args = ap.parse_args()
+    t0 = time.time()
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    proc, url, name, banner = start_minillama(args, args.clients)
+    print(banner, flush=True)
+    try:
+        report("minillama serve", probe(url, name, args, random.Random(args.seed)))
+    finally:
+        stop(proc)
+    if args.peer:
+        proc, url, name, banner = start_peer(args, args.clients)
+        print(banner, flush=True)
+        try:
+            report("llama-server", probe(url, name, args, random.Random(args.seed)))
+        finally:
+            stop(proc)
+    print(f"load average after: {os.getloadavg()}; {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
