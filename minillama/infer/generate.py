@@ -373,9 +373,8 @@ def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = No
     """Run the generation's code paths once (``run``, by default a prefill of the prompt's last
     64 tokens or fewer and a few decode steps, thrown away) on a backend that compiles kernels
     on first use, so the first answer and the reported speeds time the model and not the
-    compiler. ``then(model)``
-    runs after it (e.g. :func:`warm_prefill`: a server's long prompts and batches); the kernels
-    of other paths compile, or load, when first used.
+    compiler. ``then(model)`` runs after it (e.g. :func:`warm_prefill`: a server's long prompts
+    and batches); the kernels of other paths compile, or load, when first used.
 
     When it runs longer than ``note_after`` seconds a notice goes to stderr while it runs, and its
     time once done: "compiling kernels (once, cached)" when the backend compiled a kernel by then
