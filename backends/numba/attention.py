@@ -19,6 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from .decode import SPAN, _attend_span, _join_spans, _spans
 from .fastmath import JIT_OPTS, fexp, rowmax
 
 #: query positions per tile of the attention kernels (each brings its G heads: BR*G rows)
@@ -285,3 +286,27 @@ def attn_dec_serial(q, k, v, starts, scale, nsplit, pm, pl, pacc, out, lse):
     for w in range(k.shape[0] * nsplit):
         _attn_dec_item(q, k, v, starts, scale, nsplit, pm, pl, pacc, w)
     _attn_dec_combine(nsplit, pm, pl, pacc, out, lse)
+
+
+@njit(fastmath=True, cache=True, nogil=True, parallel=True)
+def attend_rows(q, k, v, starts, scale, out):  # pragma: no cover - compiled
+    """Causal GQA attention of every query row as the decode steps compute it: row t of
+    sequence b (position p = starts[b] + t) over the cache rows 0..p in spans of :data:`SPAN`
+    rows (:func:`_attend_span`) joined in order (:func:`_join_spans`), so its output does not
+    depend on the other rows, their count or the threads. q: (B, T, H, hd); k, v: (B, S, KVH,
+    hd); out: (B, T, H, hd)."""
+    B, T, H, hd = q.shape
+    G = H // k.shape[2]
+    for i in prange(B * T):
+        b = i // T
+        t = i - b * T
+        n = starts[b] + t + 1
+        P = _spans(n)
+        sc = np.empty((H, SPAN), dtype=q.dtype)
+        ml = np.empty((P, H, 2), dtype=q.dtype)
+        parts = np.empty((P, H * hd), dtype=q.dtype)
+        qr = q[b, t].reshape(H * hd)
+        for u in range(P):
+            _attend_span(qr, k[b], v[b], u * SPAN, min(n, (u + 1) * SPAN), G, scale, sc, ml[u],
+                         parts[u])
+        _join_spans(ml, parts, out[b, t].reshape(H * hd))

@@ -97,6 +97,33 @@ class CompileWatch:
         self.names.append(getattr(func, "__qualname__", "?"))
 
 
+@contextlib.contextmanager
+def watch_compiles():
+    """A :class:`CompileWatch` counting the kernels Numba compiles (each a cache miss: Numba's
+    ``numba:compile`` event, which a kernel loaded from the disk cache does not fire) in the
+    ``with`` block, in any thread."""
+    from numba.core import event
+
+    watch = CompileWatch()
+
+    class Relay(event.Listener):
+        def on_start(self, ev):
+            if CompileWatch.cached(ev.data):
+                watch.started += 1
+                if watch.started == 1 and watch.on_first is not None:
+                    watch.on_first()
+
+        def on_end(self, ev):
+            watch.ended(ev.data)
+
+    relay = Relay()
+    event.register("numba:compile", relay)
+    try:
+        yield watch
+    finally:
+        event.unregister("numba:compile", relay)
+
+
 class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
     """NumPy + BLAS, with Numba kernels for RoPE, attention and cross-entropy (forward and
     backward)."""
@@ -131,31 +158,10 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
         """Threads of the parallel kernels (``NUMBA_NUM_THREADS``, default: the core count)."""
         return int(self._numba.get_num_threads())
 
-    @contextlib.contextmanager
     def watch_compiles(self):
-        """A :class:`CompileWatch` counting the kernels Numba compiles (each a cache miss:
-        Numba's ``numba:compile`` event, which a kernel loaded from the disk cache does not
-        fire) in the ``with`` block, in any thread."""
-        from numba.core import event
-
-        watch = CompileWatch()
-
-        class Relay(event.Listener):
-            def on_start(self, ev):
-                if CompileWatch.cached(ev.data):
-                    watch.started += 1
-                    if watch.started == 1 and watch.on_first is not None:
-                        watch.on_first()
-
-            def on_end(self, ev):
-                watch.ended(ev.data)
-
-        relay = Relay()
-        event.register("numba:compile", relay)
-        try:
-            yield watch
-        finally:
-            event.unregister("numba:compile", relay)
+        """A :class:`CompileWatch` counting the kernels Numba compiles in the ``with`` block, in
+        any thread (:func:`watch_compiles`)."""
+        return watch_compiles()
 
     @contextlib.contextmanager
     def _numba_team(self, threads: int):

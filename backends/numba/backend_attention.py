@@ -124,13 +124,7 @@ class AttentionOps:
         out = np.empty((B, T, H, hd), dtype=dt)
         lse = np.empty((B, H, T), dtype=dt)
         if B * T * H and dt == np.float32 and in_prompt_rows():  # rows as the decode steps
-            if int(starts.max()) + T > S:
-                raise MinillamaError(f"attention reads {int(starts.max()) + T} positions of a "
-                                     f"cache of {S}")
-            lse.fill(np.nan)  # inference only: no backward from these rows
-            from . import decode
-
-            decode.attend_rows(*(np.ascontiguousarray(a) for a in (q, k, v)), starts, scale, out)
+            self._attend_rows_alike(q, k, v, starts, scale, out, lse)
         elif B * T * H:
             keys = int(min(S, int(starts.max()) + T))
             work = 2 * B * H * T * keys * hd
@@ -155,6 +149,17 @@ class AttentionOps:
                 kern = self._k.attn_fwd_parallel if par else self._k.attn_fwd_serial
                 kern(q, k, v, starts, scale, out, lse)
         return out, (q, k, v, out, lse, starts, scale)
+
+    def _attend_rows_alike(self, q, k, v, starts, scale, out, lse):
+        """Every query row as the decode steps attend (:func:`.attention.attend_rows`), within
+        :meth:`~.backend_decode.FusedDecode.prompt_rows`; inference only (lse left NaN)."""
+        T, S = q.shape[1], k.shape[1]
+        if int(starts.max()) + T > S:
+            raise MinillamaError(f"attention reads {int(starts.max()) + T} positions of a cache "
+                                 f"of {S}")
+        lse.fill(np.nan)
+        self._qdecode.attend_rows(*(np.ascontiguousarray(a) for a in (q, k, v)), starts, scale,
+                                  out)
 
     def attention_backward(self, dout, ctx):
         r"""Gradients of causal GQA attention, recomputing P_{tj} = e^{s_{tj} - lse_t} tile by tile:

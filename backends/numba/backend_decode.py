@@ -268,7 +268,7 @@ class FusedDecode(DecodePlans):
         """Whether ``model``'s prompt rows on this backend can be computed row by row alike
         whatever their count (:meth:`prompt_rows`): a plan of GGML block weights with 8-bit
         products, where the last prompt token then takes the fused decode step."""
-        plan = self._decode_plan(model)
+        plan = self._decode_plan(model)  # a quantized plan has imported .qdecode
         return plan is not None and bool(plan.get("quant")) and self._quant_int8()
 
     @contextlib.contextmanager
@@ -276,22 +276,18 @@ class FusedDecode(DecodePlans):
         """Within it (in this thread) the per-op forward computes each row of a prompt as it
         would alone: every 8-bit product by the integer GEMM whatever the row count
         (:func:`.qint8.gemm_products`) and attention row by row in the decode steps' spans
-        (:func:`.decode.attend_rows`). So a prompt's K/V rows do not depend on how the prompt
+        (:func:`.attention.attend_rows`). So a prompt's K/V rows do not depend on how the prompt
         was cut into chunks, on a cached prefix or on the prompts prefilled beside it."""
-        from . import qint8
-
         before = in_prompt_rows()
         _PROMPT.on = True
         try:
-            with qint8.gemm_products():
+            with self._qdecode.gemm_products():
                 yield
         finally:
             _PROMPT.on = before
 
     def _quant_int8(self) -> bool:
-        from . import qint8
-
-        return qint8.int8_enabled()
+        return self._qdecode.int8_enabled()
 
     def greedy_steps(self, model, tok, start_pos, cache, k: int):
         """Up to ``k`` greedy decode steps of B > 1 sequences in one compiled call, or None to

@@ -358,30 +358,6 @@ def _spans(n):  # pragma: no cover - compiled
     return max(1, (n + SPAN - 1) // SPAN)
 
 
-@njit(fastmath=True, cache=True, nogil=True, parallel=True)
-def attend_rows(q, k, v, starts, scale, out):  # pragma: no cover - compiled
-    """Causal GQA attention of every query row as the decode steps compute it: row t of
-    sequence b (position p = starts[b] + t) over the cache rows 0..p in spans of :data:`SPAN`
-    rows (:func:`_attend_span`) joined in order (:func:`_join_spans`), so its output does not
-    depend on the other rows, their count or the threads. q: (B, T, H, hd); k, v: (B, S, KVH,
-    hd); out: (B, T, H, hd)."""
-    B, T, H, hd = q.shape
-    G = H // k.shape[2]
-    for i in prange(B * T):
-        b = i // T
-        t = i - b * T
-        n = starts[b] + t + 1
-        P = _spans(n)
-        sc = np.empty((H, SPAN), dtype=q.dtype)
-        ml = np.empty((P, H, 2), dtype=q.dtype)
-        parts = np.empty((P, H * hd), dtype=q.dtype)
-        qr = q[b, t].reshape(H * hd)
-        for u in range(P):
-            _attend_span(qr, k[b], v[b], u * SPAN, min(n, (u + 1) * SPAN), G, scale, sc, ml[u],
-                         parts[u])
-        _join_spans(ml, parts, out[b, t].reshape(H * hd))
-
-
 @njit(cache=True, nogil=True, inline='always')
 def _sizes(emb, wq, wk, w1, kc, n_heads):  # pragma: no cover - compiled
     """V, D, L, H, q width H*hd, kv width KVH*hd, hd, KVH, G = H/KVH, F and the cache length S

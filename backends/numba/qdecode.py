@@ -15,7 +15,9 @@ classifier rows and, greedy, their argmax), float32 activations. The embedding r
 is dequantized from its blocks. Each matrix carries its own GGML type (a Q4_K_M file mixes Q4_K
 and Q6_K): ``codes[layer]`` holds the type ids of W_q, W_k, W_v, W_o, W_1, W_2, W_3.
 
-Imported only by the numba backend (importing it imports Numba).
+Imported only by the numba backend (importing it imports Numba), which also reaches
+:func:`.attention.attend_rows` and :func:`.qint8.gemm_products` through it (a prompt's rows
+computed alike, :meth:`~.backend_decode.FusedDecode.prompt_rows`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from .attention import attend_rows  # noqa: F401  (reached through this module)
 from .decode import (
     SPAN,
     _argmax_finite,
@@ -34,7 +37,14 @@ from .decode import (
     _rope_store,
     _spans,
 )
-from .qint8 import ROWS, idot, idot_rows, int8_enabled, quantize_row
+from .qint8 import (  # noqa: F401  (gemm_products: reached through this module)
+    ROWS,
+    gemm_products,
+    idot,
+    idot_rows,
+    int8_enabled,
+    quantize_row,
+)
 from .qtypes import Q2_K, Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0
 from .quant import _dequant_row, _dot
 

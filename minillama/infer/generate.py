@@ -367,6 +367,16 @@ def warm_prefill(model) -> None:
     model.forward(ids[:2, None], deep + 12 if deep[0] + 13 < n else deep, cache, last_only=True)
 
 
+def _warm_steps(model, prompt_ids: Sequence[int], params) -> None:
+    """A prefill of the prompt's last 64 tokens or fewer (the prompt's own kernels) and a few
+    decode steps, thrown away."""
+    prompt = list(prompt_ids[-64:])
+    n = min(3, model.cfg.max_seq_len - len(prompt) + 1)
+    if n > 0:
+        for _ in generate_steps(model, [prompt], n, params, seed=0):
+            pass
+
+
 def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = None,
             note_after: float = 1.0, say=None, run: Callable[[], object] | None = None,
             then: Callable[[object], object] | None = None) -> float:
@@ -388,13 +398,6 @@ def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = No
     say = say or (lambda text: print(text, end="", file=sys.stderr, flush=True))
     said: list[str] = []
     watch = getattr(model.backend, "watch_compiles", None)
-
-    def steps() -> None:
-        prompt = list(prompt_ids[-64:])  # the prompt's own kernels (attention by tiles from 16)
-        n = min(3, model.cfg.max_seq_len - len(prompt) + 1)
-        if n > 0:
-            for _ in generate_steps(model, [prompt], n, params, seed=0):
-                pass
 
     lock = threading.Lock()  # the notice's timer and the first compile may come together
     t0 = time.perf_counter()
@@ -418,7 +421,7 @@ def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = No
         timer = threading.Timer(note_after, note)
         timer.start()
         try:
-            (run or steps)()
+            (run or (lambda: _warm_steps(model, prompt_ids, params)))()
             if then is not None:
                 then(model)
         finally:

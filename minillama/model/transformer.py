@@ -133,14 +133,6 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
     # ----------------------------------------------------------------------------------------
     # forward, piece by piece
     # ----------------------------------------------------------------------------------------
-    def _pick_positions(self, x, output_index):
-        """x[:, i] for one index i, or x[b, i_b] for (B,) indices: (B, T, D) -> (B, D)."""
-        idx = np.asarray(output_index, dtype=np.int64).reshape(-1)
-        if idx.size == 1:
-            return x[:, int(idx[0])]
-        be = self.backend
-        return x[be.asarray(np.arange(x.shape[0])), be.asarray(idx)]
-
     def _run(self, tok, start_pos, cache: KVCache | None, train: bool, output_index=None,
              head: bool = True):
         """The forward pass. Returns (logits, tape) where tape holds each piece's ctx when training:
@@ -158,7 +150,7 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
             if train:
                 tape.append(c_block if kept is None else kept)
         if output_index is not None:
-            x = self._pick_positions(x, output_index)
+            x = _pick_positions(self.backend, x, output_index)
         if not head:
             hn, c_n = self._norm(x, "norm")
             if train:
@@ -190,9 +182,9 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
             if logits is not None:
                 return logits if last_only or output_index is not None else logits[:, None]
         if cache is not None and not step and self.lora is None and (
-                last_only or output_index is not None) and self._rows_alike():
-            logits = self._prompt_then_step(tok, start_pos, cache, None if last_only
-                                            else output_index)
+                last_only or output_index is not None) and _rows_alike(self):
+            logits = _prompt_then_step(self, tok, start_pos, cache, None if last_only
+                                       else output_index)
             if logits is not None:
                 return logits
         if last_only:
@@ -202,27 +194,6 @@ class Transformer(ModelInputs, EndsWiring, VariantPieces, BlockWiring):
             return self._run(tok, start_pos, cache, train=False, output_index=output_index)[0]
 
     __call__ = forward
-
-    def _rows_alike(self) -> bool:
-        """Whether the backend computes a prompt's rows alike whatever their count
-        (``prompt_rows``) and its one-token steps by ``decode_step``."""
-        alike = getattr(self.backend, "prompt_rows_invariant", None)
-        return alike is not None and alike(self)
-
-    def _prompt_then_step(self, tok, start_pos, cache, output_index):
-        """A cached prompt as the backend's row-alike prefill of all but each sequence's last
-        token, then that token by ``decode_step``: the logits (B, V) at ``output_index`` (default
-        the last column), or None when the step declines. A cold prompt, one whose prefix came
-        from a cache and one cut into chunks then end in the same computations, so their logits
-        and K/V agree bit for bit."""
-        B, T = tok.shape
-        idx = np.broadcast_to(np.asarray(T - 1 if output_index is None else output_index,
-                                         dtype=np.int64).reshape(-1), (B,))
-        with self.backend.prompt_rows():
-            self._run(tok[:, :-1], start_pos, cache, train=False, head=False)
-        starts = np.broadcast_to(np.asarray(start_pos, dtype=np.int64).reshape(-1), (B,))
-        return self.backend.decode_step(self, tok[np.arange(B), idx][:, None], starts + idx,
-                                        cache)
 
     # ----------------------------------------------------------------------------------------
     # backward, the same pieces in reverse
@@ -312,3 +283,33 @@ def check_params(cfg: ModelConfig, params: dict[str, Any]) -> None:
         got = tuple(params[k].shape)
         if got != shape:
             raise MinillamaError(f"parameter {k} has shape {got}, expected {shape} for this config")
+
+
+def _pick_positions(be, x, output_index):
+    """x[:, i] for one index i, or x[b, i_b] for (B,) indices: (B, T, D) -> (B, D)."""
+    idx = np.asarray(output_index, dtype=np.int64).reshape(-1)
+    if idx.size == 1:
+        return x[:, int(idx[0])]
+    return x[be.asarray(np.arange(x.shape[0])), be.asarray(idx)]
+
+
+def _rows_alike(model) -> bool:
+    """Whether ``model``'s backend computes a prompt's rows alike whatever their count
+    (``prompt_rows``) and its one-token steps by ``decode_step``."""
+    alike = getattr(model.backend, "prompt_rows_invariant", None)
+    return alike is not None and alike(model)
+
+
+def _prompt_then_step(model, tok, start_pos, cache, output_index):
+    """A cached prompt as the backend's row-alike prefill of all but each sequence's last token,
+    then that token by ``decode_step``: the logits (B, V) at ``output_index`` (default the last
+    column), or None when the step declines. A cold prompt, one whose prefix came from a cache
+    and one prefilled beside others then end in the same computations, so their logits and K/V
+    agree bit for bit."""
+    B, T = tok.shape
+    idx = np.broadcast_to(np.asarray(T - 1 if output_index is None else output_index,
+                                     dtype=np.int64).reshape(-1), (B,))
+    with model.backend.prompt_rows():
+        model._run(tok[:, :-1], start_pos, cache, train=False, head=False)
+    starts = np.broadcast_to(np.asarray(start_pos, dtype=np.int64).reshape(-1), (B,))
+    return model.backend.decode_step(model, tok[np.arange(B), idx][:, None], starts + idx, cache)
