@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
-from .decode import SPAN, _attend_span, _join_spans, _spans
+from .decode import SPAN, _join_spans, _spans
 from .fastmath import JIT_OPTS, fexp, rowmax
 
 #: query positions per tile of the attention kernels (each brings its G heads: BR*G rows)
@@ -290,23 +290,65 @@ def attn_dec_serial(q, k, v, starts, scale, nsplit, pm, pl, pacc, out, lse):
 
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
 def attend_rows(q, k, v, starts, scale, out):  # pragma: no cover - compiled
-    """Causal GQA attention of every query row as the decode steps compute it: row t of
-    sequence b (position p = starts[b] + t) over the cache rows 0..p in spans of :data:`SPAN`
-    rows (:func:`_attend_span`) joined in order (:func:`_join_spans`), so its output does not
-    depend on the other rows, their count or the threads. q: (B, T, H, hd); k, v: (B, S, KVH,
-    hd); out: (B, T, H, hd)."""
+    r"""Causal GQA attention of every query row on its own: row t of sequence b (position
+    p = starts[b] + t) over the cache rows 0..p in spans of :data:`.decode.SPAN` rows from row 0,
+    each span's (m, \ell, o) joined in order (:func:`.decode._join_spans`), so its output does
+    not depend on the other rows, their count, the batch or the threads. The scores of a span
+    are computed with the keys in vector lanes (K transposed once per call): each score a
+    sequential sum over d, no horizontal sums. q: (B, T, H, hd); k, v: (B, S, KVH, hd); out:
+    (B, T, H, hd)."""
     B, T, H, hd = q.shape
-    G = H // k.shape[2]
+    KVH = k.shape[2]
+    G = H // KVH
+    n_max = 0
+    for b in range(B):
+        n_max = max(n_max, starts[b] + T)
+    kt = np.empty((B, KVH, hd, n_max), dtype=q.dtype)  # k[b, j, kh, d] at kt[b, kh, d, j]
+    for i in prange(B * KVH):
+        b = i // KVH
+        kh = i - b * KVH
+        for j in range(starts[b] + T):
+            for d in range(hd):
+                kt[b, kh, d, j] = k[b, j, kh, d]
     for i in prange(B * T):
         b = i // T
         t = i - b * T
         n = starts[b] + t + 1
         P = _spans(n)
-        sc = np.empty((H, SPAN), dtype=q.dtype)
+        sc = np.empty((G, SPAN), dtype=q.dtype)
         ml = np.empty((P, H, 2), dtype=q.dtype)
-        parts = np.empty((P, H * hd), dtype=q.dtype)
-        qr = q[b, t].reshape(H * hd)
+        parts = np.zeros((P, H * hd), dtype=q.dtype)
         for u in range(P):
-            _attend_span(qr, k[b], v[b], u * SPAN, min(n, (u + 1) * SPAN), G, scale, sc, ml[u],
-                         parts[u])
+            j0 = u * SPAN
+            L = min(n, j0 + SPAN) - j0
+            for kh in range(KVH):  # the G query heads of KV head kh share each key and value
+                sc[:, :L] = 0
+                for d in range(hd):
+                    kr = kt[b, kh, d, j0:j0 + L]
+                    for g in range(G):
+                        qd = q[b, t, kh * G + g, d]
+                        s = sc[g]
+                        for jj in range(L):
+                            s[jj] += qd * kr[jj]
+                for g in range(G):
+                    s = sc[g]
+                    m = s[0] * scale
+                    for jj in range(L):
+                        s[jj] *= scale
+                        m = max(m, s[jj])
+                    tot = 0.0
+                    for jj in range(L):
+                        e = fexp(s[jj] - m)
+                        s[jj] = e
+                        tot += e
+                    ml[u, kh * G + g, 0] = m
+                    ml[u, kh * G + g, 1] = tot
+                o = parts[u, kh * G * hd:(kh + 1) * G * hd]
+                for jj in range(L):
+                    vr = v[b, j0 + jj, kh]
+                    for g in range(G):
+                        w = sc[g, jj]
+                        og = o[g * hd:(g + 1) * hd]
+                        for d in range(hd):
+                            og[d] += w * vr[d]
         _join_spans(ml, parts, out[b, t].reshape(H * hd))
