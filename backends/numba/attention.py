@@ -323,7 +323,21 @@ def attend_rows(q, k, v, starts, scale, out):  # pragma: no cover - compiled
             L = min(n, j0 + SPAN) - j0
             for kh in range(KVH):  # the G query heads of KV head kh share each key and value
                 sc[:, :L] = 0
-                for d in range(hd):
+                d8 = hd - hd % 8
+                for d in range(0, d8, 8):  # eight terms per pass over the span's scores
+                    k0, k1, k2, k3 = (kt[b, kh, d, j0:j0 + L], kt[b, kh, d + 1, j0:j0 + L],
+                                      kt[b, kh, d + 2, j0:j0 + L], kt[b, kh, d + 3, j0:j0 + L])
+                    k4, k5, k6, k7 = (kt[b, kh, d + 4, j0:j0 + L], kt[b, kh, d + 5, j0:j0 + L],
+                                      kt[b, kh, d + 6, j0:j0 + L], kt[b, kh, d + 7, j0:j0 + L])
+                    for g in range(G):
+                        qr = q[b, t, kh * G + g]
+                        s = sc[g]
+                        for jj in range(L):
+                            s[jj] += (qr[d] * k0[jj] + qr[d + 1] * k1[jj] + qr[d + 2] * k2[jj]
+                                      + qr[d + 3] * k3[jj] + qr[d + 4] * k4[jj]
+                                      + qr[d + 5] * k5[jj] + qr[d + 6] * k6[jj]
+                                      + qr[d + 7] * k7[jj])
+                for d in range(d8, hd):
                     kr = kt[b, kh, d, j0:j0 + L]
                     for g in range(G):
                         qd = q[b, t, kh * G + g, d]
@@ -344,7 +358,16 @@ def attend_rows(q, k, v, starts, scale, out):  # pragma: no cover - compiled
                     ml[u, kh * G + g, 0] = m
                     ml[u, kh * G + g, 1] = tot
                 o = parts[u, kh * G * hd:(kh + 1) * G * hd]
-                for jj in range(L):
+                L4 = L - L % 4
+                for jj in range(0, L4, 4):  # four keys per pass over each head's output
+                    v0, v1, v2, v3 = (v[b, j0 + jj, kh], v[b, j0 + jj + 1, kh],
+                                      v[b, j0 + jj + 2, kh], v[b, j0 + jj + 3, kh])
+                    for g in range(G):
+                        w0, w1, w2, w3 = sc[g, jj], sc[g, jj + 1], sc[g, jj + 2], sc[g, jj + 3]
+                        og = o[g * hd:(g + 1) * hd]
+                        for d in range(hd):
+                            og[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d]
+                for jj in range(L4, L):
                     vr = v[b, j0 + jj, kh]
                     for g in range(G):
                         w = sc[g, jj]
