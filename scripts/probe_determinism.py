@@ -101,17 +101,14 @@ def main() -> int:
     args = ap.parse_args()
     t0 = time.time()
     print(f"load average before: {os.getloadavg()}", flush=True)
-    proc, url, name, banner = start_minillama(args, args.clients)
-    print(banner, flush=True)
-    try:
-        report("minillama serve", probe(url, name, args, random.Random(args.seed)))
-    finally:
-        stop(proc)
+    servers = [("minillama serve", start_minillama)]
     if args.peer:
-        proc, url, name, banner = start_peer(args, args.clients)
+        servers.append(("llama-server", start_peer))
+    for label, start in servers:
+        proc, url, name, banner = start(args, args.clients)
         print(banner, flush=True)
         try:
-            report("llama-server", probe(url, name, args, random.Random(args.seed)))
+            report(label, probe(url, name, args, random.Random(args.seed)))
         finally:
             stop(proc)
     print(f"load average after: {os.getloadavg()}; {time.time() - t0:.0f} s", flush=True)

@@ -79,35 +79,32 @@ INT8_TYPES = tuple(sorted(_TYPES32 + _TYPESK))
 
 
 _EXACT = threading.local()
-
-
-@contextlib.contextmanager
-def exact_products():
-    """Within it (in this thread) every product with a block matrix keeps float32 activations:
-    the forward that gradients are taken of (training, LoRA) stays exact to float32 rounding."""
-    before = getattr(_EXACT, "on", False)
-    _EXACT.on = True
-    try:
-        yield
-    finally:
-        _EXACT.on = before
-
-
 _ROWS = threading.local()
 
 
 @contextlib.contextmanager
+def _switched_on(flag):
+    """``flag.on`` (a thread-local) True within the block, as it was after it."""
+    before = getattr(flag, "on", False)
+    flag.on = True
+    try:
+        yield
+    finally:
+        flag.on = before
+
+
+def exact_products():
+    """Within it (in this thread) every product with a block matrix keeps float32 activations:
+    the forward that gradients are taken of (training, LoRA) stays exact to float32 rounding."""
+    return _switched_on(_EXACT)
+
+
 def gemm_products():
     """Within it (in this thread) every 8-bit product takes the integer GEMM of :mod:`.qgemm8`
     whatever its row count, so a row's result does not depend on how many rows are multiplied
     with it (the GEMM's sums per output do not; the row kernels' order is another): the rows
     of a prompt (:meth:`~.backend_decode.FusedDecode.prompt_rows`)."""
-    before = getattr(_ROWS, "on", False)
-    _ROWS.on = True
-    try:
-        yield
-    finally:
-        _ROWS.on = before
+    return _switched_on(_ROWS)
 
 
 def gemm_only() -> bool:
