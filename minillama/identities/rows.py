@@ -138,9 +138,9 @@ IDENTITIES = [
         ops=("rope_forward",), fn=_rope_norms),
     Identity(
         name="rmsnorm_scale_invariance", topic="norm",
-        statement="Scaling RMSNorm's input by a is the same as dividing its epsilon by a^2 (so "
-                  "RMSNorm is scale invariant up to epsilon).",
-        equation=r"\mathrm{RMSNorm}(a x; \epsilon) = \mathrm{RMSNorm}(x; \epsilon / a^2)",
+        statement="Scaling RMSNorm's input by omega is the same as dividing its epsilon by "
+                  "omega^2 (so RMSNorm is scale invariant up to epsilon).",
+        equation=r"\mathrm{RMSNorm}(\omega x; \epsilon) = \mathrm{RMSNorm}(x; \epsilon / \omega^2)",
         strategy=st.fixed_dictionaries({
             "seed": ids.seeds, "D": st.integers(1, 64), "a": st.floats(0.05, 20.0),
             "eps": st.sampled_from((0.0, 1e-6, 1e-5))}),
