@@ -289,27 +289,96 @@ def attn_dec_serial(q, k, v, starts, scale, nsplit, pm, pl, pacc, out, lse):
 
 
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
-def attend_rows(q, k, v, starts, scale, out):  # pragma: no cover - compiled
-    r"""Causal GQA attention of every query row on its own: row t of sequence b (position
-    p = starts[b] + t) over the cache rows 0..p in spans of :data:`.decode.SPAN` rows from row 0,
-    each span's (m, \ell, o) joined in order (:func:`.decode._join_spans`), so its output does
-    not depend on the other rows, their count, the batch or the threads. The scores of a span
-    are computed with the keys in vector lanes (K transposed once per call): each score a
-    sequential sum over d, no horizontal sums. q: (B, T, H, hd); k, v: (B, S, KVH, hd); out:
-    (B, T, H, hd)."""
-    B, T, H, hd = q.shape
-    KVH = k.shape[2]
-    G = H // KVH
+def _keys_by_d(k, starts, T):  # pragma: no cover - compiled
+    """kt (B, KVH, hd, n_max): k[b, j, kh, d] at kt[b, kh, d, j] for the keys rows 0..p read."""
+    B, KVH, hd = k.shape[0], k.shape[2], k.shape[3]
     n_max = 0
     for b in range(B):
         n_max = max(n_max, starts[b] + T)
-    kt = np.empty((B, KVH, hd, n_max), dtype=q.dtype)  # k[b, j, kh, d] at kt[b, kh, d, j]
+    kt = np.empty((B, KVH, hd, n_max), dtype=k.dtype)
     for i in prange(B * KVH):
         b = i // KVH
         kh = i - b * KVH
         for j in range(starts[b] + T):
             for d in range(hd):
                 kt[b, kh, d, j] = k[b, j, kh, d]
+    return kt
+
+
+@njit(fastmath=True, cache=True, nogil=True, inline="always")
+def _span_scores(qh, kt, j0, L, s):  # pragma: no cover - compiled
+    """s[:L] = qh . k_j for the keys j0..j0+L-1 (kt: (hd, n) of one KV head), the keys in
+    vector lanes, eight terms of each sum per pass."""
+    hd = qh.shape[0]
+    s[:L] = 0
+    d8 = hd - hd % 8
+    for d in range(0, d8, 8):
+        k0, k1, k2, k3 = kt[d, j0:j0 + L], kt[d + 1, j0:j0 + L], kt[d + 2, j0:j0 + L], \
+            kt[d + 3, j0:j0 + L]
+        k4, k5, k6, k7 = kt[d + 4, j0:j0 + L], kt[d + 5, j0:j0 + L], kt[d + 6, j0:j0 + L], \
+            kt[d + 7, j0:j0 + L]
+        for jj in range(L):
+            s[jj] += (qh[d] * k0[jj] + qh[d + 1] * k1[jj] + qh[d + 2] * k2[jj] + qh[d + 3] * k3[jj]
+                      + qh[d + 4] * k4[jj] + qh[d + 5] * k5[jj] + qh[d + 6] * k6[jj]
+                      + qh[d + 7] * k7[jj])
+    for d in range(d8, hd):
+        kr = kt[d, j0:j0 + L]
+        for jj in range(L):
+            s[jj] += qh[d] * kr[jj]
+
+
+@njit(fastmath=True, cache=True, nogil=True, inline="always")
+def _span_softmax(s, L, scale, mlh):  # pragma: no cover - compiled
+    """s[:L] scaled, then e^{s_j - m}; mlh = (m, sum_j e^{s_j - m})."""
+    m = s[0] * scale
+    for jj in range(L):
+        s[jj] *= scale
+        m = max(m, s[jj])
+    tot = 0.0
+    for jj in range(L):
+        e = fexp(s[jj] - m)
+        s[jj] = e
+        tot += e
+    mlh[0] = m
+    mlh[1] = tot
+
+
+@njit(fastmath=True, cache=True, nogil=True, inline="always")
+def _span_values(vs, kh, j0, L, sc, o):  # pragma: no cover - compiled
+    """o[g] += sum_j sc[g, j] v_j for the G heads g of KV head kh (vs: (S, KVH, hd) the
+    sequence's values), four keys per pass."""
+    G, hd = sc.shape[0], vs.shape[2]
+    L4 = L - L % 4
+    for jj in range(0, L4, 4):
+        v0, v1, v2, v3 = (vs[j0 + jj, kh], vs[j0 + jj + 1, kh], vs[j0 + jj + 2, kh],
+                          vs[j0 + jj + 3, kh])
+        for g in range(G):
+            w0, w1, w2, w3 = sc[g, jj], sc[g, jj + 1], sc[g, jj + 2], sc[g, jj + 3]
+            og = o[g * hd:(g + 1) * hd]
+            for d in range(hd):
+                og[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d]
+    for jj in range(L4, L):
+        vr = vs[j0 + jj, kh]
+        for g in range(G):
+            w = sc[g, jj]
+            og = o[g * hd:(g + 1) * hd]
+            for d in range(hd):
+                og[d] += w * vr[d]
+
+
+@njit(fastmath=True, cache=True, nogil=True, parallel=True)
+def attend_rows(q, k, v, starts, scale, out):  # pragma: no cover - compiled
+    r"""Causal GQA attention of every query row on its own: row t of sequence b (position
+    p = starts[b] + t) over the cache rows 0..p in spans of :data:`.decode.SPAN` rows from row 0,
+    each span's (m, \ell, o) joined in order (:func:`.decode._join_spans`), so its output does
+    not depend on the other rows, their count, the batch or the threads. The scores of a span
+    are computed with the keys in vector lanes (K transposed once per call, :func:`_keys_by_d`):
+    each score the same sums for every row, no horizontal sums. q: (B, T, H, hd); k, v: (B, S,
+    KVH, hd); out: (B, T, H, hd)."""
+    B, T, H, hd = q.shape
+    KVH = k.shape[2]
+    G = H // KVH
+    kt = _keys_by_d(k, starts, T)
     for i in prange(B * T):
         b = i // T
         t = i - b * T
@@ -322,56 +391,8 @@ def attend_rows(q, k, v, starts, scale, out):  # pragma: no cover - compiled
             j0 = u * SPAN
             L = min(n, j0 + SPAN) - j0
             for kh in range(KVH):  # the G query heads of KV head kh share each key and value
-                sc[:, :L] = 0
-                d8 = hd - hd % 8
-                for d in range(0, d8, 8):  # eight terms per pass over the span's scores
-                    k0, k1, k2, k3 = (kt[b, kh, d, j0:j0 + L], kt[b, kh, d + 1, j0:j0 + L],
-                                      kt[b, kh, d + 2, j0:j0 + L], kt[b, kh, d + 3, j0:j0 + L])
-                    k4, k5, k6, k7 = (kt[b, kh, d + 4, j0:j0 + L], kt[b, kh, d + 5, j0:j0 + L],
-                                      kt[b, kh, d + 6, j0:j0 + L], kt[b, kh, d + 7, j0:j0 + L])
-                    for g in range(G):
-                        qr = q[b, t, kh * G + g]
-                        s = sc[g]
-                        for jj in range(L):
-                            s[jj] += (qr[d] * k0[jj] + qr[d + 1] * k1[jj] + qr[d + 2] * k2[jj]
-                                      + qr[d + 3] * k3[jj] + qr[d + 4] * k4[jj]
-                                      + qr[d + 5] * k5[jj] + qr[d + 6] * k6[jj]
-                                      + qr[d + 7] * k7[jj])
-                for d in range(d8, hd):
-                    kr = kt[b, kh, d, j0:j0 + L]
-                    for g in range(G):
-                        qd = q[b, t, kh * G + g, d]
-                        s = sc[g]
-                        for jj in range(L):
-                            s[jj] += qd * kr[jj]
                 for g in range(G):
-                    s = sc[g]
-                    m = s[0] * scale
-                    for jj in range(L):
-                        s[jj] *= scale
-                        m = max(m, s[jj])
-                    tot = 0.0
-                    for jj in range(L):
-                        e = fexp(s[jj] - m)
-                        s[jj] = e
-                        tot += e
-                    ml[u, kh * G + g, 0] = m
-                    ml[u, kh * G + g, 1] = tot
-                o = parts[u, kh * G * hd:(kh + 1) * G * hd]
-                L4 = L - L % 4
-                for jj in range(0, L4, 4):  # four keys per pass over each head's output
-                    v0, v1, v2, v3 = (v[b, j0 + jj, kh], v[b, j0 + jj + 1, kh],
-                                      v[b, j0 + jj + 2, kh], v[b, j0 + jj + 3, kh])
-                    for g in range(G):
-                        w0, w1, w2, w3 = sc[g, jj], sc[g, jj + 1], sc[g, jj + 2], sc[g, jj + 3]
-                        og = o[g * hd:(g + 1) * hd]
-                        for d in range(hd):
-                            og[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d]
-                for jj in range(L4, L):
-                    vr = v[b, j0 + jj, kh]
-                    for g in range(G):
-                        w = sc[g, jj]
-                        og = o[g * hd:(g + 1) * hd]
-                        for d in range(hd):
-                            og[d] += w * vr[d]
+                    _span_scores(q[b, t, kh * G + g], kt[b, kh], j0, L, sc[g])
+                    _span_softmax(sc[g], L, scale, ml[u, kh * G + g])
+                _span_values(v[b], kh, j0, L, sc, parts[u, kh * G * hd:(kh + 1) * G * hd])
         _join_spans(ml, parts, out[b, t].reshape(H * hd))
