@@ -137,7 +137,10 @@ def _stream_reply(session, tok, text: str, out) -> bool:
         return False
     except KeyboardInterrupt:
         steps.close()
-        out.write(streamer.flush() + "\n")
+        tail = "" if stopper.hit else stopper.push(streamer.flush()) + stopper.flush()
+        out.write(tail + "\n")
+        if stopper.hit:
+            session.cut_reply("".join(shown) + tail)
         print("[reply stopped]", file=sys.stderr)
         return True
     if not stopper.hit:

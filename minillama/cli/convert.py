@@ -7,6 +7,7 @@ and :func:`minillama.core.quantize.quantize_params`; here are the flags and what
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -136,9 +137,12 @@ def run_quantize(args) -> int:
     before = sum(int(np.prod(a.shape)) * 4 for a in params.values())
     qparams, types, notes = quantize_params(cfg, params, qtype, out_type, emb_type)
     notes_tok: list[str] = []
-    save_gguf(out, cfg, qparams, tokenizer=tok, types=types, notes=notes_tok)
-    if notes_tok:  # the tokenizer could not be carried: no file without it
-        out.unlink()
+    partial = out.with_name(out.name + ".partial")  # an existing file stays until this is whole
+    save_gguf(partial, cfg, qparams, tokenizer=tok, types=types, notes=notes_tok)
+    if not notes_tok:
+        os.replace(partial, out)
+    else:  # the tokenizer could not be carried: no file without it, the old one kept
+        partial.unlink()
         raise MinillamaError(f"{notes_tok[0]}; nothing written (pass --tokenizer with one "
                              f"GGUF holds: {TOKENIZER_KINDS})")
     secs = time.perf_counter() - t0

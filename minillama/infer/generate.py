@@ -419,14 +419,18 @@ def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = No
             seen.on_first = first_compile
 
         timer = threading.Timer(note_after, note)
-        timer.start()
+        if note_after <= 0:
+            note()  # due at once: said before the work, never raced by it
+        else:
+            timer.start()
         try:
             (run or (lambda: _warm_steps(model, prompt_ids, params)))()
             if then is not None:
                 then(model)
         finally:
             timer.cancel()
-            timer.join()
+            if timer.is_alive():
+                timer.join()
     dt = time.perf_counter() - t0
     if said:
         extra = f" ({seen.compiled} compiled)" if said[0] == "loading" and seen.compiled else ""
