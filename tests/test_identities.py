@@ -373,6 +373,30 @@ def test_a_forward_without_its_backward_gets_the_references_backward(capsys):
     assert "reference's" not in rows(out)["rmsnorm_gradient"]
 
 
+class LinearWithOwnContext:
+    """A user's linear forward and backward with a context of its own, and no
+    linear_backward_input (the reference lends it)."""
+
+    def linear_forward(self, x, w):  # W a float matrix or GGML blocks
+        return ops.linear_forward(x, w)[0], ("mine", x, w)
+
+    def linear_backward(self, dy, ctx):
+        _, x, w = ctx
+        return dy @ w, dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+
+
+def test_a_lent_backward_beside_the_users_own_backward_of_one_forward(capsys):
+    """linear_forward feeds the user's linear_backward (its own context) and the reference's
+    lent linear_backward_input (the reference's context of the same arguments) alike."""
+    code, out, _ = run(capsys, "--backend", "test_identities:LinearWithOwnContext", "--only",
+                       "linear_gradient", "linear_backward_input_gradient", "--examples", "5",
+                       "--seed", "5")
+    assert code == 0, out
+    table = rows(out)
+    assert " pass " in table["linear_gradient"] and "reference's" not in table["linear_gradient"]
+    assert " pass " in table["linear_backward_input_gradient"]
+
+
 def test_the_reproduce_line_runs_from_another_folder(capsys, tmp_path):
     code, out, _ = run(capsys, "--backend", "test_identities:WrongBackwardRMSNorm", "--only",
                        "rmsnorm_gradient", "--examples", "5", "--seed", "4")

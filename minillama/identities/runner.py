@@ -193,8 +193,10 @@ class Filled:
             fn = getattr(self._backend, key)
         except AttributeError:
             return getattr(self._reference, key)
-        if key.endswith("_forward") and key.replace("_forward", _BACKWARD) not in self._own:
+        if key.endswith("_forward"):  # kept for any backward the reference lends
             return self._keeping_arguments(fn)
+        if _BACKWARD in key and _forward_of(key) in self._own:
+            return self._own_backward(fn)
         return fn
 
     @staticmethod
@@ -202,6 +204,14 @@ class Filled:
         def call(*args, **kwargs):
             y, ctx = forward(*args, **kwargs)
             return y, _Saved(ctx, args, kwargs)
+
+        return call
+
+    @staticmethod
+    def _own_backward(backward):
+        def call(dy, saved, *args, **kwargs):
+            ctx = saved.ctx if isinstance(saved, _Saved) else saved
+            return backward(dy, ctx, *args, **kwargs)
 
         return call
 
