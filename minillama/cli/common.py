@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 from minillama.backends import backend_help, backend_names, threads_in_use
@@ -64,11 +65,23 @@ def add_backend_flag(p, *, dtype: bool = False, task: str = "decode") -> None:
                        help=f"{DTYPE_HELP} (default {COMPUTE_DTYPES[0]})")
 
 
-def apply_exact(args) -> None:
-    """``--exact``: the switch the numba kernels read at each product
-    (``MINILLAMA_QUANT_DOTS=float``, :func:`minillama.backends.numba.qint8.int8_enabled`)."""
-    if getattr(args, "exact", False):
-        os.environ["MINILLAMA_QUANT_DOTS"] = "float"
+@contextlib.contextmanager
+def apply_exact(args):
+    """``--exact``: within it, the switch the numba kernels read at each product, in every
+    thread (``MINILLAMA_QUANT_DOTS=float``, :func:`minillama.backends.numba.qint8.int8_enabled`);
+    the environment as it was after it (a command run in-process leaves no trace)."""
+    if not getattr(args, "exact", False):
+        yield
+        return
+    before = os.environ.get("MINILLAMA_QUANT_DOTS")
+    os.environ["MINILLAMA_QUANT_DOTS"] = "float"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("MINILLAMA_QUANT_DOTS", None)
+        else:
+            os.environ["MINILLAMA_QUANT_DOTS"] = before
 
 
 def add_backend_list_flag(p) -> None:

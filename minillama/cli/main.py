@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         command = f"minillama {args.command}"
         if getattr(args, "threads", None) is not None:
             set_threads(args.threads)
-        apply_exact(args)
-        return int(args.func(args) or 0)
+        with apply_exact(args):
+            return int(args.func(args) or 0)
     except MinillamaError as e:
         print(f"minillama: error: {e}", file=sys.stderr)
         return 2
