@@ -266,6 +266,12 @@ def model_scale(model) -> float:
     return float(np.sqrt(model.cfg.dim) * g * np.sqrt((w * w).sum(axis=1)).max())
 
 
+def loss_bound(zmax: float, loss: float, N: int, V: int) -> float:
+    """A mean cross-entropy's rounding error over u: the shift by the row maximum (|z| up to
+    ``zmax``), the log of a sum of V exponentials, the mean of N rows."""
+    return 8 * zmax + 4 * (V + N + 8) * (1 + abs(float(loss)))
+
+
 def model_tolerance(model, S: int, u: float) -> float:
     r"""Rounding bound for two ways of computing one model's logits (cached or not, batched or
     not, grouped or repeated heads): each layer's sums have at most D + F + S terms, errors add

@@ -43,7 +43,7 @@ from minillama.core.quant import QuantMatrix, dequantize
 from minillama.core.quantize import quantize
 from minillama.core.rope_scaling import rope_tables
 from minillama.identities import strategies as ids
-from minillama.identities.base import Identity, Subject, attention_bound, ratio
+from minillama.identities.base import Identity, Subject, attention_bound, loss_bound, ratio
 
 U64 = float(np.finfo(np.float64).eps) / 2
 _GELU_C = float(np.sqrt(2.0 / np.pi))
@@ -188,9 +188,8 @@ def _dot_bound(x, w):
 
 
 def _loss_bound(z, loss, N, V):
-    """A mean cross-entropy's rounding over u: the shift by the max, the log of a sum of V
-    exponentials, a mean of N rows (as cross_entropy_shift_invariance)."""
-    return 8 * float(np.abs(z).max(initial=0.0)) + 4 * (V + N + 8) * (1 + abs(float(loss)))
+    """:func:`~minillama.identities.base.loss_bound` of the logits z."""
+    return loss_bound(float(np.abs(z).max(initial=0.0)), loss, N, V)
 
 
 def _norm_bound(x, g, centred: bool):

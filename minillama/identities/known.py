@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from minillama.core import ops
 from minillama.identities import strategies as ids
-from minillama.identities.base import Identity, Subject, attention_bound, ratio
+from minillama.identities.base import Identity, Subject, attention_bound, loss_bound, ratio
 from minillama.identities.rows import table_error
 
 _THETAS = (10000.0, 500000.0, 1e6)
@@ -135,8 +135,7 @@ def _loss_rows(ex: dict, dtype):
 
 
 def _loss_tolerance(s: Subject, z, mean: float) -> float:
-    N, V = z.shape
-    return 8 * s.u * float(np.abs(z).max()) + 4 * (V + N + 8) * s.u * (1 + abs(mean))
+    return s.u * loss_bound(float(np.abs(z).max()), mean, *z.shape)
 
 
 def _cross_entropy_values(s: Subject, ex: dict) -> float:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from minillama.core import ops
 from minillama.identities import strategies as ids
-from minillama.identities.base import Identity, Subject, ratio
+from minillama.identities.base import Identity, Subject, loss_bound, ratio
 
 U64 = float(np.finfo(np.float64).eps) / 2
 
@@ -107,7 +107,7 @@ def _cross_entropy_shift(s: Subject, ex: dict) -> float:
     N, V = x.shape
     l0, l1 = s.cross_entropy(x, t), s.cross_entropy(xc, t)
     m = float(np.abs(x).max() + np.abs(xc.astype(np.float64)).max())
-    return ratio(l1 - l0, 8 * s.u * m + 4 * (V + N + 8) * s.u * (1 + abs(l0)))
+    return ratio(l1 - l0, s.u * loss_bound(m, l0, N, V))
 
 
 _LOGITS = st.fixed_dictionaries({"seed": ids.seeds, "N": st.integers(1, 5),
