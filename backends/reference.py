@@ -87,6 +87,16 @@ class ReferenceBackend:
     def synchronize(self) -> None:
         """Wait for queued device work (a no-op on the CPU)."""
 
+    #: the bitwise identities of :mod:`minillama.identities.invariance` this backend keeps
+    #: ("batch", "prefix_cache", "threads", "prefill_decode"): none here, whose NumPy products
+    #: follow the BLAS library's blocking for the shapes at hand
+    invariance: frozenset[str] = frozenset()
+
+    def threads(self, n: int):
+        """A context manager running this backend's ops on ``n`` threads in its ``with`` block
+        (the reference has no pools of its own: nothing changes)."""
+        return contextlib.nullcontext()
+
     def decode_threads(self, B: int):
         """A context manager around one cached decode step of B sequences (the model's per-op
         path at T = 1): a backend with thread pools picks their size for the step there. The

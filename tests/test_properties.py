@@ -17,12 +17,12 @@ from helpers import BACKEND_PARAMS, require_float64
 from minillama.backends import get_backend
 from minillama.core import ops
 from minillama.identities import Subject, run_identity, select
-from minillama.identities.runner import format_failure
+from minillama.identities.runner import NOT_GUARANTEED, format_failure
 
 #: hypothesis examples per identity and backend
 EXAMPLES = 12
 #: the catalog's topics held here (the notes' pieces: test_notes_properties.py)
-TOPICS = ("rope", "norm", "softmax", "attention", "model", "quant", "lora")
+TOPICS = ("rope", "norm", "softmax", "attention", "model", "invariance", "quant", "lora")
 
 
 def identity_cases(topics) -> list:
@@ -44,7 +44,9 @@ def check_identity(identity, backend_name: str, examples: int = EXAMPLES) -> Non
     subject = Subject(backend, require_float64(backend))
     result = run_identity(identity, subject, examples)
     again = f"minillama check --backend {backend_name} --only {identity.name}"
-    assert result.status == "pass", format_failure(result, again)
+    # a bitwise identity the backend does not promise runs all the same, and never fails
+    want = "pass" if identity.promised(backend) else NOT_GUARANTEED
+    assert result.status == want, format_failure(result, again)
     assert result.examples >= 1
 
 

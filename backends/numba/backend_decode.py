@@ -264,6 +264,17 @@ class FusedDecode(DecodePlans):
                 1)
         return logits
 
+    @property
+    def invariance(self) -> frozenset[str]:
+        """The bitwise identities this backend keeps on GGML block weights with 8-bit products
+        (the default): a sequence's logits whatever is batched with it, whether its prefix came
+        from a cache, and the thread count (fixed attention spans, one kernel call per product
+        row, prompt rows computed alike). Not the prefill against the decode steps (their 8-bit
+        products sum in other orders), and none with ``MINILLAMA_QUANT_DOTS=float``."""
+        from .qint8 import int8_enabled  # the switch alone: compiles nothing
+
+        return frozenset({"batch", "prefix_cache", "threads"}) if int8_enabled() else frozenset()
+
     def prompt_rows_invariant(self, model) -> bool:
         """Whether ``model``'s prompt rows on this backend can be computed row by row alike
         whatever their count (:meth:`prompt_rows`): a plan of GGML block weights with 8-bit

@@ -493,6 +493,10 @@ class NumpyBackend(LoRAOps, ReferenceBackend):
         """The pools of this backend's ops on ``threads`` threads, for a ``with`` block."""
         return team(threads)
 
+    def threads(self, n: int):
+        """The pools of this backend's ops on ``n`` threads in the ``with`` block."""
+        return self._team(n)
+
     def decode_threads(self, B: int):
         """One cached decode step of B sequences on the thread count measured faster for B
         (every thread, or one when other processes take the cores:

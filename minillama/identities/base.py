@@ -58,6 +58,17 @@ class Identity:
     #: whether ``check_attention`` & co. run it on a user's function (False: it calls the
     #: backend op with arguments a user's function does not take)
     for_functions: bool = True
+    #: a bitwise identity (tolerance zero): the name of the promise a backend lists in its
+    #: ``invariance`` set to be held to it (:mod:`minillama.identities.invariance`); None for
+    #: the identities checked against a rounding tolerance
+    exact: str | None = None
+
+    def promised(self, subject) -> bool:
+        """Whether ``subject``'s backend promises this bitwise identity (always True for one
+        with a tolerance)."""
+        if self.exact is None:
+            return True
+        return self.exact in getattr(as_subject(subject).backend, "invariance", ())
 
     def missing(self, subject) -> list[str]:
         """The ops of :attr:`ops` that ``subject`` (a :class:`Subject` or a backend) lacks."""

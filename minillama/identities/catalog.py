@@ -6,14 +6,15 @@ from __future__ import annotations
 import difflib
 
 from minillama.core.errors import MinillamaError
-from minillama.identities import attention, grads, known, model, notes, numeric, rows
+from minillama.identities import attention, grads, invariance, known, model, notes, numeric, rows
 from minillama.identities.base import Identity
 
 #: every identity, by topic: rope, norm, softmax, attention (invariances, then known answers),
-#: model, notes, quant, lora, grad (each backward against its forward)
+#: model, invariance (bitwise, where a backend promises it), notes, quant, lora, grad (each
+#: backward against its forward)
 CATALOG: tuple[Identity, ...] = tuple(rows.IDENTITIES + attention.IDENTITIES + known.IDENTITIES
-                                      + model.IDENTITIES + notes.IDENTITIES + numeric.IDENTITIES
-                                      + grads.IDENTITIES)
+                                      + model.IDENTITIES + invariance.IDENTITIES
+                                      + notes.IDENTITIES + numeric.IDENTITIES + grads.IDENTITIES)
 #: name -> identity
 BY_NAME: dict[str, Identity] = {i.name: i for i in CATALOG}
 assert len(BY_NAME) == len(CATALOG), "identity names must be unique"

@@ -26,12 +26,16 @@ from minillama.identities.catalog import BY_NAME, CATALOG, select
 
 #: examples per identity of ``minillama check`` without ``--examples``
 DEFAULT_EXAMPLES = 50
+#: the status of a bitwise identity its backend does not promise (it ran, and never fails)
+NOT_GUARANTEED = "not guaranteed"
 
 
 @dataclass
 class Result:
-    """One identity's run: ``status`` pass, fail or skip; ``examples`` checks run (shrinking
-    included); ``worst`` the largest error / tolerance seen; ``missing`` the ops a skipped
+    """One identity's run: ``status`` pass, fail, skip or "not guaranteed" (a bitwise identity
+    the backend does not promise, run and measured); ``examples`` checks run (shrinking
+    included); ``worst`` the largest error / tolerance seen (for a bitwise identity, the largest
+    difference relative to the logits' magnitude); ``missing`` the ops a skipped
     subject lacks; ``borrowed`` the ops a user's partial backend lacked and the reference lent
     it; ``note`` why an identity was skipped when no op is missing; for a failure the shrunk
     ``counterexample``, its ratio and the exception (``error``) when the check raised
@@ -76,6 +80,10 @@ def run_identity(identity: Identity, subject, examples: int = DEFAULT_EXAMPLES,
     if missing:
         return Result(identity.name, "skip", missing=tuple(missing))
     state: dict = {"n": 0, "worst": 0.0, "example": None, "ratio": None, "error": None}
+    # a tolerance identity passes up to 1; a bitwise one only at 0 where the backend promises
+    # it, and is measured without a limit where it does not
+    promised = identity.promised(subject)
+    limit = 1.0 if identity.exact is None else (0.0 if promised else math.inf)
 
     def body(example):
         state["n"] += 1
@@ -87,7 +95,7 @@ def run_identity(identity: Identity, subject, examples: int = DEFAULT_EXAMPLES,
         r = r if r == r else math.inf  # NaN counts as the worst
         state["worst"] = max(state["worst"], r)
         target(min(r, 1e300), label=identity.name)
-        if r > 1.0:
+        if r > limit:
             state.update(example=example, ratio=r, error=None)
             raise _Exceeds(f"{identity.name}: error / tolerance {r:.3g} on {example}")
 
@@ -103,7 +111,7 @@ def run_identity(identity: Identity, subject, examples: int = DEFAULT_EXAMPLES,
     start = time.perf_counter()
     try:
         test()
-        status = "pass"
+        status = "pass" if promised else NOT_GUARANTEED
     except Exception as e:  # the shrunk failure, re-raised by hypothesis (or its complaint)
         status = "fail"
         if state["example"] is None:
@@ -336,7 +344,8 @@ def _ratio_text(v) -> str:
 
 #: what the err/tol column and the FAILED block's figure are
 RATIO_LEGEND = ("err/tol: the worst example's error divided by its tolerance (the error model's "
-                "bound); at most 1 passes")
+                "bound); at most 1 passes, and 0 only for the bitwise (invariance) ones a backend "
+                "promises")
 
 
 def table_header(width: int) -> str:
@@ -350,6 +359,9 @@ def format_row(r: Result, width: int) -> str:
     if r.status == "skip":
         why = r.note or f"no {', '.join(r.missing)}"
         return f"{r.name:<{width}}  {'-':>8}  {'-':>8}  skip ({why})"
+    if r.status == NOT_GUARANTEED:
+        return (f"{r.name:<{width}}  {r.examples:>8}  {'-':>8}  not guaranteed (largest "
+                f"difference {_ratio_text(r.worst)} of the logits' magnitude)  {r.seconds:7.2f}")
     word = "pass" if r.status == "pass" else "FAIL"
     lent = f"  (reference's {', '.join(r.borrowed)})" if r.borrowed else ""
     return (f"{r.name:<{width}}  {r.examples:>8}  {_ratio_text(r.worst):>8}  {word:<6}  "
@@ -382,9 +394,15 @@ def format_failure(r: Result, reproduce: str) -> str:
 
 def summary(results: list[Result]) -> str:
     """The summary line: how many identities passed, failed and were skipped."""
-    count = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "skip")}
+    count = {s: sum(r.status == s for r in results)
+             for s in ("pass", "fail", "skip", NOT_GUARANTEED)}
     noun = "identity" if len(results) == 1 else "identities"
     lent = sum(bool(r.borrowed) for r in results if r.status != "skip")
-    return (f"{len(results)} {noun}: {count['pass']} passed, {count['fail']} failed, "
-            f"{count['skip']} skipped" + (f"; {lent} ran with some of the reference's ops "
-                                          f"beside the backend's" if lent else ""))
+    loose = count[NOT_GUARANTEED]
+    out = (f"{len(results)} {noun}: {count['pass']} passed, {count['fail']} failed, "
+           f"{count['skip']} skipped")
+    if loose:
+        out += f", {loose} not guaranteed by the backend (measured)"
+    if lent:
+        out += f"; {lent} ran with some of the reference's ops beside the backend's"
+    return out

@@ -1,0 +1,186 @@
+r"""Same input, same output: a sequence's logits do not depend on what is batched with it, on
+whether its prefix came from a cache, on the thread count, or on whether a position was computed
+in a prefill or in a decode step.
+
+These are promises of an implementation, not of the math: every one of them holds exactly in
+real numbers and within rounding on any backend (``model_batch_independence`` and
+``model_kv_cache_decode`` check that, with tolerances). Here the tolerance is zero: the two
+sides must agree bit for bit, which holds only where a backend fixes the order of every float
+sum whatever the batch, cache and threads (docs/KERNELS.md, "Same input, same output").
+
+A backend declares the ones it keeps in ``invariance`` (a set of the names below without
+``_invariance``; the reference declares none). On a backend that promises an identity, any
+difference fails it; on one that does not, ``minillama check`` runs it all the same and reports
+"not guaranteed" with the largest difference it met, relative to the logits' largest magnitude.
+
+The model is what users run these engines on: float32, its linear weights in GGML blocks
+(Q4_0, Q4_1, Q5_0, Q8_0, cycled), prompts up to 80 tokens, so that the sizes cross the paths'
+thresholds (more than one attention span of 64 cached rows, the 8-bit GEMM above 8 rows).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+from minillama.core.config import ModelConfig, param_shapes
+from minillama.core.quantize import quantize
+from minillama.identities import strategies as ids
+from minillama.identities.base import MODEL_FORWARD_OPS, Identity, Subject
+from minillama.model.transformer import Transformer
+
+#: the block types the model's matrices cycle through (blocks of 32 values)
+TYPES = ("Q4_0", "Q8_0", "Q4_1", "Q5_0")
+#: the longest prompt drawn, and the context
+MAX_PROMPT = 80
+CONTEXT = 96
+
+
+def block_model(s: Subject, seed: int) -> Transformer:
+    """A float32 LLaMA of two layers (D 64, 4 query heads on 2 KV heads, F 96, V 61) on the
+    subject's backend, its linear weights quantized to :data:`TYPES` (cycled), the embedding
+    and norm gains float."""
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, hidden_dim=96,
+                      max_seq_len=CONTEXT)
+    rng = np.random.default_rng([seed, 11])
+    params, k = {}, 0
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            params[name] = (1.0 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+        elif name == "tok_embeddings.weight" or len(shape) != 2:
+            params[name] = rng.standard_normal(shape).astype(np.float32)
+        else:
+            params[name] = quantize(0.2 * rng.standard_normal(shape), TYPES[k % len(TYPES)])
+            k += 1
+    return Transformer(cfg, params, backend=s.backend, dtype=np.float32)
+
+
+def deviation(a, b) -> float:
+    """max |a - b| / max |a|: 0 exactly when the two agree bit for bit (inf where either has a
+    NaN or an infinity)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("inf")
+    d = float(np.abs(a - b).max(initial=0.0))
+    return 0.0 if d == 0 else d / max(float(np.abs(a).max(initial=0.0)), 1e-300)
+
+
+def _tokens(seed: int, *shape) -> np.ndarray:
+    return np.random.default_rng([seed, 12]).integers(0, 61, shape)
+
+
+def _steps(s: Subject, model, cache, toks, start) -> list[np.ndarray]:
+    """Decode steps feeding ``toks`` (B, N) one column at a time from positions ``start``
+    ((B,) ints): each step's logits (B, V)."""
+    out = []
+    for i in range(toks.shape[1]):
+        out.append(s.logits(model, toks[:, i:i + 1], start_pos=np.asarray(start) + i,
+                            cache=cache, last_only=True))
+    return out
+
+
+def _alone(s: Subject, model, prompt, follow) -> list[np.ndarray]:
+    """A prompt (T,) prefilled alone into a fresh cache, then the tokens ``follow`` (N,)
+    stepped one at a time: the prompt's last logits and each step's, each (V,)."""
+    cache = model.new_cache(1)
+    got = [s.logits(model, prompt[None], cache=cache, last_only=True)[0]]
+    got += [z[0] for z in _steps(s, model, cache, follow[None], [len(prompt)])]
+    return got
+
+
+def _batch(s: Subject, ex: dict) -> float:
+    model = block_model(s, ex["seed"])
+    lens = [ex["P"]] + ex["others"]
+    B, T, N = len(lens), max(lens), ex["steps"]
+    block = _tokens(ex["seed"], B, T)
+    follow = _tokens(ex["seed"] + 1, B, N)
+    want = _alone(s, model, block[0, :lens[0]], follow[0])
+    cache = model.new_cache(B)  # the padded group, then its rows stepped at their own positions
+    got = [s.logits(model, block, cache=cache, output_index=np.array(lens) - 1)[0]]
+    got += [z[0] for z in _steps(s, model, cache, follow, lens)]
+    return max(deviation(w, g) for w, g in zip(want, got))
+
+
+def _prefix_cache(s: Subject, ex: dict) -> float:
+    model = block_model(s, ex["seed"])
+    P, c = ex["P"], min(ex["cached"], ex["P"] - 1)
+    prompt, follow = _tokens(ex["seed"], P), _tokens(ex["seed"] + 1, 2)
+    want = _alone(s, model, prompt, follow)
+    # an earlier request shared the first c tokens; its rows 0..c-1 are kept, the rest is new
+    earlier = model.new_cache(1)
+    other = np.concatenate([prompt[:c], _tokens(ex["seed"] + 2, ex["extra"])])
+    s.logits(model, other[None], cache=earlier, last_only=True)
+    cache = model.new_cache(1)
+    for kept, old in zip(cache.k + cache.v, earlier.k + earlier.v):
+        kept[:, :c] = old[:, :c]
+    got = [s.logits(model, prompt[None, c:], start_pos=c, cache=cache, last_only=True)[0]]
+    got += [z[0] for z in _steps(s, model, cache, follow[None], [P])]
+    return max(deviation(w, g) for w, g in zip(want, got))
+
+
+def _threads(s: Subject, ex: dict) -> float:
+    model = block_model(s, ex["seed"])
+    prompt, follow = _tokens(ex["seed"], ex["P"]), _tokens(ex["seed"] + 1, ex["steps"])
+    runs = []
+    for n in (1, ex["threads"]):
+        with s.backend.threads(n):
+            runs.append(_alone(s, model, prompt, follow))
+    return max(deviation(w, g) for w, g in zip(*runs))
+
+
+def _prefill_decode(s: Subject, ex: dict) -> float:
+    model = block_model(s, ex["seed"])
+    P = ex["P"]
+    prompt = _tokens(ex["seed"], P)
+    want = s.logits(model, prompt[None], cache=model.new_cache(1), last_only=True)[0]
+    cache = model.new_cache(1)  # the same prompt fed one token at a time
+    got = _steps(s, model, cache, prompt[None], [0])[-1][0]
+    return deviation(want, got)
+
+
+_PROMPT = st.integers(1, MAX_PROMPT)
+
+IDENTITIES = [
+    Identity(
+        name="batch_invariance", topic="invariance",
+        statement="A sequence's logits are the same bit for bit alone and batched: prefilled in "
+                  "a padded group beside 1-3 other prompts, then stepped beside them at their "
+                  "own positions.",
+        equation=r"z(X)_b \equiv z(X_b)",
+        strategy=st.fixed_dictionaries({
+            "seed": ids.seeds, "P": _PROMPT, "steps": st.integers(1, 3),
+            "others": st.lists(_PROMPT, min_size=1, max_size=3)}),
+        tolerance="zero where the backend promises it (its invariance set); else the largest "
+                  "difference is reported",
+        ops=MODEL_FORWARD_OPS, fn=_batch, for_functions=False, exact="batch"),
+    Identity(
+        name="prefix_cache_invariance", topic="invariance",
+        statement="A prompt's logits, and those of the steps after it, are the same bit for "
+                  "bit prefilled cold and after its first c tokens' K/V came from another "
+                  "request's cache.",
+        equation=r"z(x_{c:P} \mid \mathrm{cache}(x_{0:c})) \equiv z(x_{0:P})_{c:P}",
+        strategy=st.integers(2, MAX_PROMPT).flatmap(lambda P: st.fixed_dictionaries({
+            "seed": ids.seeds, "P": st.just(P), "cached": st.integers(1, P - 1),
+            "extra": st.integers(1, 9)})),
+        tolerance="zero where the backend promises it; else reported",
+        ops=MODEL_FORWARD_OPS, fn=_prefix_cache, for_functions=False, exact="prefix_cache"),
+    Identity(
+        name="thread_invariance", topic="invariance",
+        statement="A prompt's logits and its decode steps' are the same bit for bit on one "
+                  "thread and on several.",
+        equation=r"z_{1\ \mathrm{thread}}(x) \equiv z_{n\ \mathrm{threads}}(x)",
+        strategy=st.fixed_dictionaries({"seed": ids.seeds, "P": _PROMPT,
+                                        "steps": st.integers(1, 3),
+                                        "threads": st.integers(2, 4)}),
+        tolerance="zero where the backend promises it; else reported",
+        ops=MODEL_FORWARD_OPS, fn=_threads, for_functions=False, exact="threads"),
+    Identity(
+        name="prefill_decode_invariance", topic="invariance",
+        statement="A prompt's last logits are the same bit for bit prefilled at once and fed "
+                  "one token at a time through decode steps.",
+        equation=r"z(x_{0:P})_{P-1} \equiv \mathrm{step}(x_{P-1} \mid \mathrm{steps}(x_{0:P-1}))",
+        strategy=st.fixed_dictionaries({"seed": ids.seeds, "P": st.integers(2, MAX_PROMPT)}),
+        tolerance="zero where the backend promises it; else reported",
+        ops=MODEL_FORWARD_OPS, fn=_prefill_decode, for_functions=False,
+        exact="prefill_decode"),
+]

@@ -1,0 +1,88 @@
+"""The catalog's bitwise identities (:mod:`minillama.identities.invariance`): held to zero
+difference where a backend promises them, measured and reported "not guaranteed" where it does
+not, and able to catch the bug they are for: a product whose float order depends on how many
+rows are multiplied at once (a GEMV for a few rows, a blocked GEMM for more)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minillama.backends import get_backend
+from minillama.core.errors import MinillamaError
+from minillama.core.quant import QuantMatrix, dequantize
+from minillama.identities import BY_NAME, Subject, run_identity, select
+from minillama.identities.runner import NOT_GUARANTEED, format_row, summary
+
+NAMES = ("batch_invariance", "prefix_cache_invariance", "thread_invariance",
+         "prefill_decode_invariance")
+
+
+def _numba():
+    try:
+        return get_backend("numba")
+    except MinillamaError as e:  # pragma: no cover - numba missing
+        pytest.skip(f"numba backend unavailable: {e}")
+
+
+def test_the_catalog_holds_the_four_and_the_reference_promises_none():
+    assert [i.name for i in select(topics=("invariance",))] == list(NAMES)
+    assert all(BY_NAME[n].exact for n in NAMES)
+    assert get_backend("reference").invariance == frozenset()
+
+
+def test_numba_keeps_its_promises_bit_for_bit(monkeypatch):
+    """numba promises batch, prefix-cache and thread invariance on GGML blocks with 8-bit
+    products, and not the prefill against the decode steps, which it reports with a figure."""
+    monkeypatch.delenv("MINILLAMA_QUANT_DOTS", raising=False)
+    be = _numba()
+    assert be.invariance == {"batch", "prefix_cache", "threads"}
+    results = [run_identity(BY_NAME[n], Subject(be, np.float32), examples=8, seed=1)
+               for n in NAMES]
+    assert [r.status for r in results] == ["pass"] * 3 + [NOT_GUARANTEED]
+    assert all(r.worst == 0.0 for r in results[:3])
+    assert "not guaranteed (largest difference" in format_row(results[3], 30)
+    assert "1 not guaranteed by the backend" in summary(results)
+    monkeypatch.setenv("MINILLAMA_QUANT_DOTS", "float")  # float products: no promise left
+    assert be.invariance == frozenset()
+
+
+def test_an_unpromised_identity_is_measured_and_never_fails():
+    r = run_identity(BY_NAME["batch_invariance"], Subject(get_backend("numpy"), np.float32),
+                     examples=4, seed=2)
+    assert r.status == NOT_GUARANTEED and r.examples >= 4 and r.worst >= 0.0
+
+
+def _row_count_dependent(be):
+    """``be``'s class with a linear whose float order depends on the rows multiplied at once:
+    up to 8 rows one dot per output, more rows as two half-sums added (a split-K GEMM)."""
+
+    class RowCountDependent(type(be)):
+        invariance = frozenset({"batch", "prefix_cache"})
+
+        def linear_forward(self, x, w):
+            y, ctx = super().linear_forward(x, w)
+            if x.reshape(-1, x.shape[-1]).shape[0] <= 8:
+                return y, ctx
+            h = x.shape[-1] // 2
+            lo = super().linear_forward(np.ascontiguousarray(x[..., :h]),
+                                        np.ascontiguousarray(self._dense(w)[:, :h]))[0]
+            hi = super().linear_forward(np.ascontiguousarray(x[..., h:]),
+                                        np.ascontiguousarray(self._dense(w)[:, h:]))[0]
+            return lo + hi, ctx
+
+        @staticmethod
+        def _dense(w):
+            return dequantize(w).astype(np.float32) if isinstance(w, QuantMatrix) else w
+
+    return RowCountDependent()
+
+
+def test_a_product_order_that_follows_the_row_count_fails_batch_invariance():
+    """The bug the identity is for (the 8-bit GEMV for a few rows, the GEMM tiles for more
+    once summed in other orders): a prompt alone (few rows) and in a padded group (many). The
+    same identity passes on the backend without the bug (above)."""
+    be = _row_count_dependent(_numba())  # numba keeps batch invariance: the bug breaks it
+    r = run_identity(BY_NAME["batch_invariance"], Subject(be, np.float32), examples=30, seed=3)
+    assert r.status == "fail", format_row(r, 30)
+    assert r.counter_ratio is not None and r.counter_ratio > 0
