@@ -2,7 +2,7 @@
 (BLAS, OpenMP, Numba, minillama's row threads) and put the repository on ``sys.path``.
 
 Thread pools size themselves when their library is first imported, so :func:`pin_threads` must run
-before ``import numpy``. Model shapes come from :data:`minillama.cli.bench.SHAPES`.
+before ``import numpy``. Model shapes come from :data:`minillama.core.config.SHAPES`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def pin_threads(n: int) -> None:
 
 
 def shape(name: str, **overrides) -> dict:
-    """A copy of the named model shape of :data:`minillama.cli.bench.SHAPES`, with overrides."""
-    from minillama.cli.bench import SHAPES
+    """A copy of the named model shape of :data:`minillama.core.config.SHAPES`, with overrides."""
+    from minillama.core.config import SHAPES
 
     return {**SHAPES[name], **overrides}
 
