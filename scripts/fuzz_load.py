@@ -1,5 +1,5 @@
 """Fuzz every reader for as long as wanted and print a tally (the same mutator as
-``tests/test_fuzz_load.py``: ``tests/fuzzing.py``).
+``tests/test_fuzz_load.py``: ``tests/support/fuzzing.py``).
 
 Cases run in a worker process, so a hard crash (a segfault) or a hang that ignores the alarm is
 counted (``crash`` / ``timeout``) and the worker restarted, instead of ending the run.
@@ -25,18 +25,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the fuzzer lives beside the tests, not in the package
 
-from fuzzing import BAD, Result, Target, make_targets, run_case  # noqa: E402
+from tests.support.fuzzing import BAD, Result, Target, make_targets, run_case  # noqa: E402
 
 STATUSES = ("ok", "error", "traceback", "timeout", "crash", "nonfinite")
 
 
 def real_targets(root: Path) -> dict[str, Target]:
     """Mutated copies of real files when they are here: the shipped model and stories260K."""
-    from fuzzing import _load_and_run
-
     from minillama.io.load import DEFAULT_CHECKPOINT
+    from tests.support.fuzzing import _load_and_run
 
     out = {}
     if DEFAULT_CHECKPOINT.is_file():
@@ -94,7 +92,7 @@ class Runner:
         self.proc.kill()
         self.proc.join(5)
         self.proc = None
-        from fuzzing import prepare_case
+        from tests.support.fuzzing import prepare_case
 
         work = self.args[2] / name / "replay"
         desc = prepare_case(self.args[0][name], index, self.args[1], work)
