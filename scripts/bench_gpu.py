@@ -21,10 +21,10 @@ Both sides run float32 without TF32 (CuPy's cuBLAS default; ``torch.backends.cud
 for attention, ``torch.optim.AdamW``); it starts from the same weights, and the script checks that
 the first loss and the greedy tokens agree before timing.
 
-    python scripts/bench_gpu.py                       # s15 and s110, decode at batch 1 and 8
-    python scripts/bench_gpu.py --shapes s15 --steps 3 --decode-tokens 64
-    python scripts/bench_gpu.py --attention --reps 5 --no-simt   # the attention sweep
-    python scripts/bench_gpu.py --attention --quick              # two small shapes
+    python -m scripts.bench_gpu                       # s15 and s110, decode at batch 1 and 8
+    python -m scripts.bench_gpu --shapes s15 --steps 3 --decode-tokens 64
+    python -m scripts.bench_gpu --attention --reps 5 --no-simt   # the attention sweep
+    python -m scripts.bench_gpu --attention --quick              # two small shapes
 
 The attention sweep first checks each result (‖x − ref‖ / ‖ref‖ for o, dq, dk, dv, the reference
 being PyTorch's float64 attention on the same inputs), then times forward + backward (CUDA events,
@@ -45,17 +45,16 @@ import platform
 import sys
 import time
 
-import _bench_common
 import numpy as np
 
-sys.path.insert(0, _bench_common.REPO)
-from minillama.core.config import ModelConfig  # noqa: E402
-from minillama.core.errors import MinillamaError  # noqa: E402
-from minillama.model.transformer import Transformer, init_params  # noqa: E402
+from minillama.core.config import ModelConfig
+from minillama.core.errors import MinillamaError
+from minillama.model.transformer import Transformer, init_params
+from scripts._measure import median, model_shape
 
 #: name -> (config, training batch B, training length T)
-SHAPES = {"s15": (_bench_common.shape("s15"), 16, 256),
-          "s110": (_bench_common.shape("s110"), 8, 1024)}
+SHAPES = {"s15": (model_shape("s15"), 16, 256),
+          "s110": (model_shape("s110"), 8, 1024)}
 ADAM = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, wd=0.1)
 
 
@@ -302,10 +301,6 @@ class TorchLlama:
 
 
 # ------------------------------------------------------------------------------------------------
-def median(xs):
-    return float(np.median(np.asarray(xs)))
-
-
 def bench_train(name, args, torch_ok):
     cfg_d, B, T = SHAPES[name]
     cfg = ModelConfig(**cfg_d)
@@ -491,7 +486,7 @@ def bench_attention(args, argv=None) -> int:
     dev = torch.cuda.get_device_name()
     print(f"# {dev}, {datetime.date.today()}, CuPy {cp.__version__}, torch {torch.__version__}, "
           f"CUDA {cp.cuda.runtime.runtimeGetVersion()}, {platform.python_version()}")
-    print("# command: python scripts/bench_gpu.py " + " ".join(argv or sys.argv[1:]))
+    print("# command: python -m scripts.bench_gpu " + " ".join(argv or sys.argv[1:]))
 
     def t_cupy(fn):
         for _ in range(2):
@@ -636,7 +631,7 @@ def main(argv=None) -> int:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"# bench_gpu: {be.device}, {now}, cupy {cp.__version__}, torch {torch_ver}, "
           f"python {platform.python_version()}")
-    print(f"# command: python scripts/bench_gpu.py "
+    print(f"# command: python -m scripts.bench_gpu "
           f"{' '.join(sys.argv[1:] if argv is None else argv)}")
 
     if not args.no_train:

@@ -6,7 +6,7 @@ One step = forward + backward (loss and every parameter gradient), no optimizer;
 tokens/s, the share of the measured float32 matmul peak (a large NumPy matmul timed in the same
 run) and the PyTorch/minillama time ratio (> 1: minillama is faster).
 
-    python scripts/bench_train.py --backend numpy --configs tiny,s15 --steps 5 --threads 2
+    python -m scripts.bench_train --backend numpy --configs tiny,s15 --steps 5 --threads 2
 
 Thread counts are fixed through OMP/OPENBLAS/MKL_NUM_THREADS *before* NumPy is imported, and
 ``torch.set_num_threads`` for the peer.
@@ -27,7 +27,7 @@ import platform
 import sys
 import time
 
-import _bench_common
+from scripts._measure import CLOCKS, matmul_peak, median_times, pin_threads, train_configs
 
 
 def parse_args(argv=None):
@@ -52,7 +52,7 @@ def parse_args(argv=None):
 
 
 ARGS = parse_args()
-_bench_common.pin_threads(ARGS.threads)
+pin_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402  (after the thread settings)
 
@@ -60,50 +60,8 @@ from minillama import ModelConfig, Transformer  # noqa: E402
 from minillama.model.transformer import init_params  # noqa: E402
 
 #: name -> (config, B, T)
-CONFIGS = _bench_common.train_configs()
-
-
-def median_times(fns, steps: int, warmup: int, sync=lambda: None) -> list[float]:
-    """Median step time of each function in ``fns``. The functions take turns step by step
-    (A B A B ...), so on a shared machine both sides see the same background load; each timed
-    step starts ``--gap`` seconds after the previous one ended (see the module docstring)."""
-    clock = time.process_time if ARGS.clock == "cpu" else time.perf_counter
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    sync()
-    times = [[] for _ in fns]
-    for _ in range(steps):
-        for fn, ts in zip(fns, times):
-            if ARGS.gap > 0:
-                time.sleep(ARGS.gap)
-            t0 = clock()
-            fn()
-            sync()
-            ts.append(clock() - t0)
-    return [float(np.median(ts)) for ts in times]
-
-
-def matmul_peak(n: int = 2048, reps: int = 5) -> float:
-    """Best float32 GEMM rate here, FLOP/s (2 n^3 per n x n product): the best of NumPy's
-    BLAS-threaded matmul and the same product split by rows over minillama's op threads."""
-    from minillama.backends.numpy import threads as cpu_threads
-
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    b = rng.standard_normal((n, n), dtype=np.float32)
-    c = np.empty((n, n), np.float32)
-    np.matmul(a, b, out=c)
-    best = min(_timed(lambda: np.matmul(a, b, out=c)) for _ in range(reps))
-    best = min(best, min(_timed(lambda: cpu_threads.split_gemm(a, b, c)) for _ in range(reps)))
-    return 2.0 * n**3 / best
-
-
-def _timed(fn) -> float:
-    clock = time.process_time if ARGS.clock == "cpu" else time.perf_counter
-    t0 = clock()
-    fn()
-    return clock() - t0
+CONFIGS = train_configs()
+CLOCK = CLOCKS[ARGS.clock]
 
 
 def step_flops(cfg: ModelConfig, B: int, T: int) -> float:
@@ -194,7 +152,7 @@ def main() -> int:
             print(f"note: --optimizer: minillama.train.optim.AdamW not available yet ({e}); "
                   "optimizer columns skipped")
 
-    peak = matmul_peak()
+    peak = matmul_peak(clock=CLOCK)
     print(f"# minillama training-step benchmark — "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, "
@@ -204,7 +162,7 @@ def main() -> int:
           + f"; threads={args.threads}; clock={args.clock}; gap={args.gap:g} s; load average "
           + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     print(f"measured float32 matmul peak (NumPy 2048^3 GEMM): {peak / 1e9:.1f} GFLOP/s")
-    print(f"command: python {' '.join(sys.argv)}\n")
+    print(f"command: python -m scripts.bench_train {' '.join(sys.argv[1:])}\n")
 
     head = ("| config | backend | B x T | params | ms/step | tokens/s | % of matmul peak "
             "| torch ms/step | torch tokens/s | torch/minillama |")
@@ -227,7 +185,7 @@ def main() -> int:
         if torch is not None:
             step, step_opt = torch_step_fns(torch, cfg, params, tokens, targets, bool(AdamW))
             ours.append(step)
-        t_ours, *t_peer = median_times(ours, args.steps, args.warmup, sync)
+        t_ours, *t_peer = median_times(ours, args.steps, args.warmup, sync, CLOCK, args.gap)
         ntok = B * T
         flops = step_flops(cfg, B, T)
         row = (f"| {name} | {model.backend.name} | {B} x {T} | {cfg.n_params() / 1e6:.2f}M "
@@ -247,7 +205,7 @@ def main() -> int:
                 opt.step(grads)
 
             fns = [full_step] + ([step_opt] if torch is not None else [])
-            t_full, *t_tf = median_times(fns, args.steps, args.warmup, sync)
+            t_full, *t_tf = median_times(fns, args.steps, args.warmup, sync, CLOCK, args.gap)
             orow = f"| {name} | {model.backend.name} | {t_full * 1e3:.1f} | {ntok / t_full:,.0f} "
             if t_tf:
                 t_tfull = t_tf[0]

@@ -4,10 +4,10 @@
 Cases run in a worker process, so a hard crash (a segfault) or a hang that ignores the alarm is
 counted (``crash`` / ``timeout``) and the worker restarted, instead of ending the run.
 
-    python scripts/fuzz_load.py --cases 10000            # spread over every format
-    python scripts/fuzz_load.py --targets hf,gguf --cases 2000 --seed 3
-    python scripts/fuzz_load.py --target hf --seed 17 --case 123 -v   # replay one case
-    python scripts/fuzz_load.py --real ...               # also the shipped model, stories260K
+    python -m scripts.fuzz_load --cases 10000            # spread over every format
+    python -m scripts.fuzz_load --targets hf,gguf --cases 2000 --seed 3
+    python -m scripts.fuzz_load --target hf --seed 17 --case 123 -v   # replay one case
+    python -m scripts.fuzz_load --real ...               # also the shipped model, stories260K
 
 Exit status 0 when every case ended in a clean error or a finite load, 1 otherwise.
 """
@@ -23,10 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tests.support.fuzzing import BAD, Result, Target, make_targets, run_case
 
-from tests.support.fuzzing import BAD, Result, Target, make_targets, run_case  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 STATUSES = ("ok", "error", "traceback", "timeout", "crash", "nonfinite")
 
@@ -159,7 +158,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    cmd = "python scripts/fuzz_load.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python -m scripts.fuzz_load " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"$ {cmd}")
     print(f"seed {args.seed}, {args.cases} cases in {wall:.0f} s "
           f"({wall / max(args.cases, 1) * 1e3:.1f} ms per case), time limit {args.time_limit} s")

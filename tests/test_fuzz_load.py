@@ -43,7 +43,7 @@ def test_fuzz_format(targets, name, tmp_path):
             failures.append(f"  case {i}: {r.status}: {r.mutation}\n      -> {r.detail}")
     assert not failures, (
         f"{len(failures)} of {CASES} mutated {name} inputs did not end in a clean error or a "
-        f"finite load ({dict(tally)}); replay one with `python scripts/fuzz_load.py --target "
+        f"finite load ({dict(tally)}); replay one with `python -m scripts.fuzz_load --target "
         f"{name} --seed {SEED} --case N -v`:\n" + "\n".join(failures[:30]))
     # the mutations must exercise both outcomes, or the fuzzer tests nothing
     assert tally["error"] > 0 and tally["ok"] > 0, dict(tally)
