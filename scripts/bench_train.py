@@ -8,8 +8,9 @@ run) and the PyTorch/minillama time ratio (> 1: minillama is faster).
 
     python -m scripts.bench_train --backend numpy --configs tiny,s15 --steps 5 --threads 2
 
-Thread counts are fixed through OMP/OPENBLAS/MKL_NUM_THREADS *before* NumPy is imported, and
-``torch.set_num_threads`` for the peer.
+The peer is ``TorchLlama`` of tests/support/torch_llama.py (eager ops, SDPA attention, autograd,
+``torch.optim.AdamW``). Thread counts are fixed through OMP/OPENBLAS/MKL_NUM_THREADS *before*
+NumPy is imported, and ``torch.set_num_threads`` for the peer.
 
 The two sides take turns step by step, and before every timed step the script sleeps ``--gap``
 seconds (default 0.3): OpenBLAS's worker threads busy-wait about 2^28 cycles (~0.1 s here) after
@@ -76,65 +77,6 @@ def step_flops(cfg: ModelConfig, B: int, T: int) -> float:
     return 6.0 * n_mm * B * T + attn
 
 
-# ---------------------------------------------------------------------------------------------
-# the PyTorch peer (eager mode, standard ops: fused SDPA attention, autograd)
-# ---------------------------------------------------------------------------------------------
-def torch_step_fns(torch, cfg: ModelConfig, params, tokens, targets, with_opt: bool):
-    F = torch.nn.functional
-    p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
-    B, T = tokens.shape
-    H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    ang = torch.outer(torch.arange(T, dtype=torch.float64), inv)
-    cos = torch.cos(ang).float()[None, :, None, :]
-    sin = torch.sin(ang).float()[None, :, None, :]
-    tok = torch.tensor(tokens)
-    tgt = torch.tensor(targets.reshape(-1))
-
-    def rope(x):
-        x0, x1 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-
-    def rms(x, g):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * g
-
-    def loss_fn():
-        x = F.embedding(tok, p["tok_embeddings.weight"])
-        for layer in range(cfg.n_layers):
-            w = lambda n: p[f"layers.{layer}.{n}.weight"]  # noqa: E731
-            h = rms(x, w("attention_norm"))
-            q = rope(F.linear(h, w("attention.wq")).view(B, T, H, hd)).transpose(1, 2)
-            k = rope(F.linear(h, w("attention.wk")).view(B, T, KVH, hd)).transpose(1, 2)
-            v = F.linear(h, w("attention.wv")).view(B, T, KVH, hd).transpose(1, 2)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KVH != H)
-            x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * hd), w("attention.wo"))
-            h = rms(x, w("ffn_norm"))
-            x = x + F.linear(F.silu(F.linear(h, w("feed_forward.w1")))
-                             * F.linear(h, w("feed_forward.w3")), w("feed_forward.w2"))
-        head = p["tok_embeddings.weight"] if cfg.tie_embeddings else p["output.weight"]
-        logits = F.linear(rms(x, p["norm.weight"]), head)
-        return F.cross_entropy(logits.view(B * T, -1), tgt, ignore_index=-1)
-
-    def step():
-        for t in p.values():
-            t.grad = None
-        loss = loss_fn()
-        loss.backward()
-        return loss.item()
-
-    opt = torch.optim.AdamW(p.values(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=0.1) if with_opt else None
-
-    def step_opt():
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn()
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    return step, step_opt
-
-
 def main() -> int:
     args = ARGS
     torch = None
@@ -183,7 +125,9 @@ def main() -> int:
         sync = model.backend.synchronize
         ours = [lambda: model.loss_and_grads(tokens, targets)]
         if torch is not None:
-            step, step_opt = torch_step_fns(torch, cfg, params, tokens, targets, bool(AdamW))
+            from tests.support.torch_llama import train_step_fns
+
+            step, step_opt = train_step_fns(cfg, params, tokens, targets, bool(AdamW))
             ours.append(step)
         t_ours, *t_peer = median_times(ours, args.steps, args.warmup, sync, CLOCK, args.gap)
         ntok = B * T

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 from scripts._measure import matmul_peak, model_shape, pin_threads, train_configs
@@ -191,11 +190,7 @@ def profile_torch(name):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
-    argv, sys.argv = sys.argv, [sys.argv[0], "--threads", str(ARGS.threads)]
-    try:  # bench_train parses the command line on import: hand it only the thread count
-        from scripts import bench_train
-    finally:
-        sys.argv = argv
+    from tests.support.torch_llama import train_step_fns
 
     torch.set_num_threads(ARGS.threads)
     kw, B, T = CONFIGS[name]
@@ -203,8 +198,7 @@ def profile_torch(name):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (B, T))
     targets = np.roll(tokens, -1, axis=1)
-    _, step_opt = bench_train.torch_step_fns(torch, cfg, init_params(cfg, seed=0), tokens,
-                                            targets, True)
+    _, step_opt = train_step_fns(cfg, init_params(cfg, seed=0), tokens, targets, True)
     for _ in range(2):
         step_opt()
     steps = max(ARGS.steps, 1)
