@@ -15,7 +15,8 @@ import time
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                "NUMEXPR_NUM_THREADS", "NUMBA_NUM_THREADS", "MINILLAMA_NUM_THREADS")
-#: the repository's root: where ``python -m scripts.NAME`` runs, a script's own children included
+#: the repository's root (where ``python -m scripts.NAME`` runs; bench_serve.py puts it on its
+#: server's PYTHONPATH)
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 #: ``--clock`` -> the clock: wall time, or this process's CPU time (steadier on a shared machine
 #: with one thread)
