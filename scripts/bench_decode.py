@@ -16,7 +16,7 @@ For each shape (random weights, tied classifier as in llama2.c's TinyStories mod
   how many greedy tokens agree. The two decode loops take turns, repetition by repetition, so
   both see the same background load; the best repetition of each counts.
 
-    python scripts/bench_decode.py --backend numpy --threads 2
+    python -m scripts.bench_decode --backend numpy --threads 2
 
 With ``--llama2c PATH`` (a ``run`` binary built by the user from karpathy/llama2.c's ``run.c``,
 e.g. ``gcc -Ofast -march=native -fopenmp run.c -lm -o run``; no llama2.c code lives in this
@@ -28,7 +28,7 @@ on the same file loaded through :func:`minillama.io.load.load_model` (batch 1 fr
 batch-B aggregate). It prints both decode rates, best and median, their ratios (> 1: minillama
 is faster), how many greedy tokens agree, and the load average:
 
-    python scripts/bench_decode.py --backend numba --llama2c /tmp/llama2c/run \
+    python -m scripts.bench_decode --backend numba --llama2c /tmp/llama2c/run \
         --shapes s15,s15gqa,s110 --reps 5
 
 Thread counts are fixed through OMP/OPENBLAS/MKL_NUM_THREADS before NumPy is imported, and
@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 
-import _bench_common
+from scripts._measure import best, copy_bandwidth, model_shape, pin_threads
 
 
 def parse_args(argv=None):
@@ -71,7 +71,7 @@ def parse_args(argv=None):
 
 
 ARGS = parse_args()
-_bench_common.pin_threads(ARGS.threads)
+pin_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402  (after the thread settings)
 
@@ -79,33 +79,9 @@ from minillama import ModelConfig, Transformer  # noqa: E402
 from minillama.infer.generate import GenerationStats, generate  # noqa: E402
 from minillama.model.transformer import init_params  # noqa: E402
 
-SHAPES = {name: _bench_common.shape(name) for name in ("s15", "s110")}
-SHAPES["s15gqa"] = _bench_common.shape("s15", n_kv_heads=2)
+SHAPES = {name: model_shape(name) for name in ("s15", "s110")}
+SHAPES["s15gqa"] = model_shape("s15", n_kv_heads=2)
 PROMPT = 16
-
-
-def copy_bandwidth(nbytes: int, reps: int = 5) -> float:
-    """Bytes/s of a large float32 array copy (read + write = 2 x nbytes moved)."""
-    n = max(nbytes // 4, 1 << 20)
-    a = np.ones(n, np.float32)
-    b = np.empty_like(a)
-    np.copyto(b, a)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        np.copyto(b, a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.nbytes / best
-
-
-def best_of(fn, reps):
-    best = float("inf")
-    out = None
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
 
 
 def prompt_ids(cfg, n, seed=0):
@@ -157,7 +133,7 @@ def bench_ours(model, cfg, be):
         return out
 
     prefill()
-    t, _ = best_of(prefill, max(1, ARGS.reps - 1))
+    t = best(prefill, max(1, ARGS.reps - 1))
     res["prefill_tps"] = long.shape[1] / t
     prompts = [prompt_ids(cfg, PROMPT, seed=10 + b) for b in range(ARGS.batch)]
     generate(model, prompts, max_new_tokens=2)
@@ -184,14 +160,14 @@ def per_position(model, cfg, be, positions):
             model.forward(seq[None, p:p + 1], start_pos=p, cache=cache, last_only=True)
             be.synchronize()
 
-        t, _ = best_of(step, max(5, ARGS.reps))  # cheap: more repetitions against noise
+        t = best(step, max(5, ARGS.reps))  # cheap: more repetitions against noise
         with_cache.append(t)
 
         def full():
             model.forward(seq[None, :p + 1], last_only=True)
             be.synchronize()
 
-        t, _ = best_of(full, ARGS.reps)
+        t = best(full, ARGS.reps)
         no_cache.append(t)
     return with_cache, no_cache
 

@@ -8,7 +8,7 @@ untimed warm-up each (Numba compiles then, once). It prints the median decode to
 backend, side by side, the ratio of each to ``reference``, the fastest, and what ``auto``
 picks:
 
-    python scripts/bench_default_backend.py --reps 5 --tokens 96
+    python -m scripts.bench_default_backend --reps 5 --tokens 96
 
 Greedy (``--temperature 0``, the default) and sampled (``--temperature 1``) decoding differ on
 the numba backend (greedy runs many steps per compiled call).

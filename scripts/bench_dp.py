@@ -10,7 +10,7 @@ every rank's step end together), the time spent in the all-reduce, and each rank
 The configurations take turns round by round (A B C A B C ...) so that all see the same
 background load, and each cell is the median over ``--rounds``.
 
-    python scripts/bench_dp.py --ranks 1,2 --threads 1 --rounds 3 --steps 5
+    python -m scripts.bench_dp --ranks 1,2 --threads 1 --rounds 3 --steps 5
 
 Scaling efficiency of N ranks = tokens/s(N) / (N x tokens/s(1 rank)) at the same threads per
 rank (wall clock); the CPU-time efficiency divides tokens per CPU-second of all ranks by that of
@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-import _bench_common
+from scripts._measure import THREAD_VARS, pin_threads
 
 
 def parse_args(argv=None):
@@ -57,7 +57,7 @@ def parse_args(argv=None):
 # worker: one rank (run under mpiexec by the driver below)
 # ---------------------------------------------------------------------------------------------
 def worker(spec: dict) -> None:
-    _bench_common.pin_threads(spec["threads"])
+    pin_threads(spec["threads"])
     import numpy as np  # after the thread settings
 
     from minillama.train.distributed import open_world
@@ -115,12 +115,12 @@ def launch(mpiexec: str | None, ranks: int, threads: int, args, data: str, out: 
             "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
             "batch": args.batch, "seq": args.seq,
             "steps": args.steps, "warmup": args.warmup, "data": data, "out": out}
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "scripts.bench_dp", "--worker", json.dumps(spec)]
     if ranks > 1:
         cmd = [mpiexec, "-n", str(ranks), *cmd]
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "OMPI_", "PMIX_", "MV2_", "SLURM_"))}
-    for var in _bench_common.THREAD_VARS:
+    for var in THREAD_VARS:
         env[var] = str(threads)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
@@ -133,7 +133,7 @@ def main() -> None:
     if args.worker:
         worker(json.loads(args.worker))
         return
-    _bench_common.pin_threads(args.threads)
+    pin_threads(args.threads)
     from minillama.train.distributed import find_mpiexec
 
     ranks = [int(r) for r in args.ranks.split(",")]

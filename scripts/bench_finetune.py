@@ -13,7 +13,7 @@ side's BLAS threads have stopped spinning. Each side's wall time and CPU time (a
 ``time.process_time``) per step are reported: on a machine shared with other jobs the CPU time tells
 the work done from the time spent waiting for a core.
 
-    python scripts/bench_finetune.py --threads 2 --steps 5
+    python -m scripts.bench_finetune --threads 2 --steps 5
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 import platform
 import time
 
-import _bench_common
+from scripts._measure import pin_threads
 
 
 def parse_args(argv=None):
@@ -42,7 +42,7 @@ def parse_args(argv=None):
 
 
 ARGS = parse_args()
-_bench_common.pin_threads(ARGS.threads)
+pin_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402  (after the thread settings)
 

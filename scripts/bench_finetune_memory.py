@@ -22,7 +22,7 @@ completion, the loss on the last answer), ``Finetuner`` train steps padded then 
 same settings otherwise), their steps interleaved; example tokens (not padding) per second of
 training time.
 
-    python scripts/bench_finetune_memory.py --threads 2 --batch 4 --seq 256
+    python -m scripts.bench_finetune_memory --threads 2 --batch 4 --seq 256
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import tracemalloc
 
-import _bench_common
+from scripts._measure import peak_alloc, pin_threads
 
 
 def parse_args(argv=None):
@@ -57,7 +56,7 @@ def parse_args(argv=None):
 
 
 ARGS = parse_args()
-_bench_common.pin_threads(ARGS.threads)
+pin_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402
 
@@ -107,13 +106,7 @@ def memory() -> None:
         _, g = model.loss_and_grads(x, y)  # warm
         grads_ref = g if grads_ref is None else grads_ref
         same = all(np.array_equal(g[k], grads_ref[k]) for k in g)
-        tracemalloc.start()
-        base = tracemalloc.get_traced_memory()[0]
-        t0 = time.perf_counter()
-        model.loss_and_grads(x, y)
-        dt = time.perf_counter() - t0
-        peak = tracemalloc.get_traced_memory()[1] - base
-        tracemalloc.stop()
+        peak = peak_alloc(lambda: model.loss_and_grads(x, y))
         t0 = time.perf_counter()
         model.loss_and_grads(x, y)  # untraced timing
         dt = time.perf_counter() - t0

@@ -3,7 +3,7 @@
 kernel cache: seconds from starting the command to the first byte of the reply on stdout (and
 to its exit), each in a fresh process.
 
-    python scripts/bench_first_token.py --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf
+    python -m scripts.bench_first_token --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf
 
 Cold: a fresh, empty ``NUMBA_CACHE_DIR`` (a temporary folder), so every kernel compiles; warm:
 the same folder again. Greedy (``--temperature 0``) so that the cold and the warm reply can be

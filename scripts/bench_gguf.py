@@ -3,7 +3,7 @@
 (llama-bench's ``tg``) and prompt processing (``pp``) in tokens/s, and minillama's peak resident
 memory against the file size.
 
-    python scripts/bench_gguf.py --llama-cpp ~/llama.cpp/build/bin --types F32,Q8_0,Q4_K_M,Q4_0
+    python -m scripts.bench_gguf --llama-cpp ~/llama.cpp/build/bin --types F32,Q8_0,Q4_K_M,Q4_0
 
 Without ``--gguf`` files, the script writes the ``s110`` shape (dim 768, 12 layers, 32k vocabulary,
 the llama2.c "110M" layout; random weights) with llama2.c's ``tokenizer.bin`` (``--tokenizer``,
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import _bench_common
+from scripts._measure import model_shape, pin_threads
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_TOKENIZER = HERE.parent.parent / "shared" / "data" / "tokenizer.bin"
@@ -63,7 +63,7 @@ def parse_args(argv=None):
 
 def child(args) -> None:
     """One minillama measurement in this fresh process; prints one JSON line."""
-    _bench_common.pin_threads(args.threads)
+    pin_threads(args.threads)
     import resource
 
     import numpy as np
@@ -96,8 +96,8 @@ def child(args) -> None:
 
 
 def run_minillama(path: Path, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", str(path), "--backend", args.backend,
-           "--threads", str(args.threads), "--tg", str(args.tg), "--pp", str(args.pp)]
+    cmd = [sys.executable, "-m", "scripts.bench_gguf", "--child", str(path), "--backend",
+           args.backend, "--threads", str(args.threads), "--tg", str(args.tg), "--pp", str(args.pp)]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         return {"error": (r.stderr.strip().splitlines() or ["failed"])[-1]}
@@ -127,7 +127,7 @@ def make_files(args, work: Path) -> list[Path]:
 
     f32 = work / "s110-F32.gguf"
     if not f32.exists():
-        cfg = ModelConfig(**_bench_common.shape("s110"))
+        cfg = ModelConfig(**model_shape("s110"))
         tok = load_tokenizer(str(args.tokenizer)) if args.tokenizer.is_file() else None
         if tok is None:  # minillama times its decode from ids; llama.cpp needs a vocabulary
             print(f"# {args.tokenizer} not found: the file gets no tokenizer")
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     if args.child:
         child(args)
         return 0
-    _bench_common.pin_threads(args.threads)
+    pin_threads(args.threads)
     if args.llama_cpp is not None and not (args.llama_cpp / "llama-bench").exists():
         sys.exit("bench_gguf: --llama-cpp must name the folder holding llama-bench")
     tmp = tempfile.TemporaryDirectory() if args.workdir is None else None

@@ -18,13 +18,14 @@ Prints two markdown tables with the peer side by side (ratio > 1: minillama is f
 
 Both sides run float32 without TF32 (CuPy's cuBLAS default; ``torch.backends.cuda.matmul
 .allow_tf32 = False``). The PyTorch peer is a plain eager LLaMA (``F.scaled_dot_product_attention``
-for attention, ``torch.optim.AdamW``); it starts from the same weights, and the script checks that
-the first loss and the greedy tokens agree before timing.
+for attention, ``torch.optim.AdamW``: ``TorchLlama`` of tests/support/torch_llama.py); it starts
+from the same weights, and the script checks that the first loss and the greedy tokens agree before
+timing.
 
-    python scripts/bench_gpu.py                       # s15 and s110, decode at batch 1 and 8
-    python scripts/bench_gpu.py --shapes s15 --steps 3 --decode-tokens 64
-    python scripts/bench_gpu.py --attention --reps 5 --no-simt   # the attention sweep
-    python scripts/bench_gpu.py --attention --quick              # two small shapes
+    python -m scripts.bench_gpu                       # s15 and s110, decode at batch 1 and 8
+    python -m scripts.bench_gpu --shapes s15 --steps 3 --decode-tokens 64
+    python -m scripts.bench_gpu --attention --reps 5 --no-simt   # the attention sweep
+    python -m scripts.bench_gpu --attention --quick              # two small shapes
 
 The attention sweep first checks each result (‖x − ref‖ / ‖ref‖ for o, dq, dk, dv, the reference
 being PyTorch's float64 attention on the same inputs), then times forward + backward (CUDA events,
@@ -45,17 +46,16 @@ import platform
 import sys
 import time
 
-import _bench_common
 import numpy as np
 
-sys.path.insert(0, _bench_common.REPO)
-from minillama.core.config import ModelConfig  # noqa: E402
-from minillama.core.errors import MinillamaError  # noqa: E402
-from minillama.model.transformer import Transformer, init_params  # noqa: E402
+from minillama.core.config import ModelConfig
+from minillama.core.errors import MinillamaError
+from minillama.model.transformer import Transformer, init_params
+from scripts._measure import median, model_shape
 
 #: name -> (config, training batch B, training length T)
-SHAPES = {"s15": (_bench_common.shape("s15"), 16, 256),
-          "s110": (_bench_common.shape("s110"), 8, 1024)}
+SHAPES = {"s15": (model_shape("s15"), 16, 256),
+          "s110": (model_shape("s110"), 8, 1024)}
 ADAM = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, wd=0.1)
 
 
@@ -117,195 +117,6 @@ def ml_decode(model, prompt: np.ndarray, n_new: int):
 
 
 # ------------------------------------------------------------------------------------------------
-# PyTorch eager peer (the same architecture and weight layout)
-# ------------------------------------------------------------------------------------------------
-class TorchLlama:
-    """A LLaMA in PyTorch eager ops over the minillama parameter dict (names, (out, in) layout)."""
-
-    def __init__(self, cfg: ModelConfig, params: dict, device: str):
-        import torch
-
-        self.torch = torch
-        self.cfg = cfg
-        self.p = {k: torch.tensor(np.asarray(v), device=device, requires_grad=True)
-                  for k, v in params.items()}
-        hd = cfg.head_dim
-        inv = cfg.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
-        ang = np.outer(np.arange(cfg.max_seq_len, dtype=np.float64), inv)
-        self.cos = torch.tensor(np.cos(ang), dtype=torch.float32, device=device)
-        self.sin = torch.tensor(np.sin(ang), dtype=torch.float32, device=device)
-        self.device = device
-        self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-
-    def _rms(self, x, g):
-        t = self.torch
-        return x * t.rsqrt((x * x).mean(-1, keepdim=True) + self.cfg.norm_eps) * g
-
-    def _rope(self, x, start: int):
-        T = x.shape[1]
-        c = self.cos[start:start + T][None, :, None, :]
-        s = self.sin[start:start + T][None, :, None, :]
-        x0, x1 = x[..., 0::2], x[..., 1::2]
-        return self.torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
-
-    def forward(self, tok, start: int = 0, cache=None, last_only: bool = False):
-        t, cfg, p = self.torch, self.cfg, self.p
-        F = t.nn.functional
-        B, T = tok.shape
-        H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        x = F.embedding(tok, p["tok_embeddings.weight"])
-        for layer in range(cfg.n_layers):
-            pre = f"layers.{layer}."
-            h = self._rms(x, p[pre + "attention_norm.weight"])
-            q = self._rope((h @ p[pre + "attention.wq.weight"].T).view(B, T, H, hd), start)
-            k = self._rope((h @ p[pre + "attention.wk.weight"].T).view(B, T, KVH, hd), start)
-            v = (h @ p[pre + "attention.wv.weight"].T).view(B, T, KVH, hd)
-            if cache is not None:
-                cache[0][layer][:, start:start + T] = k
-                cache[1][layer][:, start:start + T] = v
-                k = cache[0][layer][:, :start + T]
-                v = cache[1][layer][:, :start + T]
-            a = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                is_causal=(T > 1 and start == 0), enable_gqa=(KVH != H))
-            if T > 1 and start > 0:
-                raise ValueError("the peer prefills from position 0 only")
-            x = x + a.transpose(1, 2).reshape(B, T, H * hd) @ p[pre + "attention.wo.weight"].T
-            h2 = self._rms(x, p[pre + "ffn_norm.weight"])
-            g = F.silu(h2 @ p[pre + "feed_forward.w1.weight"].T) * \
-                (h2 @ p[pre + "feed_forward.w3.weight"].T)
-            x = x + g @ p[pre + "feed_forward.w2.weight"].T
-        if last_only:
-            x = x[:, -1]
-        head = p["tok_embeddings.weight"] if cfg.tie_embeddings else p["output.weight"]
-        return self._rms(x, p["norm.weight"]) @ head.T
-
-    def new_cache(self, B: int, S: int):
-        t, cfg = self.torch, self.cfg
-        shape = (B, S, cfg.n_kv_heads, cfg.head_dim)
-        return ([t.zeros(shape, device=self.device) for _ in range(cfg.n_layers)],
-                [t.zeros(shape, device=self.device) for _ in range(cfg.n_layers)])
-
-    def make_optimizer(self):
-        t = self.torch
-        decay = [v for k, v in self.p.items() if not k.endswith("norm.weight")]
-        no_decay = [v for k, v in self.p.items() if k.endswith("norm.weight")]
-        return t.optim.AdamW([{"params": decay, "weight_decay": ADAM["wd"]},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=ADAM["lr"], betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"])
-
-    def train_step(self, opt, tok, tgt, autocast: bool = False):
-        F = self.torch.nn.functional
-        opt.zero_grad(set_to_none=True)
-        with self.torch.autocast("cuda", dtype=self.torch.bfloat16, enabled=autocast):
-            logits = self.forward(tok)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
-                               ignore_index=-1)
-        loss.backward()
-        opt.step()
-        return loss
-
-    def decode(self, prompt: np.ndarray, n_new: int):
-        t = self.torch
-        with t.inference_mode():
-            B, P = prompt.shape
-            cache = self.new_cache(B, P + n_new)
-            tok = t.tensor(prompt, device=self.device)
-            nxt = self.forward(tok, 0, cache, last_only=True).argmax(-1)
-            out = [nxt.cpu().numpy()]
-            self.sync()
-            t0 = time.perf_counter()
-            for i in range(n_new - 1):
-                nxt = self.forward(nxt[:, None], P + i, cache, last_only=True).argmax(-1)
-                out.append(nxt.cpu().numpy())  # the ids cross to the host, as for minillama
-            self.sync()
-            return np.stack(out, axis=1), time.perf_counter() - t0
-
-
-    def graph_decode(self, prompt: np.ndarray, n_new: int):
-        """Greedy decode with a static KV cache and the whole step captured as one CUDA graph
-        (token, position and output buffers on the device; attention over the full cache with
-        a position mask): PyTorch's fastest plain decode. Returns (ids (B, n_new), seconds)."""
-        t, cfg, p = self.torch, self.cfg, self.p
-        F = t.nn.functional
-        H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        with t.inference_mode():
-            B, P = prompt.shape
-            S = P + n_new
-            ck, cv = self.new_cache(B, S)
-            nxt = self.forward(t.tensor(prompt, device=self.device), 0, (ck, cv),
-                               last_only=True).argmax(-1)
-            tok = nxt[:, None].clone()
-            pos = t.full((B,), P, dtype=t.long, device=self.device)
-            out = t.zeros((n_new, B), dtype=t.long, device=self.device)
-            out[0] = nxt
-            stepi = t.ones(1, dtype=t.long, device=self.device)
-            ar_b = t.arange(B, device=self.device)
-            ar_s = t.arange(S, device=self.device)
-            head = p["tok_embeddings.weight"] if cfg.tie_embeddings else p["output.weight"]
-
-            def rope(x, c, s_):
-                x0, x1 = x[..., 0::2], x[..., 1::2]
-                return t.stack((x0 * c - x1 * s_, x0 * s_ + x1 * c), dim=-1).flatten(-2)
-
-            def step():
-                x = F.embedding(tok, p["tok_embeddings.weight"])
-                c = self.cos[pos][:, None, None, :]
-                s_ = self.sin[pos][:, None, None, :]
-                mask = (ar_s[None, :] <= pos[:, None])[:, None, None, :]
-                for layer in range(cfg.n_layers):
-                    pre = f"layers.{layer}."
-                    h = self._rms(x, p[pre + "attention_norm.weight"])
-                    q = rope((h @ p[pre + "attention.wq.weight"].T).view(B, 1, H, hd), c, s_)
-                    k = rope((h @ p[pre + "attention.wk.weight"].T).view(B, 1, KVH, hd), c, s_)
-                    v = (h @ p[pre + "attention.wv.weight"].T).view(B, 1, KVH, hd)
-                    ck[layer][ar_b, pos] = k[:, 0]
-                    cv[layer][ar_b, pos] = v[:, 0]
-                    a = F.scaled_dot_product_attention(
-                        q.transpose(1, 2), ck[layer].transpose(1, 2), cv[layer].transpose(1, 2),
-                        attn_mask=mask, enable_gqa=(KVH != H))
-                    x = x + (a.transpose(1, 2).reshape(B, 1, H * hd)
-                             @ p[pre + "attention.wo.weight"].T)
-                    h2 = self._rms(x, p[pre + "ffn_norm.weight"])
-                    g = F.silu(h2 @ p[pre + "feed_forward.w1.weight"].T) * \
-                        (h2 @ p[pre + "feed_forward.w3.weight"].T)
-                    x = x + g @ p[pre + "feed_forward.w2.weight"].T
-                nx = (self._rms(x[:, 0], p["norm.weight"]) @ head.T).argmax(-1)
-                out.index_copy_(0, stepi, nx[None])
-                tok.copy_(nx[:, None])
-                pos.add_(1)
-                stepi.add_(1)
-
-            saved = (tok.clone(), pos.clone(), stepi.clone())
-            side = t.cuda.Stream()
-            side.wait_stream(t.cuda.current_stream())
-            with t.cuda.stream(side):
-                for _ in range(2):
-                    step()
-                    tok.copy_(saved[0])
-                    pos.copy_(saved[1])
-                    stepi.copy_(saved[2])
-            t.cuda.current_stream().wait_stream(side)
-            graph = t.cuda.CUDAGraph()
-            with t.cuda.graph(graph):
-                step()
-            tok.copy_(saved[0])
-            pos.copy_(saved[1])
-            stepi.copy_(saved[2])
-            self.sync()
-            t0 = time.perf_counter()
-            for _ in range(n_new - 1):
-                graph.replay()
-            self.sync()
-            dt = time.perf_counter() - t0
-            return out.cpu().numpy().T.copy(), dt
-
-
-# ------------------------------------------------------------------------------------------------
-def median(xs):
-    return float(np.median(np.asarray(xs)))
-
-
 def bench_train(name, args, torch_ok):
     cfg_d, B, T = SHAPES[name]
     cfg = ModelConfig(**cfg_d)
@@ -358,12 +169,14 @@ def _time_torch(cfg, params, tok, tgt, args, precision: str):
     """(median seconds per step, first loss) of the PyTorch peer at ``precision``."""
     import torch
 
+    from tests.support.torch_llama import TorchLlama
+
     tf32 = precision == "tf32"
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     try:
         peer = TorchLlama(cfg, params, "cuda")
-        opt = peer.make_optimizer()
+        opt = peer.make_optimizer(**ADAM)
         tt, tg = torch.tensor(tok, device="cuda"), torch.tensor(tgt, device="cuda")
         auto = precision == "bf16"
         first = peer.train_step(opt, tt, tg, autocast=auto).item()
@@ -441,6 +254,8 @@ def bench_decode(name, batch, args, torch_ok):
         check += " (graph runs DIFFER)"
     torch_s, tg_s = None, None
     if torch_ok:
+        from tests.support.torch_llama import TorchLlama
+
         peer = TorchLlama(cfg, params, "cuda")
         peer.decode(prompt, min(8, n))
         t_ids, torch_s = peer.decode(prompt, n)
@@ -491,7 +306,7 @@ def bench_attention(args, argv=None) -> int:
     dev = torch.cuda.get_device_name()
     print(f"# {dev}, {datetime.date.today()}, CuPy {cp.__version__}, torch {torch.__version__}, "
           f"CUDA {cp.cuda.runtime.runtimeGetVersion()}, {platform.python_version()}")
-    print("# command: python scripts/bench_gpu.py " + " ".join(argv or sys.argv[1:]))
+    print("# command: python -m scripts.bench_gpu " + " ".join(argv or sys.argv[1:]))
 
     def t_cupy(fn):
         for _ in range(2):
@@ -636,7 +451,7 @@ def main(argv=None) -> int:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"# bench_gpu: {be.device}, {now}, cupy {cp.__version__}, torch {torch_ver}, "
           f"python {platform.python_version()}")
-    print(f"# command: python scripts/bench_gpu.py "
+    print(f"# command: python -m scripts.bench_gpu "
           f"{' '.join(sys.argv[1:] if argv is None else argv)}")
 
     if not args.no_train:

@@ -3,7 +3,7 @@
 backward, peak memory) and RoPE, then the end-to-end training step and batch-1 cached decode of
 a stories15M-shaped model on both backends.
 
-    python scripts/bench_ops.py --threads 2
+    python -m scripts.bench_ops --threads 2
 
 Attention uses the stories15M heads (H = KVH = 6, hd = 48), float32, at T = 128, 512, 2048.
 Times are the best of ``--reps`` runs (the first call, which loads or compiles the kernels, is
@@ -17,7 +17,7 @@ in-kernel scratch (not traced). The test suite checks the same with the peak RSS
 shapes (scripts/bench_train.py's tiny and s15), the numba backend beside PyTorch's
 scaled_dot_product_attention, in turns:
 
-    python scripts/bench_ops.py --torch --threads 2 --reps 9
+    python -m scripts.bench_ops --torch --threads 2 --reps 9
 
 ``--latent`` prints instead the cost of the latent (Perceiver-style) block of
 minillama/model/latent.py beside a full self-attention block over the same L inputs, as L grows:
@@ -31,7 +31,7 @@ and PyTorch's (MKL / oneDNN) at the same thread count, each after ``--gap`` seco
 product timed right after PyTorch's, while its OpenMP threads still spin, can run 7x slower).
 It says how much of a training-step gap to PyTorch is the GEMM library itself:
 
-    python scripts/bench_ops.py --gemm --configs tiny,s15 --threads 2 --reps 7
+    python -m scripts.bench_ops --gemm --configs tiny,s15 --threads 2 --reps 7
 
 ``--old-ops PATH`` prints instead an A/B in one process: the training step on the ``numpy``
 backend as it is, against the same backend with the op functions of another ``ops.py`` (an older
@@ -39,7 +39,7 @@ commit's) bound in their place; same weights and tokens, steps alternating so th
 same load; the ratio is after / before (< 1: now is faster):
 
     git worktree add --detach /tmp/old <commit>
-    python scripts/bench_ops.py --old-ops /tmp/old/minillama/ops.py --threads 1 --clock cpu
+    python -m scripts.bench_ops --old-ops /tmp/old/minillama/ops.py --threads 1 --clock cpu
 """
 
 from __future__ import annotations
@@ -50,9 +50,17 @@ import platform
 import subprocess
 import sys
 import time
-import tracemalloc
+from functools import partial
 
-import _bench_common
+from scripts._measure import (
+    CLOCKS,
+    best_after_gap,
+    model_shape,
+    peak_alloc,
+    pin_threads,
+    train_configs,
+)
+from scripts._measure import best as best_on
 
 
 def parse_args(argv=None):
@@ -95,7 +103,7 @@ def parse_args(argv=None):
 
 
 ARGS = parse_args()
-_bench_common.pin_threads(ARGS.threads)
+pin_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402  (after the thread settings)
 
@@ -104,18 +112,9 @@ from minillama.core import ops  # noqa: E402
 from minillama.core.config import ModelConfig  # noqa: E402
 from minillama.model.transformer import Transformer, init_params  # noqa: E402
 
-
-def peak_alloc(fn) -> int:
-    """Peak bytes of NumPy/Python allocations alive at once while ``fn()`` runs (tracemalloc),
-    above what was allocated before. Numba's in-kernel scratch (NRT) is not traced; it is
-    bounded by :func:`numba_scratch_bytes`."""
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        fn()
-        return tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
+clock = CLOCKS[ARGS.clock]
+#: the best of ``reps`` calls on the ``--clock`` clock
+best = partial(best_on, clock=clock)
 
 
 def numba_scratch_bytes(nb_threads: int, G: int, hd: int, itemsize: int = 4) -> int:
@@ -141,7 +140,7 @@ def bench_attention_torch(nb, reps):
     F = torch.nn.functional
     rows = []
     for name in ("tiny", "s15"):
-        kw, B, T = _bench_common.train_configs()[name]
+        kw, B, T = train_configs()[name]
         H, KVH = kw["n_heads"], kw["n_kv_heads"]
         hd = kw["dim"] // H
         rng = np.random.default_rng(0)
@@ -173,20 +172,6 @@ def bench_attention_torch(nb, reps):
                     f"| {f2 / f1:.2f} | {fmt_ms(b1)} | {fmt_ms(b2)} | {b2 / b1:.2f} "
                     f"| {(f2 + b2) / (f1 + b1):.2f} |")
     return rows
-
-
-def clock() -> float:
-    return time.process_time() if ARGS.clock == "cpu" else time.perf_counter()
-
-
-def best(fn, reps: int, setup=None) -> float:
-    times = []
-    for _ in range(reps):
-        arg = setup() if setup else None
-        t0 = clock()
-        fn(arg) if setup else fn()
-        times.append(clock() - t0)
-    return min(times)
 
 
 def fmt_ms(s: float) -> str:
@@ -266,7 +251,7 @@ def bench_cross_entropy(nb, reps):
             f"| {m0 / 2**20:.0f} | {m1 / 2**20:.0f} |"]
 
 
-S15 = _bench_common.shape("s15", max_seq_len=1280)
+S15 = model_shape("s15", max_seq_len=1280)
 
 
 def bench_model(reps):
@@ -321,20 +306,18 @@ def run_scripts():
     here = os.path.dirname(os.path.abspath(__file__))
     jobs = []
     for be in ("numpy", "numba"):
-        jobs.append([sys.executable, os.path.join(here, "bench_train.py"), "--backend", be,
-                     "--configs", "s15", "--no-torch", "--steps", "3",
-                     "--threads", str(ARGS.threads)])
-        jobs.append([sys.executable, os.path.join(here, "bench_decode.py"), "--backend", be,
-                     "--shapes", "s15", "--no-hf", "--plot", "", "--reps", "2",
-                     "--threads", str(ARGS.threads)])
-    for cmd in jobs:
-        if not os.path.exists(cmd[1]):
-            print(f"\n({os.path.basename(cmd[1])} not found, skipped)")
+        jobs.append(["bench_train", "--backend", be, "--configs", "s15", "--no-torch", "--steps",
+                     "3", "--threads", str(ARGS.threads)])
+        jobs.append(["bench_decode", "--backend", be, "--shapes", "s15", "--no-hf", "--plot", "",
+                     "--reps", "2", "--threads", str(ARGS.threads)])
+    for name, *args in jobs:
+        if not os.path.exists(os.path.join(here, f"{name}.py")):
+            print(f"\n({name}.py not found, skipped)")
             continue
-        shown = [os.path.relpath(c) if c.endswith(".py") else (c or "''") for c in cmd[1:]]
-        print(f"\n$ python {' '.join(shown)}")
+        shown = [a or "''" for a in args]
+        print(f"\n$ python -m scripts.{name} {' '.join(shown)}")
         sys.stdout.flush()
-        subprocess.run(cmd, check=False)
+        subprocess.run([sys.executable, "-m", f"scripts.{name}", *args], check=False)
 
 
 def bench_latent(reps):
@@ -377,19 +360,6 @@ def bench_latent(reps):
     return rows
 
 
-def best_after_gap(fn, reps):
-    """Best wall time of ``reps`` calls, after ``--gap`` seconds of sleep and one untimed call."""
-    if ARGS.gap > 0:
-        time.sleep(ARGS.gap)
-    fn()
-    t = np.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        t = min(t, time.perf_counter() - t0)
-    return t
-
-
 def bench_gemm() -> int:
     """--gemm: each product of one training step, ours / OpenBLAS threads / PyTorch."""
     try:
@@ -407,7 +377,7 @@ def bench_gemm() -> int:
           "torch ms (GFLOP/s) | torch/ours |")
     print("|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
-    configs = _bench_common.train_configs()
+    configs = train_configs()
     for name in ARGS.configs.split(","):
         kw, B, T = configs[name.strip()]
         cfg = ModelConfig(**kw)
@@ -425,8 +395,8 @@ def bench_gemm() -> int:
                                       ("dx = dy W", dy, w, (N, out_f, in_f)),
                                       ("dW = dy^T x", dy.T, x, (out_f, N, in_f))):
                 out = np.empty((a.shape[0], b.shape[1]), np.float32)
-                t_ours = best_after_gap(lambda: gemm(a, b, out), ARGS.reps)
-                t_blas = best_after_gap(lambda: np.matmul(a, b, out=out), ARGS.reps)
+                t_ours = best_after_gap(lambda: gemm(a, b, out), ARGS.reps, ARGS.gap)
+                t_blas = best_after_gap(lambda: np.matmul(a, b, out=out), ARGS.reps, ARGS.gap)
                 flops = 2.0 * shape[0] * shape[1] * shape[2]
                 row = (f"| {name} | {lname} {prod} | {' x '.join(map(str, shape))} "
                        f"| {t_ours * 1e3:.2f} ({flops / t_ours / 1e9:.0f}) | {t_blas * 1e3:.2f} ")
@@ -436,12 +406,13 @@ def bench_gemm() -> int:
                         np.ascontiguousarray(b))
                     if prod.startswith("fwd"):
                         tx, tw = torch.from_numpy(x), torch.from_numpy(w)
-                        t_t = best_after_gap(lambda: torch.nn.functional.linear(tx, tw), ARGS.reps)
+                        t_t = best_after_gap(lambda: torch.nn.functional.linear(tx, tw),
+                                             ARGS.reps, ARGS.gap)
                     elif prod.startswith("dW"):
                         tdy, tx = torch.from_numpy(dy), torch.from_numpy(x)
-                        t_t = best_after_gap(lambda: tdy.t().mm(tx), ARGS.reps)
+                        t_t = best_after_gap(lambda: tdy.t().mm(tx), ARGS.reps, ARGS.gap)
                     else:
-                        t_t = best_after_gap(lambda: ta.mm(tb), ARGS.reps)
+                        t_t = best_after_gap(lambda: ta.mm(tb), ARGS.reps, ARGS.gap)
                     tot["torch"] += count * t_t
                     row += f"| {t_t * 1e3:.2f} ({flops / t_t / 1e9:.0f}) | {t_t / t_ours:.2f} |"
                 else:
@@ -484,7 +455,7 @@ def bench_old_ops() -> int:
     print("|---|---|---|---|---|")
     for name in ARGS.configs.split(","):
         B, T, steps = AB_RUNS[name.strip()]
-        cfg = ModelConfig(**_bench_common.shape(name.strip()))
+        cfg = ModelConfig(**model_shape(name.strip()))
         params = init_params(cfg, seed=0)
         x = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1))
         models = {"before": Transformer(cfg, params, backend=before),

@@ -16,15 +16,14 @@ The weights are random valid blocks (random bytes, fp16 scales finite and modest
 these kernels does not depend on the values. Sides are interleaved: each repeat times every side
 once, best of ``--reps``.
 
-    python scripts/bench_quant.py --threads 2 --types Q8_0,Q4_0,Q4_K,Q6_K
+    python -m scripts.bench_quant --threads 2 --types Q8_0,Q4_0,Q4_K,Q6_K
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
-import _bench_common
+from scripts._measure import best_interleaved, model_shape, pin_threads
 
 
 def parse_args(argv=None):
@@ -50,7 +49,7 @@ def parse_args(argv=None):
 
 
 ARGS = parse_args()
-_bench_common.pin_threads(ARGS.threads)
+pin_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402
 
@@ -74,19 +73,6 @@ def copies(nbytes):
     return max(1, -(-ARGS.cold * 2**20 // nbytes))
 
 
-def best(fns, reps):
-    """Best time of each function, the sides interleaved."""
-    for f in fns:
-        f()
-    t = [float("inf")] * len(fns)
-    for _ in range(reps):
-        for i, f in enumerate(fns):
-            t0 = time.perf_counter()
-            f()
-            t[i] = min(t[i], time.perf_counter() - t0)
-    return t
-
-
 def decode_models(types):
     """(name, model) pairs: the float32 s110 model, then one per type with random blocks in
     place of its matrices (tied embedding and classifier)."""
@@ -94,7 +80,7 @@ def decode_models(types):
     from minillama.model.transformer import Transformer, init_params
 
     rng = np.random.default_rng(0)
-    cfg = ModelConfig(**_bench_common.shape("s110", max_seq_len=256))
+    cfg = ModelConfig(**model_shape("s110", max_seq_len=256))
     params = init_params(cfg, seed=0, dtype=np.float32)
     yield "float32", Transformer(cfg, params, backend="numba", dtype=np.float32)
     for t in types:
@@ -124,7 +110,7 @@ def decode_table(types):
                 m.forward(np.array([[p % 100]]), start_pos=p, cache=cache, last_only=True)
 
         run()
-        t = best([run], ARGS.reps)[0]
+        t = best_interleaved([run], ARGS.reps)[0]
         nbytes = sum(w.nbytes for w in m.params.values())
         rows.append((name, ARGS.tokens / t, nbytes))
         print(f"{name:>8} {ARGS.tokens / t:8.1f} tokens/s  weights {nbytes / 2**20:7.1f} MiB  "
@@ -161,7 +147,7 @@ def main():
                 it["f"] += 1
                 gemv.gemv(x, wfs[it["f"] % len(wfs)])
 
-            tq, tf = best([quant, f32], ARGS.reps)
+            tq, tf = best_interleaved([quant, f32], ARGS.reps)
             print(f"{N:>5} x {K:<4} {qt:>7} {tq * 1e6:9.1f} {w.nbytes / tq / 1e9:6.1f} "
                   f"{tf * 1e6:8.1f} {wf.nbytes / tf / 1e9:8.1f} {tf / tq:6.2f}", flush=True)
     if not ARGS.prefill:
@@ -182,7 +168,7 @@ def main():
 
         for qt in types:
             w = random_matrix(qt, N, K, rng)
-            tq, tf = best([lambda: Q.qmatmul(x, w), f32], max(3, ARGS.reps // 3))
+            tq, tf = best_interleaved([lambda: Q.qmatmul(x, w), f32], max(3, ARGS.reps // 3))
             print(f"{N:>5} x {K:<4} {qt:>7} {tq * 1e3:9.2f} {flop / tq / 1e9:8.1f} "
                   f"{tf * 1e3:8.2f} {flop / tf / 1e9:11.1f} {tf / tq:6.2f}", flush=True)
 

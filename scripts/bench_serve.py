@@ -26,11 +26,11 @@ built separately: a peer to compare with, never a dependency of minillama) for e
 counts (its streamed ``usage``); both stop at the model's end-of-turn token, so a reply may be
 shorter than ``--tokens``.
 
-    python scripts/bench_serve.py                       # shakespeare, numpy backend
-    python scripts/bench_serve.py --backend numba --clients 1,4,16 --tokens 128 --rounds 3
-    python scripts/bench_serve.py --checkpoint model.gguf --chat --backend numba --threads 2 \\
+    python -m scripts.bench_serve                       # shakespeare, numpy backend
+    python -m scripts.bench_serve --backend numba --clients 1,4,16 --tokens 128 --rounds 3
+    python -m scripts.bench_serve --checkpoint model.gguf --chat --backend numba --threads 2 \\
         --peer /path/to/llama-server --clients 1,4,8 --tokens 64 --rounds 2
-    python scripts/bench_serve.py --checkpoint model.gguf --backend numba --threads 2 --reuse
+    python -m scripts.bench_serve --checkpoint model.gguf --backend numba --threads 2 --reuse
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import tempfile
 import threading
 import time
 
-from _bench_common import REPO, pin_threads
+from scripts._measure import REPO, pin_threads
 
 FIRST_TEXT = re.compile(rb'"text":"[^"]')  # a chunk holding text
 FIRST_CONTENT = re.compile(rb'"content":"[^"]')  # a chat chunk holding text

@@ -6,10 +6,11 @@ One step = forward + backward (loss and every parameter gradient), no optimizer;
 tokens/s, the share of the measured float32 matmul peak (a large NumPy matmul timed in the same
 run) and the PyTorch/minillama time ratio (> 1: minillama is faster).
 
-    python scripts/bench_train.py --backend numpy --configs tiny,s15 --steps 5 --threads 2
+    python -m scripts.bench_train --backend numpy --configs tiny,s15 --steps 5 --threads 2
 
-Thread counts are fixed through OMP/OPENBLAS/MKL_NUM_THREADS *before* NumPy is imported, and
-``torch.set_num_threads`` for the peer.
+The peer is ``TorchLlama`` of tests/support/torch_llama.py (eager ops, SDPA attention, autograd,
+``torch.optim.AdamW``). Thread counts are fixed through OMP/OPENBLAS/MKL_NUM_THREADS *before*
+NumPy is imported, and ``torch.set_num_threads`` for the peer.
 
 The two sides take turns step by step, and before every timed step the script sleeps ``--gap``
 seconds (default 0.3): OpenBLAS's worker threads busy-wait about 2^28 cycles (~0.1 s here) after
@@ -27,7 +28,7 @@ import platform
 import sys
 import time
 
-import _bench_common
+from scripts._measure import CLOCKS, matmul_peak, median_times, pin_threads, train_configs
 
 
 def parse_args(argv=None):
@@ -52,7 +53,7 @@ def parse_args(argv=None):
 
 
 ARGS = parse_args()
-_bench_common.pin_threads(ARGS.threads)
+pin_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402  (after the thread settings)
 
@@ -60,50 +61,8 @@ from minillama import ModelConfig, Transformer  # noqa: E402
 from minillama.model.transformer import init_params  # noqa: E402
 
 #: name -> (config, B, T)
-CONFIGS = _bench_common.train_configs()
-
-
-def median_times(fns, steps: int, warmup: int, sync=lambda: None) -> list[float]:
-    """Median step time of each function in ``fns``. The functions take turns step by step
-    (A B A B ...), so on a shared machine both sides see the same background load; each timed
-    step starts ``--gap`` seconds after the previous one ended (see the module docstring)."""
-    clock = time.process_time if ARGS.clock == "cpu" else time.perf_counter
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    sync()
-    times = [[] for _ in fns]
-    for _ in range(steps):
-        for fn, ts in zip(fns, times):
-            if ARGS.gap > 0:
-                time.sleep(ARGS.gap)
-            t0 = clock()
-            fn()
-            sync()
-            ts.append(clock() - t0)
-    return [float(np.median(ts)) for ts in times]
-
-
-def matmul_peak(n: int = 2048, reps: int = 5) -> float:
-    """Best float32 GEMM rate here, FLOP/s (2 n^3 per n x n product): the best of NumPy's
-    BLAS-threaded matmul and the same product split by rows over minillama's op threads."""
-    from minillama.backends.numpy import threads as cpu_threads
-
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    b = rng.standard_normal((n, n), dtype=np.float32)
-    c = np.empty((n, n), np.float32)
-    np.matmul(a, b, out=c)
-    best = min(_timed(lambda: np.matmul(a, b, out=c)) for _ in range(reps))
-    best = min(best, min(_timed(lambda: cpu_threads.split_gemm(a, b, c)) for _ in range(reps)))
-    return 2.0 * n**3 / best
-
-
-def _timed(fn) -> float:
-    clock = time.process_time if ARGS.clock == "cpu" else time.perf_counter
-    t0 = clock()
-    fn()
-    return clock() - t0
+CONFIGS = train_configs()
+CLOCK = CLOCKS[ARGS.clock]
 
 
 def step_flops(cfg: ModelConfig, B: int, T: int) -> float:
@@ -116,65 +75,6 @@ def step_flops(cfg: ModelConfig, B: int, T: int) -> float:
     n_mm = L * (2 * D * D + 2 * D * kvd + 3 * D * F) + V * D
     attn = L * 3 * (4 * B * cfg.n_heads * T * T * cfg.head_dim)
     return 6.0 * n_mm * B * T + attn
-
-
-# ---------------------------------------------------------------------------------------------
-# the PyTorch peer (eager mode, standard ops: fused SDPA attention, autograd)
-# ---------------------------------------------------------------------------------------------
-def torch_step_fns(torch, cfg: ModelConfig, params, tokens, targets, with_opt: bool):
-    F = torch.nn.functional
-    p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
-    B, T = tokens.shape
-    H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    ang = torch.outer(torch.arange(T, dtype=torch.float64), inv)
-    cos = torch.cos(ang).float()[None, :, None, :]
-    sin = torch.sin(ang).float()[None, :, None, :]
-    tok = torch.tensor(tokens)
-    tgt = torch.tensor(targets.reshape(-1))
-
-    def rope(x):
-        x0, x1 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-
-    def rms(x, g):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * g
-
-    def loss_fn():
-        x = F.embedding(tok, p["tok_embeddings.weight"])
-        for layer in range(cfg.n_layers):
-            w = lambda n: p[f"layers.{layer}.{n}.weight"]  # noqa: E731
-            h = rms(x, w("attention_norm"))
-            q = rope(F.linear(h, w("attention.wq")).view(B, T, H, hd)).transpose(1, 2)
-            k = rope(F.linear(h, w("attention.wk")).view(B, T, KVH, hd)).transpose(1, 2)
-            v = F.linear(h, w("attention.wv")).view(B, T, KVH, hd).transpose(1, 2)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KVH != H)
-            x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * hd), w("attention.wo"))
-            h = rms(x, w("ffn_norm"))
-            x = x + F.linear(F.silu(F.linear(h, w("feed_forward.w1")))
-                             * F.linear(h, w("feed_forward.w3")), w("feed_forward.w2"))
-        head = p["tok_embeddings.weight"] if cfg.tie_embeddings else p["output.weight"]
-        logits = F.linear(rms(x, p["norm.weight"]), head)
-        return F.cross_entropy(logits.view(B * T, -1), tgt, ignore_index=-1)
-
-    def step():
-        for t in p.values():
-            t.grad = None
-        loss = loss_fn()
-        loss.backward()
-        return loss.item()
-
-    opt = torch.optim.AdamW(p.values(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=0.1) if with_opt else None
-
-    def step_opt():
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn()
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    return step, step_opt
 
 
 def main() -> int:
@@ -194,7 +94,7 @@ def main() -> int:
             print(f"note: --optimizer: minillama.train.optim.AdamW not available yet ({e}); "
                   "optimizer columns skipped")
 
-    peak = matmul_peak()
+    peak = matmul_peak(clock=CLOCK)
     print(f"# minillama training-step benchmark — "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, "
@@ -204,7 +104,7 @@ def main() -> int:
           + f"; threads={args.threads}; clock={args.clock}; gap={args.gap:g} s; load average "
           + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     print(f"measured float32 matmul peak (NumPy 2048^3 GEMM): {peak / 1e9:.1f} GFLOP/s")
-    print(f"command: python {' '.join(sys.argv)}\n")
+    print(f"command: python -m scripts.bench_train {' '.join(sys.argv[1:])}\n")
 
     head = ("| config | backend | B x T | params | ms/step | tokens/s | % of matmul peak "
             "| torch ms/step | torch tokens/s | torch/minillama |")
@@ -225,9 +125,11 @@ def main() -> int:
         sync = model.backend.synchronize
         ours = [lambda: model.loss_and_grads(tokens, targets)]
         if torch is not None:
-            step, step_opt = torch_step_fns(torch, cfg, params, tokens, targets, bool(AdamW))
+            from tests.support.torch_llama import train_step_fns
+
+            step, step_opt = train_step_fns(cfg, params, tokens, targets, bool(AdamW))
             ours.append(step)
-        t_ours, *t_peer = median_times(ours, args.steps, args.warmup, sync)
+        t_ours, *t_peer = median_times(ours, args.steps, args.warmup, sync, CLOCK, args.gap)
         ntok = B * T
         flops = step_flops(cfg, B, T)
         row = (f"| {name} | {model.backend.name} | {B} x {T} | {cfg.n_params() / 1e6:.2f}M "
@@ -247,7 +149,7 @@ def main() -> int:
                 opt.step(grads)
 
             fns = [full_step] + ([step_opt] if torch is not None else [])
-            t_full, *t_tf = median_times(fns, args.steps, args.warmup, sync)
+            t_full, *t_tf = median_times(fns, args.steps, args.warmup, sync, CLOCK, args.gap)
             orow = f"| {name} | {model.backend.name} | {t_full * 1e3:.1f} | {ntok / t_full:,.0f} "
             if t_tf:
                 t_tfull = t_tf[0]

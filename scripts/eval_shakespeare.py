@@ -10,7 +10,7 @@ next-byte cross-entropy over every position of every window,
 the same per-position average as the training loop's validation loss (positions early in a
 window see less context than a sliding window would give them).
 
-    python scripts/eval_shakespeare.py [--checkpoint minillama/weights/shakespeare.safetensors]
+    python -m scripts.eval_shakespeare [--checkpoint minillama/weights/shakespeare.safetensors]
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Fuzz every reader for as long as wanted and print a tally (the same mutator as
-``tests/test_fuzz_load.py``: ``tests/fuzzing.py``).
+``tests/test_fuzz_load.py``: ``tests/support/fuzzing.py``).
 
 Cases run in a worker process, so a hard crash (a segfault) or a hang that ignores the alarm is
 counted (``crash`` / ``timeout``) and the worker restarted, instead of ending the run.
 
-    python scripts/fuzz_load.py --cases 10000            # spread over every format
-    python scripts/fuzz_load.py --targets hf,gguf --cases 2000 --seed 3
-    python scripts/fuzz_load.py --target hf --seed 17 --case 123 -v   # replay one case
-    python scripts/fuzz_load.py --real ...               # also the shipped model, stories260K
+    python -m scripts.fuzz_load --cases 10000            # spread over every format
+    python -m scripts.fuzz_load --targets hf,gguf --cases 2000 --seed 3
+    python -m scripts.fuzz_load --target hf --seed 17 --case 123 -v   # replay one case
+    python -m scripts.fuzz_load --real ...               # also the shipped model, stories260K
 
 Exit status 0 when every case ended in a clean error or a finite load, 1 otherwise.
 """
@@ -23,20 +23,17 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the fuzzer lives beside the tests, not in the package
+from tests.support.fuzzing import BAD, Result, Target, make_targets, run_case
 
-from fuzzing import BAD, Result, Target, make_targets, run_case  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 STATUSES = ("ok", "error", "traceback", "timeout", "crash", "nonfinite")
 
 
 def real_targets(root: Path) -> dict[str, Target]:
     """Mutated copies of real files when they are here: the shipped model and stories260K."""
-    from fuzzing import _load_and_run
-
     from minillama.io.load import DEFAULT_CHECKPOINT
+    from tests.support.fuzzing import _load_and_run
 
     out = {}
     if DEFAULT_CHECKPOINT.is_file():
@@ -94,7 +91,7 @@ class Runner:
         self.proc.kill()
         self.proc.join(5)
         self.proc = None
-        from fuzzing import prepare_case
+        from tests.support.fuzzing import prepare_case
 
         work = self.args[2] / name / "replay"
         desc = prepare_case(self.args[0][name], index, self.args[1], work)
@@ -161,7 +158,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    cmd = "python scripts/fuzz_load.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python -m scripts.fuzz_load " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"$ {cmd}")
     print(f"seed {args.seed}, {args.cases} cases in {wall:.0f} s "
           f"({wall / max(args.cases, 1) * 1e3:.1f} ms per case), time limit {args.time_limit} s")

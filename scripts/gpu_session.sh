@@ -19,19 +19,19 @@
 #              CUDA-graph decoder and its CLI, mixed precision, quantized GGUF products, and the
 #              whole-model, generation, engine and KV-cache tests on the cupy backend
 #   quant      batch-1 decode and prompt tokens/s of the s110 F32, Q8_0 and Q4_K_M files on the
-#              GPU (quant.cu's Q8_0/Q4_K kernels; scripts/bench_gguf.py --backend cupy)
+#              GPU (quant.cu's Q8_0/Q4_K kernels; python -m scripts.bench_gguf --backend cupy)
 #   train      the s110 training step (B8 T1024): fp32 against PyTorch eager, tf32/bf16 against
-#              eager TF32 / autocast bf16 (scripts/bench_gpu.py --precisions)
+#              eager TF32 / autocast bf16 (python -m scripts.bench_gpu --precisions)
 #   decode     greedy decode B=1 and B=8 of s110, eager and CUDA graph, against PyTorch's
 #              static-cache CUDA graph
 #   serve      `minillama serve --backend cupy` under 1 and 8 streaming clients (the engine's
-#              batched decode) on the Q8_0 and F32 files (scripts/bench_serve.py)
+#              batched decode) on the Q8_0 and F32 files (python -m scripts.bench_serve)
 #   cli        `minillama generate --backend cupy`: the Q4_K_M file, the shipped model and the
 #              s110 F32 file with --cuda-graph on/off; `minillama train --precision fp32/bf16`
 #              on Shakespeare side by side (their loss curves compared)
 #   attention  attention fwd+bwd against PyTorch SDPA, T 256..8192, hd 64/128, MHA/GQA/MQA
 #   retrain    (only when named; a call of its own, ~8 min) a larger Shakespeare model (D 256,
-#              L 8, hd 64, 5.9M parameters) exported to $OUT, measured by eval_shakespeare.py;
+#              L 8, hd 64, 5.9M parameters) exported to $OUT, measured by scripts.eval_shakespeare;
 #              copy it to minillama/weights/ only if it is <= 1.90 bits/byte
 #
 # With the device tool: copy llama2.c's tokenizer.bin and the starlette/uvicorn wheels into .gpu/
@@ -132,7 +132,7 @@ print(get_backend('cupy').device); from minillama.backends.cupy import build as 
 print('nvrtc', cb.nvrtc_version())"
     run setup 10 git log --oneline -1
     # the GGUF files, on the CPU while the tests use the GPU (the quant phase waits for them)
-    local files=("$PY" scripts/bench_gguf.py --make-files --types F32,Q8_0,Q4_K_M --workdir "$GGUF"
+    local files=("$PY" -m scripts.bench_gguf --make-files --types F32,Q8_0,Q4_K_M --workdir "$GGUF"
                  --tokenizer "$ASSETS/tokenizer.bin")
     echo "\$ $(printf '%q ' "${files[@]}")" | tee -a "$OUT/setup.log"
     echo "# (in the background; the quant, serve and cli phases wait for it)" \
@@ -163,24 +163,24 @@ phase_tests() {
 
 phase_quant() {
     wait_files quant
-    run quant 90 "$PY" scripts/bench_gguf.py --backend cupy --reps 2 --tg 128 --pp 512 \
+    run quant 90 "$PY" -m scripts.bench_gguf --backend cupy --reps 2 --tg 128 --pp 512 \
         --gguf "$GGUF/s110-F32.gguf" "$GGUF/s110-Q8_0.gguf" "$GGUF/s110-Q4_K_M.gguf"
 }
 
 phase_train() {
-    run train 75 "$PY" scripts/bench_gpu.py --shapes s110 --no-decode --steps 3 --warmup 2 \
+    run train 75 "$PY" -m scripts.bench_gpu --shapes s110 --no-decode --steps 3 --warmup 2 \
         --precisions fp32,tf32,bf16
 }
 
 phase_decode() {
-    run decode 50 "$PY" scripts/bench_gpu.py --shapes s110 --no-train --batches 1,8 \
+    run decode 50 "$PY" -m scripts.bench_gpu --shapes s110 --no-train --batches 1,8 \
         --decode-tokens 128
 }
 
 phase_serve() {
     wait_files serve
     for t in Q8_0 F32; do
-        run serve 40 "$PY" scripts/bench_serve.py --backend cupy --checkpoint \
+        run serve 40 "$PY" -m scripts.bench_serve --backend cupy --checkpoint \
             "$GGUF/s110-$t.gguf" --clients 1,8 --tokens 64 --rounds 2 --max-context 256
     done
 }
@@ -210,7 +210,7 @@ bf16 %.4f fp32 %.4f (%.2f%%)' % (np.max(np.abs(b - f) / f), b[-20:].mean(), f[-2
 }
 
 phase_attention() {
-    run attention 120 "$PY" scripts/bench_gpu.py --attention --reps 3 --no-simt
+    run attention 120 "$PY" -m scripts.bench_gpu --attention --reps 3 --no-simt
 }
 
 phase_retrain() {
@@ -220,7 +220,7 @@ phase_retrain() {
         --warmup 200 --weight-decay 0.1 --grad-clip 1.0 --eval-interval 500 --eval-iters 16 \
         --seed 1337 --plot false --no-progress --time-limit 7 --out "$WORK/large" \
         --export "$OUT/shakespeare_large.safetensors"
-    run retrain 60 "$PY" scripts/eval_shakespeare.py --backend cupy \
+    run retrain 60 "$PY" -m scripts.eval_shakespeare --backend cupy \
         --checkpoint "$OUT/shakespeare_large.safetensors"
 }
 

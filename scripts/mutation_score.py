@@ -10,7 +10,7 @@ passes. The mutants are made in a copy of the package in a temporary folder, nev
 checkout. ``--sample N`` runs a random sample of N mutants (the score then comes with its 95%
 binomial interval).
 
-    python scripts/mutation_score.py --sample 150 --seed 0      # about 10 minutes on 2 cores
+    python -m scripts.mutation_score --sample 150 --seed 0      # about 10 minutes on 2 cores
 
 The figure, its date and command, and the surviving mutants with the reason each survives are
 in docs/IDENTITIES.md.

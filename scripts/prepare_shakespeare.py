@@ -6,7 +6,7 @@ Macbeth, Twelfth Night and Julius Caesar (minillama.io.data.VAL_PLAYS) are held 
 validation. Same as ``minillama prepare-data --out OUT``; ``minillama train`` does this by itself
 into RUN/data when no prepared folder is given.
 
-    python scripts/prepare_shakespeare.py --out data/shakespeare
+    python -m scripts.prepare_shakespeare --out data/shakespeare
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ machine). The script prints, per server, how many target replies came back and h
 texts they held (1 is the promise of a batch- and load-invariant engine), and the most common
 text's share.
 
-    python scripts/probe_determinism.py --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf \\
+    python -m scripts.probe_determinism --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf \\
         --requests 200 --clients 8 --tokens 48 --busy 2 [--peer /path/to/llama-server]
 """
 
@@ -27,9 +27,14 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_serve import QUESTIONS, reply_text, start_minillama, start_peer, stop, stream_once  # noqa: E402
+from scripts.bench_serve import (
+    QUESTIONS,
+    reply_text,
+    start_minillama,
+    start_peer,
+    stop,
+    stream_once,
+)
 
 TARGET = "Tell me about a violin."
 

@@ -8,7 +8,7 @@ rest of the step (residual adds, Python, the loss) as one line, and the AdamW up
 of a benchmark shape and batch (those of ``scripts/bench_train.py``); the median over ``--steps``
 steps after one warm-up.
 
-    python scripts/profile_step.py train --backend numba --configs tiny,s15 --threads 2
+    python -m scripts.profile_step train --backend numba --configs tiny,s15 --threads 2
 
 Prints one markdown table per config and backend: ms per step for each op, its share of the step,
 and for the linear layers the GFLOP/s reached against the measured 2048^3 matmul peak.
@@ -18,7 +18,7 @@ backend's fused step (one compiled call) the kernel against the Python work arou
 weights of a benchmark shape, a 16-token prompt, then ``--steps`` greedy steps; the per-op and fused
 runs take turns ``--reps`` times and the best run of each counts.
 
-    python scripts/profile_step.py decode --shape s15 --threads 2
+    python -m scripts.profile_step decode --shape s15 --threads 2
 
 "before" is the numba backend with its fused step switched off (each op a backend call, the
 GEMVs Numba, the rest NumPy); "after" is the fused step, called once per token, then the greedy
@@ -29,10 +29,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-import _bench_common
+from scripts._measure import matmul_peak, model_shape, pin_threads, train_configs
 
 
 def parse_args(argv=None):
@@ -56,7 +55,7 @@ def parse_args(argv=None):
 
 
 ARGS = parse_args()
-_bench_common.pin_threads(ARGS.threads)
+pin_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402
 
@@ -69,7 +68,7 @@ from minillama.train.optim import AdamW  # noqa: E402
 # train
 # ------------------------------------------------------------------------------------------------
 #: name -> (config, B, T)
-CONFIGS = _bench_common.train_configs()
+CONFIGS = train_configs()
 #: backend attributes timed (those a plain LLaMA training step calls)
 TRAIN_OPS = ("embedding", "linear", "rmsnorm", "rope", "attention", "swiglu", "cross_entropy",
        "linear_cross_entropy")
@@ -133,20 +132,6 @@ def linear_flops(cfg, B, T) -> dict[str, float]:
     return out
 
 
-def matmul_peak(n: int = 2048, reps: int = 4) -> float:
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    b = rng.standard_normal((n, n), dtype=np.float32)
-    c = np.empty((n, n), np.float32)
-    np.matmul(a, b, out=c)
-    best = np.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        np.matmul(a, b, out=c)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n ** 3 / best
-
-
 def profile(name, backend, peak):
     kw, B, T = CONFIGS[name]
     cfg = ModelConfig(**kw)
@@ -205,11 +190,7 @@ def profile_torch(name):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
-    argv, sys.argv = sys.argv, [sys.argv[0], "--threads", str(ARGS.threads)]
-    try:  # bench_train parses the command line on import: hand it only the thread count
-        import bench_train
-    finally:
-        sys.argv = argv
+    from tests.support.torch_llama import train_step_fns
 
     torch.set_num_threads(ARGS.threads)
     kw, B, T = CONFIGS[name]
@@ -217,8 +198,7 @@ def profile_torch(name):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (B, T))
     targets = np.roll(tokens, -1, axis=1)
-    _, step_opt = bench_train.torch_step_fns(torch, cfg, init_params(cfg, seed=0), tokens,
-                                            targets, True)
+    _, step_opt = train_step_fns(cfg, init_params(cfg, seed=0), tokens, targets, True)
     for _ in range(2):
         step_opt()
     steps = max(ARGS.steps, 1)
@@ -251,7 +231,7 @@ def profile_torch(name):
 
 
 def main_train() -> int:
-    peak = matmul_peak()
+    peak = matmul_peak(reps=4, row_split=False)
     print(f"# training-step profile — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"threads={ARGS.threads}, numpy {np.__version__}; float32 2048^3 matmul peak "
           f"{peak / 1e9:.1f} GFLOP/s")
@@ -313,8 +293,7 @@ def run_greedy(model, steps, timers, chunk=16):
 
 def main_decode() -> int:
     name = ARGS.shape
-    shape = _bench_common.shape("s15", n_kv_heads=2) if name == "s15gqa" else \
-        _bench_common.shape(name)
+    shape = model_shape("s15", n_kv_heads=2) if name == "s15gqa" else model_shape(name)
     cfg = ModelConfig(**shape, tie_embeddings=True)
     be = get_backend("numba")
     model = Transformer(cfg, init_params(cfg, seed=0), backend=be)

@@ -12,7 +12,7 @@ form, so for llama-perplexity only the script writes a copy of each file whose m
 the byte tokenizer as a SentencePiece vocabulary of byte tokens (``<0xXX>``, and ``\u2581`` for
 the space, which llama.cpp's SentencePiece tokenizer writes for it); the tensors are the same.
 
-    python scripts/quant_perplexity.py [--checkpoint minillama/weights/shakespeare.safetensors]
+    python -m scripts.quant_perplexity [--checkpoint minillama/weights/shakespeare.safetensors]
         [--data shakespeare-val] [--types F32,Q8_0,Q6_K,Q4_K,Q4_0] [--limit-chunks N]
 """
 

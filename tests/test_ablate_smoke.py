@@ -4,20 +4,13 @@ loss-curve figure are written, and the summary table has one row per variant."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-
 
 def test_ablate_smoke(tmp_path, capsys):
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import ablate
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    from scripts import ablate
+
     assert ablate.main(["--smoke", "--out", str(tmp_path)]) == 0
     table = capsys.readouterr().out
     res = json.loads((tmp_path / "ablations.json").read_text())["results"]

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from fuzzing import _write_tokenizer_bin
 
 from minillama.cli import main as cli
 from minillama.core.config import ModelConfig
@@ -24,6 +23,7 @@ from minillama.io.checkpoint import save_checkpoint
 from minillama.io.load import save_llama2c
 from minillama.io.tokenizer import ByteTokenizer
 from minillama.model.transformer import init_params
+from tests.support.fuzzing import _write_tokenizer_bin
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 from test_math_map import MATH, ROOT, reference_ops
 
+from minillama import mathmap
 from minillama.backends import BACKENDS
 from minillama.cli import main as cli
-from minillama.cli import mathmap
 from minillama.cli.explain import explain
-from minillama.cli.mathtext import latex_to_text, to_text
-from minillama.cli.overrides import BackendClasses
+from minillama.mathmap.mathtext import latex_to_text, to_text
+from minillama.mathmap.overrides import BackendClasses
 
 CHECKOUT = mathmap.Sources.installed()
 #: the package as a wheel installs it: no docs/MATH.md, no tests/

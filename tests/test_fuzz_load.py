@@ -1,7 +1,7 @@
 """Fuzz every reader: a few hundred seeded mutations per format, each run under a time bound.
 
 A case passes when it ends in a clean one-line MinillamaError or loads and gives finite logits
-(see ``tests/fuzzing.py``); a traceback, a time-out or NaN/inf logits fails the test, which
+(see ``tests/support/fuzzing.py``); a traceback, a time-out or NaN/inf logits fails the test, which
 prints each failing case's mutation and how to replay it. ``MINILLAMA_FUZZ_CASES`` changes the
 number of cases per format (default 200); ``scripts/fuzz_load.py`` runs the same cases at length.
 """
@@ -12,7 +12,8 @@ import collections
 import os
 
 import pytest
-from fuzzing import BAD, make_targets, run_case
+
+from tests.support.fuzzing import BAD, make_targets, run_case
 
 CASES = int(os.environ.get("MINILLAMA_FUZZ_CASES", "200"))
 SEED = 17
@@ -42,7 +43,7 @@ def test_fuzz_format(targets, name, tmp_path):
             failures.append(f"  case {i}: {r.status}: {r.mutation}\n      -> {r.detail}")
     assert not failures, (
         f"{len(failures)} of {CASES} mutated {name} inputs did not end in a clean error or a "
-        f"finite load ({dict(tally)}); replay one with `python scripts/fuzz_load.py --target "
+        f"finite load ({dict(tally)}); replay one with `python -m scripts.fuzz_load --target "
         f"{name} --seed {SEED} --case N -v`:\n" + "\n".join(failures[:30]))
     # the mutations must exercise both outcomes, or the fuzzer tests nothing
     assert tally["error"] > 0 and tally["ok"] > 0, dict(tally)

@@ -4,6 +4,7 @@ scripts, options and phases that exist (a typo here would cost device time there
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shlex
@@ -67,8 +68,8 @@ def test_dry_run_names_what_exists(tmp_path):
     cmds = _dry(tmp_path / "all", *DEFAULT, "retrain")
     assert cmds[:len(default)] == default
     assert len(list((tmp_path / "all").iterdir())) == 9
-    assert any("scripts/bench_gguf.py" in c and "cupy" in c for c in cmds)
-    assert any("scripts/bench_serve.py" in c and "cupy" in c for c in cmds)
+    assert any("scripts.bench_gguf" in c and "cupy" in c for c in cmds)
+    assert any("scripts.bench_serve" in c and "cupy" in c for c in cmds)
     seen_scripts, seen_tests = set(), set()
     snippets = [c[c.index("-c") + 1] for c in cmds if len(c) > 2 and "-c" in c[1:2]]
     assert snippets
@@ -80,19 +81,15 @@ def test_dry_run_names_what_exists(tmp_path):
             if re.fullmatch(r"tests/test_\w+\.py", word):
                 assert (REPO / word).is_file(), word
                 seen_tests.add(word)
-        if len(cmd) > 1 and cmd[1].startswith("scripts/"):
-            seen_scripts.add(cmd[1])
+        if cmd[1:2] == ["-m"] and cmd[2].startswith("scripts."):
+            seen_scripts.add(cmd[2])
             # the options it passes exist: argparse accepts them (parse only, no GPU needed)
-            sys.path.insert(0, str(REPO / "scripts"))
-            try:
-                mod = __import__(Path(cmd[1]).stem)
-                if hasattr(mod, "parse_args"):
-                    mod.parse_args(cmd[2:])
-            finally:
-                sys.path.remove(str(REPO / "scripts"))
-    assert "scripts/bench_gpu.py" in seen_scripts
-    # the attention sweep and the training/decode tables are both bench_gpu.py runs
-    gpu_runs = [c[2:] for c in cmds if len(c) > 1 and c[1] == "scripts/bench_gpu.py"]
+            mod = importlib.import_module(cmd[2])
+            if hasattr(mod, "parse_args"):
+                mod.parse_args(cmd[3:])
+    assert "scripts.bench_gpu" in seen_scripts
+    # the attention sweep and the training/decode tables are both scripts.bench_gpu runs
+    gpu_runs = [c[3:] for c in cmds if c[1:3] == ["-m", "scripts.bench_gpu"]]
     assert any("--attention" in c for c in gpu_runs) and any("--attention" not in c
                                                                for c in gpu_runs)
     assert {"tests/test_cupy_backend.py", "tests/test_cuda_graph_cli.py",

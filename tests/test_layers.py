@@ -2,11 +2,12 @@
 layer or of the layers below it, at module level and inside functions alike, and nothing imports
 in a circle.
 
-    core  <-  backends  <-  model  <-  io, identities  <-  infer, train  <-  cli
+    core  <-  backends  <-  model  <-  io, identities  <-  infer, train, mathmap  <-  cli
 
 ``io`` and ``identities`` (the catalog of transformer identities, which builds whole models)
-share a rank and import neither each other nor the layers above; ``infer`` and ``train`` sit
-side by side and do not import each other. The package root
+share a rank and import neither each other nor the layers above; ``infer``, ``train`` and
+``mathmap`` (the math-to-code map behind ``minillama explain``, which reads the identities'
+catalog) sit side by side and import none of the others. The package root
 (``minillama/__init__.py``) re-exports the main entry points of every layer and is imported by
 nothing but the CLI (for ``__version__``).
 
@@ -20,10 +21,12 @@ from __future__ import annotations
 
 from test_layout import cycles, import_edges, import_graph
 
-#: layer name -> rank; a module may import modules of rank <= its own (infer/train: see SIBLINGS)
+#: layer name -> rank; a module may import modules of rank <= its own (but not its SIBLINGS)
 LAYERS = {"core": 0, "backends": 1, "model": 2, "io": 3, "corpus": 3, "identities": 3,
-          "infer": 4, "train": 4, "cli": 5, "__main__": 5}
-SIBLINGS = {("infer", "train"), ("train", "infer"), ("io", "identities"), ("identities", "io")}
+          "infer": 4, "train": 4, "mathmap": 4, "cli": 5, "__main__": 5}
+SIBLINGS = {("infer", "train"), ("train", "infer"), ("io", "identities"), ("identities", "io"),
+            ("mathmap", "infer"), ("infer", "mathmap"), ("mathmap", "train"),
+            ("train", "mathmap")}
 
 _KERNELS = "Numba kernels load (compile, or read the cache) only when an op first needs them"
 #: (importer, imported) -> why that import sits inside a function

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minillama.cli.mathmap import citations, sections
 from minillama.core import ops
+from minillama.mathmap import citations, sections
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH = ROOT / "docs" / "MATH.md"

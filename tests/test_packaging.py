@@ -68,8 +68,9 @@ def test_nothing_but_minillama_at_the_top(wheel_names):
 
 
 def test_test_machinery_stays_out_of_the_wheel(wheel_names):
-    """The load fuzzer is test machinery (tests/fuzzing.py), not part of the installed package."""
-    assert (ROOT / "tests" / "fuzzing.py").is_file()
+    """The load fuzzer is test machinery (tests/support/fuzzing.py), not part of the installed
+    package."""
+    assert (ROOT / "tests" / "support" / "fuzzing.py").is_file()
     assert not any(n.startswith("tests/") or n.endswith("/fuzz.py") or n.endswith("/fuzzing.py")
                    for n in wheel_names), sorted(n for n in wheel_names if "fuzz" in n)
 

@@ -1,6 +1,7 @@
-"""Every script under scripts/ answers ``--help`` with its usage and status 0 (its options parse,
-its imports resolve), and ``profile_step.py`` refuses a missing mode in one usage error: a
-benchmark broken by a rename is caught here, not on the machine that runs it."""
+"""Every script under scripts/, run as ``python -m scripts.NAME`` from the repository's root,
+answers ``--help`` with its usage and status 0 (its options parse, its imports resolve), and
+``profile_step.py`` refuses a missing mode in one usage error: a benchmark broken by a rename is
+caught here, not on the machine that runs it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
 NAMES = sorted(p.name for p in SCRIPTS.glob("*.py") if not p.name.startswith("_"))
 
 
@@ -21,13 +23,13 @@ def test_one_bench_per_job():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_help(name):
-    r = subprocess.run([sys.executable, str(SCRIPTS / name), "--help"], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", f"scripts.{Path(name).stem}", "--help"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "usage:" in r.stdout
 
 
 def test_profile_step_needs_a_mode():
-    r = subprocess.run([sys.executable, str(SCRIPTS / "profile_step.py")], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "scripts.profile_step"], capture_output=True,
+                       text=True, timeout=120, cwd=REPO)
     assert r.returncode == 2 and "train" in r.stderr and "decode" in r.stderr

@@ -1,15 +1,14 @@
 """The model and its ops against an independent PyTorch re-implementation (autograd gradients).
 
-The reference below is written directly from the LLaMA paper / Meta's code, with the obvious
-(not the efficient) choices: interleaved-pair RoPE via complex multiplication, K/V repeated per
-group with ``repeat_interleave``, an explicit additive causal mask. Same random weights on both
-sides; logits and every parameter gradient must agree within a norm-based relative error of 1e-4
-in float32 and 1e-10 in float64. torch is test-only; the test skips when it is not importable.
+The reference (``tests/support/torch_llama.py``) is written directly from the LLaMA paper /
+Meta's code, with the obvious (not the efficient) choices: interleaved-pair RoPE via complex
+multiplication, K/V repeated per group with ``repeat_interleave``, an explicit additive causal
+mask. Same random weights on both sides; logits and every parameter gradient must agree within a
+norm-based relative error of 1e-4 in float32 and 1e-10 in float64. torch is test-only; the test
+skips when it is not importable.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
@@ -20,6 +19,8 @@ from minillama.core import ops
 
 torch = pytest.importorskip("torch")
 
+from tests.support.torch_llama import t_attention, t_forward, t_rmsnorm, t_rope  # noqa: E402
+
 TOL = {np.float32: 1e-4, np.float64: 1e-10}
 TORCH_DTYPE = {np.float32: torch.float32, np.float64: torch.float64}
 
@@ -29,61 +30,6 @@ def rel_err(a, b) -> float:
     den = max(np.linalg.norm(a), np.linalg.norm(b))
     assert den > 0
     return float(np.linalg.norm(a - b) / den)
-
-
-# ---------------------------------------------------------------------------------------------
-# the reference
-# ---------------------------------------------------------------------------------------------
-def t_rmsnorm(x, g, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g
-
-
-def t_rope(x, pos, theta):
-    """x: (B, T, nh, hd); pairs (2i, 2i+1) as complex numbers times e^{i m theta_i}."""
-    hd = x.shape[-1]
-    freqs = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    ang = torch.outer(pos.to(torch.float64), freqs)  # (T, hd/2)
-    rot = torch.polar(torch.ones_like(ang), ang)
-    xc = torch.view_as_complex(x.to(torch.float64).reshape(*x.shape[:-1], hd // 2, 2).contiguous())
-    y = torch.view_as_real(xc * rot[None, :, None, :]).reshape(x.shape)
-    return y.to(x.dtype)
-
-
-def t_attention(q, k, v, start_pos=0):
-    """q: (B, T, H, hd); k, v: (B, S, KVH, hd); plain MHA after repeating K/V per group."""
-    B, T, H, hd = q.shape
-    S, KVH = k.shape[1], k.shape[2]
-    k = k.repeat_interleave(H // KVH, dim=2)
-    v = v.repeat_interleave(H // KVH, dim=2)
-    q, k, v = (a.transpose(1, 2) for a in (q, k, v))  # (B, H, *, hd)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
-    allowed = torch.arange(S)[None, :] <= (start_pos + torch.arange(T))[:, None]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2)
-
-
-def t_forward(cfg: ModelConfig, p: dict, tokens):
-    B, T = tokens.shape
-    H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    pos = torch.arange(T)
-    x = p["tok_embeddings.weight"][tokens]
-    for layer in range(cfg.n_layers):
-        w = {n: p[f"layers.{layer}.{n}"] for n in (
-            "attention_norm.weight", "attention.wq.weight", "attention.wk.weight",
-            "attention.wv.weight", "attention.wo.weight", "ffn_norm.weight",
-            "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")}
-        h = t_rmsnorm(x, w["attention_norm.weight"], cfg.norm_eps)
-        q = (h @ w["attention.wq.weight"].T).view(B, T, H, hd)
-        k = (h @ w["attention.wk.weight"].T).view(B, T, KVH, hd)
-        v = (h @ w["attention.wv.weight"].T).view(B, T, KVH, hd)
-        q, k = t_rope(q, pos, cfg.rope_theta), t_rope(k, pos, cfg.rope_theta)
-        x = x + t_attention(q, k, v).reshape(B, T, H * hd) @ w["attention.wo.weight"].T
-        h = t_rmsnorm(x, w["ffn_norm.weight"], cfg.norm_eps)
-        gate = torch.nn.functional.silu(h @ w["feed_forward.w1.weight"].T)
-        x = x + (gate * (h @ w["feed_forward.w3.weight"].T)) @ w["feed_forward.w2.weight"].T
-    x = t_rmsnorm(x, p["norm.weight"], cfg.norm_eps)
-    head = p["tok_embeddings.weight"] if cfg.tie_embeddings else p["output.weight"]
-    return x @ head.T
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,19 +22,9 @@ from minillama.backends import (
     get_backend,
 )
 from minillama.cli.common import add_backend_list_flag, positive_int
-from minillama.core.config import ModelConfig
+from minillama.core.config import SHAPES, ModelConfig
 from minillama.core.errors import MinillamaError
 from minillama.model.transformer import Transformer, init_params
-
-#: model shapes used by the benchmarks (size letters as in the docs)
-SHAPES = {
-    "tiny": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=384, vocab_size=128,
-                 max_seq_len=256),
-    "s15": dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=768, vocab_size=32000,
-                max_seq_len=256),
-    "s110": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, hidden_dim=2048,
-                 vocab_size=32000, max_seq_len=1024),
-}
 
 
 def add_cli(sub) -> None:

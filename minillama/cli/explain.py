@@ -7,7 +7,7 @@ the reference functions' docstrings), then the reference code; after them the ba
 replace it (``file:function``) and what docs/KERNELS.md says about how they compute it, the
 tests that hold it and the identities of ``minillama.identities`` that use it. Without a
 name it lists the names. The sources are read where the project keeps them
-(:mod:`minillama.cli.mathmap`), so what it prints is what ``tests/test_math_map.py`` checks.
+(:mod:`minillama.mathmap`), so what it prints is what ``tests/test_math_map.py`` checks.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import textwrap
 
 from minillama.cli.main import plain_text
-from minillama.cli.mathmap import (
+from minillama.mathmap import (
     ENTRIES,
     Entry,
     Sources,
@@ -27,8 +27,8 @@ from minillama.cli.mathmap import (
     source,
     tests_for,
 )
-from minillama.cli.mathtext import to_text
-from minillama.cli.overrides import backend_classes, op_attributes
+from minillama.mathmap.mathtext import to_text
+from minillama.mathmap.overrides import backend_classes, op_attributes
 
 WIDTH = 100
 

@@ -205,6 +205,18 @@ class ModelConfig:
         return V * D * (1 if self.tie_embeddings else 2) + L * per_layer + D * n_vecs
 
 
+#: model shapes used by the benchmarks (size letters as in the docs): ``minillama bench --shape``
+#: and the scripts under scripts/, as :class:`ModelConfig` keyword arguments
+SHAPES = {
+    "tiny": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=384, vocab_size=128,
+                 max_seq_len=256),
+    "s15": dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=768, vocab_size=32000,
+                max_seq_len=256),
+    "s110": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, hidden_dim=2048,
+                 vocab_size=32000, max_seq_len=1024),
+}
+
+
 # ---------------------------------------------------------------------------------------------
 # field rules: the one place that says what a valid config holds
 # ---------------------------------------------------------------------------------------------

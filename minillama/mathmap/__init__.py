@@ -7,7 +7,9 @@ docs/MATH.md (the file ``tests/test_math_map.py`` checks), the docstrings and so
 reference functions (parsed from their files), the ``tests/`` folder. A repository checkout has
 all three; an installed wheel has only the package, so the equations come from the reference
 docstrings (each public ``*_forward`` / ``*_backward`` carries its equation and shapes there) and
-the tests are reported missing. Which backends override an op is :mod:`minillama.cli.overrides`.
+the tests are reported missing. Which backends override an op is
+:mod:`minillama.mathmap.overrides`; :mod:`minillama.mathmap.mathtext` turns the LaTeX into
+terminal text.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import minillama
 from minillama import backends as backends_pkg
 from minillama.core.errors import MinillamaError
 from minillama.core.quant import QUANT_TYPES
@@ -223,7 +224,7 @@ class Sources:
     def installed(cls) -> Sources:
         """The sources of the running package; docs/ and tests/ only when its parent folder is
         the minillama repository (its pyproject.toml names the project)."""
-        package = Path(minillama.__file__).resolve().parent
+        package = Path(__file__).resolve().parents[1]  # minillama/mathmap/ -> minillama/
         backends = Path(backends_pkg.__file__).resolve().parent
         root = package.parent
         project = root / "pyproject.toml"
