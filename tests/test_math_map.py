@@ -307,7 +307,6 @@ def test_kept_rows_are_one_symbol_in_the_docs_and_the_docstrings():
 def test_sinusoidal_embedding_is_scaled_as_the_docstrings_say():
     """h_0 = sqrt(D) E[x] + P, in the model and in every docstring that writes it."""
     from minillama.core.config import ModelConfig
-    from minillama.model.ends import EndsWiring
     from minillama.model.transformer import Transformer
 
     cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=11, max_seq_len=8,
@@ -318,7 +317,7 @@ def test_sinusoidal_embedding_is_scaled_as_the_docstrings_say():
     E = model.params["tok_embeddings.weight"]
     want = np.sqrt(16) * E[tok] + ops.sinusoidal_positions(8, 16, dtype=np.float64)[:5]
     assert np.allclose(h, want, rtol=4 * U64, atol=0)
-    for doc in (inspect.getdoc(ops.sinusoidal_positions), inspect.getdoc(EndsWiring._embed)):
+    for doc in (inspect.getdoc(ops.sinusoidal_positions), inspect.getdoc(Transformer._embed)):
         assert re.search(r"h_0 = \\sqrt\{D\}\\?,? ?E_\{\\mathrm\{tok\}\} \+ E\^\{pos\}", doc), doc
 
 

@@ -555,7 +555,7 @@ def sinusoidal_positions(max_seq_len: int, dim: int, base: float = 10000.0, dtyp
                          xp=np):
     r"""The vanilla transformer's absolute positional encoding (Vaswani et al., 2017), added to
     the token embeddings scaled by \sqrt{D} (h_0 = \sqrt{D}\, E_{\mathrm{tok}} + E^{pos}, as
-    :meth:`~minillama.model.ends.EndsWiring._embed` computes):
+    :meth:`~minillama.model.transformer.Transformer._embed` computes):
 
     E^{pos}_{m, 2i} = \sin(m / \mathrm{base}^{2i/D}),  E^{pos}_{m, 2i+1} = \cos(m /
     \mathrm{base}^{2i/D}).
