@@ -20,8 +20,8 @@ scaled_dot_product_attention, in turns:
     python scripts/bench_ops.py --torch --threads 2 --reps 9
 
 ``--latent`` prints instead the cost of the latent (Perceiver-style) block of
-minillama/model/latent.py beside a full self-attention block over the same L inputs, as L grows:
-forward + backward time and the size of the attention matrices (B H M L against B H L^2).
+minillama/core/notes_latent.py beside a full self-attention block over the same L inputs, as L
+grows: forward + backward time and the size of the attention matrices (B H M L against B H L^2).
 
 ``--gemm`` prints instead the matrix products of one training step (forward y = x W^T, backward
 dx = dy W and dW = dy^T x of each linear layer of tiny and s15): the chosen backend's GEMM path
@@ -341,7 +341,7 @@ def bench_latent(reps):
     """Rows: a full self-attention block over L tokens (LN, non-causal attention, LN, GELU FFN)
     against the latent block (M latents read the L tokens by cross-attention, then attend among
     themselves, then the FFN), forward + backward, float32, B = 1, D = 128, H = 4."""
-    from minillama.model import latent
+    from minillama.core import notes_latent as latent
 
     B, D, H, M = 1, 128, 4, ARGS.latents
     cfg = latent.LatentConfig(dim=D, n_latents=M, n_heads=H, n_kv_heads=H, hidden_dim=4 * D)

@@ -154,7 +154,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("logit_scale", "Logit scale", _pairs("logit_scale")),
     Entry("cross_attention", "Cross-attention", _pairs("cross_attention"), ("xattn",)),
     Entry("latent", "The latent (Perceiver) block", _pairs("latent_expand")
-          + _at("minillama/model/latent.py", "latent_block_forward", "latent_block_backward"),
+          + _at("minillama/core/notes_latent.py", "latent_block_forward", "latent_block_backward"),
           ("perceiver", "latent_block")),
     Entry("variants", "The model's swappable pieces: norm, its position, FFN, positions",
           _at("minillama/model/transformer.py", "Transformer._norm", "Transformer._norm_backward",

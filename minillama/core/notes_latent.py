@@ -1,4 +1,7 @@
-r"""The latent transformer block (Perceiver style) and a small encoder that runs it end to end.
+r"""The latent transformer block (Perceiver style) and a small encoder that runs it end to end: the
+notes' alternative to self-attention over long inputs (docs/MATH.md section 18), beside the notes'
+other pieces. The LLaMA model does not use it; an identity, its tests and
+``scripts/bench_ops.py --latent`` do.
 
 A learned latent array Z: (M, D) is expanded over the batch and reads the input sequence
 x: (B, L, D) through cross-attention, so a block costs O(M L) instead of self-attention's O(L^2):
