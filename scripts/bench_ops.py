@@ -100,7 +100,7 @@ _bench_common.pin_threads(ARGS.threads)
 import numpy as np  # noqa: E402  (after the thread settings)
 
 from minillama.backends import get_backend  # noqa: E402
-from minillama.core import ops  # noqa: E402
+from minillama.core import notes_ops, ops  # noqa: E402
 from minillama.core.config import ModelConfig  # noqa: E402
 from minillama.model.transformer import Transformer, init_params  # noqa: E402
 
@@ -352,16 +352,16 @@ def bench_latent(reps):
         o, ca = latent._attend(n1, n1, p, "self.", H, H)
         h = x + o
         n2, c2 = latent._ln(h, p, "ffn_norm", 1e-5)
-        f, cf = ops.mlp_forward(n2, p["ffn.w1.weight"], p["ffn.w2.weight"], "gelu")
+        f, cf = notes_ops.mlp_forward(n2, p["ffn.w1.weight"], p["ffn.w2.weight"], "gelu")
         dy = np.ones_like(h)
         g = {}
-        dn2 = ops.mlp_backward(dy, cf)[0]
+        dn2 = notes_ops.mlp_backward(dy, cf)[0]
         dh = dy + latent._ln_backward(dn2, c2, "ffn_norm", g)
         dq, dkv = latent._attend_backward(dh, ca, "self.", g)
         return dh + latent._ln_backward(dq + dkv, c1, "self_norm", g)
 
     def latent_fwd_bwd(x):
-        z, _ = ops.latent_expand_forward(np.zeros((M, D), np.float32) + 0.1, B)
+        z, _ = notes_ops.latent_expand_forward(np.zeros((M, D), np.float32) + 0.1, B)
         out, ctx = latent.latent_block_forward(z, x, p, H, H)
         return latent.latent_block_backward(np.ones_like(out), ctx)[1]
 

@@ -40,9 +40,6 @@ LONG_MODULES: dict[str, str] = {
                                       "docs/MATH.md part I: parameters, the saved states, "
                                       "the forward in the math's order, its mirrored backward, "
                                       "then the notes' variants",
-    "minillama/core/ops.py": "every reference op with its backward, each docstring giving its "
-                             "equation in MATH.md's notation and its shapes; the notes' "
-                             "alternatives (LayerNorm ... the latent array) still share it",
 }
 #: "path:Class" -> why that class may be longer than MAX_CLASS_LINES
 LONG_CLASSES: dict[str, str] = {

@@ -13,7 +13,7 @@ import pytest
 from test_ops_grad import numeric_grad, rel_err
 
 from minillama.core import notes_latent as latent
-from minillama.core import ops
+from minillama.core import notes_ops as ops
 
 TOL = 1e-6
 

@@ -25,6 +25,8 @@ from minillama.core.errors import MinillamaError
 from minillama.core.quant import QUANT_TYPES
 
 OPS = "minillama/core/ops.py"
+#: the notes' other pieces (docs/MATH.md part II)
+NOTES_OPS = "minillama/core/notes_ops.py"
 QUANT = "minillama/core/quant.py"
 #: where ``explain`` looks for the identities catalog: an iterable ``CATALOG`` (or a dict of
 #: them) whose items have ``name`` and ``ops`` (op names such as "rmsnorm", or function names)
@@ -141,19 +143,25 @@ ENTRIES: tuple[Entry, ...] = (
            "clipping", "weight_decay"), via=("AdamW",),
           related=("backends/numba/backend.py:NumbaBackend.adamw_update",
                    "backends/cupy/backend.py:CupyBackend.adamw_update")),
-    Entry("layernorm", "LayerNorm", _pairs("layernorm"), ("layer_norm", "ln")),
-    Entry("batchnorm", "BatchNorm", _pairs("batchnorm") + _at(OPS, "batchnorm_inference"),
-          ("batch_norm", "bn")),
-    Entry("sinusoidal", "Sinusoidal absolute positions", _at(OPS, "sinusoidal_positions"),
+    Entry("layernorm", "LayerNorm", _at(NOTES_OPS, "layernorm_forward", "layernorm_backward"),
+          ("layer_norm", "ln")),
+    Entry("batchnorm", "BatchNorm", _at(NOTES_OPS, "batchnorm_forward", "batchnorm_backward",
+                                        "batchnorm_inference"), ("batch_norm", "bn")),
+    Entry("sinusoidal", "Sinusoidal absolute positions", _at(NOTES_OPS, "sinusoidal_positions"),
           ("absolute_positions", "positional_encoding")),
-    Entry("gelu", "GELU (tanh form)", _pairs("gelu")),
-    Entry("relu", "ReLU", _pairs("relu")),
-    Entry("mlp", "Two-matrix feed-forward network (GELU or ReLU)", _pairs("mlp"),
-          ("two_matrix_ffn",)),
-    Entry("postnorm", "Post-norm residual", _pairs("postnorm_residual"), ("post_norm",)),
-    Entry("logit_scale", "Logit scale", _pairs("logit_scale")),
-    Entry("cross_attention", "Cross-attention", _pairs("cross_attention"), ("xattn",)),
-    Entry("latent", "The latent (Perceiver) block", _pairs("latent_expand")
+    Entry("gelu", "GELU (tanh form)", _at(NOTES_OPS, "gelu_forward", "gelu_backward")),
+    Entry("relu", "ReLU", _at(NOTES_OPS, "relu_forward", "relu_backward")),
+    Entry("mlp", "Two-matrix feed-forward network (GELU or ReLU)",
+          _at(NOTES_OPS, "mlp_forward", "mlp_backward"), ("two_matrix_ffn",)),
+    Entry("postnorm", "Post-norm residual",
+          _at(NOTES_OPS, "postnorm_residual_forward", "postnorm_residual_backward"),
+          ("post_norm",)),
+    Entry("logit_scale", "Logit scale",
+          _at(NOTES_OPS, "logit_scale_forward", "logit_scale_backward")),
+    Entry("cross_attention", "Cross-attention",
+          _at(NOTES_OPS, "cross_attention_forward", "cross_attention_backward"), ("xattn",)),
+    Entry("latent", "The latent (Perceiver) block",
+          _at(NOTES_OPS, "latent_expand_forward", "latent_expand_backward")
           + _at("minillama/core/notes_latent.py", "latent_block_forward", "latent_block_backward"),
           ("perceiver", "latent_block")),
     Entry("variants", "The model's swappable pieces: norm, its position, FFN, positions",

@@ -47,7 +47,8 @@ from minillama.backends import get_backend
 from minillama.core import ops
 from minillama.core.config import ModelConfig, param_shapes
 from minillama.core.errors import MinillamaError
-from minillama.core.ops import rope_tables, sinusoidal_positions
+from minillama.core.notes_ops import sinusoidal_positions
+from minillama.core.ops import rope_tables
 from minillama.model import packing, recompute
 from minillama.model.kvcache import KVCache
 
