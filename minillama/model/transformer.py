@@ -26,8 +26,7 @@ walks the layers in reverse calling the matching ``<op>_backward``.
 The config's variants (docs/MATH.md part II) swap single pieces, defaults being LLaMA's:
 ``norm`` (RMSNorm | LayerNorm), ``norm_position`` (pre | post: h' = Norm(h + Attn(h))),
 ``pos_encoding`` (RoPE | sinusoidal E^{pos} added to \sqrt{D} E_{tok} | none), ``ffn`` (SwiGLU |
-GELU |
-ReLU two-matrix) and ``logit_scale`` s (z = s Norm(h_L) W_out^T).
+GELU | ReLU two-matrix) and ``logit_scale`` s (z = s Norm(h_L) W_out^T).
 
 LoRA adapters (:mod:`minillama.model.lora`) enter at the linear layers (:meth:`Transformer._proj`)
 and freeze the rest; gradient checkpointing (:mod:`minillama.model.recompute`) and packed rows
