@@ -12,7 +12,7 @@ import contextlib
 
 import numpy as np
 
-from minillama.core import ops
+from minillama.core import notes_ops, ops
 from minillama.core.quant import QuantMatrix
 
 
@@ -47,16 +47,16 @@ class ReferenceBackend:
     linear_cross_entropy_forward = staticmethod(ops.linear_cross_entropy_forward)
     linear_cross_entropy_backward = staticmethod(ops.linear_cross_entropy_backward)
     # the notes' other pieces (model variants, cross/latent attention): reference code everywhere
-    layernorm_forward = staticmethod(ops.layernorm_forward)
-    layernorm_backward = staticmethod(ops.layernorm_backward)
-    gelu_forward = staticmethod(ops.gelu_forward)
-    gelu_backward = staticmethod(ops.gelu_backward)
-    relu_forward = staticmethod(ops.relu_forward)
-    relu_backward = staticmethod(ops.relu_backward)
-    cross_attention_forward = staticmethod(ops.cross_attention_forward)
-    cross_attention_backward = staticmethod(ops.cross_attention_backward)
-    logit_scale_forward = staticmethod(ops.logit_scale_forward)
-    logit_scale_backward = staticmethod(ops.logit_scale_backward)
+    layernorm_forward = staticmethod(notes_ops.layernorm_forward)
+    layernorm_backward = staticmethod(notes_ops.layernorm_backward)
+    gelu_forward = staticmethod(notes_ops.gelu_forward)
+    gelu_backward = staticmethod(notes_ops.gelu_backward)
+    relu_forward = staticmethod(notes_ops.relu_forward)
+    relu_backward = staticmethod(notes_ops.relu_backward)
+    cross_attention_forward = staticmethod(notes_ops.cross_attention_forward)
+    cross_attention_backward = staticmethod(notes_ops.cross_attention_backward)
+    logit_scale_forward = staticmethod(notes_ops.logit_scale_forward)
+    logit_scale_backward = staticmethod(notes_ops.logit_scale_backward)
 
     # a LoRA step's frozen weights: only the input gradient (a fast backend skips dW)
     def linear_backward_input(self, dy, ctx):

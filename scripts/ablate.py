@@ -115,7 +115,7 @@ def run_one(name, overrides, seed, args, data_dir, out) -> dict:
 def norm_timing(reps: int = 30) -> str:
     """RMSNorm against LayerNorm as ops (the reference code of both, forward + backward, float32),
     interleaved and timed in process CPU seconds, best of ``reps``: a markdown table."""
-    from minillama.core import ops
+    from minillama.core import notes_ops, ops
 
     lines = ["| rows x D | rmsnorm fwd+bwd us | layernorm fwd+bwd us | layernorm / rmsnorm |",
              "|---|---|---|---|"]
@@ -130,7 +130,7 @@ def norm_timing(reps: int = 30) -> str:
                 if k == "rms":
                     ops.rmsnorm_backward(dy, ops.rmsnorm_forward(x, g, 1e-5)[1])
                 else:
-                    ops.layernorm_backward(dy, ops.layernorm_forward(x, g, b, 1e-5)[1])
+                    notes_ops.layernorm_backward(dy, notes_ops.layernorm_forward(x, g, b, 1e-5)[1])
                 best[k] = min(best[k], time.process_time() - t0)
         lines.append(f"| {N} x {D} | {best['rms'] * 1e6:.0f} | {best['ln'] * 1e6:.0f} | "
                      f"{best['ln'] / best['rms']:.2f} |")

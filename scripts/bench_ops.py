@@ -20,8 +20,8 @@ scaled_dot_product_attention, in turns:
     python -m scripts.bench_ops --torch --threads 2 --reps 9
 
 ``--latent`` prints instead the cost of the latent (Perceiver-style) block of
-minillama/model/latent.py beside a full self-attention block over the same L inputs, as L grows:
-forward + backward time and the size of the attention matrices (B H M L against B H L^2).
+minillama/core/notes_latent.py beside a full self-attention block over the same L inputs, as L
+grows: forward + backward time and the size of the attention matrices (B H M L against B H L^2).
 
 ``--gemm`` prints instead the matrix products of one training step (forward y = x W^T, backward
 dx = dy W and dW = dy^T x of each linear layer of tiny and s15): the chosen backend's GEMM path
@@ -108,7 +108,7 @@ pin_threads(ARGS.threads)
 import numpy as np  # noqa: E402  (after the thread settings)
 
 from minillama.backends import get_backend  # noqa: E402
-from minillama.core import ops  # noqa: E402
+from minillama.core import notes_ops, ops  # noqa: E402
 from minillama.core.config import ModelConfig  # noqa: E402
 from minillama.model.transformer import Transformer, init_params  # noqa: E402
 
@@ -324,7 +324,7 @@ def bench_latent(reps):
     """Rows: a full self-attention block over L tokens (LN, non-causal attention, LN, GELU FFN)
     against the latent block (M latents read the L tokens by cross-attention, then attend among
     themselves, then the FFN), forward + backward, float32, B = 1, D = 128, H = 4."""
-    from minillama.model import latent
+    from minillama.core import notes_latent as latent
 
     B, D, H, M = 1, 128, 4, ARGS.latents
     cfg = latent.LatentConfig(dim=D, n_latents=M, n_heads=H, n_kv_heads=H, hidden_dim=4 * D)
@@ -335,16 +335,16 @@ def bench_latent(reps):
         o, ca = latent._attend(n1, n1, p, "self.", H, H)
         h = x + o
         n2, c2 = latent._ln(h, p, "ffn_norm", 1e-5)
-        f, cf = ops.mlp_forward(n2, p["ffn.w1.weight"], p["ffn.w2.weight"], "gelu")
+        f, cf = notes_ops.mlp_forward(n2, p["ffn.w1.weight"], p["ffn.w2.weight"], "gelu")
         dy = np.ones_like(h)
         g = {}
-        dn2 = ops.mlp_backward(dy, cf)[0]
+        dn2 = notes_ops.mlp_backward(dy, cf)[0]
         dh = dy + latent._ln_backward(dn2, c2, "ffn_norm", g)
         dq, dkv = latent._attend_backward(dh, ca, "self.", g)
         return dh + latent._ln_backward(dq + dkv, c1, "self_norm", g)
 
     def latent_fwd_bwd(x):
-        z, _ = ops.latent_expand_forward(np.zeros((M, D), np.float32) + 0.1, B)
+        z, _ = notes_ops.latent_expand_forward(np.zeros((M, D), np.float32) + 0.1, B)
         out, ctx = latent.latent_block_forward(z, x, p, H, H)
         return latent.latent_block_backward(np.ones_like(out), ctx)[1]
 

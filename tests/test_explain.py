@@ -19,7 +19,7 @@ import types
 from pathlib import Path
 
 import pytest
-from test_math_map import MATH, ROOT, reference_ops
+from test_math_map import MATH, ROOT, reference_file, reference_ops
 
 from minillama import mathmap
 from minillama.backends import BACKENDS
@@ -75,7 +75,8 @@ def test_every_reference_function_of_the_map_has_a_name():
 
 
 def test_every_reference_op_pair_has_a_name():
-    missing = [op for op in reference_ops() if f"{mathmap.OPS}:{op}" not in mathmap.lookup(op).code]
+    missing = [op for op in reference_ops()
+               if f"{reference_file(op)}:{op}" not in mathmap.lookup(op).code]
     assert not missing, missing
 
 

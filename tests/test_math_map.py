@@ -1,5 +1,6 @@
-"""docs/MATH.md is the math-to-code map, and minillama/core/ops.py the reference it points at: both
-are checked here so that neither drifts.
+"""docs/MATH.md is the math-to-code map, and minillama/core/ops.py (with the notes' other pieces in
+minillama/core/notes_ops.py) the reference it points at: both are checked here so that neither
+drifts.
 
 * every ``path.py:name`` that MATH.md cites (and each bare ``name`` chained after it, as in
   "`minillama/core/ops.py:rope_forward`, `rope_backward`") exists in that file;
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minillama.core import ops
+from minillama.core import notes_ops, ops
 from minillama.mathmap import citations, sections
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,8 +30,12 @@ MATH = ROOT / "docs" / "MATH.md"
 #: the backends' notes, which MATH.md links
 KERNELS = ROOT / "docs" / "KERNELS.md"
 OPS = ROOT / "minillama" / "core" / "ops.py"
-#: the reference: ops.py and the RoPE table builders it re-exports (held to the same plainness)
-REFERENCE_FILES = (OPS, ROOT / "minillama" / "core" / "rope_scaling.py")
+NOTES_OPS = ROOT / "minillama" / "core" / "notes_ops.py"
+#: the reference: ops.py, the notes' ops beside it and the RoPE table builders ops.py re-exports
+#: (held to the same plainness)
+REFERENCE_FILES = (OPS, NOTES_OPS, ROOT / "minillama" / "core" / "rope_scaling.py")
+#: the modules of the reference ops: LLaMA's, and the notes' other pieces
+REFERENCE_MODULES = (ops, notes_ops)
 
 #: LaTeX: a command (\sqrt, \odot, \, ...), a superscript, a braced subscript or a one-letter
 #: symbol with a subscript (z_b, x_i)
@@ -69,10 +74,24 @@ def defined_names(path: Path) -> set[str]:
 
 
 def reference_ops() -> list[str]:
-    """The public forward/backward functions of minillama.core.ops, in source order."""
-    return [name for name, fn in inspect.getmembers(ops, inspect.isfunction)
-            if fn.__module__ == ops.__name__ and not name.startswith("_")
+    """The public forward/backward functions of minillama.core.ops and minillama.core.notes_ops,
+    by name."""
+    return [name for module in REFERENCE_MODULES
+            for name, fn in inspect.getmembers(module, inspect.isfunction)
+            if fn.__module__ == module.__name__ and not name.startswith("_")
             and name.endswith(("_forward", "_backward"))]
+
+
+def reference_module(name: str):
+    """The module of :data:`REFERENCE_MODULES` that defines the function ``name``."""
+    return next(m for m in REFERENCE_MODULES
+                if getattr(getattr(m, name, None), "__module__", None) == m.__name__)
+
+
+def reference_file(name: str) -> str:
+    """The file of the reference function ``name`` as MATH.md cites it
+    (``minillama/core/ops.py``)."""
+    return reference_module(name).__name__.replace(".", "/") + ".py"
 
 
 def test_math_md_cites_something():
@@ -105,14 +124,14 @@ def test_reference_ops_found():
 
 @pytest.mark.parametrize("name", reference_ops())
 def test_reference_docstring_has_equation_and_shapes(name):
-    doc = inspect.getdoc(getattr(ops, name)) or ""
+    doc = inspect.getdoc(getattr(reference_module(name), name)) or ""
     assert "=" in doc and LATEX.search(doc), f"ops.{name}: no equation (LaTeX) in the docstring"
     assert SHAPE.search(doc), f"ops.{name}: no shapes such as (B, T, D) in the docstring"
 
 
 def test_math_md_lists_every_reference_op():
-    cited = {name for path, name in math_citations() if path == "minillama/core/ops.py"}
-    missing = [name for name in reference_ops() if name not in cited]
+    cited = set(math_citations())
+    missing = [name for name in reference_ops() if (reference_file(name), name) not in cited]
     assert not missing, f"docs/MATH.md does not cite minillama/core/ops.py:{missing}"
 
 
@@ -307,7 +326,6 @@ def test_kept_rows_are_one_symbol_in_the_docs_and_the_docstrings():
 def test_sinusoidal_embedding_is_scaled_as_the_docstrings_say():
     """h_0 = sqrt(D) E[x] + P, in the model and in every docstring that writes it."""
     from minillama.core.config import ModelConfig
-    from minillama.model.ends import EndsWiring
     from minillama.model.transformer import Transformer
 
     cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=11, max_seq_len=8,
@@ -316,9 +334,10 @@ def test_sinusoidal_embedding_is_scaled_as_the_docstrings_say():
     tok = np.array([[3, 1, 4, 1, 5]])
     h, _ = model._embed(tok)
     E = model.params["tok_embeddings.weight"]
-    want = np.sqrt(16) * E[tok] + ops.sinusoidal_positions(8, 16, dtype=np.float64)[:5]
+    want = np.sqrt(16) * E[tok] + notes_ops.sinusoidal_positions(8, 16, dtype=np.float64)[:5]
     assert np.allclose(h, want, rtol=4 * U64, atol=0)
-    for doc in (inspect.getdoc(ops.sinusoidal_positions), inspect.getdoc(EndsWiring._embed)):
+    for doc in (inspect.getdoc(notes_ops.sinusoidal_positions),
+                inspect.getdoc(Transformer._embed)):
         assert re.search(r"h_0 = \\sqrt\{D\}\\?,? ?E_\{\\mathrm\{tok\}\} \+ E\^\{pos\}", doc), doc
 
 
@@ -372,9 +391,9 @@ def parts_i_to_iii() -> str:
 
 
 def reference_docstrings() -> dict[str, str]:
-    return {name: inspect.getdoc(fn) or ""
-            for name, fn in inspect.getmembers(ops, inspect.isfunction)
-            if fn.__module__ == ops.__name__}
+    return {name: inspect.getdoc(fn) or "" for module in REFERENCE_MODULES
+            for name, fn in inspect.getmembers(module, inspect.isfunction)
+            if fn.__module__ == module.__name__}
 
 
 def test_notation_table_defines_each_symbol_once():

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from test_ops_grad import numeric_grad, rel_err
 
-from minillama.core import ops
-from minillama.model import latent
+from minillama.core import notes_latent as latent
+from minillama.core import notes_ops as ops
 
 TOL = 1e-6
 

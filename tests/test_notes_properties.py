@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_properties import check_identity, identity_cases
 
-from minillama.core import ops
+from minillama.core import notes_ops, ops
 
 seeds = st.integers(0, 2**32 - 1)
 
@@ -37,7 +37,7 @@ def test_logit_std_grows_like_sqrt_width_and_the_scale_flattens_it(seed):
         h, _ = ops.rmsnorm_forward(rng.standard_normal((64, D)), np.ones(D), 1e-6)
         z, _ = ops.linear_forward(h, rng.normal(0, sigma, (512, D)))
         stds.append(z.std())
-        scaled.append(ops.logit_scale_forward(z, 1 / np.sqrt(D))[0].std())
+        scaled.append(notes_ops.logit_scale_forward(z, 1 / np.sqrt(D))[0].std())
     ratio = np.array(stds) / (np.sqrt(widths) * sigma)
     assert np.all(np.abs(ratio - 1) < 0.1), ratio  # grows like sqrt(D) ...
     assert stds[-1] / stds[0] > 6  # ... 8x over a 64x wider model

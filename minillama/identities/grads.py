@@ -26,7 +26,7 @@ gradient w is drawn in the subject's dtype, so the backward sees it exactly.
 
 The ops of the backend run through the backend; the core ops without a backend entry
 (BatchNorm, the two-matrix FFN, the post-norm residual, the latent array) run from
-:mod:`minillama.core.ops` and check core code alone.
+:mod:`minillama.core.notes_ops` and check core code alone.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
-from minillama.core import ops
+from minillama.core import notes_ops
 from minillama.core.quant import QuantMatrix, dequantize
 from minillama.core.quantize import quantize
 from minillama.core.rope_scaling import rope_tables
@@ -57,7 +57,8 @@ class GradSpec:
     integer arrays and plain numbers pass as they are); ``wrt`` names, for each value the
     backward returns, the argument it is the gradient of (None: a value not checked);
     ``rounding(args, y)`` is A, the forward's rounding bound over u per output entry (args in
-    float64); ``core``: call :mod:`minillama.core.ops` rather than the backend."""
+    float64); ``core``: call :mod:`minillama.core.notes_ops` (the notes' ops no backend carries)
+    rather than the backend."""
 
     op: str
     statement: str
@@ -80,7 +81,7 @@ class _Calls:
 
     def __init__(self, s: Subject, spec: GradSpec):
         self.s, self.spec = s, spec
-        src = ops if spec.core else s.backend
+        src = notes_ops if spec.core else s.backend
         self.fwd = getattr(src, spec.op + "_forward")
         self.bwd = getattr(src, spec.backward_name)
 
@@ -278,7 +279,7 @@ def _lce_bound(args, y):
 def _mlp_bound(args, y):
     x, w1, w2, act = args
     a = x @ w1.T
-    h = ops.ACTIVATIONS[act][0](a)[0]
+    h = notes_ops.ACTIVATIONS[act][0](a)[0]
     ha = 1.2 * _dot_bound(x, w1) + (_gelu_bound(a, h) if act == "gelu" else 0)
     return _dot_bound(h, w2) + ha @ np.abs(w2).T
 

@@ -11,7 +11,8 @@ here builds inputs whose result is known in closed form and compares the op with
 * the FFN's activations: SwiGLU's and ReLU's odd parts, GELU's tanh form against the exact
   GELU;
 * core code the backends leave to the reference: the sliding window and packed rows of
-  attention, BatchNorm's running statistics (these call :mod:`minillama.core.ops` directly).
+  attention, BatchNorm's running statistics (these call :mod:`minillama.core.ops` and
+  :mod:`minillama.core.notes_ops` directly).
 
 Tolerances follow :mod:`minillama.identities.base`.
 """
@@ -23,7 +24,7 @@ import math
 import numpy as np
 from hypothesis import strategies as st
 
-from minillama.core import ops
+from minillama.core import notes_ops, ops
 from minillama.identities import strategies as ids
 from minillama.identities.base import Identity, Subject, attention_bound, loss_bound, ratio
 from minillama.identities.rows import table_error
@@ -231,7 +232,7 @@ def _sinusoidal_known(s: Subject, ex: dict) -> float:
     """With D = 8 and base 10^4 the frequencies are 10^0, 10^-1, 10^-2, 10^-3: P_{p, 2i} =
     sin(p 10^-i), P_{p, 2i+1} = cos(p 10^-i)."""
     pos = np.arange(ex["start"], ex["start"] + ex["T"])
-    P = ops.sinusoidal_positions(int(pos[-1]) + 1, 8, dtype=s.dtype)[pos].astype(np.float64)
+    P = notes_ops.sinusoidal_positions(int(pos[-1]) + 1, 8, dtype=s.dtype)[pos].astype(np.float64)
     ang = pos[:, None] * 10.0 ** -np.arange(4.0)
     want = np.stack([np.sin(ang), np.cos(ang)], axis=-1).reshape(len(pos), 8)
     return ratio(P - want, s.u + (4 * pos[:, None] + 8) * float(np.finfo(np.float64).eps))
@@ -247,7 +248,7 @@ def _batchnorm_statistics(s: Subject, ex: dict) -> float:
     v0 = (1 + rng.random(C)).astype(s.dtype)
     running = {"mean": m0.copy(), "var": v0.copy()}
     kw = {} if a is None else {"momentum": a}  # None: the default, PyTorch's 0.1
-    y_train = ops.batchnorm_forward(x, g, b, 1e-5, running=running, **kw)[0]
+    y_train = notes_ops.batchnorm_forward(x, g, b, 1e-5, running=running, **kw)[0]
     a = 0.1 if a is None else a
     x64 = x.astype(np.float64)
     axes = (0,) + tuple(range(2, x.ndim))
@@ -267,7 +268,7 @@ def _batchnorm_statistics(s: Subject, ex: dict) -> float:
     worst = max(worst, ratio(y_train - want, 4 * (n + 8) * s.u * (spread * np.abs(gb)
                                                                    + np.abs(bb))))
     m, v = running["mean"].reshape(shape), running["var"].reshape(shape)
-    y = ops.batchnorm_inference(x, g, b, running["mean"], running["var"], 1e-5)
+    y = notes_ops.batchnorm_inference(x, g, b, running["mean"], running["var"], 1e-5)
     want = (x64 - m) / np.sqrt(v + 1e-5) * gb + bb
     return max(worst, ratio(y - want, 8 * s.u * ((np.abs(x64) + np.abs(m)) / np.sqrt(v + 1e-5)
                                                  * np.abs(gb) + np.abs(bb))))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from minillama.core import ops
+from minillama.core import notes_latent, notes_ops
 from minillama.core.config import ModelConfig
 from minillama.identities import strategies as ids
 from minillama.identities.base import (
@@ -28,7 +28,6 @@ from minillama.identities.base import (
 )
 from minillama.identities.model import lively_params
 from minillama.identities.rows import table_error
-from minillama.model import latent
 from minillama.model.gqa import convert_gqa
 from minillama.model.transformer import Transformer
 
@@ -69,7 +68,8 @@ def _rows_independent(kind: str):
         x2[i] += ex["delta"] * np.where(x2[i] >= 0, 1.0, -1.0)
         others = [j for j in range(N) if j != i]
         g, b = np.ones(D), np.zeros(D)
-        bn = ops.batchnorm_forward(x, g, b, 1e-5)[0] - ops.batchnorm_forward(x2, g, b, 1e-5)[0]
+        bn = (notes_ops.batchnorm_forward(x, g, b, 1e-5)[0]
+              - notes_ops.batchnorm_forward(x2, g, b, 1e-5)[0])
         if kind == "rmsnorm":
             y, y2 = s.rmsnorm(x, g, 1e-5), s.rmsnorm(x2, g, 1e-5)
         else:
@@ -85,7 +85,7 @@ def _sinusoidal(s: Subject, ex: dict) -> float:
     rng = np.random.default_rng(ex["seed"])
     e_a, e_b = rng.standard_normal((2, D)) * 0.3
     Wq, Wk = rng.standard_normal((2, D, D)) / np.sqrt(D)
-    P = ops.sinusoidal_positions(128, D, dtype=np.float64)
+    P = notes_ops.sinusoidal_positions(128, D, dtype=np.float64)
 
     def sin_score(i, j):
         return float((e_a + P[i]) @ Wq.T @ ((e_b + P[j]) @ Wk.T))
@@ -117,21 +117,21 @@ def _cross_self(s: Subject, ex: dict) -> float:
 
 
 def _latent_permutation(s: Subject, ex: dict) -> float:
-    cfg = latent.LatentConfig(dim=8, n_latents=3, n_heads=2, n_kv_heads=1, hidden_dim=16)
+    cfg = notes_latent.LatentConfig(dim=8, n_latents=3, n_heads=2, n_kv_heads=1, hidden_dim=16)
     rng = np.random.default_rng(ex["seed"])
-    p = latent.init_block(cfg, rng, dtype=s.dtype)
-    z, _ = ops.latent_expand_forward(rng.standard_normal((3, 8)).astype(s.dtype), 2)
+    p = notes_latent.init_block(cfg, rng, dtype=s.dtype)
+    z, _ = notes_ops.latent_expand_forward(rng.standard_normal((3, 8)).astype(s.dtype), 2)
     L = ex["L"]
     x = rng.standard_normal((2, L, 8)).astype(s.dtype)
     perm = rng.permutation(L)
-    a, _ = latent.latent_block_forward(z, x, p, 2, 1)
-    b, _ = latent.latent_block_forward(z, x[:, perm], p, 2, 1)
+    a, _ = notes_latent.latent_block_forward(z, x, p, 2, 1)
+    b, _ = notes_latent.latent_block_forward(z, x[:, perm], p, 2, 1)
     tol = 64 * (cfg.dim + L + cfg.hidden_dim) * s.u * (np.abs(z).max() + np.abs(a).max())
     worst = ratio(a - b, tol)
     if (perm != np.arange(L)).any():  # with positions added the order matters
-        P = ops.sinusoidal_positions(L, 8, dtype=s.dtype)
-        c, _ = latent.latent_block_forward(z, x + P, p, 2, 1)
-        d, _ = latent.latent_block_forward(z, x[:, perm] + P, p, 2, 1)
+        P = notes_ops.sinusoidal_positions(L, 8, dtype=s.dtype)
+        c, _ = notes_latent.latent_block_forward(z, x + P, p, 2, 1)
+        d, _ = notes_latent.latent_block_forward(z, x[:, perm] + P, p, 2, 1)
         worst = max(worst, differs(c - d, contrast_floor(tol, np.abs(c).max())))
     return worst
 

@@ -26,6 +26,8 @@ from minillama.core.errors import MinillamaError
 from minillama.core.quant import QUANT_TYPES
 
 OPS = "minillama/core/ops.py"
+#: the notes' other pieces (docs/MATH.md part II)
+NOTES_OPS = "minillama/core/notes_ops.py"
 QUANT = "minillama/core/quant.py"
 #: where ``explain`` looks for the identities catalog: an iterable ``CATALOG`` (or a dict of
 #: them) whose items have ``name`` and ``ops`` (op names such as "rmsnorm", or function names)
@@ -118,12 +120,10 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("swiglu", "SwiGLU feed-forward gate", _pairs("swiglu") + _at(OPS, "sigmoid"),
           ("ffn", "silu", "glu")),
     Entry("block", "Pre-norm residual blocks and the head",
-          _at("minillama/model/transformer.py", "Transformer._run")
-          + _at("minillama/model/ends.py", "EndsWiring._embed", "EndsWiring._head",
-                "EndsWiring._head_backward")
-          + _at("minillama/model/block.py", "BlockWiring._block_forward",
-                "BlockWiring._attention_sublayer", "BlockWiring._ffn_sublayer",
-                "BlockWiring._block_backward"),
+          _at("minillama/model/transformer.py", "Transformer._run", "Transformer._embed",
+              "Transformer._head", "Transformer._head_backward", "Transformer._block_forward",
+              "Transformer._attention_sublayer", "Transformer._ffn_sublayer",
+              "Transformer._block_backward"),
           ("residual", "transformer", "prenorm", "pre_norm"), via=("loss_and_grads",)),
     Entry("cross_entropy", "Softmax cross-entropy with ignore index", _pairs("cross_entropy"),
           ("ce", "xent", "loss", "nll")),
@@ -144,24 +144,32 @@ ENTRIES: tuple[Entry, ...] = (
            "clipping", "weight_decay"), via=("AdamW",),
           related=("backends/numba/backend.py:NumbaBackend.adamw_update",
                    "backends/cupy/backend.py:CupyBackend.adamw_update")),
-    Entry("layernorm", "LayerNorm", _pairs("layernorm"), ("layer_norm", "ln")),
-    Entry("batchnorm", "BatchNorm", _pairs("batchnorm") + _at(OPS, "batchnorm_inference"),
-          ("batch_norm", "bn")),
-    Entry("sinusoidal", "Sinusoidal absolute positions", _at(OPS, "sinusoidal_positions"),
+    Entry("layernorm", "LayerNorm", _at(NOTES_OPS, "layernorm_forward", "layernorm_backward"),
+          ("layer_norm", "ln")),
+    Entry("batchnorm", "BatchNorm", _at(NOTES_OPS, "batchnorm_forward", "batchnorm_backward",
+                                        "batchnorm_inference"), ("batch_norm", "bn")),
+    Entry("sinusoidal", "Sinusoidal absolute positions", _at(NOTES_OPS, "sinusoidal_positions"),
           ("absolute_positions", "positional_encoding")),
-    Entry("gelu", "GELU (tanh form)", _pairs("gelu")),
-    Entry("relu", "ReLU", _pairs("relu")),
-    Entry("mlp", "Two-matrix feed-forward network (GELU or ReLU)", _pairs("mlp"),
-          ("two_matrix_ffn",)),
-    Entry("postnorm", "Post-norm residual", _pairs("postnorm_residual"), ("post_norm",)),
-    Entry("logit_scale", "Logit scale", _pairs("logit_scale")),
-    Entry("cross_attention", "Cross-attention", _pairs("cross_attention"), ("xattn",)),
-    Entry("latent", "The latent (Perceiver) block", _pairs("latent_expand")
-          + _at("minillama/model/latent.py", "latent_block_forward", "latent_block_backward"),
+    Entry("gelu", "GELU (tanh form)", _at(NOTES_OPS, "gelu_forward", "gelu_backward")),
+    Entry("relu", "ReLU", _at(NOTES_OPS, "relu_forward", "relu_backward")),
+    Entry("mlp", "Two-matrix feed-forward network (GELU or ReLU)",
+          _at(NOTES_OPS, "mlp_forward", "mlp_backward"), ("two_matrix_ffn",)),
+    Entry("postnorm", "Post-norm residual",
+          _at(NOTES_OPS, "postnorm_residual_forward", "postnorm_residual_backward"),
+          ("post_norm",)),
+    Entry("logit_scale", "Logit scale",
+          _at(NOTES_OPS, "logit_scale_forward", "logit_scale_backward")),
+    Entry("cross_attention", "Cross-attention",
+          _at(NOTES_OPS, "cross_attention_forward", "cross_attention_backward"), ("xattn",)),
+    Entry("latent", "The latent (Perceiver) block",
+          _at(NOTES_OPS, "latent_expand_forward", "latent_expand_backward")
+          + _at("minillama/core/notes_latent.py", "latent_block_forward", "latent_block_backward"),
           ("perceiver", "latent_block")),
     Entry("variants", "The model's swappable pieces: norm, its position, FFN, positions",
-          _at("minillama/model/variants.py", "VariantPieces._norm",
-              "VariantPieces._norm_backward"), ("model_variants",)),
+          _at("minillama/model/transformer.py", "Transformer._norm", "Transformer._norm_backward",
+              "Transformer._postnorm_block_forward", "Transformer._postnorm_block_backward",
+              "Transformer._mlp_sublayer", "Transformer._mlp_sublayer_backward"),
+          ("model_variants",)),
     Entry("gqa_convert", "MHA to GQA by mean-pooling the K/V heads",
           _at("minillama/model/gqa.py", "convert_gqa"), ("convert_gqa", "mean_pool")),
     Entry("mixed_precision", "bf16/TF32 products with float32 sums",

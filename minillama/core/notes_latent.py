@@ -1,4 +1,7 @@
-r"""The latent transformer block (Perceiver style) and a small encoder that runs it end to end.
+r"""The latent transformer block (Perceiver style) and a small encoder that runs it end to end: the
+notes' alternative to self-attention over long inputs (docs/MATH.md section 18), beside the notes'
+other pieces. The LLaMA model does not use it; an identity, its tests and
+``scripts/bench_ops.py --latent`` do.
 
 A learned latent array Z: (M, D) is expanded over the batch and reads the input sequence
 x: (B, L, D) through cross-attention, so a block costs O(M L) instead of self-attention's O(L^2):
@@ -9,8 +12,9 @@ x: (B, L, D) through cross-attention, so a block costs O(M L) instead of self-at
     z = z + \mathrm{FFN}(\mathrm{LN}(z))               (GELU two-matrix FFN)
 
 Each LayerNorm has its own gain and bias. Everything is built from the reference ops of
-:mod:`minillama.core.ops` (forward and backward), so it runs on NumPy or CuPy arrays alike. With no
-positions in x, the output does not depend on the order of the input tokens.
+:mod:`minillama.core.ops` and :mod:`minillama.core.notes_ops` (forward and backward), so it runs
+on NumPy or CuPy arrays alike. With no positions in x, the output does not depend on the order of
+the input tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from minillama.core import ops
+from minillama.core import notes_ops, ops
 from minillama.core.errors import MinillamaError
 
 #: the parameters of one latent block (prefix ``blocks.{i}.``)
@@ -98,7 +102,7 @@ def _attend(nq, nkv, p, pre, H, KVH):
     q, cq = ops.linear_forward(nq, p[pre + "wq.weight"])
     k, ck = ops.linear_forward(nkv, p[pre + "wk.weight"])
     v, cv = ops.linear_forward(nkv, p[pre + "wv.weight"])
-    a, ca = ops.cross_attention_forward(q.reshape(B, M, H, hd), k.reshape(B, L, KVH, hd),
+    a, ca = notes_ops.cross_attention_forward(q.reshape(B, M, H, hd), k.reshape(B, L, KVH, hd),
                                         v.reshape(B, L, KVH, hd))
     o, co = ops.linear_forward(a.reshape(B, M, D), p[pre + "wo.weight"])
     return o, (cq, ck, cv, ca, co)
@@ -110,7 +114,7 @@ def _attend_backward(do, ctx, pre, grads):
     B, M, D = do.shape
     da, grads[pre + "wo.weight"] = ops.linear_backward(do, co)
     H = ca[0].shape[1] * (ca[0].shape[2] // M)  # KVH * G
-    dq, dk, dv = ops.cross_attention_backward(da.reshape(B, M, H, D // H), ca)
+    dq, dk, dv = notes_ops.cross_attention_backward(da.reshape(B, M, H, D // H), ca)
     L = dk.shape[1]
     dnq, grads[pre + "wq.weight"] = ops.linear_backward(dq.reshape(B, M, D), cq)
     dnk, grads[pre + "wk.weight"] = ops.linear_backward(dk.reshape(B, L, -1), ck)
@@ -119,11 +123,11 @@ def _attend_backward(do, ctx, pre, grads):
 
 
 def _ln(x, p, name, eps):
-    return ops.layernorm_forward(x, p[name + ".weight"], p[name + ".bias"], eps)
+    return notes_ops.layernorm_forward(x, p[name + ".weight"], p[name + ".bias"], eps)
 
 
 def _ln_backward(dy, ctx, name, grads):
-    dx, grads[name + ".weight"], grads[name + ".bias"] = ops.layernorm_backward(dy, ctx)
+    dx, grads[name + ".weight"], grads[name + ".bias"] = notes_ops.layernorm_backward(dy, ctx)
     return dx
 
 
@@ -143,7 +147,7 @@ def latent_block_forward(z, x, p, n_heads: int, n_kv_heads: int, eps: float = 1e
     o, c_self = _attend(n2, n2, p, "self.", H, KVH)
     z = z + o
     n3, c3 = _ln(z, p, "ffn_norm", eps)
-    f, c_ffn = ops.mlp_forward(n3, p["ffn.w1.weight"], p["ffn.w2.weight"], "gelu")
+    f, c_ffn = notes_ops.mlp_forward(n3, p["ffn.w1.weight"], p["ffn.w2.weight"], "gelu")
     return z + f, (c1, cx, c_cross, c2, c_self, c3, c_ffn)
 
 
@@ -155,7 +159,7 @@ def latent_block_backward(dz, ctx):
     """
     c1, cx, c_cross, c2, c_self, c3, c_ffn = ctx
     g: dict[str, Any] = {}
-    dn3, g["ffn.w1.weight"], g["ffn.w2.weight"] = ops.mlp_backward(dz, c_ffn)
+    dn3, g["ffn.w1.weight"], g["ffn.w2.weight"] = notes_ops.mlp_backward(dz, c_ffn)
     dz = dz + _ln_backward(dn3, c3, "ffn_norm", g)
     dq, dkv = _attend_backward(dz, c_self, "self.", g)
     dz = dz + _ln_backward(dq + dkv, c2, "self_norm", g)
@@ -198,14 +202,14 @@ class PerceiverClassifier:
         if tokens.ndim != 2 or tokens.shape[1] == 0:
             raise MinillamaError(f"tokens must be a non-empty (B, L) array, got {tokens.shape}")
         x, c_emb = ops.embedding_forward(p["tok_embeddings.weight"], tokens)
-        z, _ = ops.latent_expand_forward(p["latents"], tokens.shape[0])
+        z, _ = notes_ops.latent_expand_forward(p["latents"], tokens.shape[0])
         c_blocks = []
         for i in range(cfg.n_blocks):
             z, c = latent_block_forward(z, x, self._block(i), cfg.n_heads, cfg.n_kv_heads,
                                         cfg.norm_eps)
             c_blocks.append(c)
         pooled = z.mean(axis=1)
-        n, c_n = ops.layernorm_forward(pooled, p["norm.weight"], p["norm.bias"], cfg.norm_eps)
+        n, c_n = notes_ops.layernorm_forward(pooled, p["norm.weight"], p["norm.bias"], cfg.norm_eps)
         logits, c_cls = ops.linear_forward(n, p["classifier.weight"])
         return logits, (c_emb, c_blocks, c_n, c_cls, z.shape)
 
@@ -220,13 +224,13 @@ class PerceiverClassifier:
         g: dict[str, Any] = {}
         dn, g["classifier.weight"] = ops.linear_backward(ops.cross_entropy_backward(1.0, c_ce),
                                                          c_cls)
-        dpool, g["norm.weight"], g["norm.bias"] = ops.layernorm_backward(dn, c_n)
+        dpool, g["norm.weight"], g["norm.bias"] = notes_ops.layernorm_backward(dn, c_n)
         dz = np.broadcast_to(dpool[:, None, :] / zshape[1], zshape)
         dx = 0.0
         for i in reversed(range(self.cfg.n_blocks)):
             dz, dxi, gi = latent_block_backward(dz, c_blocks[i])
             dx = dx + dxi
             g.update({f"blocks.{i}.{k}": v for k, v in gi.items()})
-        g["latents"] = ops.latent_expand_backward(dz, None)
+        g["latents"] = notes_ops.latent_expand_backward(dz, None)
         g["tok_embeddings.weight"] = ops.embedding_backward(dx, c_emb)
         return float(loss), {k: g[k] for k in self.params}
