@@ -39,6 +39,7 @@ LOCAL_IMPORTS = {
     ("minillama.backends.numba.backend", "minillama.backends.numba.optim"): _KERNELS,
     ("minillama.backends.numba.backend_decode", "minillama.backends.numba.decode"): _KERNELS,
     ("minillama.backends.numba.backend_decode", "minillama.backends.numba.qdecode"): _KERNELS,
+    ("minillama.backends.numba.backend_decode", "minillama.backends.numba.qint8"): _KERNELS,
     ("minillama.backends.numba.quant", "minillama.backends.numba.qint8"): _KERNELS,
     ("minillama.backends.numba.quant", "minillama.backends.numba.qgemm8"): _KERNELS,
     ("minillama.backends.cupy.mixed_precision", "minillama.backends.cupy.build"):
