@@ -1,6 +1,6 @@
 """minillama: a LLaMA-family language model in NumPy with hand-written backpropagation.
 
-The package is in layers, each importing only those below it (``tests/test_layers.py``):
+The package is in layers, each importing only those below it (``tests/project/test_layers.py``):
 ``core`` (the math) <- ``backends`` <- ``model`` <- ``io`` <- ``infer`` and ``train`` <- ``cli``.
 The main entry points of each are named here; those of ``io`` and ``infer`` load on first use,
 so that importing a lower layer never loads a higher one.

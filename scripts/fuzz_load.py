@@ -1,5 +1,5 @@
 """Fuzz every reader for as long as wanted and print a tally (the same mutator as
-``tests/test_fuzz_load.py``: ``tests/support/fuzzing.py``).
+``tests/io/test_fuzz_load.py``: ``tests/support/fuzzing.py``).
 
 Cases run in a worker process, so a hard crash (a segfault) or a hang that ignores the alarm is
 counted (``crash`` / ``timeout``) and the worker restarted, instead of ending the run.

@@ -9,7 +9,7 @@
 # finishes and writing its own log under $OUT (default ./gpu_out). Every command runs under
 # `timeout`, capped by its phase's share and by what is left of --budget (default 450 s); a phase
 # the budget no longer covers is skipped and says so. --dry-run prints every command without
-# running it (tests/test_gpu_session.py runs it in CI).
+# running it (tests/project/test_gpu_session.py runs it in CI).
 #
 #   setup      GPU and versions; this checkout installed (editable, no index) or mapped by a
 #              sitecustomize; the wheels under $GPU_ASSETS (default ./.gpu: starlette, uvicorn)
@@ -156,9 +156,9 @@ wait_files() {
 phase_tests() {
     # -p no:cacheprovider: the tree may be read-only; MINILLAMA_GPU_EXAMPLES keeps hypothesis short
     MINILLAMA_GPU_EXAMPLES=8 run tests 130 "$PY" -m pytest -p no:cacheprovider -q -n 8 -rfE \
-        --durations=8 -k cupy tests/test_cupy_backend.py tests/test_cuda_graph_cli.py \
-        tests/test_mixed_precision.py tests/test_model.py tests/test_generate.py \
-        tests/test_engine.py tests/test_kvcache.py tests/test_config_backend.py
+        --durations=8 -k cupy tests/backends/cupy/test_cupy_backend.py tests/backends/cupy/test_cuda_graph_cli.py \
+        tests/backends/cupy/test_mixed_precision.py tests/model/test_model.py tests/infer/test_generate.py \
+        tests/infer/test_engine.py tests/model/test_kvcache.py tests/backends/test_config_backend.py
 }
 
 phase_quant() {

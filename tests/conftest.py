@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import BACKEND_PARAMS
 from hypothesis import HealthCheck, settings
 
 from minillama.backends import get_backend
+from tests.support.helpers import BACKEND_PARAMS
 
 settings.register_profile(
     "default", deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -23,10 +23,10 @@ and the cross-entropy stay float32: each product is
 with r the rounding to bf16 or TF32. A product of two bf16 numbers is exact in float32, so the
 only differences from a float32 product of the rounded operands are the summation order: the
 NumPy emulation (``emulate=True``, any backend) computes exactly these equations and is the
-reference the CuPy path is checked against (tests/test_mixed_precision.py on the CPU,
-tests/test_cuda_emulated.py for the CuPy code path with the conversion kernel emulated,
-tests/test_cupy_backend.py on a GPU). bf16 keeps float32's exponent range, so no loss scaling
-is needed.
+reference the CuPy path is checked against (tests/backends/cupy/test_mixed_precision.py on the CPU,
+tests/backends/cupy/test_cuda_emulated.py for the CuPy code path with the conversion kernel
+emulated, tests/backends/cupy/test_cupy_backend.py on a GPU). bf16 keeps float32's exponent range,
+so no loss scaling is needed.
 """
 
 from __future__ import annotations

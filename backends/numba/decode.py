@@ -28,7 +28,8 @@ is one dispatch with no Python work per op. Given an ``ids`` buffer of n columns
 run n greedy steps in that one call (the argmax of each step's logits is the next token, found
 per thread on its span of the classifier rows by :func:`_argmax_finite`), so greedy generation
 returns to Python once per n tokens. Equations: those of :mod:`minillama.core.ops`
-(rmsnorm, linear, rope, attention, swiglu), held to them by ``tests/test_numba_decode.py``.
+(rmsnorm, linear, rope, attention, swiglu), held to them by
+``tests/backends/numba/test_numba_decode.py``.
 
 Imported only by the numba backend (importing it imports Numba).
 """

@@ -1,8 +1,9 @@
 r"""The default ``numpy`` backend: the reference ops made fast on a CPU, still plain NumPy.
 
 Each function below overrides the op of the same name in :mod:`minillama.core.ops` (same signature,
-same equation; its own ``ctx``) and is held to it by ``tests/test_numpy_backend.py``. What makes
-them faster, none of which changes the math:
+same equation; its own ``ctx``) and is held to it by
+``tests/backends/numpy/test_numpy_backend.py``. What makes them faster, none of which changes the
+math:
 
 * rows split over Python threads (:func:`.threads.parallel_rows`; NumPy releases the GIL),
   with OpenBLAS on one thread meanwhile (:func:`.threads.single_threaded_blas`), for the

@@ -2,7 +2,7 @@ r"""The frozen-weight ops of a LoRA step on the CPU backends: the adapted linear
 (:func:`minillama.core.ops.lora_forward` / ``lora_backward``), dx = dy W for a frozen linear, and
 the input gradient alone of a frozen loss head.
 
-Same equations as the reference ops (held to them by ``tests/test_lora_fast.py``); what is
+Same equations as the reference ops (held to them by ``tests/model/test_lora_fast.py``); what is
 faster:
 
 * every product through the backend's GEMM (:attr:`NumpyBackend._gemm`: rows split over the

@@ -7,7 +7,7 @@ the reference functions' docstrings), then the reference code; after them the ba
 replace it (``file:function``) and what docs/KERNELS.md says about how they compute it, the
 tests that hold it and the identities of ``minillama.identities`` that use it. Without a
 name it lists the names. The sources are read where the project keeps them
-(:mod:`minillama.mathmap`), so what it prints is what ``tests/test_math_map.py`` checks.
+(:mod:`minillama.mathmap`), so what it prints is what ``tests/mathmap/test_math_map.py`` checks.
 """
 
 from __future__ import annotations

@@ -21,11 +21,11 @@ equation, the hypothesis strategy it draws inputs from, its tolerance and the ba
 calls). `minillama check --backend B` runs them all against a backend (a registered name, or
 `package.module:Class` for one's own), `check_attention`, `check_rope` and `check_norm` hold a
 user's NumPy function to the ones of its op, and the test suite runs the same objects on every
-backend (`tests/test_properties.py`, `tests/test_notes_properties.py`,
-`tests/test_identities_grads.py`); [IDENTITIES.md](IDENTITIES.md) says what each kind of
+backend (`tests/identities/test_properties.py`, `tests/identities/test_notes_properties.py`,
+`tests/identities/test_identities_grads.py`); [IDENTITIES.md](IDENTITIES.md) says what each kind of
 identity catches, with the catalog's mutation score. This part is generated
-from the catalog (`python -m minillama.identities.doc docs/MATH.md`); `tests/test_identities.py`
-fails when the two differ.
+from the catalog (`python -m minillama.identities.doc docs/MATH.md`);
+`tests/identities/test_identities.py` fails when the two differ.
 
 Tolerances follow the float error model: with $u$ the unit roundoff of the dtype ($2^{-53}$ in
 float64, $2^{-24}$ in float32), a sum of $n$ terms is within about $n u \\sum |\\text{terms}|$ of

@@ -17,7 +17,7 @@ is particular to its family, and the readers and writers read it from here:
 Users: :mod:`minillama.io.hf` (``model_type``, config and tensor names), :mod:`minillama.io.gguf`
 (architecture, tensor names, RoPE row order, the pre-tokenizer name written),
 :mod:`minillama.io.tokenizer` (pre-tokenizers read) and :mod:`minillama.io.chat_template`
-(stop tokens). A new family is one entry here, plus its test in ``tests/test_families.py``.
+(stop tokens). A new family is one entry here, plus its test in ``tests/io/test_families.py``.
 """
 
 from __future__ import annotations

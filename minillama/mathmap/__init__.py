@@ -3,7 +3,7 @@
 code's docstrings, and the tests and identities that hold it.
 
 Everything is read from where the rest of the project keeps it, never copied: the sections of
-docs/MATH.md (the file ``tests/test_math_map.py`` checks), the docstrings and sources of the
+docs/MATH.md (the file ``tests/mathmap/test_math_map.py`` checks), the docstrings and sources of the
 reference functions (parsed from their files), the ``tests/`` folder. A repository checkout has
 all three; an installed wheel has only the package, so the equations come from the reference
 docstrings (each public ``*_forward`` / ``*_backward`` carries its equation and shapes there) and
@@ -35,7 +35,7 @@ IDENTITIES_MODULE = "minillama.identities"
 #: test files about ``explain`` itself: they name every op without holding any
 EXPLAIN_TESTS = ("test_explain.py",)
 #: a citation of docs/MATH.md: `path.py:name` followed by any number of `, `name`` (as
-#: tests/test_math_map.py reads them)
+#: tests/mathmap/test_math_map.py reads them)
 CITE = re.compile(r"`([\w./-]+\.py):([\w.]+)`((?:,\s*`[\w.]+`)*)")
 
 
@@ -512,12 +512,12 @@ def tests_for(entry: Entry, sources: Sources) -> list[Usage] | None:
         return None
     needles = [*entry.functions(), *entry.via, *entry.words, *entry.op_names()]
     found = []
-    for file in sorted(sources.tests.glob("test_*.py")):
+    for file in sorted(sources.tests.rglob("test_*.py")):
         if file.name in EXPLAIN_TESTS:
             continue
         text = _parse(file)[1]
         if any(n in text for n in needles):
-            rel = f"tests/{file.name}"
+            rel = f"tests/{file.relative_to(sources.tests).as_posix()}"
             found += [u for u in usages(file, rel) if holds(entry, u)]
     return found
 

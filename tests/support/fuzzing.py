@@ -1,5 +1,5 @@
 """A seeded mutation fuzzer for everything minillama reads: test machinery, kept out of the
-installed package (used by ``tests/test_fuzz_load.py`` and ``scripts/fuzz_load.py``).
+installed package (used by ``tests/io/test_fuzz_load.py`` and ``scripts/fuzz_load.py``).
 
 Each *target* is one format: a small valid seed (files written by the project's own writers, in a
 folder), the file(s) of it that mutations may hit, and a *loader* that reads the mutated copy the

@@ -11,7 +11,7 @@ One model, two ways of computing it:
   written directly from the LLaMA paper / Meta's code with the obvious (not the efficient)
   choices: interleaved-pair RoPE via complex multiplication, K/V repeated per group with
   ``repeat_interleave``, an explicit additive causal mask; in any dtype, float64 included, its
-  gradients from autograd (tests/test_torch_reference.py holds minillama to it);
+  gradients from autograd (tests/model/test_torch_reference.py holds minillama to it);
 * :class:`TorchLlama`, the peer the benchmarks time, in eager ops as a PyTorch user would write
   it: ``F.scaled_dot_product_attention``, RoPE from cos/sin tables, a KV cache, the training step
   with ``torch.optim.AdamW`` (and under bf16 autocast), greedy decode, and greedy decode with a

@@ -1,0 +1,179 @@
+r"""Same input, same output, in the numba backend's fused decode steps (backends/numba/decode.py,
+qdecode.py): a sequence's logits and K/V rows do not depend on the thread count the tuner picks,
+nor, on GGML-block weights, on the sequences batched with it.
+
+What fixes the order of every float sum: each product row is one kernel call whatever the split
+of the rows over threads; attention cuts the cache rows of a sequence at position p into spans
+of ``decode.SPAN`` rows starting at 0 (never into one span per thread), each span's softmax
+parts are computed by one thread, and the spans are joined in order; RMSNorm, RoPE and SwiGLU
+are computed per row. So the results are asserted equal bit for bit, at positions that cross
+several spans."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from minillama.backends import get_backend
+from minillama.core.config import ModelConfig
+from minillama.core.errors import MinillamaError
+from minillama.model.transformer import Transformer, init_params
+
+try:
+    NUMBA = get_backend("numba")
+except MinillamaError as e:  # pragma: no cover - numba missing
+    pytest.skip(f"numba backend unavailable: {e}", allow_module_level=True)
+
+from minillama.backends.numba import decode  # noqa: E402
+from minillama.backends.numba.backend_decode import _NO_IDS  # noqa: E402
+from tests.backends.numba.test_numba_qdecode_rows import quant_model  # noqa: E402
+
+S = 3 * decode.SPAN + 20  # contexts long enough for three spans and part of a fourth
+LENS = [decode.SPAN + 7, 2 * decode.SPAN + 30, 5, decode.SPAN]
+
+
+def _prefilled(model, rng, lens):
+    """A cache of len(lens) rows, row b prefilled with lens[b] random tokens."""
+    cache = model.new_cache(len(lens), S)
+    for b, n in enumerate(lens):
+        prompt = rng.integers(0, model.cfg.vocab_size, (1, int(n)))
+        model.forward(prompt, 0, cache.rows(b, b + 1), last_only=True)
+    return cache
+
+
+def _copy(model, cache):
+    out = model.new_cache(cache.batch_size, S)
+    for a, r in zip(out.k + out.v, cache.k + cache.v):
+        a[...] = r
+    return out
+
+
+def _one(model, cache, b, tok, pos, threads):
+    """Row b of the cache stepped alone by the one-sequence fused kernel on ``threads`` parts."""
+    plan = NUMBA._decode_plan(model)
+    kc, vc = NUMBA._cache_lists(cache.rows(b, b + 1), model.dtype)
+    logits = np.empty((1, model.cfg.vocab_size), np.float32)
+    NUMBA._step_one(plan, np.array([tok], np.int64), np.array([pos], np.int64), kc, vc, logits,
+                    _NO_IDS, _NO_IDS, threads)
+    return logits[0]
+
+
+@pytest.fixture
+def numba_threads():
+    """Restores Numba's thread count after a test that changes it."""
+    before = numba.get_num_threads()
+    yield numba.config.NUMBA_NUM_THREADS
+    numba.set_num_threads(before)
+
+
+@pytest.mark.parametrize("mode", ["int8", "float"])
+def test_quantized_decode_is_thread_invariant(mode, monkeypatch, numba_threads):
+    """The one-sequence step on GGML blocks: the same logits and K/V rows bit for bit on 1, 2
+    and 3 parts and with Numba's pool at one thread or all of them."""
+    monkeypatch.setenv("MINILLAMA_QUANT_DOTS", mode)
+    model = quant_model(("Q4_1", "Q4_K", "Q8_0"), seed=7, max_seq_len=S)
+    rng = np.random.default_rng(8)
+    base = _prefilled(model, rng, LENS[:2])
+    tok = rng.integers(0, model.cfg.vocab_size, 2)
+    runs = []
+    for pool, threads in ((1, 1), (numba_threads, 2), (numba_threads, 3), (1, 2)):
+        numba.set_num_threads(pool)
+        cache = _copy(model, base)
+        z = [_one(model, cache, b, int(tok[b]), LENS[b], threads) for b in range(2)]
+        runs.append((z, cache))
+    z0, c0 = runs[0]
+    for z, cache in runs[1:]:
+        for b in range(2):
+            np.testing.assert_array_equal(z[b], z0[b])
+        for a, r in zip(cache.k + cache.v, c0.k + c0.v):
+            np.testing.assert_array_equal(a, r)
+
+
+def test_quantized_batched_step_equals_each_row_alone_on_any_thread_count(monkeypatch,
+                                                                          numba_threads):
+    """The step of several sequences on GGML blocks (continuous batching) gives each row the
+    logits and K/V the one-sequence step gives it alone, bit for bit, though the batch runs on
+    2 parts and each row alone on 1 (the tuner picks each batch size's count on its own)."""
+    monkeypatch.setenv("MINILLAMA_QUANT_DOTS", "int8")
+    model = quant_model(("Q4_1", "Q8_0"), seed=9, max_seq_len=S)
+    rng = np.random.default_rng(10)
+    base = _prefilled(model, rng, LENS)
+    B, V = len(LENS), model.cfg.vocab_size
+    tok = rng.integers(0, V, B)
+    batch = _copy(model, base)
+    plan = NUMBA._decode_plan(model)
+    kc, vc = NUMBA._cache_lists(batch, model.dtype)
+    got = np.empty((B, V), np.float32)
+    NUMBA._step_rows_q(plan, tok.astype(np.int64), np.array(LENS, np.int64), kc, vc, got, 2)
+    alone = _copy(model, base)
+    numba.set_num_threads(1)
+    for b in range(B):
+        np.testing.assert_array_equal(got[b], _one(model, alone, b, int(tok[b]), LENS[b], 1))
+    for a, r in zip(batch.k + batch.v, alone.k + alone.v):
+        np.testing.assert_array_equal(a, r)
+
+
+def test_float_decode_step_is_thread_invariant(numba_threads):
+    """The one-sequence step of a float32 model: the same logits bit for bit on 1 and 2 parts
+    (its products are one dot per row, its attention in spans of SPAN rows)."""
+    cfg = ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=71,
+                      hidden_dim=256, multiple_of=64, max_seq_len=S)
+    model = Transformer(cfg, init_params(cfg, seed=11, dtype=np.float32), backend="numba",
+                        dtype=np.float32)
+    rng = np.random.default_rng(12)
+    base = _prefilled(model, rng, LENS[1:2])
+    tok = int(rng.integers(0, cfg.vocab_size))
+    runs = []
+    for pool, threads in ((1, 1), (numba_threads, 2)):
+        numba.set_num_threads(pool)
+        runs.append(_one(model, _copy(model, base), 0, tok, LENS[1], threads))
+    np.testing.assert_array_equal(runs[1], runs[0])
+
+
+def _copy_rows(model, src, n, B=1):
+    """A new cache of B rows holding src's first n positions in row 0."""
+    out = model.new_cache(B, S)
+    for a, r in zip(out.k + out.v, src.k + src.v):
+        a[0, :n] = r[0, :n]
+    return out
+
+
+def test_a_prompt_gives_the_same_logits_cold_after_a_cached_prefix_and_beside_others(
+        monkeypatch, numba_threads):
+    """Block weights, 8-bit products: a prompt's last-position logits and K/V rows are the same
+    bit for bit prefilled cold, after a cached prefix of another prompt's rows (the server's
+    prefix cache), beside longer prompts in a padded group, and on another thread count: its
+    rows but the last are computed row by row alike (the integer GEMM for any row count,
+    attention in the decode steps' spans), its last token by the decode step."""
+    monkeypatch.setenv("MINILLAMA_QUANT_DOTS", "int8")
+    model = quant_model(("Q4_1", "Q4_K", "Q8_0"), seed=13, max_seq_len=S)
+    rng = np.random.default_rng(14)
+    V = model.cfg.vocab_size
+    P = decode.SPAN + 26
+    prompt = rng.integers(0, V, (1, P))
+    cold = model.new_cache(1, S)
+    z = model.forward(prompt, 0, cold, last_only=True)[0]
+    # an earlier request that shared the first c tokens, its rows kept by the prefix cache
+    for c in (P - 1, 40, 5):
+        other = np.concatenate([prompt[:, :c], rng.integers(0, V, (1, 9))], axis=1)
+        earlier = model.new_cache(1, S)
+        model.forward(other, 0, earlier, last_only=True)
+        warm = _copy_rows(model, earlier, c)
+        got = model.forward(prompt[:, c:], c, warm, last_only=True)[0]
+        np.testing.assert_array_equal(got, z)
+        for a, r in zip(warm.k + warm.v, cold.k + cold.v):
+            np.testing.assert_array_equal(a[0, :P], r[0, :P])
+    # a padded group: the prompt beside a longer and a shorter one
+    longer = rng.integers(0, V, (1, P + 30))
+    block = np.concatenate([np.concatenate([prompt, np.zeros((1, 30), np.int64)], axis=1),
+                            longer, np.concatenate([prompt[:, :7], np.zeros((1, P + 23),
+                                                                            np.int64)], axis=1)])
+    group = model.new_cache(3, S)
+    zg = model.forward(block, 0, group, output_index=np.array([P - 1, P + 29, 6]))
+    np.testing.assert_array_equal(zg[0], z)
+    for a, r in zip(group.k + group.v, cold.k + cold.v):
+        np.testing.assert_array_equal(a[0, :P], r[0, :P])
+    numba.set_num_threads(1)
+    one = model.new_cache(1, S)
+    np.testing.assert_array_equal(model.forward(prompt, 0, one, last_only=True)[0], z)
