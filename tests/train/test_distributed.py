@@ -79,7 +79,7 @@ def mpi_works() -> None:
 
 needs_mpi = pytest.mark.usefixtures("mpi_works")
 
-DRIVER = Path(__file__).with_name("dp_driver.py")
+DRIVER = Path(__file__).resolve().parents[1] / "support" / "dp_driver.py"
 TIMEOUT = 120  # seconds for one launch: a hang fails the test
 
 #: a tiny model; 4 steps of 2 windows of 16 tokens per rank, checkpoint at step 2 and 4
