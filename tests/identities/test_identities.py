@@ -1,10 +1,10 @@
 """``minillama check`` and the identities as a library (:mod:`minillama.identities`).
 
 The command passes on every backend that can run here; broken ops planted in small backend
-classes (this module, named on the command line as ``test_identities:Class``, the way a user
-names their own backend) make it fail with exit status 1, a shrunk example and a command line
-that reproduces it; ``check_attention`` / ``check_rope`` / ``check_norm`` catch a user's broken
-function, README's example included; docs/MATH.md's Identities part is the catalog's.
+classes (this module, named on the command line as ``tests.identities.test_identities:Class``,
+the way a user names their own backend) make it fail with exit status 1, a shrunk example and a
+command line that reproduces it; ``check_attention`` / ``check_rope`` / ``check_norm`` catch a
+user's broken function, README's example included; docs/MATH.md's Identities part is the catalog's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from minillama.identities import CATALOG, check_norm, check_rope, doc
 from tests.support.helpers import BACKEND_PARAMS
 
 ROOT = Path(__file__).resolve().parents[2]
-TESTS = ROOT / "tests"
+#: this module as a user names a backend class of their own (``package.module:Class``)
+SPEC = "tests.identities.test_identities"
 MATH = ROOT / "docs" / "MATH.md"
 
 
@@ -64,7 +65,7 @@ def test_check_passes_on_every_backend(name, capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# planted faults: a backend with one broken op (named as test_identities:Class)
+# planted faults: a backend with one broken op (named as tests.identities.test_identities:Class)
 # ---------------------------------------------------------------------------------------------
 def _rope_one_sign_wrong(x, cos, sin):
     """y_2i = x_2i c + x_2i+1 s (should be minus): no longer a rotation."""
@@ -245,7 +246,7 @@ def _shrunk(out: str) -> dict:
 
 @pytest.mark.parametrize(("cls", "identity"), PLANTED, ids=[f"{c}-{i}" for c, i in PLANTED])
 def test_planted_fault_fails_with_a_shrunk_reproducible_example(cls, identity, capsys):
-    spec = f"test_identities:{cls}"
+    spec = f"{SPEC}:{cls}"
     code, out, err = run(capsys, "--backend", spec, "--only", identity, "--seed", "0",
                          "--examples", "30")
     assert code == 1, out + err
@@ -254,7 +255,7 @@ def test_planted_fault_fails_with_a_shrunk_reproducible_example(cls, identity, c
     example = _shrunk(out)
     env, line = re.search(r"reproduce: (PYTHONPATH=\S+ )?(minillama check .*)$", out,
                           re.M).groups()
-    assert env == f"PYTHONPATH={TESTS} "  # the folder of the user's module, to run from anywhere
+    assert env == f"PYTHONPATH={ROOT} "  # the folder of the user's package, to run from anywhere
     assert f"--backend {spec} --only {identity} --seed 0" in line
     # the printed command reproduces the same shrunk example
     code2, out2, _ = run(capsys, *shlex.split(line)[2:])
@@ -273,7 +274,7 @@ def test_the_invariances_alone_let_these_faults_through(cls, blind, capsys):
     """What the gradient and known-answer identities add: the faults above pass the invariances
     of their op (linear in the gradient, or blind to the score scale; only the comparison with
     the reference's cross-attention, another op, saw the scale before)."""
-    code, out, _ = run(capsys, "--backend", f"test_identities:{cls}", "--only", *blind,
+    code, out, _ = run(capsys, "--backend", f"{SPEC}:{cls}", "--only", *blind,
                        "--seed", "0", "--examples", "20")
     assert code == 0, out
     assert f"{len(blind)} passed, 0 failed" in out
@@ -282,7 +283,7 @@ def test_the_invariances_alone_let_these_faults_through(cls, blind, capsys):
 def test_a_shrunk_example_is_the_smallest_the_strategy_allows(capsys):
     """No mask fails on any example: hypothesis shrinks to one sequence of two queries, one
     head of the smallest size and seed 0."""
-    code, out, _ = run(capsys, "--backend", "test_identities:NoMaskAttention", "--only",
+    code, out, _ = run(capsys, "--backend", f"{SPEC}:NoMaskAttention", "--only",
                        "attention_causal_mask", "--seed", "5")
     assert code == 1
     ex = _shrunk(out)
@@ -295,7 +296,7 @@ def test_a_shrunk_example_is_the_smallest_the_strategy_allows(capsys):
 # ---------------------------------------------------------------------------------------------
 def test_json_reports_every_identity_and_the_failure(capsys):
     names = ["attention_causal_mask", "attention_gqa_equals_repeated_mha", "quant_round_trip"]
-    code, out, _ = run(capsys, "--backend", "test_identities:NoMaskAttention", "--only", *names,
+    code, out, _ = run(capsys, "--backend", f"{SPEC}:NoMaskAttention", "--only", *names,
                        "--seed", "1", "--examples", "10", "--json")
     assert code == 1
     report = json.loads(out)
@@ -304,8 +305,8 @@ def test_json_reports_every_identity_and_the_failure(capsys):
     assert list(by_name) == names
     bad = by_name["attention_causal_mask"]
     assert bad["status"] == "fail" and bad["counterexample"]["T"] >= 2
-    assert bad["reproduce"].startswith(f"PYTHONPATH={TESTS} minillama check --backend "
-                                       "test_identities:NoMaskAttention")
+    assert bad["reproduce"].startswith(f"PYTHONPATH={ROOT} minillama check --backend "
+                                       f"{SPEC}:NoMaskAttention")
     for name in names[1:]:
         assert by_name[name]["status"] == "pass" and by_name[name]["examples"] >= 1
         assert 0 <= by_name[name]["worst"] <= 1
@@ -334,7 +335,7 @@ def test_a_user_backend_class_runs_its_ops_and_skips_the_rest(capsys):
     """A bare class of two forwards: every identity that calls one of them runs (a model
     identity with the reference's other ops, said in its row); those that touch none of them,
     core code included, are skipped and not counted as passed."""
-    code, out, _ = run(capsys, "--backend", "test_identities:BareRowOps", "--only",
+    code, out, _ = run(capsys, "--backend", f"{SPEC}:BareRowOps", "--only",
                        "rope_relative_position", "rmsnorm_scale_invariance",
                        "attention_causal_mask", "model_causality", "quant_round_trip",
                        "--examples", "5", "--seed", "2")
@@ -366,11 +367,11 @@ def test_a_forward_without_its_backward_gets_the_references_backward(capsys):
     """The reference's backward is lent on the reference's context of the same arguments: the
     gradient identity then holds the user's forward to the reference's derivative."""
     names = ("rmsnorm_gradient", "model_batch_gradient_is_mean")
-    code, out, _ = run(capsys, "--backend", "test_identities:ForwardOnlyRMSNorm", "--only",
+    code, out, _ = run(capsys, "--backend", f"{SPEC}:ForwardOnlyRMSNorm", "--only",
                        *names, "--examples", "10", "--seed", "3")
     assert code == 0, out
     assert "(reference's rmsnorm_backward)" in rows(out)["rmsnorm_gradient"]
-    code, out, _ = run(capsys, "--backend", "test_identities:WrongBackwardRMSNorm", "--only",
+    code, out, _ = run(capsys, "--backend", f"{SPEC}:WrongBackwardRMSNorm", "--only",
                        *names, "--examples", "10", "--seed", "3")
     assert code == 1
     assert " FAIL " in rows(out)["rmsnorm_gradient"]
@@ -392,7 +393,7 @@ class LinearWithOwnContext:
 def test_a_lent_backward_beside_the_users_own_backward_of_one_forward(capsys):
     """linear_forward feeds the user's linear_backward (its own context) and the reference's
     lent linear_backward_input (the reference's context of the same arguments) alike."""
-    code, out, _ = run(capsys, "--backend", "test_identities:LinearWithOwnContext", "--only",
+    code, out, _ = run(capsys, "--backend", f"{SPEC}:LinearWithOwnContext", "--only",
                        "linear_gradient", "linear_backward_input_gradient", "--examples", "5",
                        "--seed", "5")
     assert code == 0, out
@@ -402,11 +403,11 @@ def test_a_lent_backward_beside_the_users_own_backward_of_one_forward(capsys):
 
 
 def test_the_reproduce_line_runs_from_another_folder(capsys, tmp_path):
-    code, out, _ = run(capsys, "--backend", "test_identities:WrongBackwardRMSNorm", "--only",
+    code, out, _ = run(capsys, "--backend", f"{SPEC}:WrongBackwardRMSNorm", "--only",
                        "rmsnorm_gradient", "--examples", "5", "--seed", "4")
     assert code == 1
     line = re.search(r"reproduce: (.*)$", out, re.M).group(1)
-    assert line.startswith(f"PYTHONPATH={TESTS} minillama check ")
+    assert line.startswith(f"PYTHONPATH={ROOT} minillama check ")
     env, argv = line.split(" ", 1)
     argv = shlex.split(argv)
     argv[0:1] = [sys.executable, "-m", "minillama"]
@@ -439,7 +440,7 @@ def test_a_misspelled_identity_names_the_close_matches(capsys):
 @pytest.mark.parametrize("argv", [
     ("--only", "no_such_identity"),
     ("--backend", "no_such_module_xyz:Backend"),
-    ("--backend", "test_identities:NoSuchClass"),
+    ("--backend", f"{SPEC}:NoSuchClass"),
     ("--backend", "no_such_backend"),
     ("--backend", "tests/identities/test_identities.py:NoMaskAttention"),
     ("--seed", "-1"),
