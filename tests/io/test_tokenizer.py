@@ -44,7 +44,7 @@ def _random_strings(n, seed=0):
 
 @pytest.fixture(scope="module")
 def llama_tok():
-    from conftest import SHARED_DATA
+    from tests.conftest import SHARED_DATA
     if not (SHARED_DATA / "tokenizer.bin").is_file():
         pytest.skip(f"shared test data not found at {SHARED_DATA}")
     return Llama2cTokenizer(SHARED_DATA / "tokenizer.bin")
@@ -53,7 +53,7 @@ def llama_tok():
 @pytest.fixture(scope="module")
 def spm():
     sentencepiece = pytest.importorskip("sentencepiece")
-    from conftest import SHARED_DATA
+    from tests.conftest import SHARED_DATA
     if not (SHARED_DATA / "tokenizer.model").is_file():
         pytest.skip(f"shared test data not found at {SHARED_DATA}")
     return sentencepiece.SentencePieceProcessor(model_file=str(SHARED_DATA / "tokenizer.model"))
