@@ -187,6 +187,8 @@ class FusedDecode(DecodePlans):
     :meth:`minillama.model.transformer.Transformer.forward` at T = 1), :meth:`greedy_steps` and
     :meth:`greedy_decoder`."""
 
+    _tuner: ThreadTuner | None = None  # one sequence's, made on first use (:attr:`tuner`)
+
     def _step_one(self, plan, tok, pos, kc, vc, logits, stop, ids, threads=None):
         """One sequence's fused step(s) on ``threads`` threads (default: all):
         :func:`.decode.float_step.decode_step_one`, or
@@ -316,7 +318,7 @@ class FusedDecode(DecodePlans):
     def tuner(self) -> ThreadTuner:
         """The thread count of one sequence's decode steps, by measured speed
         (:mod:`minillama.backends.tuner`)."""
-        if getattr(self, "_tuner", None) is None:
+        if self._tuner is None:
             self._tuner = ThreadTuner(self.num_threads)
         return self._tuner
 
