@@ -9,7 +9,13 @@ A backend is an object with
   :mod:`minillama.core.ops` (the reference math). A backend replaces only the pairs it makes faster;
   the rest are inherited (``reference`` is the plain ops; ``numpy`` overrides most of them with
   the threaded CPU path and ``numba`` derives from it; ``cupy`` derives from ``reference``);
-* helpers ``asarray``, ``to_numpy`` and ``synchronize``.
+* helpers ``asarray``, ``to_numpy`` and ``synchronize``;
+* the optional abilities (``decode_step``, ``greedy_steps``, ``exact_products``, ``adamw_update``,
+  ...), each declared once on ``reference`` with the answer of a backend that lacks it
+  (:data:`~minillama.backends.reference.ABILITIES`), so callers use them as plain attributes.
+
+Every backend class derives from ``reference``'s (an object standing in for one, like the mixed
+precision wrapper, forwards to a backend that does).
 
 Backends are named in :data:`BACKENDS` and imported only when chosen, so ``import minillama``
 never imports CuPy nor compiles Numba code.
@@ -28,9 +34,10 @@ from minillama.core.errors import MinillamaError
 # package: the mixed-precision wrapper of training and OpenBLAS's thread control
 from .cupy.mixed_precision import PRECISIONS, check_precision, with_precision
 from .numpy.threads import openblas_api
+from .reference import ABILITIES
 
-__all__ = ["BACKENDS", "ENV_VAR", "AUTO_REFERENCE_MAX_PARAMS", "PRECISIONS", "THREAD_VARS",
-           "auto_backend", "available_backends", "backend_help", "backend_names",
+__all__ = ["ABILITIES", "BACKENDS", "ENV_VAR", "AUTO_REFERENCE_MAX_PARAMS", "PRECISIONS",
+           "THREAD_VARS", "auto_backend", "available_backends", "backend_help", "backend_names",
            "check_precision", "get_backend", "graph_decoder", "openblas_api", "resolve_name",
            "set_threads", "threads_in_use", "with_precision"]
 
@@ -85,9 +92,9 @@ def set_threads(n: int) -> None:
 
 def threads_in_use(backend) -> int | None:
     """The CPU threads ``backend`` runs its ops with (None on a GPU backend)."""
-    if getattr(backend, "xp", None) is not None and backend.xp.__name__ != "numpy":
+    if backend.xp.__name__ != "numpy":
         return None
-    if hasattr(backend, "num_threads"):
+    if backend.num_threads is not None:  # a team of its own (numba)
         return int(backend.num_threads)
     from .numpy.threads import num_threads
 
@@ -177,7 +184,7 @@ def graph_decoder(model, batch_size: int = 1, max_seq_len: int | None = None):
     where it does not apply, why not as a string: a phrase that follows "the CUDA-graph decoder
     ...", e.g. "needs the cupy backend (this model is on numpy)". The decoder's module is imported
     only for a model on the cupy backend."""
-    name = getattr(getattr(model, "backend", None), "name", "?")
+    name = model.backend.name
     if name != "cupy":
         return f"needs the cupy backend (this model is on {name})"
     from minillama.backends.cupy.graph import GraphDecoder, unsupported_reason

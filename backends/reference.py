@@ -4,6 +4,10 @@ nothing else.
 No threads, no BLAS or allocator tuning: ``minillama generate --backend reference`` runs the math
 exactly as ``minillama/core/ops.py`` writes it. The other backends derive from this class and
 override only the op pairs they make faster (``numpy`` and ``numba`` on the CPU, ``cupy`` on a GPU).
+
+The class also declares, once, every optional ability a faster backend may add (a fused decode
+step, fused AdamW, exact products, ...; :data:`ABILITIES`), with the answer of a backend without
+it, so the layers above use each one as a plain attribute.
 """
 
 from __future__ import annotations
@@ -14,6 +18,13 @@ import numpy as np
 
 from minillama.core import notes_ops, ops
 from minillama.core.quant import QuantMatrix
+
+#: the optional abilities :class:`ReferenceBackend` declares below its ops, by name: what an object
+#: standing in for a backend takes from the reference where it lacks them (the identities' wrapper
+#: of a user's class)
+ABILITIES = ("supports_float64", "attention_precision", "num_threads", "adamw_update",
+             "exact_products", "decode_threads", "decode_step", "prompt_rows_invariant",
+             "greedy_steps", "greedy_decoder", "watch_compiles", "invariance", "threads")
 
 
 class ReferenceBackend:
@@ -87,6 +98,31 @@ class ReferenceBackend:
     def synchronize(self) -> None:
         """Wait for queued device work (a no-op on the CPU)."""
 
+    # -----------------------------------------------------------------------------------------
+    # optional abilities: what a faster backend may add beside the ops. Each is declared here,
+    # once, with the answer of a backend that lacks it, so the layers above use it plainly
+    # (``backend.decode_step(...)``, never a hasattr); a backend that has one overrides it.
+    # -----------------------------------------------------------------------------------------
+    #: whether float64 arrays are computed in float64 (False: the identities and the gradient
+    #: checks run the backend in float32)
+    supports_float64 = True
+    #: the precision of a GPU's attention products ("fp32", "tf32": cupy); None where it is no
+    #: setting (the CPU backends compute in the arrays' dtype)
+    attention_precision: str | None = None
+    #: the size of the backend's own CPU thread team (numba's); None: it has none, its ops run on
+    #: the shared pools of :mod:`minillama.backends.numpy.threads`
+    num_threads: int | None = None
+    #: ``adamw_update(param, grad, m, v, lr, beta1, beta2, eps, wd, step)``: one AdamW step of
+    #: one parameter in place, fused (numba, cupy); None: :class:`minillama.train.optim.AdamW`
+    #: runs its own array expressions
+    adamw_update = None
+
+    def exact_products(self):
+        """A context in which the products are exact where the backend has a faster approximate
+        path (numba: GGML block weights times activations rounded to 8 bits); the training
+        forward and the identities run in it. The reference's products are exact: a no-op."""
+        return contextlib.nullcontext()
+
     #: the bitwise identities of :mod:`minillama.identities.invariance` this backend keeps
     #: ("batch", "prefix_cache", "threads", "prefill_decode"): none here, whose NumPy products
     #: follow the BLAS library's blocking for the shapes at hand
@@ -101,6 +137,34 @@ class ReferenceBackend:
         """A context manager around one cached decode step of B sequences (the model's per-op
         path at T = 1): a backend with thread pools picks their size for the step there. The
         reference has none."""
+        return contextlib.nullcontext()
+
+    def decode_step(self, model, tok, start_pos, cache):
+        """One KV-cached decode step of ``model`` (tok (B, 1) ids at ``start_pos``) in one fused
+        call: its logits (B, V), or None to decline, the model then running its per-op path.
+        The reference declines."""
+        return None
+
+    def prompt_rows_invariant(self, model) -> bool:
+        """Whether this backend computes ``model``'s prompt rows alike whatever their count (in
+        its ``prompt_rows()`` context) and their last token by :meth:`decode_step` (numba on
+        GGML block weights). The reference does not say so: False."""
+        return False
+
+    def greedy_steps(self, model, tok, start_pos, cache, k: int):
+        """Up to ``k`` greedy decode steps of B > 1 sequences in one call: their ids (B, k'),
+        or None to decline (the caller steps one token at a time). The reference declines."""
+        return None
+
+    def greedy_decoder(self, model, max_seq_len: int, stop_ids=()):
+        """A decoder running greedy steps of one sequence several per call
+        (:class:`minillama.core.decoding.ChunkDecoder`), or None where the backend has none (the
+        caller steps the model). The reference has none."""
+        return None
+
+    def watch_compiles(self):
+        """A context around work that may compile kernels, yielding what it saw (numba: a
+        ``CompileWatch``) or None where the backend compiles nothing or cannot tell."""
         return contextlib.nullcontext()
 
     def __repr__(self) -> str:

@@ -121,8 +121,8 @@ def numba_scratch_bytes(nb_threads: int, G: int, hd: int, itemsize: int = 4) -> 
     """Upper bound of the attention kernels' scratch: per running work item, for the loop
     kernels two (BR G, BC) tiles, a (BR G, hd) accumulator and a few (BR G) / (hd) vectors; for
     the BLAS-tiled kernels (T >= 16) two (TILE_BQ, TILE_BK) tiles and four TILE_BQ vectors."""
-    from minillama.backends.numba import attention as K
     from minillama.backends.numba import backend_attention as NB
+    from minillama.backends.numba.floats import attention_forward as K
 
     R = K.BR * G
     loops = 2 * R * K.BC + R * hd + 4 * R + 2 * hd

@@ -1,16 +1,16 @@
 #!/usr/bin/env python
-"""Products with GGML-block weights (minillama's numba backend, ``backends/numba/quant.py``) next
-to the float32 products of the same backend on the same shape: the linear layers of the 134M
+"""Products with GGML-block weights (minillama's numba backend, ``backends/numba/quant/matmul.py``)
+next to the float32 products of the same backend on the same shape: the linear layers of the 134M
 llama2.c shape (dim 768, hidden 2048, vocab 32000).
 
-* M = 1 (decoding): ``qmatmul`` (8-bit activation dots of ``qint8.py``) against the float32
-  Numba GEMV (``gemv.py``, one thread by design); effective GB/s = bytes of W / time; ratio =
-  float32 time / quantized time.
-* M = ``--prefill`` rows (prefill): ``qmatmul`` (the integer GEMM of ``qgemm8.py``) against the
-  float32 GEMM (``blas.matmul``, rows over the Numba threads).
+* M = 1 (decoding): ``qmatmul`` (8-bit activation dots of ``quant/int8_dots.py``) against the
+  float32 Numba GEMV (``floats/gemv.py``, one thread by design); effective GB/s = bytes of W / time;
+  ratio = float32 time / quantized time.
+* M = ``--prefill`` rows (prefill): ``qmatmul`` (the integer GEMM of ``quant/int8_gemm.py``) against
+  the float32 GEMM (``floats/blas.py:matmul``, rows over the Numba threads).
 
 ``MINILLAMA_QUANT_DOTS=float`` times the float32-activation paths instead (block kernels of
-``qsimd.py``, dequantized tiles + OpenBLAS GEMM).
+``quant/unpack.py``, dequantized tiles + OpenBLAS GEMM).
 
 The weights are random valid blocks (random bytes, fp16 scales finite and modest): the time of
 these kernels does not depend on the values. Sides are interleaved: each repeat times every side
@@ -53,8 +53,8 @@ pin_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402
 
-from minillama.backends.numba import blas, gemv  # noqa: E402
-from minillama.backends.numba import quant as Q  # noqa: E402
+from minillama.backends.numba.floats import blas, gemv  # noqa: E402
+from minillama.backends.numba.quant import matmul as Q  # noqa: E402
 from minillama.core.quant import QUANT_TYPES, QuantMatrix  # noqa: E402
 
 

@@ -112,8 +112,8 @@ def unsupported_reason(model, batch_size: int = 1) -> str | None:
     """None when :class:`GraphDecoder` can decode ``model`` for ``batch_size`` sequences, else
     why not (a phrase that follows "the CUDA-graph decoder ..."). Needs no GPU: it reads only the
     model's backend name, dtype, config and parameter shapes."""
-    if getattr(model.backend, "name", "") != "cupy":
-        return f"needs the cupy backend (this model is on {getattr(model.backend, 'name', '?')})"
+    if model.backend.name != "cupy":
+        return f"needs the cupy backend (this model is on {model.backend.name})"
     if np.dtype(model.dtype) != np.float32:
         return f"decodes float32 models (this one computes in {np.dtype(model.dtype)})"
     if not 1 <= int(batch_size) <= MAX_BATCH:

@@ -188,11 +188,11 @@ class MixedPrecisionBackend:
             raise MinillamaError(f"MixedPrecisionBackend: precision must be tf32 or bf16, got "
                                  f"{precision!r}")
         inner = copy.copy(base)
-        if hasattr(inner, "attention_precision"):
+        if inner.attention_precision is not None:  # a setting of its attention (cupy)
             inner.attention_precision = "tf32"
         self._inner = inner
         self.precision = precision
-        self.emulate = bool(emulate) or getattr(base, "name", "") != "cupy"
+        self.emulate = bool(emulate) or base.name != "cupy"
 
     def __getattr__(self, name):
         return getattr(self.__dict__["_inner"], name)

@@ -1,10 +1,24 @@
-"""The ``numba`` backend (derives from ``numpy``): ``backend`` holds the op overrides and the
-greedy decoder, ``kernels`` the index of the jitted kernels, which live in ``fastmath`` (flags,
-e^x), ``rope``, ``attention`` (forward loops), ``attention_backward``, ``attention_blas`` (tiled
-with BLAS) and ``rows`` (cross-entropy, RMSNorm, SwiGLU); ``blas`` OpenBLAS's GEMM called from
-kernels, ``gemv`` the small-batch products, ``decode`` the fused decode step, ``optim`` the one-pass
-AdamW; ``_cache`` keys every kernel's disk cache on all of the folder's sources. The thread
-count of the decode steps, by measured speed, is ``backends/tuner.py``.
+"""The ``numba`` backend (derives from ``numpy``): NumPy arrays, with Numba-compiled kernels
+where plain NumPy wastes time or memory. The Python of the backend sits here, its kernels in three
+folders by job (:mod:`.kernels` indexes every kernel module):
+
+* ``backend`` the class (setup, threads, linear layers, AdamW) with its op overrides by concern
+  in mixins: ``backend_attention`` (RoPE, attention), ``backend_rows`` (RMSNorm, SwiGLU,
+  cross-entropy), ``backend_decode`` (the fused decode step, greedy decoding);
+* ``floats/``: kernels on float arrays: ``fastmath`` (flags, jit options, e^x), ``rope``,
+  ``attention_forward`` (loops, the decode shape), ``attention_backward``, ``attention_blas``
+  (tiles with OpenBLAS products), ``rows`` (cross-entropy, loss head, RMSNorm, SwiGLU), ``blas``
+  (OpenBLAS's GEMM called from kernels), ``gemv`` (small-batch products), ``adamw`` (one-pass
+  AdamW);
+* ``quant/``: products with weights kept in GGML blocks: ``matmul`` (``qmatmul``, ``qmatmul_t``),
+  ``block_types`` (type ids and block sizes as constants), ``unpack`` (block decoding as LLVM
+  vector IR), ``int8_dots`` (integer dots with activations rounded to 8 bits, few rows),
+  ``int8_gemm`` (integer GEMM tiles, many rows);
+* ``decode/``: the fused decode steps, one compiled call per step: ``float_step`` (float
+  weights), ``quant_step`` (GGML block weights);
+* ``_cache`` keys every kernel's disk cache on all the sources of this folder and its subfolders.
+
+The thread count of the decode steps, by measured speed, is ``backends/tuner.py``.
 """
 
 import os

@@ -1,8 +1,8 @@
 """The disk cache of the numba backend's kernels, keyed on all their sources at once.
 
-Imported by every module of this folder that compiles kernels, before its first ``@njit``
-(Numba picks a kernel's cache locator when the decorator runs); not by the package's
-``__init__``, so that importing the backend's module does not import Numba.
+Imported by every module of this folder and its subfolders that compiles kernels, before its
+first ``@njit`` (Numba picks a kernel's cache locator when the decorator runs); not by the
+package's ``__init__``, so that importing the backend's module does not import Numba.
 """
 
 from __future__ import annotations
@@ -14,24 +14,26 @@ import sys
 
 
 def _sources(here: str) -> list[str] | None:
-    """The files whose text the kernels of folder ``here`` are compiled from: its ``.py`` files
-    and ``minillama/core/quant.py``; None where the folder cannot be listed (a zip)."""
-    try:
-        names = sorted(f for f in os.listdir(here) if f.endswith(".py"))
-    except OSError:
+    """The files whose text the kernels under folder ``here`` are compiled from: the ``.py``
+    files of the folder and of its subfolders (``floats/``, ``quant/``, ``decode/``), in a fixed
+    order, and ``minillama/core/quant.py``; None where the folder cannot be listed (a zip)."""
+    files = []
+    for root, dirs, names in os.walk(here):  # a folder that cannot be listed yields nothing
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        files += [os.path.join(root, f) for f in sorted(names) if f.endswith(".py")]
+    if not files:
         return None
-    if not names:
-        return None
-    files = [os.path.join(here, f) for f in names]
     files.append(os.path.join(here, "..", "..", "minillama", "core", "quant.py"))
     if not os.path.exists(files[-1]):  # installed: minillama.backends beside minillama.core
         files[-1] = os.path.join(here, "..", "..", "core", "quant.py")
     return files
 
 
-def _stamper(files: list[str]):
-    """A function returning the hash of ``files``, recomputed when one changes size or time (a
-    long-lived process that edits and reloads a kernel module gets a fresh stamp)."""
+def _stamper(files: list[str], here: str):
+    """A function returning the hash of ``files`` (each named by its path under ``here``, the
+    one outside it by its file name), recomputed when one changes size or time (a long-lived
+    process that edits and reloads a kernel module gets a fresh stamp)."""
+    names = [_name(path, here) for path in files]
     memo = {}
 
     def stamp():
@@ -43,10 +45,10 @@ def _stamper(files: list[str]):
         key = tuple(key)
         if key not in memo:
             digest = hashlib.sha256()
-            for path in files:
+            for path, name in zip(files, names):
                 with contextlib.suppress(OSError):
                     with open(path, "rb") as f:
-                        digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+                        digest.update(name.encode() + b"\0" + f.read())
             memo.clear()
             memo[key] = digest.digest()
         return memo[key]
@@ -54,9 +56,23 @@ def _stamper(files: list[str]):
     return stamp
 
 
+def _name(path: str, here: str) -> str:
+    """``path`` as the stamp names it: relative to ``here`` with ``/`` (``quant/int8_dots.py``),
+    or its file name when it lies outside (``quant.py``, the table of the block types)."""
+    if not _under(path, here):
+        return os.path.basename(path)
+    return os.path.relpath(path, here).replace(os.sep, "/")
+
+
+def _under(path: str, here: str) -> bool:
+    """Whether file ``path`` lies in folder ``here`` or one of its subfolders."""
+    return os.path.abspath(path).startswith(here + os.sep)
+
+
 def _stamped(base, here: str, stamp):
     """``base`` (a Numba locator backed by the source file: NUMBA_CACHE_DIR's, the in-tree
-    __pycache__, the user-wide one) for the kernels of folder ``here`` only, with ``stamp()``."""
+    __pycache__, the user-wide one) for the kernels under folder ``here`` only (its subfolders
+    included), with ``stamp()``."""
 
     class Stamped(base):
         minillama_stamped = True
@@ -66,7 +82,7 @@ def _stamped(base, here: str, stamp):
 
         @classmethod
         def from_function(cls, py_func, py_file):
-            if os.path.dirname(os.path.abspath(py_file)) != here:
+            if not _under(py_file, here):
                 return None
             return super().from_function(py_func, py_file)
 
@@ -75,15 +91,15 @@ def _stamped(base, here: str, stamp):
 
 
 def stamp_kernel_caches() -> None:
-    """Key the on-disk cache of every kernel in this folder on all of its sources at once.
+    """Key the on-disk cache of every kernel under this folder on all of its sources at once.
 
     Numba checks a cached kernel against its own file only, yet kernels here inline others from
-    sibling files (the row kernels of ``qint8`` compiled into the decode step of ``qdecode``): an
-    edit to ``qint8`` alone would leave ``qdecode``'s cached step running the old rows. The
-    locators installed here give every kernel of this folder one stamp, the hash of its ``.py``
-    files and of ``minillama/core/quant.py`` (tables baked into the IR), so any edit recompiles
-    them all. (``NUMBA_CACHE_LOCATOR_CLASSES``, which replaces Numba's list of locators, turns
-    it off.)"""
+    other files (the row kernels of ``quant/int8_dots.py`` compiled into the decode step of
+    ``decode/quant_step.py``): an edit to ``int8_dots`` alone would leave ``quant_step``'s cached
+    step running the old rows. The locators installed here give every kernel of this folder and its
+    subfolders one stamp, the hash of all their ``.py`` files and of ``minillama/core/quant.py``
+    (tables baked into the IR), so any edit recompiles them all. (``NUMBA_CACHE_LOCATOR_CLASSES``,
+    which replaces Numba's list of locators, turns it off.)"""
     try:
         from numba.core import caching
         mixin, classes = caching._SourceFileBackedLocatorMixin, caching.CacheImpl._locator_classes
@@ -96,7 +112,7 @@ def stamp_kernel_caches() -> None:
     files = _sources(here)
     if files is None:  # Numba's own stamps
         return
-    stamp = _stamper(files)
+    stamp = _stamper(files, here)
     for i in range(len(classes) - 1, -1, -1):  # each before the locator it derives from
         if issubclass(classes[i], mixin):
             classes.insert(i, _stamped(classes[i], here, stamp))

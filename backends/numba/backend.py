@@ -8,24 +8,24 @@ where plain NumPy wastes time or memory:
   log-sum-exp, (B, H, T); the backward recomputes the probabilities tile by tile from it with
   D_t = dO_t . O_t. Extra memory is O(T) per head instead of the reference's O(T S). Three paths:
 
-  - T >= :data:`.backend_attention.TILED_MIN_T`: BLAS-tiled, one (sequence, KV head) per
-    ``prange`` item: the (BQ, BK) score tiles and the products with V, K, Q are OpenBLAS GEMMs
-    called from the kernel on that item's thread (:mod:`.blas`), reading Q, K, V and writing O,
-    dQ, dK, dV in their (B, T, heads, hd) layout; the softmax work between them runs in Numba
-    loops. Causal tiles past a tile's last query are skipped.
+  - T >= :data:`.backend_attention.TILED_MIN_T`: BLAS-tiled, one (sequence, KV head) per ``prange``
+    item: the (BQ, BK) score tiles and the products with V, K, Q are OpenBLAS GEMMs called from the
+    kernel on that item's thread (:mod:`.floats.blas`), reading Q, K, V and writing O, dQ, dK, dV in
+    their (B, T, heads, hd) layout; the softmax work between them runs in Numba loops. Causal tiles
+    past a tile's last query are skipped.
   - short T (or no OpenBLAS found): all-Numba loop kernels, ``prange`` over B x KVH.
   - T <= :data:`.backend_attention.DECODE_MAX_T` (decoding against a KV cache): one pass over
     the cache rows in memory order for all heads, split along the keys across threads when the
     batch is small.
 
 * softmax cross-entropy: one fused pass per row (max, exponentials, sum, normalisation);
-* linear layers with at most a few rows (decoding): a Numba GEMV (:mod:`.gemv`) that
+* linear layers with at most a few rows (decoding): a Numba GEMV (:mod:`.floats.gemv`) that
   streams W near memory bandwidth; every other matrix product is OpenBLAS's GEMM with its rows
-  split over the Numba threads (:mod:`.blas`), so a training step runs on one thread pool;
-* AdamW: one fused pass per parameter buffer (:mod:`.optim`);
+  split over the Numba threads (:mod:`.floats.blas`), so a training step runs on one thread pool;
+* AdamW: one fused pass per parameter buffer (:mod:`.floats.adamw`);
 * a whole KV-cached decode step (one new token per sequence) in one compiled call,
-  :meth:`.backend_decode.FusedDecode.decode_step` (:mod:`.decode`); prefill stays on the ops
-  above.
+  :meth:`.backend_decode.FusedDecode.decode_step` (:mod:`.decode.float_step`); prefill stays on the
+  ops above.
 
 Importing this module imports neither Numba nor the kernels; constructing :class:`NumbaBackend`
 imports Numba (a clear :class:`~minillama.core.errors.MinillamaError` when it is missing) and each
@@ -144,10 +144,10 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
             ) from None
         self._numba = numba
         self._k = numba_kernels
-        from . import gemv as numba_gemv
+        from .floats import gemv as numba_gemv
 
         self._gemv = numba_gemv
-        from . import blas as numba_blas
+        from .floats import blas as numba_blas
 
         self._blas = numba_blas
         self._decode_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -193,9 +193,9 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
     # -----------------------------------------------------------------------------------------
     def linear_forward(self, x, w):
         r"""y = x W^T (x: (..., in), W: (out, in)); up to four rows (decoding) take the Numba
-        GEMV of :mod:`.gemv`, which streams W at close to memory bandwidth; else BLAS. A
+        GEMV of :mod:`.floats.gemv`, which streams W at close to memory bandwidth; else BLAS. A
         :class:`~minillama.core.quant.QuantMatrix` W is multiplied from its GGML blocks
-        (:func:`.quant.qmatmul`, float32)."""
+        (:func:`.quant.matmul.qmatmul`, float32)."""
         if isinstance(w, QuantMatrix):
             if x.dtype != np.float32:  # the kernels dot in float32: float64 takes the exact tiles
                 return super().linear_forward(x, w)
@@ -212,7 +212,7 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
 
     def linear_backward(self, dy, ctx):
         r"""dx = dy W, dW = dy^T x; for a :class:`~minillama.core.quant.QuantMatrix` W (frozen)
-        dx = dy W from its blocks (:func:`.quant.qmatmul_t`) and dW is None."""
+        dx = dy W from its blocks (:func:`.quant.matmul.qmatmul_t`) and dW is None."""
         x, w = ctx
         if isinstance(w, QuantMatrix) and dy.dtype == np.float32:
             N, K = w.shape
@@ -235,10 +235,10 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
 
     def exact_products(self):
         """A context in which products with GGML block matrices keep float32 activations
-        (:func:`.qint8.exact_products`); the model's training forward runs in it."""
-        from . import qint8
+        (:func:`.quant.int8_dots.exact_products`); the model's training forward runs in it."""
+        from .quant import int8_dots
 
-        return qint8.exact_products()
+        return int8_dots.exact_products()
 
     def lora_forward(self, x, w, a, b, scale: float, drop=None):
         """:meth:`.NumpyBackend.lora_forward`, its quantized base product exact (a training op)."""
@@ -248,9 +248,9 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
     _quant_module = None
 
     def _quant(self):
-        """:mod:`.quant` (imported on first use: it compiles nothing until called)."""
+        """:mod:`.quant.matmul` (imported on first use: it compiles nothing until called)."""
         if self._quant_module is None:
-            from . import quant as numba_quant
+            from .quant import matmul as numba_quant
 
             NumbaBackend._quant_module = numba_quant
         return self._quant_module
@@ -258,7 +258,7 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
     def _gemm(self, a, b, out):
         """out = a b for every linear GEMM (forward and backward, see
         :meth:`.NumpyBackend.linear_forward`): the rows split over the Numba threads, each
-        calling OpenBLAS on one thread (:func:`.blas.matmul`);
+        calling OpenBLAS on one thread (:func:`.floats.blas.matmul`);
         :func:`..numpy.threads.split_gemm` where that does not apply (no OpenBLAS found, odd
         strides, other dtypes)."""
         if not self._blas.matmul(a, b, out, self.num_threads):
@@ -270,7 +270,7 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
     _optim = None
 
     def adamw_update(self, param, grad, m, v, lr, beta1, beta2, eps, wd, step):
-        r"""One AdamW step of one parameter in place, in one pass (see :mod:`.optim`):
+        r"""One AdamW step of one parameter in place, in one pass (see :mod:`.floats.adamw`):
 
         m \leftarrow \beta_1 m + (1-\beta_1) g,\quad v \leftarrow \beta_2 v + (1-\beta_2) g^2,
         \theta \leftarrow \theta (1 - \eta\lambda) - \frac{\eta}{1-\beta_1^t}
@@ -294,9 +294,9 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
         if step < 1:
             raise MinillamaError(f"adamw_update: step must be >= 1, got {step}")
         if self._optim is None:
-            from . import optim as numba_optim
+            from .floats import adamw as numba_adamw
 
-            type(self)._optim = numba_optim
+            type(self)._optim = numba_adamw
         k = self._optim
         g = np.ascontiguousarray(grad, dtype=dt).reshape(-1)
         f = dt.type

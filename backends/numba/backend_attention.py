@@ -88,7 +88,7 @@ class AttentionOps:
         return T >= TILED_MIN_T and self._blas.available()
 
     def _gemm_fn(self, dt):
-        """(address, ilp64) of OpenBLAS's GEMM for dtype ``dt`` (see :mod:`.blas`)."""
+        """(address, ilp64) of OpenBLAS's GEMM for dtype ``dt`` (see :mod:`.floats.blas`)."""
         return self._blas.gemm_address(dt)
 
     def attention_forward(self, q, k, v, start_pos=0):
@@ -151,7 +151,8 @@ class AttentionOps:
         return out, (q, k, v, out, lse, starts, scale)
 
     def _attend_rows_alike(self, q, k, v, starts, scale, out, lse):
-        """Every query row as the decode steps attend (:func:`.attention.attend_rows`), within
+        """Every query row as the decode steps attend
+        (:func:`.floats.attention_forward.attend_rows`), within
         :meth:`~.backend_decode.FusedDecode.prompt_rows`; inference only (lse left NaN)."""
         T, S = q.shape[1], k.shape[1]
         if int(starts.max()) + T > S:

@@ -1,8 +1,9 @@
 """The fused decode step of the ``numba`` backend, a mixin of
 :class:`~minillama.backends.numba.backend.NumbaBackend`: a whole KV-cached step (one new token per
-sequence) in one compiled call (:mod:`.decode`, :mod:`.qdecode` for GGML block weights), and
-greedy decoding of many steps per call (:class:`GreedyDecoder`, :meth:`FusedDecode.greedy_steps`).
-:class:`DecodePlans` turns a model and a cache into the typed lists those kernels take."""
+sequence) in one compiled call (:mod:`.decode.float_step`, :mod:`.decode.quant_step` for GGML block
+weights), and greedy decoding of many steps per call (:class:`GreedyDecoder`,
+:meth:`FusedDecode.greedy_steps`). :class:`DecodePlans` turns a model and a cache into the typed
+lists those kernels take."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _vocab(plan) -> int:
 
 
 def _model_args(plan, kc, vc):
-    """The arguments of the :mod:`.decode` kernels between the positions and the logits:
+    """The arguments of the :mod:`.decode.float_step` kernels between the positions and the logits:
     the weights of ``plan`` (:meth:`DecodePlans._decode_plan`), the cache lists kc, vc, the
     RoPE tables and the constants."""
     return (plan["emb"], plan["out"], plan["norm"], *plan["layers"], kc, vc, plan["cos"],
@@ -59,7 +60,7 @@ class DecodePlans:
     once per model and per cache (weak references) and rebuilt when an array is replaced."""
 
     def _decode_plan(self, model):
-        """The model's weights as the lists :func:`.decode.decode_step` takes, built once
+        """The model's weights as the lists :func:`.decode.float_step.decode_step` takes, built once
         per model (the arrays themselves, so in-place updates are seen; rebuilt when a parameter
         array is replaced). None when the model is not a plain LLaMA this step implements."""
         plan = self._decode_plans.get(model)
@@ -106,7 +107,7 @@ class DecodePlans:
             "eps": float(cfg.norm_eps), "heads": int(cfg.n_heads), "zero": dt.type(0),
         }
         if self._decode is None:
-            from . import decode as numba_decode
+            from .decode import float_step as numba_decode
 
             self._decode = numba_decode
         self._decode_plans[model] = plan
@@ -115,7 +116,7 @@ class DecodePlans:
     _decode = None
     _qdecode = None
 
-    #: the linear weights of a layer in the order of :func:`.qdecode.decode_step_one_q`
+    #: the linear weights of a layer in the order of :func:`.decode.quant_step.decode_step_one_q`
     _QUANT_LINEAR = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
                      "attention.wo.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
                      "feed_forward.w3.weight")
@@ -148,7 +149,7 @@ class DecodePlans:
         mats = tuple(lst([p[f"layers.{i}.{n}"].data for i in range(L)])
                      for n in self._QUANT_LINEAR)
         if self._qdecode is None:
-            from . import qdecode as numba_qdecode
+            from .decode import quant_step as numba_qdecode
 
             DecodePlans._qdecode = numba_qdecode
         return {
@@ -186,10 +187,12 @@ class FusedDecode(DecodePlans):
     :meth:`minillama.model.transformer.Transformer.forward` at T = 1), :meth:`greedy_steps` and
     :meth:`greedy_decoder`."""
 
+    _tuner: ThreadTuner | None = None  # one sequence's, made on first use (:attr:`tuner`)
+
     def _step_one(self, plan, tok, pos, kc, vc, logits, stop, ids, threads=None):
         """One sequence's fused step(s) on ``threads`` threads (default: all):
-        :func:`.decode.decode_step_one`, or :func:`.qdecode.decode_step_one_q` for a quantized
-        plan. Returns its count."""
+        :func:`.decode.float_step.decode_step_one`, or
+        :func:`.decode.quant_step.decode_step_one_q` for a quantized plan. Returns its count."""
         threads = self.num_threads if threads is None else threads
         if not plan.get("quant"):
             return self._decode.decode_step_one(tok, pos, *_model_args(plan, kc, vc), logits,
@@ -204,7 +207,7 @@ class FusedDecode(DecodePlans):
 
     def _step_rows_q(self, plan, tok, pos, kc, vc, logits, threads):
         """One fused step of B > 1 sequences of a quantized plan, each at its own position, on
-        ``threads`` threads: :func:`.qdecode.decode_step_rows_q`."""
+        ``threads`` threads: :func:`.decode.quant_step.decode_step_rows_q`."""
         q = self._quant()
         wq, wk, wv, wo, w1, w2, w3 = plan["mats"]
         self._qdecode.decode_step_rows_q(
@@ -215,15 +218,15 @@ class FusedDecode(DecodePlans):
     def decode_step(self, model, tok, start_pos, cache):
         r"""One KV-cached decode step of ``model`` in one compiled call, or None to decline.
 
-        tok: (B, 1) token ids (checked by the model); start_pos: int or (B,) ints, the position
-        p_b each token is written at; cache: the model's :class:`~minillama.model.kvcache.KVCache`.
+        tok: (B, 1) token ids (checked by the model); start_pos: int or (B,) ints, the position p_b
+        each token is written at; cache: the model's :class:`~minillama.model.kvcache.KVCache`.
         Computes exactly :meth:`minillama.model.transformer.Transformer.forward` at T = 1 with
-        ``last_only`` (rmsnorm, linear, rope, attention over positions 0..p_b, swiglu, head;
-        see :mod:`.decode`) and writes k, v at p_b. Returns logits (B, V). Quantized
-        weights: one sequence by :func:`.qdecode.decode_step_one_q`, several (rows at their own
-        positions, as continuous batching feeds them) by :func:`.qdecode.decode_step_rows_q`.
-        Declines (None: the model runs its per-op path) for model variants it does not
-        implement, T > 1 and caches it cannot write in place.
+        ``last_only`` (rmsnorm, linear, rope, attention over positions 0..p_b, swiglu, head; see
+        :mod:`.decode.float_step`) and writes k, v at p_b. Returns logits (B, V). Quantized weights:
+        one sequence by :func:`.decode.quant_step.decode_step_one_q`, several (rows at their own
+        positions, as continuous batching feeds them) by
+        :func:`.decode.quant_step.decode_step_rows_q`. Declines (None: the model runs its per-op
+        path) for model variants it does not implement, T > 1 and caches it cannot write in place.
         """
         B, T = tok.shape
         if T != 1 or cache.batch_size != B:
@@ -271,7 +274,7 @@ class FusedDecode(DecodePlans):
         from a cache, and the thread count (fixed attention spans, one kernel call per product
         row, prompt rows computed alike). Not the prefill against the decode steps (their 8-bit
         products sum in other orders), and none with ``MINILLAMA_QUANT_DOTS=float``."""
-        from .qint8 import int8_enabled  # the switch alone: compiles nothing
+        from .quant.int8_dots import int8_enabled  # the switch alone: compiles nothing
 
         return frozenset({"batch", "prefix_cache", "threads"}) if int8_enabled() else frozenset()
 
@@ -279,16 +282,16 @@ class FusedDecode(DecodePlans):
         """Whether ``model``'s prompt rows on this backend can be computed row by row alike
         whatever their count (:meth:`prompt_rows`): a plan of GGML block weights with 8-bit
         products, where the last prompt token then takes the fused decode step."""
-        plan = self._decode_plan(model)  # a quantized plan has imported .qdecode
+        plan = self._decode_plan(model)  # a quantized plan has imported .decode.quant_step
         return plan is not None and bool(plan.get("quant")) and self._quant_int8()
 
     @contextlib.contextmanager
     def prompt_rows(self):
-        """Within it (in this thread) the per-op forward computes each row of a prompt as it
-        would alone: every 8-bit product by the integer GEMM whatever the row count
-        (:func:`.qint8.gemm_products`) and attention row by row in the decode steps' spans
-        (:func:`.attention.attend_rows`). So a prompt's K/V rows do not depend on how the prompt
-        was cut into chunks, on a cached prefix or on the prompts prefilled beside it."""
+        """Within it (in this thread) the per-op forward computes each row of a prompt as it would
+        alone: every 8-bit product by the integer GEMM whatever the row count
+        (:func:`.quant.int8_dots.gemm_products`) and attention row by row in the decode steps' spans
+        (:func:`.floats.attention_forward.attend_rows`). So a prompt's K/V rows do not depend on how
+        the prompt was cut into chunks, on a cached prefix or on the prompts prefilled beside it."""
         before = in_prompt_rows()
         _PROMPT.on = True
         try:
@@ -326,7 +329,7 @@ class FusedDecode(DecodePlans):
     def tuner(self) -> ThreadTuner:
         """The thread count of one sequence's decode steps, by measured speed
         (:mod:`minillama.backends.tuner`)."""
-        if getattr(self, "_tuner", None) is None:
+        if self._tuner is None:
             self._tuner = ThreadTuner(self.num_threads)
         return self._tuner
 
@@ -353,7 +356,7 @@ class FusedDecode(DecodePlans):
 class GreedyDecoder(ChunkDecoder):
     """Greedy decoding of one sequence on the numba backend, many steps per compiled call.
 
-    :func:`.decode.decode_step_one` with an ``ids`` buffer of k entries runs k greedy
+    :func:`.decode.float_step.decode_step_one` with an ``ids`` buffer of k entries runs k greedy
     steps (each token is the argmax of the previous step's logits) without returning to Python,
     so the per-token Python work of the eager loop (the model call, checks, the argmax and the
     bookkeeping, about 0.1 ms a token) is paid once per call. The interface is that of the

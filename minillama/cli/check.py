@@ -80,7 +80,7 @@ def run_check(args) -> int:
     dtype = np.dtype(args.dtype) if args.dtype else np.dtype(default_dtype(backend))
     width = max(len(i.name) for i in chosen)
     if not args.json:
-        if getattr(backend, "name", "") == "numba":
+        if backend.name == "numba":
             print("numba compiles its kernels on first use (cached afterwards): the first run "
                   "takes longer", file=sys.stderr)
         print(f"minillama check: backend {args.backend}, {dtype.name}, {args.examples} "

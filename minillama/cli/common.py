@@ -67,8 +67,8 @@ def add_backend_flag(p, *, dtype: bool = False, task: str = "decode") -> None:
 
 @contextlib.contextmanager
 def apply_exact(args):
-    """``--exact``: within it, the switch the numba kernels read at each product, in every
-    thread (``MINILLAMA_QUANT_DOTS=float``, :func:`minillama.backends.numba.qint8.int8_enabled`);
+    """``--exact``: within it, the switch the numba kernels read at each product, in every thread
+    (``MINILLAMA_QUANT_DOTS=float``, :func:`minillama.backends.numba.quant.int8_dots.int8_enabled`);
     the environment as it was after it (a command run in-process leaves no trace)."""
     if not getattr(args, "exact", False):
         yield

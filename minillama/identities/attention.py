@@ -103,8 +103,7 @@ def _per_row_starts(s: Subject, ex: dict) -> float:
     q, k, v, _ = ids.attention_arrays(ex, s.dtype)
     starts = np.array(ex["starts"][:q.shape[0]], dtype=np.int64) % (ex["extra"] + 1)
     backend = s.backend
-    asarray = getattr(backend, "asarray", None)
-    sp = asarray(starts) if asarray is not None else starts
+    sp = backend.asarray(starts)
     o = s.get(backend.attention_forward(s.put(q), s.put(k), s.put(v), sp)[0])
     tol = attention_bound(q, k, v, s.u)
     return max(ratio(s.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], int(p)) - o[b:b + 1],

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from minillama.backends import ABILITIES, get_backend
+from minillama.core.quant import QuantMatrix
 from minillama.core.rope_scaling import rope_tables
 from minillama.model.transformer import Transformer
 
@@ -33,8 +35,9 @@ MODEL_TRAIN_OPS = MODEL_FORWARD_OPS + (
     "embedding_backward", "rmsnorm_backward", "linear_backward", "rope_backward",
     "swiglu_backward", "linear_cross_entropy_forward", "linear_cross_entropy_backward")
 
-#: helpers a backend may lack: a bare class of NumPy ops gets these NumPy defaults
-_HELPERS = ("xp", "asarray", "to_numpy", "synchronize", "name")
+#: helpers a backend may lack: a bare class of NumPy ops gets these NumPy defaults (and the
+#: reference's answers for the optional abilities, :data:`minillama.backends.ABILITIES`)
+_HELPERS = ("xp", "asarray", "to_numpy", "synchronize", "name", "device")
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class Identity:
         with a tolerance)."""
         if self.exact is None:
             return True
-        return self.exact in getattr(as_subject(subject).backend, "invariance", ())
+        return self.exact in with_helpers(as_subject(subject).backend).invariance
 
     def missing(self, subject) -> list[str]:
         """The ops of :attr:`ops` that ``subject`` (a :class:`Subject` or a backend) lacks."""
@@ -87,6 +90,8 @@ class Subject:
     Each method calls one backend op (``<op>_forward``) and returns its output on the host as
     float64 (an integer or float for a loss). :meth:`has` says whether the backend has an op; a
     user's functions are checked through :class:`minillama.identities.user.CallableSubject`.
+    A backend that lacks the helpers or the optional abilities (a user's bare class) is held
+    with them (:func:`with_helpers`).
     """
 
     #: which entries RoPE rotates together: "interleaved" (2i, 2i + 1) or "half" (i, i + hd/2)
@@ -96,13 +101,13 @@ class Subject:
     rope_theta: float | None = None
 
     def __init__(self, backend, dtype=np.float64):
-        self.backend = backend
+        self.backend = with_helpers(backend)
         self.dtype = np.dtype(dtype)
         #: the unit roundoff u of the dtype
         self.u = float(np.finfo(self.dtype).eps) / 2
 
     def __repr__(self) -> str:
-        return f"<identities subject {getattr(self.backend, 'name', self.backend)!r} {self.dtype}>"
+        return f"<identities subject {self.backend.name!r} {self.dtype}>"
 
     def has(self, op: str) -> bool:
         return callable(getattr(self.backend, op, None))
@@ -110,14 +115,11 @@ class Subject:
     # --- moving arrays ------------------------------------------------------------------------
     def put(self, a):
         """``a`` in the subject's dtype on the backend (C-contiguous)."""
-        a = np.ascontiguousarray(a, dtype=self.dtype)
-        asarray = getattr(self.backend, "asarray", None)
-        return asarray(a, dtype=self.dtype) if asarray is not None else a
+        return self.backend.asarray(np.ascontiguousarray(a, dtype=self.dtype), dtype=self.dtype)
 
     def get(self, a) -> np.ndarray:
         """A backend array as float64 on the host."""
-        to_numpy = getattr(self.backend, "to_numpy", None)
-        return np.asarray(to_numpy(a) if to_numpy is not None else a, dtype=np.float64)
+        return np.asarray(self.backend.to_numpy(a), dtype=np.float64)
 
     def _op(self, name: str, *args):
         return self.get(getattr(self.backend, name + "_forward")(*args)[0])
@@ -152,21 +154,16 @@ class Subject:
     def cross_entropy(self, logits, targets) -> float:
         """The mean cross-entropy of logits (N, V) against targets (N,) ints."""
         t = np.asarray(targets, dtype=np.int64)
-        asarray = getattr(self.backend, "asarray", None)
-        loss, _ = self.backend.cross_entropy_forward(self.put(logits),
-                                                     asarray(t) if asarray is not None else t)
+        loss, _ = self.backend.cross_entropy_forward(self.put(logits), self.backend.asarray(t))
         return float(self.get(loss))
 
     def linear(self, x, w) -> np.ndarray:
         """y = x W^T; W a float matrix or a :class:`~minillama.core.quant.QuantMatrix` (the
         backend's exact products, where it has a faster approximate path)."""
         be = self.backend
-        asarray = getattr(be, "asarray", None)  # a QuantMatrix too: its blocks go to the device
-        w = self.put(w) if isinstance(w, np.ndarray) or asarray is None else asarray(w, self.dtype)
-        exact = getattr(be, "exact_products", None)
-        if exact is None:
-            return self._op("linear", self.put(x), w)
-        with exact():
+        # a QuantMatrix too: its blocks go to the device
+        w = self.put(w) if isinstance(w, np.ndarray) else be.asarray(w, self.dtype)
+        with be.exact_products():
             return self._op("linear", self.put(x), w)
 
     def lora(self, x, w, a, b, scale: float) -> np.ndarray:
@@ -176,7 +173,7 @@ class Subject:
     def model(self, cfg, params: dict) -> Transformer:
         """A :class:`~minillama.model.transformer.Transformer` of ``cfg`` and ``params`` on the
         backend, computing in the subject's dtype."""
-        return Transformer(cfg, params, backend=with_helpers(self.backend), dtype=self.dtype)
+        return Transformer(cfg, params, backend=self.backend, dtype=self.dtype)
 
     def logits(self, model, tokens, **kwargs) -> np.ndarray:
         """``model.forward(tokens, **kwargs)`` as float64 on the host."""
@@ -189,21 +186,31 @@ def as_subject(backend, dtype=np.float64) -> Subject:
 
 
 class _NumpyHelpers:
-    """A backend object that lacks the helpers (``xp``, ``asarray``, ``to_numpy``, ...), given
-    their NumPy versions; every other attribute is the backend's own."""
+    """A backend object that lacks the helpers (``xp``, ``asarray``, ``to_numpy``, ...) or the
+    optional abilities (``exact_products``, ``decode_step``, ...), given the helpers' NumPy
+    versions and the reference's answers (:data:`minillama.backends.ABILITIES`: none of them
+    taken); every other attribute is the backend's own (an op it lacks stays missing)."""
 
     xp = np
+    device = "cpu"
 
     def __init__(self, backend):
         self._backend = backend
         self.name = getattr(backend, "name", type(backend).__name__)
 
     def __getattr__(self, key):
-        return getattr(self._backend, key)
+        try:
+            return getattr(self._backend, key)
+        except AttributeError:
+            if key not in ABILITIES:
+                raise
+        return getattr(get_backend("reference"), key)
 
     @staticmethod
     def asarray(a, dtype=None):
-        return np.asarray(a, dtype=dtype)
+        """``a`` as a NumPy array (a :class:`QuantMatrix` stays as it is: its blocks are the
+        weight, as on the reference)."""
+        return a if isinstance(a, QuantMatrix) else np.asarray(a, dtype=dtype)
 
     @staticmethod
     def to_numpy(a):
@@ -214,8 +221,10 @@ class _NumpyHelpers:
 
 
 def with_helpers(backend):
-    """``backend``, given NumPy helpers where it lacks them (see :class:`_NumpyHelpers`)."""
-    return backend if all(hasattr(backend, h) for h in _HELPERS) else _NumpyHelpers(backend)
+    """``backend``, given NumPy helpers and the reference's optional abilities where it lacks
+    them (see :class:`_NumpyHelpers`); a backend deriving from the reference has them all."""
+    return backend if all(hasattr(backend, h) for h in _HELPERS + ABILITIES) \
+        else _NumpyHelpers(backend)
 
 
 # ---------------------------------------------------------------------------------------------

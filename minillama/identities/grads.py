@@ -87,27 +87,24 @@ class _Calls:
 
     def put(self, a):
         if isinstance(a, QuantMatrix) and not self.spec.core:  # its blocks go to the device
-            asarray = getattr(self.s.backend, "asarray", None)
-            return a if asarray is None else asarray(a, self.s.dtype)
+            return self.s.backend.asarray(a, self.s.dtype)
         if not isinstance(a, np.ndarray):
             return a
         if a.ndim == 0:  # an upstream scalar: a 0-d array in the dtype (not a (1,) array)
-            asarray = None if self.spec.core else getattr(self.s.backend, "asarray", None)
-            return (asarray or np.asarray)(a, dtype=self.s.dtype)
+            asarray = np.asarray if self.spec.core else self.s.backend.asarray
+            return asarray(a, dtype=self.s.dtype)
         if self.spec.core:
             return np.ascontiguousarray(a, dtype=self.s.dtype) if a.dtype.kind == "f" else a
         if a.dtype.kind == "f":
             return self.s.put(a)
-        asarray = getattr(self.s.backend, "asarray", None)
-        return asarray(a) if asarray is not None else a
+        return self.s.backend.asarray(a)
 
     def get(self, a) -> np.ndarray:
         return np.asarray(a, dtype=np.float64) if self.spec.core else self.s.get(a)
 
     def exact(self):
         """The backend's exact products (where GGML blocks have a faster approximate path)."""
-        exact = None if self.spec.core else getattr(self.s.backend, "exact_products", None)
-        return contextlib.nullcontext() if exact is None else exact()
+        return contextlib.nullcontext() if self.spec.core else self.s.backend.exact_products()
 
     def forward(self, args):
         with self.exact():

@@ -123,7 +123,7 @@ def _threads(s: Subject, ex: dict) -> float:
     prompt, follow = _tokens(ex["seed"], ex["P"]), _tokens(ex["seed"] + 1, ex["steps"])
     runs = []
     for n in (1, ex["threads"]):
-        with s.backend.threads(n):
+        with model.backend.threads(n):
             runs.append(_alone(s, model, prompt, follow))
     return max(deviation(w, g) for w, g in zip(*runs))
 

@@ -147,8 +147,7 @@ def _cross_entropy_values(s: Subject, ex: dict) -> float:
 def _linear_cross_entropy_values(s: Subject, ex: dict) -> float:
     """The loss head with W = I (D = V): its logits are the rows themselves."""
     z, t, mean = _loss_rows(ex, s.dtype)
-    asarray = getattr(s.backend, "asarray", None)
-    tt = asarray(t) if asarray is not None else t
+    tt = s.backend.asarray(t)
     w = np.eye(z.shape[1])
     loss, _ = s.backend.linear_cross_entropy_forward(s.put(z), s.put(w), tt)
     return ratio(float(s.get(loss)) - mean, _loss_tolerance(s, z, mean))

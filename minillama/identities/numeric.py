@@ -84,8 +84,7 @@ def _quant_embedding(s: Subject, ex: dict) -> float:
     V, K = ex["out"], ex["blocks"] * QUANT_TYPES[ex["qtype"]].block_elems
     qm = quantize(rng.standard_normal((V, K)).astype(np.float32), ex["qtype"])
     tokens = rng.integers(0, V, (ex["N"], 3))
-    asarray = getattr(s.backend, "asarray", None)
-    w, t = (qm, tokens) if asarray is None else (asarray(qm, s.dtype), asarray(tokens))
+    w, t = s.backend.asarray(qm, s.dtype), s.backend.asarray(tokens)
     h = s.get(s.backend.embedding_forward(w, t)[0])
     deq = dequantize(qm).astype(np.float64)[tokens]
     return ratio(h - deq, 4 * U32 * np.abs(deq))

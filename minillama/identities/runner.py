@@ -21,7 +21,7 @@ from hypothesis import seed as fix_seed
 
 from minillama.backends import backend_names, get_backend
 from minillama.core.errors import MinillamaError
-from minillama.identities.base import Identity, Subject, as_subject
+from minillama.identities.base import Identity, Subject, as_subject, with_helpers
 from minillama.identities.catalog import BY_NAME, CATALOG, select
 
 #: examples per identity of ``minillama check`` without ``--examples``
@@ -124,7 +124,7 @@ def run_identity(identity: Identity, subject, examples: int = DEFAULT_EXAMPLES,
 
 def default_dtype(backend):
     """float64, or float32 for a backend that declares no float64 support."""
-    return np.float64 if getattr(backend, "supports_float64", True) else np.float32
+    return np.float64 if backend.supports_float64 else np.float32
 
 
 def run_catalog(backend="numpy", names=None, examples: int = DEFAULT_EXAMPLES,
@@ -156,7 +156,7 @@ def partial_ops(backend) -> set[str] | None:
     the ops its author wrote); None for a backend with them all, or one on another array
     module (whose arrays the reference's ops could not take). A backward without its forward
     does not count (it could only read the reference's saved context)."""
-    if getattr(backend, "xp", np) is not np:
+    if backend.xp is not np:
         return None
     have = {op for op in catalog_ops() if callable(getattr(backend, op, None))}
     if have == catalog_ops():
@@ -190,7 +190,7 @@ class Filled:
     def __init__(self, backend, own: set[str]):
         self._backend, self._own = backend, own
         self._reference = get_backend("reference")
-        self.name = getattr(backend, "name", type(backend).__name__)
+        self.name = backend.name
 
     def __getattr__(self, key):
         if key in catalog_ops() and key not in self._own:
@@ -249,10 +249,11 @@ def _run_partial(identity: Identity, subject: Subject, own: set[str], examples: 
 def resolve_backend(spec):
     """A backend object: a registered name (:func:`minillama.backends.get_backend`), or
     ``package.module:Class`` (the class instantiated with no arguments; the module imported
-    from ``sys.path``, else from the working directory); an object passes through. What does
-    not import or instantiate is a :class:`MinillamaError`."""
+    from ``sys.path``, else from the working directory); an object passes through. A user's
+    object gets the helpers and optional abilities it lacks (:func:`~.base.with_helpers`). What
+    does not import or instantiate is a :class:`MinillamaError`."""
     if not isinstance(spec, str):
-        return spec
+        return with_helpers(spec)
     if ":" not in spec:
         if spec in backend_names():
             return get_backend(spec)
@@ -273,10 +274,11 @@ def resolve_backend(spec):
             raise MinillamaError(f"backend {spec!r}: {module_name} has no {attr}")
         obj = getattr(obj, part)
     try:
-        return obj() if isinstance(obj, type) or callable(obj) else obj
+        made = obj() if isinstance(obj, type) or callable(obj) else obj
     except Exception as e:
         raise MinillamaError(f"backend {spec!r}: {attr}() raised {type(e).__name__}: {e}") \
             from None
+    return with_helpers(made)
 
 
 def _hint(text: str, attr: str = "Class") -> str:

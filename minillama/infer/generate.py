@@ -18,7 +18,6 @@ seed, each sequence draws a fresh one).
 from __future__ import annotations
 
 import codecs
-import contextlib
 import sys
 import threading
 import time
@@ -118,8 +117,7 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
         return params.pick(z, rngs[b], hist[b] if penalised else ())
 
     if B == 1 and greedy and not penalised:  # a backend may decode many steps/call
-        make = getattr(be, "greedy_decoder", None)
-        dec = make(model, cache_len, stop) if make is not None else None
+        dec = be.greedy_decoder(model, cache_len, stop)
         if dec is not None:
             stats.cache_bytes = dec.cache.nbytes
             yield from stream_greedy(dec, seqs[0], max_new_tokens, cfg.max_seq_len, stop, stats)
@@ -127,8 +125,7 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
     cache = model.new_cache(B, cache_len)
     stats.cache_bytes = cache.nbytes
     # greedy with several sequences: a backend may run up to 16 steps per call
-    many = getattr(be, "greedy_steps", None) if greedy and B > 1 \
-        and not penalised else None
+    many = be.greedy_steps if greedy and B > 1 and not penalised else None
     yield from _prefill_and_decode(model, seqs, lens, cache, pick, many, stop, budget, hist,
                                    stats)
 
@@ -325,7 +322,7 @@ def graph_decoder_for(model, mode: str, temperature: float, cache_len: int):
     """The CUDA-graph decoder (:func:`minillama.backends.graph_decoder`) that ``--cuda-graph
     mode`` asks for, or None for the eager loop (``off``; ``auto`` where the graph does not
     apply); ``on`` where it does not apply is a one-line error saying why."""
-    if mode == "off" or temperature != 0.0 or getattr(model.backend, "name", "") != "cupy":
+    if mode == "off" or temperature != 0.0 or model.backend.name != "cupy":
         return None  # `on` with these was refused by the command's flag check
     decoder = graph_decoder(model, 1, cache_len)
     if isinstance(decoder, str):  # why the graph does not apply
@@ -392,16 +389,15 @@ def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = No
     only read them from the disk cache so far (then "compiling kernels" as the first compile
     begins, if one does, and the count compiled at the end); a backend that cannot tell says
     "compiling kernels". Nothing is said when it ends sooner. Returns the seconds spent."""
-    name = getattr(model.backend, "name", "")
+    name = model.backend.name
     if name not in COMPILING_BACKENDS:
         return 0.0
     say = say or (lambda text: print(text, end="", file=sys.stderr, flush=True))
     said: list[str] = []
-    watch = getattr(model.backend, "watch_compiles", None)
 
     lock = threading.Lock()  # the notice's timer and the first compile may come together
     t0 = time.perf_counter()
-    with (watch() if watch is not None else contextlib.nullcontext()) as seen:
+    with model.backend.watch_compiles() as seen:
         def note() -> None:
             with lock:
                 loading = seen is not None and seen.started == 0

@@ -86,7 +86,8 @@ def _at(path: str, *names: str) -> tuple[str, ...]:
 
 _QUANT_BACKENDS = ("backends/numpy/backend.py:quant_linear_forward",
                    "backends/numpy/backend.py:quant_linear_backward",
-                   "backends/numba/quant.py:qmatmul", "backends/numba/quant.py:qmatmul_t")
+                   "backends/numba/quant/matmul.py:qmatmul",
+                   "backends/numba/quant/matmul.py:qmatmul_t")
 #: types the cupy backend keeps in their blocks (backends/cupy/common.py:QUANT_KERNELS)
 _CUPY_BLOCKS = ("Q8_0", "Q4_K", "Q6_K")
 

@@ -298,7 +298,7 @@ class Transformer:
         """
         tok = self._tokens(tokens)
         step = cache is not None and tok.shape[1] == 1
-        if step and hasattr(self.backend, "decode_step") and self.lora is None:
+        if step and self.lora is None:
             logits = self.backend.decode_step(self, tok, start_pos, cache)
             if logits is not None:
                 return logits if last_only or output_index is not None else logits[:, None]
@@ -310,8 +310,7 @@ class Transformer:
                 return logits
         if last_only:
             output_index = tok.shape[1] - 1
-        threads = getattr(self.backend, "decode_threads", None) if step else None
-        with threads(tok.shape[0]) if threads else contextlib.nullcontext():
+        with self.backend.decode_threads(tok.shape[0]) if step else contextlib.nullcontext():
             return self._run(tok, start_pos, cache, train=False, output_index=output_index)[0]
 
     __call__ = forward
@@ -504,7 +503,7 @@ class Transformer:
         tgt = self._targets(targets, tok.shape)
         grads: dict[str, Any] = {}
         # numba rounds activations to 8 bits in quantized products, for inference only
-        with getattr(self.backend, "exact_products", contextlib.nullcontext)():
+        with self.backend.exact_products():
             if self.lora is None:
                 loss, grads = self._loss_and_grads(tok, tgt, ignore_index, grads)
                 return loss, {k: grads[k] for k in self.params if grads.get(k) is not None}
@@ -692,8 +691,7 @@ def _pick_positions(be, x, output_index):
 def _rows_alike(model) -> bool:
     """Whether ``model``'s backend computes a prompt's rows alike whatever their count
     (``prompt_rows``) and its one-token steps by ``decode_step``."""
-    alike = getattr(model.backend, "prompt_rows_invariant", None)
-    return alike is not None and alike(model)
+    return model.backend.prompt_rows_invariant(model)
 
 
 def _prompt_then_step(model, tok, start_pos, cache, output_index):

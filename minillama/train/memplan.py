@@ -250,7 +250,7 @@ def parse_size(text: str) -> int:
 
 def available_bytes(backend) -> int | None:
     """Free memory where the arrays live: the GPU's for CuPy, else the host's MemAvailable."""
-    if getattr(backend, "device", "cpu") != "cpu":
+    if backend.device != "cpu":
         try:
             free, _ = backend.xp.cuda.runtime.memGetInfo()
             return int(free)
@@ -304,7 +304,7 @@ def settle(model, trainable: dict, B: int, T: int, grad_accum: int, recompute: b
     ``--context`` of t < T costs the data, as (more flags, what they drop) or None when it leaves
     nothing to train on; default: nothing (windows of text are cut shorter). Without a limit, one
     line warns when the step needs more than the free memory."""
-    resident = None if getattr(model.backend, "device", "cpu") != "cpu" else resident_bytes()
+    resident = None if model.backend.device != "cpu" else resident_bytes()
 
     def at(b, t, rec, accum=grad_accum):
         return plan(model, trainable, b, t, accum, rec, resident)

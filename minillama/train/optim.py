@@ -85,7 +85,7 @@ class AdamW:
                     return is_norm_gain(name) or is_embedding(name)
         self.no_decay = no_decay
         self.decays = {k: not no_decay(k) for k in params}
-        self._fused = getattr(backend, "adamw_update", None) if backend is not None else None
+        self._fused = backend.adamw_update if backend is not None else None
         self._scratch = None
         self.t = 0
         self.m = {k: array_module(p).zeros_like(p) for k, p in params.items()}

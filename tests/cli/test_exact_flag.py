@@ -20,7 +20,7 @@ def test_every_inference_command_takes_exact(command):
 
 
 def test_exact_turns_the_int8_products_off(monkeypatch, capsys):
-    qint8 = pytest.importorskip("minillama.backends.numba.qint8")
+    qint8 = pytest.importorskip("minillama.backends.numba.quant.int8_dots")
     monkeypatch.delenv("MINILLAMA_QUANT_DOTS", raising=False)
     seen = []
     real = cli.build_parser

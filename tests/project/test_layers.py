@@ -32,16 +32,19 @@ _KERNELS = "Numba kernels load (compile, or read the cache) only when an op firs
 #: (importer, imported) -> why that import sits inside a function
 LOCAL_IMPORTS = {
     ("minillama.backends.numba.backend", "minillama.backends.numba.kernels"): _KERNELS,
-    ("minillama.backends.numba.backend", "minillama.backends.numba.gemv"): _KERNELS,
-    ("minillama.backends.numba.backend", "minillama.backends.numba.blas"): _KERNELS,
-    ("minillama.backends.numba.backend", "minillama.backends.numba.qint8"): _KERNELS,
-    ("minillama.backends.numba.backend", "minillama.backends.numba.quant"): _KERNELS,
-    ("minillama.backends.numba.backend", "minillama.backends.numba.optim"): _KERNELS,
-    ("minillama.backends.numba.backend_decode", "minillama.backends.numba.decode"): _KERNELS,
-    ("minillama.backends.numba.backend_decode", "minillama.backends.numba.qdecode"): _KERNELS,
-    ("minillama.backends.numba.backend_decode", "minillama.backends.numba.qint8"): _KERNELS,
-    ("minillama.backends.numba.quant", "minillama.backends.numba.qint8"): _KERNELS,
-    ("minillama.backends.numba.quant", "minillama.backends.numba.qgemm8"): _KERNELS,
+    ("minillama.backends.numba.backend", "minillama.backends.numba.floats.gemv"): _KERNELS,
+    ("minillama.backends.numba.backend", "minillama.backends.numba.floats.blas"): _KERNELS,
+    ("minillama.backends.numba.backend", "minillama.backends.numba.quant.int8_dots"): _KERNELS,
+    ("minillama.backends.numba.backend", "minillama.backends.numba.quant.matmul"): _KERNELS,
+    ("minillama.backends.numba.backend", "minillama.backends.numba.floats.adamw"): _KERNELS,
+    ("minillama.backends.numba.backend_decode", "minillama.backends.numba.decode.float_step"):
+        _KERNELS,
+    ("minillama.backends.numba.backend_decode", "minillama.backends.numba.decode.quant_step"):
+        _KERNELS,
+    ("minillama.backends.numba.backend_decode", "minillama.backends.numba.quant.int8_dots"):
+        _KERNELS,
+    ("minillama.backends.numba.quant.matmul", "minillama.backends.numba.quant.int8_dots"): _KERNELS,
+    ("minillama.backends.numba.quant.matmul", "minillama.backends.numba.quant.int8_gemm"): _KERNELS,
     ("minillama.backends.cupy.mixed_precision", "minillama.backends.cupy.build"):
         "the CUDA kernels compile (NVRTC) only when the bf16 path first runs",
     ("minillama.backends", "minillama.backends.cupy.graph"):

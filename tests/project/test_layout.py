@@ -23,16 +23,18 @@ MAX_FUNCTION_LINES = 60
 #: "path:function" -> why it may be longer than MAX_FUNCTION_LINES. Only numeric kernels compiled
 #: by Numba, where a call out of the loop nest costs speed (the project guide's exception).
 LONG_FUNCTIONS = {
-    "backends/numba/decode.py:decode_step": "the fused decode step of several sequences, one "
-                                            "compiled loop nest over layers and rows",
-    "backends/numba/decode.py:decode_step_one": "the fused decode step of one sequence",
-    "backends/numba/decode.py:_row": "the per-row kernel of decode_step, groups of 8 sequences",
-    "backends/numba/qdecode.py:decode_step_one_q_kernel": "the fused decode step on GGML blocks",
-    "backends/numba/qdecode.py:decode_step_rows_q_kernel": "the fused decode step of several "
-                                                           "sequences on GGML blocks",
-    "backends/numba/quant.py:_dequant_row_loops": "one loop per GGML block type, unrolled",
-    "backends/numba/attention_backward.py:_attn_bwd_item": "the attention backward of one "
-                                                          "(sequence, KV head) work item",
+    "backends/numba/decode/float_step.py:decode_step":
+        "the fused decode step of several sequences, one compiled loop nest over layers and rows",
+    "backends/numba/decode/float_step.py:decode_step_one": "the fused decode step of one sequence",
+    "backends/numba/decode/float_step.py:_row":
+        "the per-row kernel of decode_step, groups of 8 sequences",
+    "backends/numba/decode/quant_step.py:decode_step_one_q_kernel":
+        "the fused decode step on GGML blocks",
+    "backends/numba/decode/quant_step.py:decode_step_rows_q_kernel":
+        "the fused decode step of several sequences on GGML blocks",
+    "backends/numba/quant/matmul.py:_dequant_row_loops": "one loop per GGML block type, unrolled",
+    "backends/numba/floats/attention_backward.py:_attn_bwd_item":
+        "the attention backward of one (sequence, KV head) work item",
 }
 #: "path" -> why that module may be longer than MAX_MODULE_LINES
 LONG_MODULES: dict[str, str] = {

@@ -18,7 +18,8 @@ def _map_text() -> str:
 def test_the_module_map_names_every_module():
     named = set(re.findall(r"`([\w./]+\.py)`", _map_text()))
     named |= {Path(n).name for n in named}
-    modules = [p for pattern in ("minillama/*/*.py", "backends/*.py", "backends/*/*.py")
+    modules = [p for pattern in ("minillama/*/*.py", "backends/*.py", "backends/*/*.py",
+                                 "backends/*/*/*.py")
                for p in ROOT.glob(pattern) if p.name != "__init__.py"]
     assert modules
     missing = sorted(str(p.relative_to(ROOT)) for p in modules if p.name not in named)

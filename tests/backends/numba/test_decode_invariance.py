@@ -1,10 +1,11 @@
-r"""Same input, same output, in the numba backend's fused decode steps (backends/numba/decode.py,
-qdecode.py): a sequence's logits and K/V rows do not depend on the thread count the tuner picks,
-nor, on GGML-block weights, on the sequences batched with it.
+r"""Same input, same output, in the numba backend's fused decode steps
+(backends/numba/decode/float_step.py, decode/quant_step.py): a sequence's logits and K/V rows do not
+depend on the thread count the tuner picks, nor, on GGML-block weights, on the sequences batched
+with it.
 
 What fixes the order of every float sum: each product row is one kernel call whatever the split
 of the rows over threads; attention cuts the cache rows of a sequence at position p into spans
-of ``decode.SPAN`` rows starting at 0 (never into one span per thread), each span's softmax
+of ``float_step.SPAN`` rows starting at 0 (never into one span per thread), each span's softmax
 parts are computed by one thread, and the spans are joined in order; RMSNorm, RoPE and SwiGLU
 are computed per row. So the results are asserted equal bit for bit, at positions that cross
 several spans."""
@@ -25,8 +26,8 @@ try:
 except MinillamaError as e:  # pragma: no cover - numba missing
     pytest.skip(f"numba backend unavailable: {e}", allow_module_level=True)
 
-from minillama.backends.numba import decode  # noqa: E402
 from minillama.backends.numba.backend_decode import _NO_IDS  # noqa: E402
+from minillama.backends.numba.decode import float_step as decode  # noqa: E402
 from tests.backends.numba.test_numba_qdecode_rows import quant_model  # noqa: E402
 
 S = 3 * decode.SPAN + 20  # contexts long enough for three spans and part of a fourth

@@ -90,7 +90,7 @@ def test_threads_follow_numba_num_threads():
 
 def test_fastmath_keeps_inf_and_nan():
     _numba_backend()
-    from minillama.backends.numba.fastmath import FASTMATH, JIT_OPTS
+    from minillama.backends.numba.floats.fastmath import FASTMATH, JIT_OPTS
 
     assert "nnan" not in FASTMATH and "ninf" not in FASTMATH
     assert "fast" not in FASTMATH
@@ -101,7 +101,7 @@ def test_fast_exp_float32():
     _numba_backend()
     from numba import njit
 
-    from minillama.backends.numba.fastmath import fexp
+    from minillama.backends.numba.floats.fastmath import fexp
 
     @njit
     def apply(x, y):
@@ -314,7 +314,7 @@ def test_attention_tiled_gqa_offsets(dtype, blas, rng, monkeypatch):
     fallback when no OpenBLAS GEMM is found."""
     be = _numba_backend()
     from minillama.backends.numba import backend_attention as tiles
-    from minillama.backends.numba import blas as numba_blas
+    from minillama.backends.numba.floats import blas as numba_blas
 
     if blas and not numba_blas.available():
         pytest.skip("NumPy's BLAS is not an OpenBLAS whose GEMM could be found")
@@ -494,7 +494,7 @@ def test_training_step_stays_on_the_numba_threads(rng, monkeypatch):
     attention, norms and loss head all run on the Numba threads. Waking that pool costs
     0.1-0.3 ms per call on a 2-core VM (an idle vCPU is woken through the hypervisor)."""
     _numba_backend()
-    from minillama.backends.numba import blas as numba_blas
+    from minillama.backends.numba.floats import blas as numba_blas
     from minillama.backends.numpy import threads as cpu_threads
     from minillama.core.config import ModelConfig
     from minillama.model.transformer import Transformer

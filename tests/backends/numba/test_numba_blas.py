@@ -1,4 +1,4 @@
-"""OpenBLAS's GEMM called from Numba (backends/numba/blas.py): every transpose combination,
+"""OpenBLAS's GEMM called from Numba (backends/numba/floats/blas.py): every transpose combination,
 beta, both float dtypes, row splits over the threads, and the cases it declines."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-numba_blas = pytest.importorskip("minillama.backends.numba.blas")
+numba_blas = pytest.importorskip("minillama.backends.numba.floats.blas")
 
 pytestmark = pytest.mark.skipif(not numba_blas.available(),
                                 reason="NumPy's BLAS is not an OpenBLAS whose GEMM was found")

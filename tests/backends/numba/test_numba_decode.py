@@ -1,6 +1,6 @@
-"""The numba backend's fused decode step (backends/numba/decode.py) against the reference per-op
-forward: logits, KV-cache contents, greedy tokens, GQA, per-sequence positions up to the end of
-the context, in-place and replaced weights, and what it declines."""
+"""The numba backend's fused decode step (backends/numba/decode/float_step.py) against the reference
+per-op forward: logits, KV-cache contents, greedy tokens, GQA, per-sequence positions up to the end
+of the context, in-place and replaced weights, and what it declines."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _pair(dtype=np.float32, seed=0, **kw):
 @pytest.fixture
 def calls(monkeypatch):
     """Counts the fused kernel's calls (so a test knows the fused path ran, not the fallback)."""
-    from minillama.backends.numba import decode as numba_decode
+    from minillama.backends.numba.decode import float_step as numba_decode
 
     n = {"calls": 0}
 
@@ -113,7 +113,7 @@ def test_many_sequences_by_groups_of_rows_match_reference(calls, dtype, tol):
     then single sequences (13 = 8 + 4 + 1 here), for a model too large to stay in cache (a
     vocabulary of 90000: over CACHED_WEIGHT_BYTES, else tiles are taken); every sequence must
     get the reference's logits and cache rows, whatever group it falls in."""
-    from minillama.backends.numba import decode as numba_decode
+    from minillama.backends.numba.decode import float_step as numba_decode
 
     ref, fast = _pair(dtype=dtype, vocab_size=90000)
     assert 90000 * 48 * np.dtype(dtype).itemsize > numba_decode.CACHED_WEIGHT_BYTES
@@ -220,7 +220,7 @@ def test_single_sequence_kernel_matches_reference_and_batched_kernel(calls, kvh,
     """B = 1 runs decode_step_one (plain row loops); it must give the reference's logits and
     cache rows, and the batched tile kernel on the same input must agree with it. head_dim 6
     makes RoPE pairs straddle the 4-row tiles of the batched kernel."""
-    from minillama.backends.numba import decode as numba_decode
+    from minillama.backends.numba.decode import float_step as numba_decode
 
     extra = {} if head_dim is None else {"head_dim": head_dim}
     ref, fast = _pair(dtype=dtype, n_kv_heads=kvh, **extra)

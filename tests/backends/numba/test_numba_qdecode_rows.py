@@ -1,8 +1,7 @@
 r"""The numba backend's fused decode step of several sequences on GGML-block weights
-(backends/numba/qdecode.py, ``decode_step_rows_q``) against the backend's own per-op path: rows
-at their own positions (up to the context's last slot), quantized and float embeddings, float32
-and 8-bit activations, and the continuous-batching engine's greedy tokens as rows join and
-leave.
+(backends/numba/decode/quant_step.py, ``decode_step_rows_q``) against the backend's own per-op path:
+rows at their own positions (up to the context's last slot), quantized and float embeddings, float32
+and 8-bit activations, and the continuous-batching engine's greedy tokens as rows join and leave.
 
 Like is compared with like: both paths take the same block weights and round the activations
 the same way (``MINILLAMA_QUANT_DOTS``), so they differ only by float32 rounding in another
@@ -30,7 +29,7 @@ try:
 except MinillamaError as e:  # pragma: no cover - numba missing
     pytest.skip(f"numba backend unavailable: {e}", allow_module_level=True)
 
-from minillama.backends.numba import qdecode  # noqa: E402
+from minillama.backends.numba.decode import quant_step as qdecode  # noqa: E402
 from tests.backends.numba.test_numba_quant import random_matrix  # noqa: E402
 
 TOL = {"float": 1e-4, "int8": 2e-3}
@@ -180,7 +179,7 @@ def test_multi_row_integer_dots_equal_the_single_row_kernel(qtype, K):
     that idot returns row by row, written only where asked (the columns and rows around stay)."""
     from numba import njit
 
-    from minillama.backends.numba import qint8
+    from minillama.backends.numba.quant import int8_dots as qint8
 
     rng = np.random.default_rng(6)
     w = random_matrix(qtype, 5, K, rng)

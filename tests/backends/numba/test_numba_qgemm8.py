@@ -1,5 +1,5 @@
-r"""The integer GEMM of the numba backend (backends/numba/qgemm8.py): many rows of x rounded to
-8-bit blocks times GGML block weights, the prefill products of ``qmatmul``.
+r"""The integer GEMM of the numba backend (backends/numba/quant/int8_gemm.py): many rows of x
+rounded to 8-bit blocks times GGML block weights, the prefill products of ``qmatmul``.
 
 The bounds are those of tests/backends/numba/test_numba_qint8.py (module docstring), per output
 entry: against the float64 product of the dequantized W (gguf-py) with the rounded x, 4 (K + 2) u
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from minillama.backends import get_backend
-from minillama.backends.numba import qgemm8 as G8  # after the skips: it imports numba
+from minillama.backends.numba.quant import int8_gemm as G8  # after the skips: it imports numba
 from minillama.core.quant import QUANT_TYPES
 
 # skips where tests/backends/numba/test_numba_qint8.py skips (no gguf-py, no numba)

@@ -1,5 +1,6 @@
-r"""The 8-bit activation products of the numba backend (backends/numba/qint8.py): activations
-rounded to blocks of 32 int8 codes with a float32 scale, integer dots with the GGML blocks.
+r"""The 8-bit activation products of the numba backend (backends/numba/quant/int8_dots.py):
+activations rounded to blocks of 32 int8 codes with a float32 scale, integer dots with the GGML
+blocks.
 
 Two bounds, per output entry, for y = W x with x^ the rounded activations (x^_k = d_b q_k):
 
@@ -32,8 +33,8 @@ except MinillamaError as e:  # pragma: no cover - numba missing
 
 from numba import njit  # noqa: E402
 
-from minillama.backends.numba import qint8 as I8  # noqa: E402
-from minillama.backends.numba import quant as Q  # noqa: E402
+from minillama.backends.numba.quant import int8_dots as I8  # noqa: E402
+from minillama.backends.numba.quant import matmul as Q  # noqa: E402
 from tests.backends.numba.test_numba_quant import oracle, random_matrix  # noqa: E402
 
 U = 2.0 ** -24
@@ -69,7 +70,7 @@ def rounded(x):
 def test_the_int8_types_are_those_the_fused_decode_step_takes():
     """INT8_TYPES (qint8's kernel lists) and qdecode's compiled test agree on every id; every
     int8 type is a type of QUANT_TYPES."""
-    from minillama.backends.numba import qdecode
+    from minillama.backends.numba.decode import quant_step as qdecode
 
     ids = {t.type_id for t in QUANT_TYPES.values()}
     assert set(I8.INT8_TYPES) <= ids
@@ -181,7 +182,7 @@ def test_fused_decode_step_logits_within_tolerance(types_, monkeypatch):
     1.2e-2), where the float32 activations stay within 1e-4."""
     import numba
 
-    from minillama.backends.numba import qdecode
+    from minillama.backends.numba.decode import quant_step as qdecode
 
     cfg, quant, params, ref = _quantized_init_model(types_, 3)
     rng = np.random.default_rng(3)

@@ -1,4 +1,4 @@
-"""Products with GGML-block weights on the numba backend (backends/numba/quant.py, qsimd.py)
+"""Products with GGML-block weights on the numba backend (backends/numba/quant/matmul.py, qsimd.py)
 against the dequantization of gguf-py (the reference implementation of the formats): y = x W^T
 and dx = dy W for every block type, few rows (the decode kernels) and many (dequantized tiles +
 GEMM), random valid blocks and the tensors of a real GGUF file; the backend's linear and loss
@@ -27,7 +27,7 @@ try:
 except MinillamaError as e:  # pragma: no cover - numba missing
     pytest.skip(f"numba backend unavailable: {e}", allow_module_level=True)
 
-from minillama.backends.numba import quant as Q  # noqa: E402
+from minillama.backends.numba.quant import matmul as Q  # noqa: E402
 
 TYPES = sorted(QUANT_TYPES)
 U = 2.0 ** -24
@@ -258,7 +258,7 @@ def test_fused_quant_decode_step(types_, rng):
     the dequantized weights."""
     import numba
 
-    from minillama.backends.numba import qdecode
+    from minillama.backends.numba.decode import quant_step as qdecode
 
     cfg, quant, params, ref = _quant_model(types_, rng)
     L, S = cfg.n_layers, cfg.max_seq_len
@@ -316,7 +316,7 @@ def test_backend_fused_decode_with_quantized_linears(rng, monkeypatch):
     forward with a cache takes the fused quantized step for one sequence (counted), several
     sequences the several-sequence kernel (counted apart); both give the logits of the float
     model on the dequantized weights, and greedy generation its tokens."""
-    from minillama.backends.numba import qdecode
+    from minillama.backends.numba.decode import quant_step as qdecode
     from minillama.infer.generate import generate
     from minillama.model.transformer import Transformer
 

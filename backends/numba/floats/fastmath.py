@@ -21,7 +21,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 
 #: fast-math flags that keep inf/nan meaningful (no 'nnan', no 'ninf')
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from numba import njit, prange
 
-from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 from .fastmath import JIT_OPTS
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 
 #: at most this many rows of x take the GEMV loop; more rows go to BLAS (compute-bound there)
 GEMV_MAX_ROWS = 4

@@ -1,14 +1,14 @@
-r"""The fused decode step of :mod:`.decode` for a model whose matrices are GGML blocks
+r"""The fused decode step of :mod:`.float_step` for a model whose matrices are GGML blocks
 (:class:`minillama.core.quant.QuantMatrix`): one compiled call runs a whole KV-cached decode step of
 one sequence (and, given an ``ids`` buffer, several greedy steps; :func:`decode_step_one_q`) or of
 several sequences each at its own position (:func:`decode_step_rows_q`, the step of continuous
-batching: each matrix read once for all of them), every matrix-vector product
-computed from the blocks: by default from the activations rounded to 8-bit blocks by the integer
-kernels of :mod:`.qint8` (each activation vector rounded once, before the products that read it),
+batching: each matrix read once for all of them), every matrix-vector product computed from the
+blocks: by default from the activations rounded to 8-bit blocks by the integer kernels of
+:mod:`..quant.int8_dots` (each activation vector rounded once, before the products that read it),
 with ``MINILLAMA_QUANT_DOTS=float`` (and for the IQ4 types) by the float32 row kernels of
-:mod:`.quant` / :mod:`.qsimd`.
+:mod:`..quant.matmul` / :mod:`..quant.unpack`.
 
-The step is that of :func:`.decode.decode_step_one` (RMSNorm; q, k, v by RoPE pairs of rows,
+The step is that of :func:`.float_step.decode_step_one` (RMSNorm; q, k, v by RoPE pairs of rows,
 rotated as computed, k and v into the cache; attention over the cache rows in spans; W_o with
 the residual add; RMSNorm; SiLU(W_1 x) * W_3 x; W_2 with the residual add; final RMSNorm; the
 classifier rows and, greedy, their argmax), float32 activations. The embedding row of the token
@@ -16,8 +16,8 @@ is dequantized from its blocks. Each matrix carries its own GGML type (a Q4_K_M 
 and Q6_K): ``codes[layer]`` holds the type ids of W_q, W_k, W_v, W_o, W_1, W_2, W_3.
 
 Imported only by the numba backend (importing it imports Numba), which also reaches
-:func:`.attention.attend_rows` and :func:`.qint8.gemm_products` through it (a prompt's rows
-computed alike, :meth:`~.backend_decode.FusedDecode.prompt_rows`).
+:func:`..floats.attention_forward.attend_rows` and :func:`..quant.int8_dots.gemm_products` through
+it (a prompt's rows computed alike, :meth:`~.backend_decode.FusedDecode.prompt_rows`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,19 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
-from .attention import attend_rows  # noqa: F401  (reached through this module)
-from .decode import (
+from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from ..floats.attention_forward import attend_rows  # noqa: F401  (reached through this module)
+from ..quant.block_types import Q2_K, Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0
+from ..quant.int8_dots import (  # noqa: F401  (gemm_products: reached through this module)
+    ROWS,
+    gemm_products,
+    idot,
+    idot_rows,
+    int8_enabled,
+    quantize_row,
+)
+from ..quant.matmul import _dequant_row, _dot
+from .float_step import (
     SPAN,
     _argmax_finite,
     _attend_span,
@@ -37,32 +47,22 @@ from .decode import (
     _rope_store,
     _spans,
 )
-from .qint8 import (  # noqa: F401  (gemm_products: reached through this module)
-    ROWS,
-    gemm_products,
-    idot,
-    idot_rows,
-    int8_enabled,
-    quantize_row,
-)
-from .qtypes import Q2_K, Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0
-from .quant import _dequant_row, _dot
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline="always")
 def _int8(qt):  # pragma: no cover - compiled
-    """Whether GGML type qt has an integer kernel (:data:`.qint8.INT8_TYPES`; Q2_K to Q6_K have
-    consecutive ids; tests/backends/numba/test_numba_qint8.py checks the two agree)."""
+    """Whether GGML type qt has an integer kernel (:data:`..quant.int8_dots.INT8_TYPES`; Q2_K to
+    Q6_K have consecutive ids; tests/backends/numba/test_numba_qint8.py checks the two agree)."""
     return (qt == Q8_0 or qt == Q4_0 or qt == Q4_1 or qt == Q5_0 or qt == Q5_1
             or (qt >= Q2_K and qt <= Q6_K))
 
 
 @njit(fastmath=True, cache=True, nogil=True)
 def _mv(qt, W, Wf, x, a8, y, lo, hi, lut, kv):  # pragma: no cover - compiled
-    """y[n] = x_0 . W_n for lo <= n < hi, W_n the dequantized row n of the block matrix W
-    (type qt; qt 0: the float32 matrix Wf): from x's 8-bit blocks a8 = (on, xq, xd, xs)
-    (:func:`.qint8.quantize_row`) when a8[0] and W's type has an integer kernel, else from the
-    float32 x (1, K). A call of its own, so that each loop over rows is compiled for one
+    """y[n] = x_0 . W_n for lo <= n < hi, W_n the dequantized row n of the block matrix W (type qt;
+    qt 0: the float32 matrix Wf): from x's 8-bit blocks a8 = (on, xq, xd, xs)
+    (:func:`..quant.int8_dots.quantize_row`) when a8[0] and W's type has an integer kernel, else
+    from the float32 x (1, K). A call of its own, so that each loop over rows is compiled for one
     type (the type test leaves the loop)."""
     if qt == 0:
         for n in range(lo, hi):
@@ -105,7 +105,7 @@ def _a8(on, x, xq, xd, xm):  # pragma: no cover - compiled
 
 def decode_step_one_q(*args):
     """:func:`decode_step_one_q_kernel` with the activations of the products rounded to 8-bit
-    blocks unless ``MINILLAMA_QUANT_DOTS=float`` (:func:`.qint8.int8_enabled`)."""
+    blocks unless ``MINILLAMA_QUANT_DOTS=float`` (:func:`..quant.int8_dots.int8_enabled`)."""
     return decode_step_one_q_kernel(*args, int8_enabled())
 
 
@@ -114,14 +114,14 @@ def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, 
                              g_att, wq, wk, wv, wo, g_ffn, w1, w2, w3, kc, vc, cos, sin, eps,
                              n_heads, logits, threads, stop, ids, lut, kv,
                              int8):  # pragma: no cover - compiled
-    r""":func:`.decode.decode_step_one` with block-quantized matrices: emb and wout uint8
+    r""":func:`.float_step.decode_step_one` with block-quantized matrices: emb and wout uint8
     (V, row bytes) of GGML types emb_qt and out_qt; wq ... w3 typed lists of uint8 block
     matrices; codes (L, 7) int64 their types; a type 0 for the embedding (classifier) means a
     float32 matrix, emb_f (out_f), instead; kc, vc the float32 caches (1, S, KVH, hd);
-    lut, kv the fp16 and IQ4 tables of :mod:`.quant`. Returns how many entries of ``ids`` it
+    lut, kv the fp16 and IQ4 tables of :mod:`..quant.matmul`. Returns how many entries of ``ids`` it
     wrote (1 for the single step, ``ids`` empty); ``logits`` (1, V) holds the last step's.
     int8: the matrix-vector products of the types with an integer kernel take the activations
-    rounded to 8-bit blocks (:mod:`.qint8`)."""
+    rounded to 8-bit blocks (:mod:`..quant.int8_dots`)."""
     D = g_final.shape[0]
     V = logits.shape[1]
     L = len(wq)
@@ -225,10 +225,10 @@ def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, 
 @njit(fastmath=True, cache=True, nogil=True)
 def _mm(qt, W, Wf, x, a8, y, c0, lo, hi, lut, kv):  # pragma: no cover - compiled
     """y[b, c0 + n] = x_b . W_n for lo <= n < hi and every row b of x (B, K): :func:`_mv` for
-    several rows, each row n of W read from memory once and then dotted with the B rows (it
-    stays in L1 between them). a8 = (on, xq, xd, xs) holds x's 8-bit blocks per row
-    (:func:`_a8_rows`); with them, the types of blocks of 32 take :data:`.qint8.ROWS` rows of x
-    per decoding of W's row (:func:`.qint8.idot_rows`, the sums of :func:`.qint8.idot`)."""
+    several rows, each row n of W read from memory once and then dotted with the B rows (it stays in
+    L1 between them). a8 = (on, xq, xd, xs) holds x's 8-bit blocks per row (:func:`_a8_rows`); with
+    them, the types of blocks of 32 take :data:`..quant.int8_dots.ROWS` rows of x per decoding of
+    W's row (:func:`..quant.int8_dots.idot_rows`, the sums of :func:`..quant.int8_dots.idot`)."""
     B = x.shape[0]
     if qt == 0:
         for n in range(lo, hi):
@@ -268,7 +268,7 @@ def _a8_rows(on, x, xq, xd, xm):  # pragma: no cover - compiled
 
 def decode_step_rows_q(*args):
     """:func:`decode_step_rows_q_kernel` with the activations of the products rounded to 8-bit
-    blocks unless ``MINILLAMA_QUANT_DOTS=float`` (:func:`.qint8.int8_enabled`)."""
+    blocks unless ``MINILLAMA_QUANT_DOTS=float`` (:func:`..quant.int8_dots.int8_enabled`)."""
     return decode_step_rows_q_kernel(*args, int8_enabled())
 
 
@@ -284,7 +284,7 @@ def decode_step_rows_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f,
     consecutive rows of W, each row dotted with the B activation rows while in L1). Attention
     cuts each sequence's cache rows 0..p_b into the spans of :func:`decode_step_one_q_kernel`
     (all the sequences' spans in one parallel loop), joined per sequence by
-    :func:`.decode._join_spans`. Every operation on a row is the one-sequence kernel's, in the
+    :func:`.float_step._join_spans`. Every operation on a row is the one-sequence kernel's, in the
     same order, so on any thread count each row's logits and K/V are that kernel's bit for
     bit: batching shares the reads of the weights and nothing else."""
     B = tok.shape[0]

@@ -1,6 +1,6 @@
 """Causal GQA attention backward kernels of the ``numba`` backend, all-Numba loops (short T):
 P is recomputed from the saved log-sum-exp tile by tile, with the forward's tile sizes and score
-loops (:mod:`.attention`); parallel over (b, kv head) items, with a serial twin.
+loops (:mod:`.attention_forward`); parallel over (b, kv head) items, with a serial twin.
 
 Size letters: B batch, T query time, S key time, H query heads, KVH key/value heads,
 G = H / KVH, hd head dim.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
-from .attention import BC, BR, axpy_rows, scores
+from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from .attention_forward import BC, BR, axpy_rows, scores
 from .fastmath import JIT_OPTS, fexp
 
 

@@ -1,4 +1,4 @@
-r"""Vector code for the GGML block kernels of :mod:`.quant`, written as LLVM IR through Numba
+r"""Vector code for the GGML block kernels of :mod:`.matmul`, written as LLVM IR through Numba
 intrinsics.
 
 Why IR: a block holds 16 to 256 values, and Numba's loops over so few values compile badly.

@@ -31,9 +31,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ..numpy import threads as cpu_threads
-from ..numpy.cblas import operand
-from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from ...numpy import threads as cpu_threads
+from ...numpy.cblas import operand
+from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 
 _opts = dict(cache=True, nogil=True)
 _ROW_MAJOR, _NO_TRANS, _TRANS = (cpu_threads.CBLAS_ROW_MAJOR, cpu_threads.CBLAS_NO_TRANS,

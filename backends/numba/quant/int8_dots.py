@@ -1,5 +1,6 @@
 r"""Integer dot products of GGML block rows with activations rounded to 8-bit blocks, written as
-LLVM IR through Numba intrinsics (the decode matvecs of :mod:`.quant` and :mod:`.qdecode`).
+LLVM IR through Numba intrinsics (the decode matvecs of :mod:`.matmul` and
+:mod:`..decode.quant_step`).
 
 The activation row x (K values) is rounded once per product to blocks of 32 (the layout of
 :func:`quantize_row`): int8 codes ``xq`` with x_k ~ d_b xq_k, d_b = max_{k in b} |x_k| / 127 in
@@ -34,8 +35,9 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
-from .qsimd import (
+from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from .block_types import BY_ID, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from .unpack import (
     _F32,
     _I8,
     _I32,
@@ -52,7 +54,6 @@ from .qsimd import (
     _splat,
     _vec,
 )
-from .qtypes import BY_ID, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
 
 def _host_features() -> str:
@@ -74,7 +75,7 @@ _VNNI_BYTES = binding.llvm_version_info[0] >= 21
 #: the GGML type ids with an integer kernel, blocks of 32 and K super-blocks of 256
 _TYPES32 = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)
 _TYPESK = (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K)
-#: the GGML type ids with an integer kernel (the others take the float32 kernels of .quant)
+#: the GGML type ids with an integer kernel (the others take the float32 kernels of .matmul)
 INT8_TYPES = tuple(sorted(_TYPES32 + _TYPESK))
 
 
@@ -100,7 +101,7 @@ def exact_products():
 
 
 def gemm_products():
-    """Within it (in this thread) every 8-bit product takes the integer GEMM of :mod:`.qgemm8`
+    """Within it (in this thread) every 8-bit product takes the integer GEMM of :mod:`.int8_gemm`
     whatever its row count, so a row's result does not depend on how many rows are multiplied
     with it (the GEMM's sums per output do not; the row kernels' order is another): the rows
     of a prompt (:meth:`~.backend_decode.FusedDecode.prompt_rows`)."""
@@ -546,7 +547,7 @@ def idot_rows(qt, w, n, xq, xd, xs, b, y, c):  # pragma: no cover - compiled
 
 
 # ---------------------------------------------------------------------------------------------
-# few-row products y = x W^T (the decode matvecs of .quant.qmatmul)
+# few-row products y = x W^T (the decode matvecs of .matmul.qmatmul)
 # ---------------------------------------------------------------------------------------------
 @njit(**_opts)
 def quantize_rows(x, xq, xd, xs):  # pragma: no cover - compiled

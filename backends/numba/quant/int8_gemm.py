@@ -1,17 +1,17 @@
 r"""Many-row products y = x W^T with GGML block weights from 8-bit activations: integer GEMM
-tiles (the prefill products of :func:`.quant.qmatmul`), written as LLVM IR through Numba
-intrinsics like :mod:`.qint8`.
+tiles (the prefill products of :func:`.matmul.qmatmul`), written as LLVM IR through Numba
+intrinsics like :mod:`.int8_dots`.
 
 Each weight of a sub-block of G values (G = 32, or 16 for Q6_K, Q3_K, Q2_K) is written
 w = A u + C: u a small integer code (|u| < 128, Q8_0's signed q as they are), A the sub-block's
 scale and C its offset (-o A for a code offset o, the min for Q4_1, Q5_1, Q4_K, Q5_K, Q2_K). The
-rows of x are rounded to 8-bit blocks as for decoding (:func:`.qint8.quantize_row`,
+rows of x are rounded to 8-bit blocks as for decoding (:func:`.int8_dots.quantize_row`,
 x_k ~ d xq_k) and shifted to unsigned bytes xq + 128, so with S_b = \sum_{k in b} u_k,
 
     \sum_{k in b} w_k x_k ~ d A (\sum_{k in b} u_k (xq_k + 128) - 128 S_b) + C d \sum_{k in b} xq_k.
 
 The first sum is an integer dot of unsigned by signed bytes (``vpdpbusd`` with VNNI, else the
-portable IR of :mod:`.qint8`). A tile multiplies 4 rows of W by 32 rows of x: 16 rows of x in
+portable IR of :mod:`.int8_dots`). A tile multiplies 4 rows of W by 32 rows of x: 16 rows of x in
 the 16 lanes of a vector (4 bytes each, their consecutive k), each lane's 4 weight bytes broadcast
 from the unpacked row, so every instruction does 64 multiply-adds and no weight byte is
 shuffled. Per sub-block each of the 8 accumulators (4 rows of W by 2 vectors of x) starts at
@@ -30,12 +30,12 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
-from .qint8 import _OFFSET, _TYPES32, _TYPESK, VNNI, _b, _block32, _dot4, _kchunk, quantize_row
-from .qsimd import _F32, _I8, _I32, _I64, _at, _fma, _half, _kscales, _load, _splat, _vec
-from .qtypes import BY_ID, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from .block_types import BY_ID, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from .int8_dots import _OFFSET, _TYPES32, _TYPESK, VNNI, _b, _block32, _dot4, _kchunk, quantize_row
+from .unpack import _F32, _I8, _I32, _I64, _at, _fma, _half, _kscales, _load, _splat, _vec
 
-#: the GGML type ids with an integer GEMM (those of :data:`.qint8.INT8_TYPES`)
+#: the GGML type ids with an integer GEMM (those of :data:`.int8_dots.INT8_TYPES`)
 GEMM8_TYPES = tuple(sorted(_TYPES32) + sorted(_TYPESK))
 #: sub-block length G of each type
 GROUP = {**{t: 32 for t in _TYPES32}, Q4_K: 32, Q5_K: 32, Q6_K: 16, Q3_K: 16, Q2_K: 16}
@@ -220,7 +220,7 @@ def _unpack(qt, w, n, u, a, c, s, G):  # pragma: no cover - compiled
 
 @njit(parallel=True, **_opts)
 def pack_x(x, xt, dt, st):  # pragma: no cover - compiled
-    """x (M, K) float32 rounded to 8-bit blocks (:func:`.qint8.quantize_row`), laid out by
+    """x (M, K) float32 rounded to 8-bit blocks (:func:`.int8_dots.quantize_row`), laid out by
     groups of 16 rows: xt (M16, K / 4, 16, 4) uint8 codes + 128 (row 16 i + l's k = 4 j + t at
     [i, j, l, t]), dt (M16, K / 32, 16) scales, st (M16, K / 16, 16) scaled sums of 16 codes;
     rows past M are zero."""

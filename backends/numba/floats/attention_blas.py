@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 from .blas import gemm
 from .fastmath import JIT_OPTS, fexp, rowmax
 

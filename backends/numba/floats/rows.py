@@ -9,7 +9,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 from .blas import gemm
 from .fastmath import JIT_OPTS, fexp, rowmax
 

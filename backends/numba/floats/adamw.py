@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 
 #: buffers of at least this many elements are split over the threads (measured on the 2-core VM,
 #: 2026-11-23: the tiny model's 38 buffers, 0.8M numbers, 2.5 ms per step serial below 2^18,

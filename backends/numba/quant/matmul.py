@@ -6,21 +6,21 @@ quantized weight) read W's blocks directly; W is never held dequantized as a who
 Method: each block is decoded into float32 values in registers (w = d q or w = d q - m with the
 block's scales and small integer codes q) and dotted with float32 activations, summed in float32:
 the result is the product with the dequantized matrix up to float32 rounding (docs/MATH.md,
-"Quantized products"). Exception, by default: x times a type of :data:`.qint8.INT8_TYPES`
-rounds x to 8-bit blocks and takes integer dots, :mod:`.qint8` for few rows, the integer GEMM
-tiles of :mod:`.qgemm8` for more (``MINILLAMA_QUANT_DOTS=float`` keeps both in float32).
+"Quantized products"). Exception, by default: x times a type of :data:`.int8_dots.INT8_TYPES`
+rounds x to 8-bit blocks and takes integer dots, :mod:`.int8_dots` for few rows, the integer GEMM
+tiles of :mod:`.int8_gemm` for more (``MINILLAMA_QUANT_DOTS=float`` keeps both in float32).
 
 * few rows in x (decoding, M <= :data:`GEMV_MAX_ROWS`): one call per (row of W, row of x) of a
-  row kernel of :mod:`.qsimd` (explicit LLVM vector code: unpack, convert, scale, FMA into a
+  row kernel of :mod:`.unpack` (explicit LLVM vector code: unpack, convert, scale, FMA into a
   vector accumulator, one horizontal sum per row), the rows of W split over the Numba threads
   from :data:`PARALLEL_MIN_WORK` on;
 * more rows (prefill, training), float32 activations: each thread dequantizes a tile of
   :data:`TILE_N` rows of W into its own float32 buffer (the same vector decoding, stored) and
-  multiplies it by x with OpenBLAS's GEMM (:mod:`.blas`), or NumPy's matmul when no OpenBLAS was
-  found.
+  multiplies it by x with OpenBLAS's GEMM (:mod:`..floats.blas`), or NumPy's matmul when no OpenBLAS
+  was found.
 
-Every type of :data:`minillama.core.quant.QUANT_TYPES` is supported (:mod:`.qtypes` has their ids
-and block sizes as the kernels' constants); IQ4_XS (and IQ4_NL without AVX-512) runs plain Numba
+Every type of :data:`minillama.core.quant.QUANT_TYPES` is supported (:mod:`.block_types` has their
+ids and block sizes as the kernels' constants); IQ4_XS (and IQ4_NL without AVX-512) runs plain Numba
 loops, whose fp16 fields are read through a 65536-entry float32 table.
 Imported only by the numba backend.
 """
@@ -33,13 +33,11 @@ from numba import njit, prange
 from minillama.core.errors import MinillamaError
 from minillama.core.quant import IQ4_GRID, QUANT_TYPES, QuantMatrix
 
-from ..numpy import threads as cpu_threads
-from . import (
-    _cache,  # noqa: F401  (the kernels' cache stamp, before any @njit)
-    blas,
-    qsimd,
-)
-from .qtypes import (
+from ...numpy import threads as cpu_threads
+from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from ..floats import blas
+from . import unpack
+from .block_types import (
     IQ4_NL,
     IQ4_NL_BYTES,
     IQ4_XS,
@@ -126,7 +124,7 @@ def _scale_q3k(w, n, o, i):
 
 
 # ---------------------------------------------------------------------------------------------
-# dot of row n of W with row m of x: vector code of .qsimd for every type but the IQ4 ones
+# dot of row n of W with row m of x: vector code of .unpack for every type but the IQ4 ones
 # ---------------------------------------------------------------------------------------------
 # IQ4_NL / IQ4_XS (a 16-entry table of values): Numba loops. L = 16 always, passed at run time:
 # with a constant trip count LLVM unrolls the loop over a block and vectorises the loop over the
@@ -168,30 +166,30 @@ def _dot(qt, w, n, x, m, lut, kv, L):
     pw = w.ctypes.data + n * w.shape[1]
     px = x.ctypes.data + m * K * 4
     if qt == Q8_0:
-        return qsimd.row_q8_0(pw, px, K // 32)
+        return unpack.row_q8_0(pw, px, K // 32)
     if qt == Q4_0:
-        return qsimd.row_q4_0(pw, px, K // 32)
+        return unpack.row_q4_0(pw, px, K // 32)
     if qt == Q4_1:
-        return qsimd.row_q4_1(pw, px, K // 32)
+        return unpack.row_q4_1(pw, px, K // 32)
     if qt == Q5_0:
-        return qsimd.row_q5_0(pw, px, K // 32)
+        return unpack.row_q5_0(pw, px, K // 32)
     if qt == Q5_1:
-        return qsimd.row_q5_1(pw, px, K // 32)
+        return unpack.row_q5_1(pw, px, K // 32)
     if qt == IQ4_NL:
-        if qsimd.LOOKUP:
-            return qsimd.row_iq4_nl(pw, px, K // 32)
+        if unpack.LOOKUP:
+            return unpack.row_iq4_nl(pw, px, K // 32)
         return _dot_iq4_nl(w, n, x, m, lut, kv, L)
     if qt == IQ4_XS:
         return _dot_iq4_xs(w, n, x, m, lut, kv, L)
     if qt == Q4_K:
-        return qsimd.row_q4_k(pw, px, K // 256)
+        return unpack.row_q4_k(pw, px, K // 256)
     if qt == Q5_K:
-        return qsimd.row_q5_k(pw, px, K // 256)
+        return unpack.row_q5_k(pw, px, K // 256)
     if qt == Q6_K:
-        return qsimd.row_q6_k(pw, px, K // 256)
+        return unpack.row_q6_k(pw, px, K // 256)
     if qt == Q3_K:
-        return qsimd.row_q3_k(pw, px, K // 256)
-    return qsimd.row_q2_k(pw, px, K // 256)
+        return unpack.row_q3_k(pw, px, K // 256)
+    return unpack.row_q2_k(pw, px, K // 256)
 
 
 @njit(parallel=True, **_opts)
@@ -220,27 +218,27 @@ def _dequant_row(qt, w, n, out, r, lut, kv):  # pragma: no cover - compiled
     pw = w.ctypes.data + n * w.shape[1]
     po = out.ctypes.data + r * K * 4
     if qt == Q8_0:
-        qsimd.deq_q8_0(pw, po, K // 32)
+        unpack.deq_q8_0(pw, po, K // 32)
     elif qt == Q4_0:
-        qsimd.deq_q4_0(pw, po, K // 32)
+        unpack.deq_q4_0(pw, po, K // 32)
     elif qt == Q4_1:
-        qsimd.deq_q4_1(pw, po, K // 32)
+        unpack.deq_q4_1(pw, po, K // 32)
     elif qt == Q5_0:
-        qsimd.deq_q5_0(pw, po, K // 32)
+        unpack.deq_q5_0(pw, po, K // 32)
     elif qt == Q5_1:
-        qsimd.deq_q5_1(pw, po, K // 32)
-    elif qt == IQ4_NL and qsimd.LOOKUP:
-        qsimd.deq_iq4_nl(pw, po, K // 32)
+        unpack.deq_q5_1(pw, po, K // 32)
+    elif qt == IQ4_NL and unpack.LOOKUP:
+        unpack.deq_iq4_nl(pw, po, K // 32)
     elif qt == Q4_K:
-        qsimd.deq_q4_k(pw, po, K // 256)
+        unpack.deq_q4_k(pw, po, K // 256)
     elif qt == Q5_K:
-        qsimd.deq_q5_k(pw, po, K // 256)
+        unpack.deq_q5_k(pw, po, K // 256)
     elif qt == Q6_K:
-        qsimd.deq_q6_k(pw, po, K // 256)
+        unpack.deq_q6_k(pw, po, K // 256)
     elif qt == Q3_K:
-        qsimd.deq_q3_k(pw, po, K // 256)
+        unpack.deq_q3_k(pw, po, K // 256)
     elif qt == Q2_K:
-        qsimd.deq_q2_k(pw, po, K // 256)
+        unpack.deq_q2_k(pw, po, K // 256)
     else:
         _dequant_row_loops(qt, w, n, out, r, lut, kv)
 
@@ -443,10 +441,10 @@ def _parallel() -> bool:
 
 def qmatmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
     r"""y = x W^T, y_{mn} = \sum_k x_{mk} W_{nk} from W's blocks: for a type of
-    :data:`.qint8.INT8_TYPES` (unless :func:`.qint8.int8_enabled` says no) x rounded to 8-bit
-    blocks and integer dots (:mod:`.qint8` up to :data:`GEMV_MAX_ROWS` rows, :mod:`.qgemm8`
-    beyond or within :func:`.qint8.gemm_products`), else float32 sums of the dequantized
-    blocks (row kernels, or tiles and a GEMM).
+    :data:`.int8_dots.INT8_TYPES` (unless :func:`.int8_dots.int8_enabled` says no) x rounded to
+    8-bit blocks and integer dots (:mod:`.int8_dots` up to :data:`GEMV_MAX_ROWS` rows,
+    :mod:`.int8_gemm` beyond or within :func:`.int8_dots.gemm_products`), else float32 sums of the
+    dequantized blocks (row kernels, or tiles and a GEMM).
     x: float32 (M, K); W: QuantMatrix (N, K). Returns float32 (M, N)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     M, K = x.shape
@@ -458,22 +456,22 @@ def qmatmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
         return y
     import numba
 
-    from . import qint8
+    from . import int8_dots
 
-    int8 = qt in qint8.INT8_TYPES and qint8.int8_enabled()
-    if M <= GEMV_MAX_ROWS and not (int8 and qint8.gemm_only()):
+    int8 = qt in int8_dots.INT8_TYPES and int8_dots.int8_enabled()
+    if M <= GEMV_MAX_ROWS and not (int8 and int8_dots.gemm_only()):
         parts = numba.get_num_threads() if _parallel() and M * N * K >= PARALLEL_MIN_WORK else 1
         if int8:
-            qint8.gemv(qt, x, w.data, y, parts)
+            int8_dots.gemv(qt, x, w.data, y, parts)
         elif parts > 1:
             _gemv_parallel(qt, x, w.data, y, _F16, _KVALUES, 16, parts)
         else:
             _gemv_serial(qt, x, w.data, y, _F16, _KVALUES, 16)
         return y
     if int8:
-        from . import qgemm8
+        from . import int8_gemm
 
-        qgemm8.gemm(qt, x, w.data, y, numba.get_num_threads())
+        int8_gemm.gemm(qt, x, w.data, y, numba.get_num_threads())
         return y
     if not blas.available():  # no OpenBLAS to call from the kernels: NumPy on dequantized tiles
         for n0 in range(0, N, 4 * TILE_N):

@@ -39,8 +39,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
-from .fastmath import fexp
+from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from ..floats.fastmath import fexp
 
 #: output rows of W per tile of :func:`_tile` and per parallel iteration of :func:`decode_step`
 #: (even: a tile holds whole RoPE pairs)
@@ -274,7 +274,7 @@ def _attend_span(q, Kc, Vc, j0, j1, G, scale, sc, ml, o):  # pragma: no cover - 
     The rows are read in memory order, each once for all heads; each head's part of q and o is
     a slice (an index computed as h hd + d would need a wraparound test per element, which
     keeps the loops over hd from widening); the maximum and e^x stay in the cache's dtype
-    (float32: :func:`.fastmath.fexp`, which the compiler widens)."""
+    (float32: :func:`..floats.fastmath.fexp`, which the compiler widens)."""
     KVH, hd = Kc.shape[1], Kc.shape[2]
     H = KVH * G
     for j in range(j0, j1):

@@ -18,8 +18,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from . import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
-from .decode import SPAN, _join_spans, _spans
+from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from ..decode.float_step import SPAN, _join_spans, _spans
 from .fastmath import JIT_OPTS, fexp, rowmax
 
 #: query positions per tile of the attention kernels (each brings its G heads: BR*G rows)
@@ -368,13 +368,13 @@ def _span_values(vs, kh, j0, L, sc, o):  # pragma: no cover - compiled
 
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
 def attend_rows(q, k, v, starts, scale, out):  # pragma: no cover - compiled
-    r"""Causal GQA attention of every query row on its own: row t of sequence b (position
-    p = starts[b] + t) over the cache rows 0..p in spans of :data:`.decode.SPAN` rows from row 0,
-    each span's (m, \ell, o) joined in order (:func:`.decode._join_spans`), so its output does
-    not depend on the other rows, their count, the batch or the threads. The scores of a span
-    are computed with the keys in vector lanes (K transposed once per call, :func:`_keys_by_d`):
-    each score the same sums for every row, no horizontal sums. q: (B, T, H, hd); k, v: (B, S,
-    KVH, hd); out: (B, T, H, hd)."""
+    r"""Causal GQA attention of every query row on its own: row t of sequence b (position p =
+    starts[b] + t) over the cache rows 0..p in spans of :data:`..decode.float_step.SPAN` rows from
+    row 0, each span's (m, \ell, o) joined in order (:func:`..decode.float_step._join_spans`), so
+    its output does not depend on the other rows, their count, the batch or the threads. The scores
+    of a span are computed with the keys in vector lanes (K transposed once per call,
+    :func:`_keys_by_d`): each score the same sums for every row, no horizontal sums. q: (B, T, H,
+    hd); k, v: (B, S, KVH, hd); out: (B, T, H, hd)."""
     B, T, H, hd = q.shape
     KVH = k.shape[2]
     G = H // KVH

@@ -1,0 +1,74 @@
+"""The backends' optional abilities (``decode_step``, ``greedy_steps``, ``exact_products``, ...)
+are declared once, on the reference backend (backends/reference.py, ``ABILITIES``), with the
+answer of a backend without them, so the layers above use them as plain attributes: every
+registered backend class derives from the reference, and the objects that stand in for a
+backend (the mixed-precision wrapper, the identities' wrapper of a user's class) have them too."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import numpy as np
+import pytest
+
+from minillama.backends import ABILITIES, BACKENDS, get_backend, with_precision
+from minillama.backends.reference import ReferenceBackend
+from minillama.core import ops
+
+
+def test_every_ability_is_declared_on_the_reference():
+    assert ABILITIES
+    missing = [name for name in ABILITIES if not hasattr(ReferenceBackend, name)]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_every_backend_class_derives_from_the_reference(name):
+    module, cls = BACKENDS[name].split(":")
+    try:
+        klass = getattr(importlib.import_module(module), cls)
+    except ImportError as e:  # its module needs what this machine lacks
+        pytest.skip(f"{module}: {e}")
+    assert issubclass(klass, ReferenceBackend)
+
+
+def test_the_reference_takes_none_of_them():
+    """Each declaration is the answer of a backend without the ability: decline, no team of its
+    own, no fused update, contexts that change nothing."""
+    be = get_backend("reference")
+    assert be.decode_step(None, np.zeros((1, 1), dtype=np.int64), 0, None) is None
+    assert be.greedy_steps(None, np.zeros(2, dtype=np.int64), np.zeros(2), None, 4) is None
+    assert be.greedy_decoder(None, 8) is None
+    assert be.prompt_rows_invariant(None) is False
+    for context in (be.exact_products(), be.decode_threads(1), be.watch_compiles(),
+                    be.threads(2)):
+        assert isinstance(context, contextlib.nullcontext)
+        with context as seen:
+            assert seen is None
+    assert be.adamw_update is None and be.num_threads is None
+    assert be.attention_precision is None and be.supports_float64 is True
+    assert be.invariance == frozenset()
+
+
+def test_a_wrapper_of_a_backend_has_them():
+    mixed = with_precision(get_backend("numpy"), "bf16")
+    for name in ABILITIES:
+        assert hasattr(mixed, name), name
+
+
+class _BareRowOps:
+    """A user's class of one op, no helpers and no abilities."""
+
+    def rmsnorm_forward(self, x, g, eps):
+        return ops.rmsnorm_forward(x, g, eps)
+
+
+def test_a_users_bare_class_gets_them_and_keeps_its_own_ops_only():
+    from minillama.identities.base import Subject
+
+    be = Subject(_BareRowOps()).backend
+    for name in ABILITIES:
+        assert hasattr(be, name), name
+    assert be.decode_step(None, None, 0, None) is None
+    assert hasattr(be, "rmsnorm_forward") and not hasattr(be, "attention_forward")
