@@ -156,7 +156,7 @@ wait_files() {
 phase_tests() {
     # -p no:cacheprovider: the tree may be read-only; MINILLAMA_GPU_EXAMPLES keeps hypothesis short
     MINILLAMA_GPU_EXAMPLES=8 run tests 130 "$PY" -m pytest -p no:cacheprovider -q -n 8 -rfE \
-        --durations=8 -k cupy tests/backends/cupy/test_cupy_backend.py tests/backends/cupy/test_cuda_graph_cli.py \
+        --durations=8 -k cupy tests/backends/cupy/test_backend.py tests/backends/cupy/test_cuda_graph_cli.py \
         tests/backends/cupy/test_mixed_precision.py tests/model/test_model.py tests/infer/test_generate.py \
         tests/infer/test_engine.py tests/model/test_kvcache.py tests/backends/test_config_backend.py
 }

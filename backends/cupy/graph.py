@@ -19,7 +19,7 @@ eager path).
 A private CuPy memory pool holds the step's intermediate arrays, so the buffers the graph
 replays into are never handed to other code. Needs a CUDA GPU; the eager decode of
 :mod:`minillama.infer.generate` is the reference it is checked against
-(tests/backends/cupy/test_cupy_backend.py, scripts/bench_gpu.py).
+(tests/backends/cupy/test_backend.py, scripts/bench_gpu.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ only differences from a float32 product of the rounded operands are the summatio
 NumPy emulation (``emulate=True``, any backend) computes exactly these equations and is the
 reference the CuPy path is checked against (tests/backends/cupy/test_mixed_precision.py on the CPU,
 tests/backends/cupy/test_cuda_emulated.py for the CuPy code path with the conversion kernel
-emulated, tests/backends/cupy/test_cupy_backend.py on a GPU). bf16 keeps float32's exponent range,
+emulated, tests/backends/cupy/test_backend.py on a GPU). bf16 keeps float32's exponent range,
 so no loss scaling is needed.
 """
 

@@ -2,7 +2,7 @@ r"""The default ``numpy`` backend: the reference ops made fast on a CPU, still p
 
 Each function below overrides the op of the same name in :mod:`minillama.core.ops` (same signature,
 same equation; its own ``ctx``) and is held to it by
-``tests/backends/numpy/test_numpy_backend.py``. What makes them faster, none of which changes the
+``tests/backends/numpy/test_backend.py``. What makes them faster, none of which changes the
 math:
 
 * rows split over Python threads (:func:`.threads.parallel_rows`; NumPy releases the GIL),

@@ -112,7 +112,7 @@ TOKENS = np.array([[3, 17, 5, 9, 30, 2], [1, 0, 33, 7, 7, 12]])
 def test_model_logits_and_grads_match_the_dequantized_model(cfg, qtype, backend, monkeypatch):
     if backend == "numba":
         pytest.importorskip("numba")
-        # float32 activations in the decode products (the 8-bit ones: test_numba_qint8.py)
+        # float32 activations in the decode products (the 8-bit ones: numba/quant/test_int8_dots.py)
         monkeypatch.setenv("MINILLAMA_QUANT_DOTS", "float")
     # K-quant scales multiply 6-bit ones
     scale = 0.002 if QUANT_TYPES[qtype].block_elems == 32 else 0.0002

@@ -68,7 +68,7 @@ def test_warm_up_says_it_compiles_only_on_a_compiling_backend(ckpt):
     dt = warm_up(model, tok.encode("x", bos=True), SamplingParams(temperature=1.0, top_p=0.9),
                  note_after=0.0,
                  say=said.append)
-    # which of the two depends on the kernel cache: tests/backends/numba/test_numba_warmup.py
+    # which of the two depends on the kernel cache: tests/backends/numba/test_warmup.py
     assert dt > 0
     assert said[0] in ("numba: compiling kernels (once, cached) ...",
                        "numba: loading compiled kernels ...")

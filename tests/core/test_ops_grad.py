@@ -1,6 +1,6 @@
 """Every reference op's backward (minillama.core.ops) against float64 central finite differences of
 its forward. The backends' own ops are held to these by parity tests
-(tests/backends/numpy/test_numpy_backend.py, ...).
+(tests/backends/numpy/test_backend.py, ...).
 
 Each check turns the op into a scalar L = sum(out * R) with a fixed random R, so dL/dout = R, and
 compares the op's backward with (L(x + h e_i) - L(x - h e_i)) / 2h over every input entry (the

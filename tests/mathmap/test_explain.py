@@ -225,7 +225,7 @@ def test_tests_found_by_call_table_and_dispatcher():
     uses = {(u.file, u.name) for u in mathmap.tests_for(mathmap.lookup("rmsnorm"), CHECKOUT)}
     assert ("tests/core/test_ops_grad.py", "test_rmsnorm_grad") in uses  # calls ops.rmsnorm_forward
     # parametrised over a table of op names (CASES), calls getattr(be, f"{op}_forward")
-    assert ("tests/backends/numpy/test_numpy_backend.py", "test_numpy_op_matches_reference") in uses
+    assert ("tests/backends/numpy/test_backend.py", "test_numpy_op_matches_reference") in uses
     assert ("tests/core/test_ops_grad.py", "test_rope_grad") not in uses
     q4k = {(u.file, u.name) for u in mathmap.tests_for(mathmap.lookup("q4_k"), CHECKOUT)}
     # parametrised over every type, through the dispatcher dequantize()

@@ -92,7 +92,7 @@ def test_dry_run_names_what_exists(tmp_path):
     gpu_runs = [c[3:] for c in cmds if c[1:3] == ["-m", "scripts.bench_gpu"]]
     assert any("--attention" in c for c in gpu_runs) and any("--attention" not in c
                                                                for c in gpu_runs)
-    assert {"tests/backends/cupy/test_cupy_backend.py",
+    assert {"tests/backends/cupy/test_backend.py",
             "tests/backends/cupy/test_cuda_graph_cli.py",
             "tests/backends/cupy/test_mixed_precision.py"} <= seen_tests
     # the CLI commands parse with minillama's own parser (flags and choices exist)

@@ -29,7 +29,7 @@ run n greedy steps in that one call (the argmax of each step's logits is the nex
 per thread on its span of the classifier rows by :func:`_argmax_finite`), so greedy generation
 returns to Python once per n tokens. Equations: those of :mod:`minillama.core.ops`
 (rmsnorm, linear, rope, attention, swiglu), held to them by
-``tests/backends/numba/test_numba_decode.py``.
+``tests/backends/numba/decode/test_float_step.py``.
 
 Imported only by the numba backend (importing it imports Numba).
 """

@@ -52,7 +52,8 @@ from .float_step import (
 @njit(fastmath=True, cache=True, nogil=True, inline="always")
 def _int8(qt):  # pragma: no cover - compiled
     """Whether GGML type qt has an integer kernel (:data:`..quant.int8_dots.INT8_TYPES`; Q2_K to
-    Q6_K have consecutive ids; tests/backends/numba/test_numba_qint8.py checks the two agree)."""
+    Q6_K have consecutive ids; tests/backends/numba/quant/test_int8_dots.py checks the two
+    agree)."""
     return (qt == Q8_0 or qt == Q4_0 or qt == Q4_1 or qt == Q5_0 or qt == Q5_1
             or (qt >= Q2_K and qt <= Q6_K))
 

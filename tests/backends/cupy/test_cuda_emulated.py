@@ -5,7 +5,7 @@ CuPy backend's own Python code drives them with NumPy arrays standing in for CuP
 
 This is what CI can run without a GPU: it checks indexing, tiling, masking, the online softmax
 and the reductions against the reference ops. It says nothing about speed or about real-GPU
-memory ordering (tests/backends/cupy/test_cupy_backend.py checks the real kernels on a GPU). Skips
+memory ordering (tests/backends/cupy/test_backend.py checks the real kernels on a GPU). Skips
 when no C++20 compiler is found.
 """
 

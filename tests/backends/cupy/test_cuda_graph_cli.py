@@ -3,7 +3,7 @@ before any model loads), which models the CUDA-graph decoder takes, and the chun
 loop that drives it (:func:`minillama.backends.cupy.graph.stream_greedy`), run here against an
 eager stand-in with the decoder's interface: the same tokens, stop rule and budget as the eager
 loop of :func:`minillama.infer.generate.generate_steps`. The graph itself (GraphDecoder on a GPU) is
-checked by tests/backends/cupy/test_cupy_backend.py, which skips without one.
+checked by tests/backends/cupy/test_backend.py, which skips without one.
 """
 
 from __future__ import annotations

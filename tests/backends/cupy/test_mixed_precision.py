@@ -2,7 +2,7 @@
 rounding, the emulated products (the equations of backends/cupy/mixed_precision.py), a short
 training run whose emulated-bf16 and emulated-TF32 loss curves track float32, and the option's
 validation. The CuPy code path (conversion kernel + cuBLAS call plan) is driven on the CPU by
-tests/backends/cupy/test_cuda_emulated.py and on a GPU by tests/backends/cupy/test_cupy_backend.py.
+tests/backends/cupy/test_cuda_emulated.py and on a GPU by tests/backends/cupy/test_backend.py.
 """
 
 from __future__ import annotations

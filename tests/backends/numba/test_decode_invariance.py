@@ -28,7 +28,7 @@ except MinillamaError as e:  # pragma: no cover - numba missing
 
 from minillama.backends.numba.backend_decode import _NO_IDS  # noqa: E402
 from minillama.backends.numba.decode import float_step as decode  # noqa: E402
-from tests.backends.numba.test_numba_qdecode_rows import quant_model  # noqa: E402
+from tests.backends.numba.decode.test_quant_step import quant_model  # noqa: E402
 
 S = 3 * decode.SPAN + 20  # contexts long enough for three spans and part of a fourth
 LENS = [decode.SPAN + 7, 2 * decode.SPAN + 30, 5, decode.SPAN]

@@ -35,7 +35,7 @@ from numba import njit  # noqa: E402
 
 from minillama.backends.numba.quant import int8_dots as I8  # noqa: E402
 from minillama.backends.numba.quant import matmul as Q  # noqa: E402
-from tests.backends.numba.test_numba_quant import oracle, random_matrix  # noqa: E402
+from tests.backends.numba.quant.test_matmul import oracle, random_matrix  # noqa: E402
 
 U = 2.0 ** -24
 INT8 = sorted(t for t in QUANT_TYPES if QUANT_TYPES[t].type_id in I8.INT8_TYPES)
@@ -186,7 +186,7 @@ def test_fused_decode_step_logits_within_tolerance(types_, monkeypatch):
 
     cfg, quant, params, ref = _quantized_init_model(types_, 3)
     rng = np.random.default_rng(3)
-    from tests.backends.numba.test_numba_quant import LINEAR, NO_F
+    from tests.backends.numba.quant.test_matmul import LINEAR, NO_F
 
     L = cfg.n_layers
     lst = numba.typed.List

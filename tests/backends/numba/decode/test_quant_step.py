@@ -30,7 +30,7 @@ except MinillamaError as e:  # pragma: no cover - numba missing
     pytest.skip(f"numba backend unavailable: {e}", allow_module_level=True)
 
 from minillama.backends.numba.decode import quant_step as qdecode  # noqa: E402
-from tests.backends.numba.test_numba_quant import random_matrix  # noqa: E402
+from tests.backends.numba.quant.test_matmul import random_matrix  # noqa: E402
 
 TOL = {"float": 1e-4, "int8": 2e-3}
 

@@ -36,7 +36,7 @@ U = 2.0 ** -24
 @pytest.fixture(autouse=True)
 def float_dots(monkeypatch):
     """The float32 kernels throughout (the 8-bit activation path:
-    tests/backends/numba/test_numba_qint8.py)."""
+    tests/backends/numba/quant/test_int8_dots.py)."""
     monkeypatch.setenv("MINILLAMA_QUANT_DOTS", "float")
 
 

@@ -1,7 +1,7 @@
 r"""The integer GEMM of the numba backend (backends/numba/quant/int8_gemm.py): many rows of x
 rounded to 8-bit blocks times GGML block weights, the prefill products of ``qmatmul``.
 
-The bounds are those of tests/backends/numba/test_numba_qint8.py (module docstring), per output
+The bounds are those of tests/backends/numba/quant/test_int8_dots.py (module docstring), per output
 entry: against the float64 product of the dequantized W (gguf-py) with the rounded x, 4 (K + 2) u
 times \sum_k |w_k x^_k| (the integer sums are exact; the float32 work is a few terms per sub-block
 of magnitude at most a few |w x^|, plus the term -128 S_b folded into the integer sum); against the
@@ -17,8 +17,8 @@ from minillama.backends import get_backend
 from minillama.backends.numba.quant import int8_gemm as G8  # after the skips: it imports numba
 from minillama.core.quant import QUANT_TYPES
 
-# skips where tests/backends/numba/test_numba_qint8.py skips (no gguf-py, no numba)
-from tests.backends.numba.test_numba_qint8 import I8, Q, U, njit, oracle, random_matrix, rounded
+# skips where tests/backends/numba/quant/test_int8_dots.py skips (no gguf-py, no numba)
+from tests.backends.numba.quant.test_int8_dots import I8, Q, U, njit, oracle, random_matrix, rounded
 
 TYPES = sorted(t for t in QUANT_TYPES if QUANT_TYPES[t].type_id in G8.GEMM8_TYPES)
 
