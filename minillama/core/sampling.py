@@ -245,6 +245,13 @@ def sample(logits, rng: np.random.Generator | None = None, temperature: float = 
     return int(ids[min(j, len(ids) - 1)])
 
 
+def first_stop(text: str, stops: Iterable[str]) -> int | None:
+    """Where the earliest complete stop string of ``stops`` in ``text`` starts (None:
+    nowhere)."""
+    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(found) if found else None
+
+
 class StopText:
     """Cuts streamed text at the first occurrence of any of some stop strings.
 
@@ -274,9 +281,7 @@ class StopText:
         return text[:end]
 
     def _first_stop(self, text: str) -> int | None:
-        """Where the earliest complete stop string in ``text`` starts (None: nowhere)."""
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        return min(found) if found else None
+        return first_stop(text, self.stops)
 
     def flush(self) -> str:
         """The held-back tail, once no more text comes (cut at a stop string it holds)."""

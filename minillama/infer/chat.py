@@ -23,7 +23,7 @@ import numpy as np
 
 from minillama.core.decoding import finite_logits
 from minillama.core.errors import MinillamaError
-from minillama.core.sampling import SamplingParams
+from minillama.core.sampling import SamplingParams, first_stop
 from minillama.io.chat_template import common_prefix, encode_rendered, render_chat, stop_ids
 
 
@@ -106,7 +106,10 @@ class ChatSession:
 
     def reply(self, text: str):
         """Add the user message ``text`` and yield the reply's token ids (stop tokens are not
-        yielded). Only the ids past the cached common prefix are prefilled."""
+        yielded). Only the ids past the cached common prefix are prefilled. With stop texts
+        (``params.stop``) the reply ends at the token whose text completes one, and the
+        conversation keeps the reply cut before it (what a streaming caller's
+        :class:`~minillama.core.sampling.StopText` shows)."""
         self.messages.append({"role": "user", "content": text})
         try:
             ids = self._prompt()
@@ -118,6 +121,7 @@ class ChatSession:
         self.cached = self.cached[:n]  # positions n.. are rewritten now
         out: list[int] = []
         full = False
+        stops = [stop for stop in self.params.stop if stop]
         try:  # an interrupted turn still gets its (maybe empty) reply: roles keep alternating
             z = self._logits(ids[n:], n)
             self.cached = list(ids)
@@ -127,13 +131,18 @@ class ChatSession:
                     break
                 out.append(t)
                 yield t
+                if stops and first_stop(self.tok.decode(out), stops) is not None:
+                    break
                 if len(self.cached) >= self.context:
                     full = True
                     break
                 z = self._logits([t], len(self.cached))
                 self.cached.append(t)
         finally:
-            self.messages.append({"role": "assistant", "content": self.tok.decode(out)})
+            said = self.tok.decode(out)
+            cut = first_stop(said, stops) if stops else None
+            self.messages.append({"role": "assistant",
+                                  "content": said if cut is None else said[:cut]})
         if full:
             self.notice(f"[context full ({self.context} tokens): the reply is cut; older turns "
                         f"are dropped next turn]")

@@ -323,3 +323,21 @@ def test_a_reply_cut_at_a_stop_text_is_what_the_next_turn_sees(tiny_chat):
     fresh.messages += [{"role": "user", "content": "hello"},
                        {"role": "assistant", "content": "cut"}]
     assert list(fresh.reply("again")) == second
+
+
+def test_a_session_ends_its_reply_at_a_stop_text_and_keeps_it_cut(tiny_chat):
+    """ChatSession itself applies params.stop: the reply ends at the token whose text completes
+    a stop text, and the history holds the reply cut before it, as a streaming caller shows it;
+    without stop texts the same session runs to max_new_tokens."""
+    _, model, tok = tiny_chat
+    free = ChatSession(model, tok, max_new_tokens=8, temperature=0.0)
+    ids = list(free.reply("hello"))
+    text = tok.decode(ids)
+    assert len(ids) == 8 and len(text) >= 3, text
+    stop = text[1:3]  # appears in the reply, after its first character
+    want = text[:text.index(stop)]
+    s = ChatSession(model, tok, max_new_tokens=8, temperature=0.0, stop=[stop])
+    got = list(s.reply("hello"))
+    assert got == ids[:len(got)] and len(got) < len(ids)
+    assert stop in tok.decode(got) and stop not in tok.decode(got[:-1])
+    assert s.messages[-1] == {"role": "assistant", "content": want}
