@@ -24,7 +24,8 @@ from minillama.core.quant import QuantMatrix
 #: of a user's class)
 ABILITIES = ("supports_float64", "attention_precision", "num_threads", "adamw_update",
              "exact_products", "decode_threads", "decode_step", "prompt_rows_invariant",
-             "greedy_steps", "greedy_decoder", "watch_compiles", "invariance", "threads")
+             "greedy_steps", "greedy_decoder", "watch_compiles", "invariance", "threads",
+             "attention_forward_packed", "attention_backward_packed")
 
 
 class ReferenceBackend:
@@ -116,6 +117,11 @@ class ReferenceBackend:
     #: one parameter in place, fused (numba, cupy); None: :class:`minillama.train.optim.AdamW`
     #: runs its own array expressions
     adamw_update = None
+    #: ``attention_forward_packed(q, k, v, start_pos, segments=...)`` and its backward: attention
+    #: over rows packed from several examples (numpy's); None: the model takes
+    #: :func:`minillama.core.ops.attention_forward` with the segments
+    attention_forward_packed = None
+    attention_backward_packed = None
 
     def exact_products(self):
         """A context in which the products are exact where the backend has a faster approximate

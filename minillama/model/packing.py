@@ -94,7 +94,7 @@ def attention_ops(model, S: int, window=None):
         raise MinillamaError("packed rows cannot read a KV cache")
     seg = model.backend.asarray(model.segments)
     be = model.backend
-    if window is None and hasattr(be, "attention_forward_packed"):
+    if window is None and be.attention_forward_packed is not None:
         fwd, bwd = be.attention_forward_packed, be.attention_backward_packed
         return (lambda q, k, v, start_pos: fwd(q, k, v, start_pos, segments=seg)), bwd
     return (lambda q, k, v, start_pos: ops.attention_forward(q, k, v, start_pos, window=window,

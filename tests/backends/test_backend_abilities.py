@@ -47,6 +47,7 @@ def test_the_reference_takes_none_of_them():
         with context as seen:
             assert seen is None
     assert be.adamw_update is None and be.num_threads is None
+    assert be.attention_forward_packed is None and be.attention_backward_packed is None
     assert be.attention_precision is None and be.supports_float64 is True
     assert be.invariance == frozenset()
 
