@@ -51,7 +51,7 @@ CONFIGS = {
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_model_matches_torch(backend, name, dtype):
-    if dtype == np.float64 and not getattr(backend, "supports_float64", True):
+    if dtype == np.float64 and not backend.supports_float64:
         pytest.skip(f"backend {backend.name} declares no float64 support")
     cfg = CONFIGS[name]
     params = {k: v.astype(dtype) for k, v in random_params(cfg, seed=11).items()}

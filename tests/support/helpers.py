@@ -59,7 +59,7 @@ BACKEND_PARAMS = backend_params()
 
 def require_float64(backend) -> type:
     """``np.float64``, or skip the test where the backend declares no float64 support."""
-    if not getattr(backend, "supports_float64", True):
+    if not backend.supports_float64:
         pytest.skip(f"backend {backend.name} declares no float64 support")
     return np.float64
 
