@@ -23,10 +23,11 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from minillama.core.config import ModelConfig, param_shapes
+from minillama.core.config import ModelConfig
 from minillama.core.quantize import quantize
 from minillama.identities import strategies as ids
 from minillama.identities.base import MODEL_FORWARD_OPS, Identity, Subject
+from minillama.identities.model import lively_params
 from minillama.model.transformer import Transformer
 
 #: the block types the model's matrices cycle through (blocks of 32 values)
@@ -34,24 +35,22 @@ TYPES = ("Q4_0", "Q8_0", "Q4_1", "Q5_0")
 #: the longest prompt drawn, and the context
 MAX_PROMPT = 80
 CONTEXT = 96
+VOCAB = 61
 
 
 def block_model(s: Subject, seed: int) -> Transformer:
     """A float32 LLaMA of two layers (D 64, 4 query heads on 2 KV heads, F 96, V 61) on the
-    subject's backend, its linear weights quantized to :data:`TYPES` (cycled), the embedding
-    and norm gains float."""
-    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, hidden_dim=96,
-                      max_seq_len=CONTEXT)
-    rng = np.random.default_rng([seed, 11])
+    subject's backend with :func:`~minillama.identities.model.lively_params`, its linear
+    weights quantized to :data:`TYPES` (cycled), the embedding and norm gains float."""
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
+                      hidden_dim=96, max_seq_len=CONTEXT)
     params, k = {}, 0
-    for name, shape in param_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            params[name] = (1.0 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
-        elif name == "tok_embeddings.weight" or len(shape) != 2:
-            params[name] = rng.standard_normal(shape).astype(np.float32)
-        else:
-            params[name] = quantize(0.2 * rng.standard_normal(shape), TYPES[k % len(TYPES)])
+    for name, w in lively_params(cfg, seed).items():
+        if w.ndim == 2 and name != "tok_embeddings.weight":
+            params[name] = quantize(w, TYPES[k % len(TYPES)])
             k += 1
+        else:
+            params[name] = w.astype(np.float32)
     return Transformer(cfg, params, backend=s.backend, dtype=np.float32)
 
 
@@ -66,7 +65,7 @@ def deviation(a, b) -> float:
 
 
 def _tokens(seed: int, *shape) -> np.ndarray:
-    return np.random.default_rng([seed, 12]).integers(0, 61, shape)
+    return np.random.default_rng([seed, 12]).integers(0, VOCAB, shape)
 
 
 def _steps(s: Subject, model, cache, toks, start) -> list[np.ndarray]:
