@@ -28,7 +28,10 @@ import importlib.util
 import os
 import sys
 
+import numpy as np
+
 from minillama.core.errors import MinillamaError
+from minillama.core.quant import QuantMatrix
 
 # what the layers above use of the backends' internals, named here so they import only this
 # package: the mixed-precision wrapper of training and OpenBLAS's thread control
@@ -36,10 +39,10 @@ from .cupy.mixed_precision import PRECISIONS, check_precision, with_precision
 from .numpy.threads import openblas_api
 from .reference import ABILITIES
 
-__all__ = ["ABILITIES", "BACKENDS", "ENV_VAR", "AUTO_REFERENCE_MAX_PARAMS", "PRECISIONS",
-           "THREAD_VARS", "auto_backend", "available_backends", "backend_help", "backend_names",
-           "check_precision", "get_backend", "graph_decoder", "openblas_api", "resolve_name",
-           "set_threads", "threads_in_use", "with_precision"]
+__all__ = ["ABILITIES", "BACKENDS", "ENV_VAR", "AUTO_REFERENCE_MAX_PARAMS", "HELPERS",
+           "PRECISIONS", "THREAD_VARS", "auto_backend", "available_backends", "backend_help",
+           "backend_names", "check_precision", "complete", "get_backend", "graph_decoder",
+           "openblas_api", "resolve_name", "set_threads", "threads_in_use", "with_precision"]
 
 #: name -> "module:Class", imported lazily
 BACKENDS: dict[str, str] = {
@@ -149,11 +152,12 @@ def resolve_name(name: str | None = None, cfg=None, task: str = "decode",
 def get_backend(name=None):
     """The (cached) backend instance for ``name`` (see :func:`resolve_name`).
 
-    A backend object passes through unchanged. A backend whose requirements are missing (no Numba,
-    no CuPy, no GPU) raises :class:`~minillama.core.errors.MinillamaError` saying what to install.
+    A backend object passes through, completed where it lacks a helper or an optional ability
+    (:func:`complete`). A backend whose requirements are missing (no Numba, no CuPy, no GPU)
+    raises :class:`~minillama.core.errors.MinillamaError` saying what to install.
     """
     if name is not None and not isinstance(name, str):
-        return name
+        return complete(name)
     key = resolve_name(name)
     if key not in _instances:
         module_name, cls_name = BACKENDS[key].split(":")
@@ -163,6 +167,61 @@ def get_backend(name=None):
             raise MinillamaError(f"backend {key!r} cannot be imported: {e}") from None
         _instances[key] = getattr(module, cls_name)()
     return _instances[key]
+
+
+#: what every backend object has beside its ops: the array module and its moves
+HELPERS = ("xp", "asarray", "to_numpy", "synchronize", "name", "device")
+
+
+class _NumpyDefaults:
+    """The helpers of a NumPy backend on the CPU, for an object that lacks some."""
+
+    xp = np
+    device = "cpu"
+
+    @staticmethod
+    def asarray(a, dtype=None):
+        """``a`` as a NumPy array (a :class:`QuantMatrix` stays as it is: its blocks are the
+        weight, as on the reference)."""
+        return a if isinstance(a, QuantMatrix) else np.asarray(a, dtype=dtype)
+
+    @staticmethod
+    def to_numpy(a):
+        return np.asarray(a)
+
+    @staticmethod
+    def synchronize() -> None:
+        """Nothing to wait for."""
+
+
+class _Completed:
+    """A backend object of one's own that lacks some helpers (:data:`HELPERS`) or optional
+    abilities (:data:`ABILITIES`): each attribute is the object's own where it has one, else
+    NumPy's helper, else the reference's answer (no ability taken); an op it lacks stays
+    missing."""
+
+    def __init__(self, backend):
+        self._backend = backend
+
+    def __getattr__(self, key):
+        try:
+            return getattr(self._backend, key)
+        except AttributeError:
+            if key == "name":
+                return type(self._backend).__name__
+            if key in HELPERS:
+                return getattr(_NumpyDefaults, key)
+            if key not in ABILITIES:
+                raise
+        return getattr(get_backend("reference"), key)
+
+
+def complete(backend):
+    """``backend``, completed where it lacks a helper or an optional ability (the package's
+    backends derive from the reference and have them all: they pass unchanged)."""
+    if isinstance(backend, _Completed) or all(hasattr(backend, a) for a in HELPERS + ABILITIES):
+        return backend
+    return _Completed(backend)
 
 
 def available_backends() -> list[str]:

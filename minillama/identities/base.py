@@ -21,8 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from minillama.backends import ABILITIES, get_backend
-from minillama.core.quant import QuantMatrix
+from minillama.backends import complete
 from minillama.core.rope_scaling import rope_tables
 from minillama.model.transformer import Transformer
 
@@ -34,11 +33,6 @@ MODEL_FORWARD_OPS = ("embedding_forward", "rmsnorm_forward", "linear_forward", "
 MODEL_TRAIN_OPS = MODEL_FORWARD_OPS + (
     "embedding_backward", "rmsnorm_backward", "linear_backward", "rope_backward",
     "swiglu_backward", "linear_cross_entropy_forward", "linear_cross_entropy_backward")
-
-#: helpers a backend may lack: a bare class of NumPy ops gets these NumPy defaults (and the
-#: reference's answers for the optional abilities, :data:`minillama.backends.ABILITIES`)
-_HELPERS = ("xp", "asarray", "to_numpy", "synchronize", "name", "device")
-
 
 @dataclass(frozen=True)
 class Identity:
@@ -71,7 +65,7 @@ class Identity:
         with a tolerance)."""
         if self.exact is None:
             return True
-        return self.exact in with_helpers(as_subject(subject).backend).invariance
+        return self.exact in complete(as_subject(subject).backend).invariance
 
     def missing(self, subject) -> list[str]:
         """The ops of :attr:`ops` that ``subject`` (a :class:`Subject` or a backend) lacks."""
@@ -185,46 +179,11 @@ def as_subject(backend, dtype=np.float64) -> Subject:
     return backend if isinstance(backend, Subject) else Subject(backend, dtype)
 
 
-class _NumpyHelpers:
-    """A backend object that lacks the helpers (``xp``, ``asarray``, ``to_numpy``, ...) or the
-    optional abilities (``exact_products``, ``decode_step``, ...), given the helpers' NumPy
-    versions and the reference's answers (:data:`minillama.backends.ABILITIES`: none of them
-    taken); every other attribute is the backend's own (an op it lacks stays missing)."""
-
-    xp = np
-    device = "cpu"
-
-    def __init__(self, backend):
-        self._backend = backend
-        self.name = getattr(backend, "name", type(backend).__name__)
-
-    def __getattr__(self, key):
-        try:
-            return getattr(self._backend, key)
-        except AttributeError:
-            if key not in ABILITIES:
-                raise
-        return getattr(get_backend("reference"), key)
-
-    @staticmethod
-    def asarray(a, dtype=None):
-        """``a`` as a NumPy array (a :class:`QuantMatrix` stays as it is: its blocks are the
-        weight, as on the reference)."""
-        return a if isinstance(a, QuantMatrix) else np.asarray(a, dtype=dtype)
-
-    @staticmethod
-    def to_numpy(a):
-        return np.asarray(a)
-
-    def synchronize(self) -> None:
-        """Nothing to wait for."""
-
-
 def with_helpers(backend):
     """``backend``, given NumPy helpers and the reference's optional abilities where it lacks
-    them (see :class:`_NumpyHelpers`); a backend deriving from the reference has them all."""
-    return backend if all(hasattr(backend, h) for h in _HELPERS + ABILITIES) \
-        else _NumpyHelpers(backend)
+    them (:func:`minillama.backends.complete`); a backend deriving from the reference has them
+    all."""
+    return complete(backend)
 
 
 # ---------------------------------------------------------------------------------------------

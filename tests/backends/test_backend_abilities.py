@@ -73,3 +73,50 @@ def test_a_users_bare_class_gets_them_and_keeps_its_own_ops_only():
         assert hasattr(be, name), name
     assert be.decode_step(None, None, 0, None) is None
     assert hasattr(be, "rmsnorm_forward") and not hasattr(be, "attention_forward")
+
+
+class _OwnHelpers(_BareRowOps):
+    """A user's class with helpers of its own (another array module, say) but no abilities."""
+
+    xp = "my array module"
+    device = "my device"
+
+    def asarray(self, a, dtype=None):
+        return ("mine", a)
+
+
+def test_a_users_own_helpers_are_kept_and_the_rest_lent():
+    be = get_backend(_OwnHelpers())  # a backend object goes in as it is, completed
+    assert be.xp == "my array module" and be.device == "my device"
+    assert be.asarray(1) == ("mine", 1)
+    assert be.to_numpy is not None and be.name == "_OwnHelpers"
+    assert be.decode_step(None, None, 0, None) is None and be.invariance == frozenset()
+
+
+class _ReferenceOpsOnly:
+    """Every op of the reference bound on a class of its own: no helpers, no abilities."""
+
+    def __getattr__(self, key):
+        if key.endswith(("_forward", "_backward", "_backward_input")) or "_forward_" in key:
+            return getattr(get_backend("reference"), key)
+        raise AttributeError(key)
+
+
+def test_a_model_runs_on_a_backend_object_of_ones_own():
+    """The model uses the abilities as plain attributes; get_backend completes an object that
+    lacks them, so a model on it computes the reference's logits, cached or not."""
+    from minillama.core.config import ModelConfig
+    from minillama.model.transformer import Transformer, init_params
+
+    cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=11, hidden_dim=32,
+                      max_seq_len=8)
+    params = init_params(cfg, seed=1, dtype=np.float64)
+    mine = Transformer(cfg, params, backend=_ReferenceOpsOnly(), dtype=np.float64)
+    ref = Transformer(cfg, params, backend="reference", dtype=np.float64)
+    tok = np.array([[1, 2, 3, 4]])
+    np.testing.assert_array_equal(mine.forward(tok), ref.forward(tok))
+    cache_a, cache_b = mine.new_cache(1), ref.new_cache(1)
+    np.testing.assert_array_equal(mine.forward(tok, 0, cache_a, last_only=True),
+                                  ref.forward(tok, 0, cache_b, last_only=True))
+    np.testing.assert_array_equal(mine.forward(tok[:, :1], 4, cache_a),
+                                  ref.forward(tok[:, :1], 4, cache_b))
