@@ -93,6 +93,9 @@ def run_identity(identity: Identity, subject, examples: int = DEFAULT_EXAMPLES,
             state.update(example=example, ratio=None, error=f"{type(e).__name__}: {e}")
             raise
         r = r if r == r else math.inf  # NaN counts as the worst
+        if identity.exact is not None and not math.isfinite(r):  # NaN/inf: no rounding, a bug
+            state.update(example=example, ratio=r, error=None)
+            raise _Exceeds(f"{identity.name}: a NaN or infinity on {example}")
         state["worst"] = max(state["worst"], r)
         target(min(r, 1e300), label=identity.name)
         if r > limit:

@@ -86,3 +86,18 @@ def test_a_product_order_that_follows_the_row_count_fails_batch_invariance():
     r = run_identity(BY_NAME["batch_invariance"], Subject(be, np.float32), examples=30, seed=3)
     assert r.status == "fail", format_row(r, 30)
     assert r.counter_ratio is not None and r.counter_ratio > 0
+
+
+def test_a_nan_fails_even_where_nothing_is_promised():
+    """A difference is measured where a backend promises nothing; a NaN or an infinity is no
+    rounding and fails."""
+
+    class NanWhenBatched(type(get_backend("numpy"))):
+        def linear_forward(self, x, w):
+            y, ctx = super().linear_forward(x, w)
+            return (y * np.nan if x.reshape(-1, x.shape[-1]).shape[0] > 8 else y), ctx
+
+    be = NanWhenBatched()
+    assert be.invariance == frozenset()
+    r = run_identity(BY_NAME["batch_invariance"], Subject(be, np.float32), examples=10, seed=4)
+    assert r.status == "fail", format_row(r, 30)
