@@ -261,6 +261,7 @@ class StopText:
 
     def __init__(self, stops: Iterable[str] = ()):
         self.stops = [s for s in stops if s]
+        self.longest = max((len(s) for s in self.stops), default=1)
         self.held = ""
         self.hit = False
 
@@ -268,11 +269,10 @@ class StopText:
         if self.hit:
             return ""
         text = self.held + piece
-        first = self._first_stop(text)
+        first = first_stop(text, self.stops)
         end = len(text) if first is None else first
         # a tail that begins a stop which more text could complete before `end`: wait for it
-        longest = max((len(s) for s in self.stops), default=1)
-        for j in range(max(0, len(text) - longest + 1), end):
+        for j in range(max(0, len(text) - self.longest + 1), end):
             if any(len(s) > len(text) - j and s.startswith(text[j:]) for s in self.stops):
                 self.held = text[j:]
                 return text[:j]
@@ -280,13 +280,10 @@ class StopText:
         self.hit = first is not None
         return text[:end]
 
-    def _first_stop(self, text: str) -> int | None:
-        return first_stop(text, self.stops)
-
     def flush(self) -> str:
         """The held-back tail, once no more text comes (cut at a stop string it holds)."""
         out, self.held = ("" if self.hit else self.held), ""
-        first = self._first_stop(out)
+        first = first_stop(out, self.stops)
         if first is not None:
             self.hit = True
             out = out[:first]
