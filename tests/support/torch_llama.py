@@ -104,10 +104,6 @@ class TorchLlama:
         self.device = device
         self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
-    def _rms(self, x, g):
-        t = self.torch
-        return x * t.rsqrt((x * x).mean(-1, keepdim=True) + self.cfg.norm_eps) * g
-
     def _rope(self, x, start: int):
         T = x.shape[1]
         c = self.cos[start:start + T][None, :, None, :]
@@ -119,11 +115,13 @@ class TorchLlama:
         t, cfg, p = self.torch, self.cfg, self.p
         F = t.nn.functional
         B, T = tok.shape
+        if T > 1 and start > 0:
+            raise ValueError("the peer prefills from position 0 only")
         H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         x = F.embedding(tok, p["tok_embeddings.weight"])
         for layer in range(cfg.n_layers):
             pre = f"layers.{layer}."
-            h = self._rms(x, p[pre + "attention_norm.weight"])
+            h = t_rmsnorm(x, p[pre + "attention_norm.weight"], cfg.norm_eps)
             q = self._rope((h @ p[pre + "attention.wq.weight"].T).view(B, T, H, hd), start)
             k = self._rope((h @ p[pre + "attention.wk.weight"].T).view(B, T, KVH, hd), start)
             v = (h @ p[pre + "attention.wv.weight"].T).view(B, T, KVH, hd)
@@ -135,17 +133,15 @@ class TorchLlama:
             a = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 is_causal=(T > 1 and start == 0), enable_gqa=(KVH != H))
-            if T > 1 and start > 0:
-                raise ValueError("the peer prefills from position 0 only")
             x = x + a.transpose(1, 2).reshape(B, T, H * hd) @ p[pre + "attention.wo.weight"].T
-            h2 = self._rms(x, p[pre + "ffn_norm.weight"])
+            h2 = t_rmsnorm(x, p[pre + "ffn_norm.weight"], cfg.norm_eps)
             g = F.silu(h2 @ p[pre + "feed_forward.w1.weight"].T) * \
                 (h2 @ p[pre + "feed_forward.w3.weight"].T)
             x = x + g @ p[pre + "feed_forward.w2.weight"].T
         if last_only:
             x = x[:, -1]
         head = p["tok_embeddings.weight"] if cfg.tie_embeddings else p["output.weight"]
-        return self._rms(x, p["norm.weight"]) @ head.T
+        return t_rmsnorm(x, p["norm.weight"], cfg.norm_eps) @ head.T
 
     def new_cache(self, B: int, S: int):
         t, cfg = self.torch, self.cfg
@@ -235,7 +231,7 @@ class TorchLlama:
                 mask = (ar_s[None, :] <= pos[:, None])[:, None, None, :]
                 for layer in range(cfg.n_layers):
                     pre = f"layers.{layer}."
-                    h = self._rms(x, p[pre + "attention_norm.weight"])
+                    h = t_rmsnorm(x, p[pre + "attention_norm.weight"], cfg.norm_eps)
                     q = rope((h @ p[pre + "attention.wq.weight"].T).view(B, 1, H, hd), c, s_)
                     k = rope((h @ p[pre + "attention.wk.weight"].T).view(B, 1, KVH, hd), c, s_)
                     v = (h @ p[pre + "attention.wv.weight"].T).view(B, 1, KVH, hd)
@@ -246,11 +242,11 @@ class TorchLlama:
                         attn_mask=mask, enable_gqa=(KVH != H))
                     x = x + (a.transpose(1, 2).reshape(B, 1, H * hd)
                              @ p[pre + "attention.wo.weight"].T)
-                    h2 = self._rms(x, p[pre + "ffn_norm.weight"])
+                    h2 = t_rmsnorm(x, p[pre + "ffn_norm.weight"], cfg.norm_eps)
                     g = F.silu(h2 @ p[pre + "feed_forward.w1.weight"].T) * \
                         (h2 @ p[pre + "feed_forward.w3.weight"].T)
                     x = x + g @ p[pre + "feed_forward.w2.weight"].T
-                nx = (self._rms(x[:, 0], p["norm.weight"]) @ head.T).argmax(-1)
+                nx = (t_rmsnorm(x[:, 0], p["norm.weight"], cfg.norm_eps) @ head.T).argmax(-1)
                 out.index_copy_(0, stepi, nx[None])
                 tok.copy_(nx[:, None])
                 pos.add_(1)
