@@ -25,15 +25,18 @@ import time
 def first_token(argv: list[str], env: dict, stdin: str) -> tuple[float, float, str, str]:
     """(seconds to the first stdout byte, seconds to exit, stdout, stderr) of ``argv``."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env)
-    proc.stdin.write(stdin.encode())
-    proc.stdin.close()
-    head = proc.stdout.read(1)
-    t1 = time.perf_counter()
-    rest = proc.stdout.read()
-    err = proc.stderr.read().decode(errors="replace")
-    if proc.wait() != 0:
+    with tempfile.TemporaryFile() as errfile:  # stderr to a file: no pipe to fill and block
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=errfile, env=env)
+        proc.stdin.write(stdin.encode())
+        proc.stdin.close()
+        head = proc.stdout.read(1)
+        t1 = time.perf_counter()
+        rest = proc.stdout.read()
+        code = proc.wait()
+        errfile.seek(0)
+        err = errfile.read().decode(errors="replace")
+    if code != 0:
         sys.exit(f"{' '.join(argv)} failed:\n{err}")
     return t1 - t0, time.perf_counter() - t0, (head + rest).decode(errors="replace"), err
 

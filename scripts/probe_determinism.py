@@ -45,40 +45,56 @@ def busy(n: int) -> list:
 
 
 def probe(url: str, name: str, args, rng: random.Random) -> collections.Counter:
-    """Send rounds until ``args.requests`` target requests have come back; the texts counted."""
+    """Send rounds until ``args.requests`` target requests have come back; the texts counted. A
+    request that fails (a refusal, a broken connection) is retried in a later round, never
+    counted as a text."""
     texts: collections.Counter = collections.Counter()
     rounds = -(-args.requests // max(1, args.clients // 2))
     spinners: list = []
     r = 0
-    while sum(texts.values()) < args.requests:
-        if r == rounds // 3 and args.busy:
-            spinners = busy(args.busy)
-        if r == 2 * rounds // 3:
-            for p in spinners:
-                p.kill()
-            spinners = []
-        n_target = rng.randint(1, args.clients)
-        who = set(rng.sample(range(args.clients), n_target))
-        out = [None] * args.clients
-        gate = threading.Barrier(args.clients)
+    try:
+        while sum(texts.values()) < args.requests:
+            if r == rounds // 3 and args.busy:
+                spinners = busy(args.busy)
+            if r == 2 * rounds // 3:
+                stop_spinners(spinners)
+            n_target = rng.randint(1, args.clients)
+            who = set(rng.sample(range(args.clients), n_target))
+            asks = [TARGET if i in who else QUESTIONS[rng.randrange(len(QUESTIONS))]
+                    for i in range(args.clients)]  # drawn here: --seed gives the same mix
+            out: list = [None] * args.clients
+            gate = threading.Barrier(args.clients, timeout=60)
 
-        def client(i, who=who, out=out, gate=gate):
-            q = TARGET if i in who else QUESTIONS[rng.randrange(len(QUESTIONS))]
-            body = {"model": name, "max_tokens": args.tokens, "temperature": 0, "stream": True,
-                    "messages": [{"role": "user", "content": q}]}
-            out[i] = reply_text(stream_once(url, "/v1/chat/completions", body, gate)["raw"])
+            def client(i, asks=asks, out=out, gate=gate):
+                body = {"model": name, "max_tokens": args.tokens, "temperature": 0,
+                        "stream": True, "messages": [{"role": "user", "content": asks[i]}]}
+                try:
+                    out[i] = reply_text(stream_once(url, "/v1/chat/completions", body,
+                                                    gate)["raw"])
+                except (Exception, SystemExit) as e:  # counted as a failure, not a text
+                    gate.abort()
+                    print(f"  client {i}: {e}", file=sys.stderr, flush=True)
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for i in sorted(who):
-            texts[out[i]] += 1
-        r += 1
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for i in sorted(who):
+                if out[i] is not None:
+                    texts[out[i]] += 1
+            r += 1
+    finally:
+        stop_spinners(spinners)
+    return texts
+
+
+def stop_spinners(spinners: list) -> None:
+    """End the spinning processes (and reap them)."""
     for p in spinners:
         p.kill()
-    return texts
+        p.wait()
+    spinners.clear()
 
 
 def report(label: str, texts: collections.Counter) -> None:
