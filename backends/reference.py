@@ -20,8 +20,8 @@ from minillama.core import notes_ops, ops
 from minillama.core.quant import QuantMatrix
 
 #: the optional abilities :class:`ReferenceBackend` declares below its ops, by name: what an object
-#: standing in for a backend takes from the reference where it lacks them (the identities' wrapper
-#: of a user's class)
+#: standing in for a backend takes from the reference where it lacks them
+#: (:func:`minillama.backends.complete`, which :func:`~minillama.backends.get_backend` applies)
 ABILITIES = ("supports_float64", "attention_precision", "num_threads", "adamw_update",
              "exact_products", "decode_threads", "decode_step", "prompt_rows_invariant",
              "greedy_steps", "greedy_decoder", "watch_compiles", "invariance", "threads",

@@ -2,7 +2,8 @@
 are declared once, on the reference backend (backends/reference.py, ``ABILITIES``), with the
 answer of a backend without them, so the layers above use them as plain attributes: every
 registered backend class derives from the reference, and the objects that stand in for a
-backend (the mixed-precision wrapper, the identities' wrapper of a user's class) have them too."""
+backend (the mixed-precision wrapper; a user's object, completed by get_backend) have them
+too."""
 
 from __future__ import annotations
 
