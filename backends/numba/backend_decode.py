@@ -269,14 +269,19 @@ class FusedDecode(DecodePlans):
 
     @property
     def invariance(self) -> frozenset[str]:
-        """The bitwise identities this backend keeps on GGML block weights with 8-bit products
+        """The bitwise identities this backend keeps. On GGML block weights with 8-bit products
         (the default): a sequence's logits whatever is batched with it, whether its prefix came
         from a cache, and the thread count (fixed attention spans, one kernel call per product
-        row, prompt rows computed alike). Not the prefill against the decode steps (their 8-bit
-        products sum in other orders), and none with ``MINILLAMA_QUANT_DOTS=float``."""
+        row, prompt rows computed alike); not the prefill against the decode steps (their 8-bit
+        products sum in other orders), and none of these with ``MINILLAMA_QUANT_DOTS=float``.
+        On float weights: the decode steps whatever is batched with them and the thread count
+        (each product output one dot, the one-sequence step's order in the batched one)."""
         from .quant.int8_dots import int8_enabled  # the switch alone: compiles nothing
 
-        return frozenset({"batch", "prefix_cache", "threads"}) if int8_enabled() else frozenset()
+        floats = frozenset({"float_decode_batch", "float_decode_threads"})
+        if int8_enabled():
+            return floats | {"batch", "prefix_cache", "threads"}
+        return floats
 
     def prompt_rows_invariant(self, model) -> bool:
         """Whether ``model``'s prompt rows on this backend can be computed row by row alike

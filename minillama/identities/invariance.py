@@ -15,7 +15,9 @@ difference fails it; on one that does not, ``minillama check`` runs it all the s
 
 The model is what users run these engines on: float32, its linear weights in GGML blocks
 (Q4_0, Q4_1, Q5_0, Q8_0, cycled), prompts up to 80 tokens, so that the sizes cross the paths'
-thresholds (more than one attention span of 64 cached rows, the 8-bit GEMM above 8 rows).
+thresholds (more than one attention span of 64 cached rows, the 8-bit GEMM above 8 rows). The
+``float_decode_*`` identities take the same model with float32 weights and hold its decode
+steps only (a float prompt's products take BLAS, whose order depends on the row count).
 """
 
 from __future__ import annotations
@@ -51,6 +53,14 @@ def block_model(s: Subject, seed: int) -> Transformer:
             k += 1
         else:
             params[name] = w.astype(np.float32)
+    return Transformer(cfg, params, backend=s.backend, dtype=np.float32)
+
+
+def float_model(s: Subject, seed: int) -> Transformer:
+    """:func:`block_model`'s shape with every weight float32 (a float checkpoint)."""
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
+                      hidden_dim=96, max_seq_len=CONTEXT)
+    params = {k: w.astype(np.float32) for k, w in lively_params(cfg, seed).items()}
     return Transformer(cfg, params, backend=s.backend, dtype=np.float32)
 
 
@@ -137,6 +147,36 @@ def _prefill_decode(s: Subject, ex: dict) -> float:
     return deviation(want, got)
 
 
+def _prefilled_alone(s: Subject, model, prompts) -> object:
+    """A cache of len(prompts) rows, row b holding prompt b prefilled alone (so its K/V rows
+    are those of a one-sequence prefill whatever the other rows hold)."""
+    cache = model.new_cache(len(prompts))
+    for b, prompt in enumerate(prompts):
+        s.logits(model, prompt[None], cache=cache.rows(b, b + 1), last_only=True)
+    return cache
+
+
+def _float_batch(s: Subject, ex: dict) -> float:
+    model = float_model(s, ex["seed"])
+    lens = [ex["P"]] + ex["others"]
+    prompts = [_tokens(ex["seed"] + b, n) for b, n in enumerate(lens)]
+    follow = _tokens(ex["seed"] + 99, len(lens), ex["steps"])
+    want = _steps(s, model, _prefilled_alone(s, model, prompts[:1]), follow[:1], lens[:1])
+    got = _steps(s, model, _prefilled_alone(s, model, prompts), follow, lens)
+    return max(deviation(w[0], g[0]) for w, g in zip(want, got))
+
+
+def _float_threads(s: Subject, ex: dict) -> float:
+    model = float_model(s, ex["seed"])
+    prompt, follow = _tokens(ex["seed"], ex["P"]), _tokens(ex["seed"] + 1, 1, ex["steps"])
+    runs = []
+    for n in (1, ex["threads"]):
+        cache = _prefilled_alone(s, model, [prompt])
+        with model.backend.threads(n):
+            runs.append(_steps(s, model, cache, follow, [ex["P"]]))
+    return max(deviation(w, g) for w, g in zip(*runs))
+
+
 _PROMPT = st.integers(1, MAX_PROMPT)
 
 IDENTITIES = [
@@ -182,4 +222,27 @@ IDENTITIES = [
         tolerance="zero where the backend promises it; else reported",
         ops=MODEL_FORWARD_OPS, fn=_prefill_decode, for_functions=False,
         exact="prefill_decode"),
+    Identity(
+        name="float_decode_batch_invariance", topic="invariance",
+        statement="On float32 weights, a sequence's decode steps give the same logits bit for "
+                  "bit stepped alone and beside 1-3 other sequences at their own positions "
+                  "(each prompt prefilled alone).",
+        equation=r"\mathrm{step}(X)_b \equiv \mathrm{step}(X_b)",
+        strategy=st.fixed_dictionaries({
+            "seed": ids.seeds, "P": _PROMPT, "steps": st.integers(1, 3),
+            "others": st.lists(_PROMPT, min_size=1, max_size=3)}),
+        tolerance="zero where the backend promises it; else reported",
+        ops=MODEL_FORWARD_OPS, fn=_float_batch, for_functions=False,
+        exact="float_decode_batch"),
+    Identity(
+        name="float_decode_thread_invariance", topic="invariance",
+        statement="On float32 weights, the decode steps after a prompt give the same logits "
+                  "bit for bit on one thread and on several.",
+        equation=r"\mathrm{step}_{1}(x) \equiv \mathrm{step}_{n}(x)",
+        strategy=st.fixed_dictionaries({"seed": ids.seeds, "P": _PROMPT,
+                                        "steps": st.integers(1, 3),
+                                        "threads": st.integers(2, 4)}),
+        tolerance="zero where the backend promises it; else reported",
+        ops=MODEL_FORWARD_OPS, fn=_float_threads, for_functions=False,
+        exact="float_decode_threads"),
 ]

@@ -26,8 +26,6 @@ LONG_FUNCTIONS = {
     "backends/numba/decode/float_step.py:decode_step":
         "the fused decode step of several sequences, one compiled loop nest over layers and rows",
     "backends/numba/decode/float_step.py:decode_step_one": "the fused decode step of one sequence",
-    "backends/numba/decode/float_step.py:_row":
-        "the per-row kernel of decode_step, groups of 8 sequences",
     "backends/numba/decode/quant_step.py:decode_step_one_q_kernel":
         "the fused decode step on GGML blocks",
     "backends/numba/decode/quant_step.py:decode_step_rows_q_kernel":

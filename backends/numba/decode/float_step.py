@@ -9,19 +9,19 @@ one call, per layer
 1. RMSNorm of the residual, then the products by W_q, W_k, W_v, whose output rows are taken in
    whole RoPE pairs (2i, 2i+1): each pair is rotated as soon as it is computed and the rotated
    k and v go straight into the KV cache at the sequence's position;
-2. attention of each sequence over its cache rows 0..p_b (:func:`_attend`: scores, softmax and
-   the weighted sum of V, each cache row read once for all heads of a chunk of KV heads);
+2. attention of each sequence over its cache rows 0..p_b (:func:`_attend_span`: scores, softmax
+   and the weighted sum of V over a span of rows, each cache row read once for all heads);
 3. the product by W_o with the residual add in place;
 4. RMSNorm, then the products by W_1 and W_3 with SiLU(a) * b applied per output row;
 5. the product by W_2 with the residual add in place,
 
-then the final RMSNorm and the classifier rows. Every product spreads its output rows over the
-Numba threads (``prange``) and reads W once, in memory order, for all B sequences. In
-:func:`decode_step` one W row at a time feeds groups of 8 sequences (:func:`_row`: eight running
-sums) when their x rows fit in L1 (:data:`ROW_X_BYTES`), else tiles of 4 W rows x 2 sequences
-(:func:`_tile`), and always by tiles for a model small enough to stay in cache
-(:data:`CACHED_WEIGHT_BYTES`: compute-bound); :func:`decode_step_one` takes one row at a
-time for its one sequence (bound by streaming W).
+then the final RMSNorm and the classifier rows. Every product output is one dot product of
+a row of W with an activation row (:func:`_dot`), every attention a sum over spans of
+:data:`SPAN` cache rows joined in order, so a sequence's logits do not depend on the thread
+count nor, in :func:`decode_step`, on the sequences batched with it: that kernel runs each
+row's operations in :func:`decode_step_one`'s order and shares only the reads of W (the
+threads take runs of consecutive rows of W, each dotted with the B activation rows while in
+L1).
 The weights are the model's own arrays (no copy), passed as typed lists over the layers (whose
 type does not depend on L, so one compilation per dtype serves every depth), so a decode step
 is one dispatch with no Python work per op. Given an ``ids`` buffer of n columns, both kernels
@@ -42,26 +42,10 @@ from numba import njit, prange
 from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 from ..floats.fastmath import fexp
 
-#: output rows of W per tile of :func:`_tile` and per parallel iteration of :func:`decode_step`
-#: (even: a tile holds whole RoPE pairs)
-TILE = 4
 #: cache rows per span of the decode steps' attention (:func:`_attend_span`): the spans of a
 #: sequence at position p are rows [0, SPAN), [SPAN, 2 SPAN), ... whatever the thread count, so
 #: the order of its sums, and its logits, do not depend on how many threads share the spans
 SPAN = 64
-
-#: :func:`decode_step` takes a product with K inputs row by row (:func:`_row`) when the B rows
-#: of x it multiplies, B * K * itemsize bytes, fit in this much of L1, with at least 4 sequences;
-#: otherwise by tiles (:func:`_tile`). Measured on s15/s110 shapes at B = 8: rows 1.2-1.75x
-#: faster for K <= 768 (x 24 KiB), tiles 1.1-1.3x faster for K = 2048 (x 64 KiB, read from L2).
-ROW_X_BYTES = 24 * 1024
-
-#: a model whose weights take at most this many bytes stays in the CPU caches from one decode
-#: step to the next, so its products are bound by the multiply-adds rather than by streaming W,
-#: and :func:`decode_step` takes them by tiles (:func:`_tile`: fewer loads per multiply-add)
-#: whatever the batch. Measured on the shipped model (6.4 MB of float32 weights, 2 MiB L2,
-#: 32 MiB L3) at B = 16: tiles 1.25-1.4x faster than rows on every product.
-CACHED_WEIGHT_BYTES = 16 * 1024 * 1024
 
 
 @njit(fastmath=True, cache=True, nogil=True)
@@ -75,193 +59,6 @@ def _rmsnorm_rows(x, g, eps, out):  # pragma: no cover - compiled
         r = 1.0 / np.sqrt(ss / D + eps)
         for k in range(D):
             out[b, k] = x[b, k] * r * g[k]
-
-
-@njit(fastmath=True, cache=True, nogil=True, inline='always')
-def _tile(x, W, i0, nr, y, c0, zero):  # pragma: no cover - compiled
-    """y[b, c0 + r] = x_b . W_{i0 + r} for r < nr <= TILE rows of W and every row b of x (B, K).
-
-    With several sequences the rows are taken four of W by two of x at a time: eight running
-    sums, each loaded W and x vector feeding two and four of them, so the loop is bound by the
-    multiply-adds rather than by the loads. One sequence (or what is left) takes one dot product
-    at a time, W row after W row in memory order (the product is then memory-bound)."""
-    B, K = x.shape
-    b = 0
-    if nr == TILE:
-        w0 = W[i0]
-        w1 = W[i0 + 1]
-        w2 = W[i0 + 2]
-        w3 = W[i0 + 3]
-        while b + 1 < B:
-            x0 = x[b]
-            x1 = x[b + 1]
-            s00 = zero
-            s01 = zero
-            s02 = zero
-            s03 = zero
-            s10 = zero
-            s11 = zero
-            s12 = zero
-            s13 = zero
-            for k in range(K):
-                u = x0[k]
-                v = x1[k]
-                s00 += u * w0[k]
-                s01 += u * w1[k]
-                s02 += u * w2[k]
-                s03 += u * w3[k]
-                s10 += v * w0[k]
-                s11 += v * w1[k]
-                s12 += v * w2[k]
-                s13 += v * w3[k]
-            y[b, c0] = s00
-            y[b, c0 + 1] = s01
-            y[b, c0 + 2] = s02
-            y[b, c0 + 3] = s03
-            y[b + 1, c0] = s10
-            y[b + 1, c0 + 1] = s11
-            y[b + 1, c0 + 2] = s12
-            y[b + 1, c0 + 3] = s13
-            b += 2
-    for bb in range(b, B):
-        xb = x[bb]
-        for r in range(nr):
-            w = W[i0 + r]
-            s = zero
-            for k in range(K):
-                s += xb[k] * w[k]
-            y[bb, c0 + r] = s
-
-
-@njit(fastmath=True, cache=True, nogil=True, inline='always')
-def _row(x, W, i, y, c, zero):  # pragma: no cover - compiled
-    """y[b, c] = x_b . W_i for every row b of x (B, K): row i of W (K,) is read once from memory
-    for all B sequences.
-
-    The sequences go by groups of eight (then four, then one at a time): each loaded element of
-    W feeds eight running sums, one per sequence, whose x rows stay in L1. W is read strictly in
-    memory order, one row after the other, so the hardware prefetcher streams it while the
-    multiply-adds run (measured 1.3-1.75x faster at B = 8 than tiles of 4 W rows x 2 sequences,
-    whose bursts of four rows at once it did not hide)."""
-    B, K = x.shape
-    w = W[i]
-    b = 0
-    while b + 8 <= B:
-        x0 = x[b]
-        x1 = x[b + 1]
-        x2 = x[b + 2]
-        x3 = x[b + 3]
-        x4 = x[b + 4]
-        x5 = x[b + 5]
-        x6 = x[b + 6]
-        x7 = x[b + 7]
-        s0 = zero
-        s1 = zero
-        s2 = zero
-        s3 = zero
-        s4 = zero
-        s5 = zero
-        s6 = zero
-        s7 = zero
-        for k in range(K):
-            v = w[k]
-            s0 += v * x0[k]
-            s1 += v * x1[k]
-            s2 += v * x2[k]
-            s3 += v * x3[k]
-            s4 += v * x4[k]
-            s5 += v * x5[k]
-            s6 += v * x6[k]
-            s7 += v * x7[k]
-        y[b, c] = s0
-        y[b + 1, c] = s1
-        y[b + 2, c] = s2
-        y[b + 3, c] = s3
-        y[b + 4, c] = s4
-        y[b + 5, c] = s5
-        y[b + 6, c] = s6
-        y[b + 7, c] = s7
-        b += 8
-    if b + 4 <= B:
-        x0 = x[b]
-        x1 = x[b + 1]
-        x2 = x[b + 2]
-        x3 = x[b + 3]
-        s0 = zero
-        s1 = zero
-        s2 = zero
-        s3 = zero
-        for k in range(K):
-            v = w[k]
-            s0 += v * x0[k]
-            s1 += v * x1[k]
-            s2 += v * x2[k]
-            s3 += v * x3[k]
-        y[b, c] = s0
-        y[b + 1, c] = s1
-        y[b + 2, c] = s2
-        y[b + 3, c] = s3
-        b += 4
-    for bb in range(b, B):
-        xb = x[bb]
-        s = zero
-        for k in range(K):
-            s += xb[k] * w[k]
-        y[bb, c] = s
-
-
-@njit(fastmath=True, cache=True, nogil=True, inline='always')
-def _rows(x, W, i0, nr, y, c0, tiled, zero):  # pragma: no cover - compiled
-    """y[b, c0 + r] = x_b . W_{i0 + r} for r < nr <= TILE rows of W and every row b of x (B, K),
-    by :func:`_tile` when ``tiled``, else row after row by :func:`_row`."""
-    if tiled:
-        _tile(x, W, i0, nr, y, c0, zero)
-    else:
-        for r in range(nr):
-            _row(x, W, i0 + r, y, c0 + r, zero)
-
-
-@njit(fastmath=True, cache=True, nogil=True, inline='always')
-def _attend(qkv, Kc, Vc, b, k0, k1, G, n, scale, sc, att):  # pragma: no cover - compiled
-    """att_h = softmax(q_h K_{0..n-1}^T * scale) V_{0..n-1} for the query heads h of KV heads
-    k0..k1-1 of sequence b (h = kh * G + g; q_h is qkv[b, h*hd : (h+1)*hd]). The cache is read
-    row by row in memory order (row j holds the KV heads side by side), each K and V row once
-    for all G heads of its group. sc: (B*H, >= n) scores scratch, rows b*H + h used."""
-    hd = Kc.shape[3]
-    H = att.shape[1] // hd
-    h0 = k0 * G
-    h1 = k1 * G
-    for j in range(n):
-        for kh in range(k0, k1):
-            kr = Kc[b, j, kh]
-            for h in range(kh * G, (kh + 1) * G):
-                qv = qkv[b, h * hd:(h + 1) * hd]
-                s = att.dtype.type(0)
-                for d in range(hd):
-                    s += qv[d] * kr[d]
-                sc[b * H + h, j] = s * scale
-    for h in range(h0, h1):
-        row = sc[b * H + h]
-        m = att.dtype.type(-np.inf)  # in the scores' dtype: float32 e^x widens (fexp)
-        for j in range(n):
-            m = max(m, row[j])
-        tot = 0.0
-        for j in range(n):
-            e = fexp(row[j] - m)
-            row[j] = e
-            tot += e
-        inv = 1.0 / tot
-        for j in range(n):
-            row[j] *= inv
-        att[b, h * hd:(h + 1) * hd] = 0
-    for j in range(n):
-        for kh in range(k0, k1):
-            vr = Vc[b, j, kh]
-            for h in range(kh * G, (kh + 1) * G):
-                w = sc[b * H + h, j]
-                o = att[b, h * hd:(h + 1) * hd]
-                for d in range(hd):
-                    o[d] += w * vr[d]
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline='always')
@@ -360,6 +157,13 @@ def _spans(n):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline='always')
+def _span(N, u, parts):  # pragma: no cover - compiled
+    """Rows [lo, hi) of part u of N rows split into ``parts`` runs of even length (RoPE pairs
+    stay in one run)."""
+    return (N * u // parts) // 2 * 2, (N if u == parts - 1 else (N * (u + 1) // parts) // 2 * 2)
+
+
+@njit(cache=True, nogil=True, inline='always')
 def _sizes(emb, wq, wk, w1, kc, n_heads):  # pragma: no cover - compiled
     """V, D, L, H, q width H*hd, kv width KVH*hd, hd, KVH, G = H/KVH, F and the cache length S
     of a decode step's arguments."""
@@ -387,6 +191,13 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
     stop: unused here (the caller applies each sequence's stop rule; the signature is that of
     :func:`decode_step_one`); ids: (B, n) int64.
 
+    Every operation on a row is :func:`decode_step_one`'s, in its order: each product output
+    is one :func:`_dot` (the threads take runs of consecutive rows of W, each row dotted with
+    the B activation rows while it is in L1), attention cuts each sequence's cache rows into
+    the same spans (all the sequences' spans in one parallel loop) joined per sequence. So a
+    row's logits and K/V are the one-sequence kernel's bit for bit on any thread count:
+    batching shares the reads of the weights and nothing else.
+
     Greedy (n > 0): after each step every sequence's next token is the argmax of its logits
     (the first maximum) and is fed at its next position, capped at the cache's last slot; all
     B sequences run the n steps (the caller drops what follows a sequence's end). A row of
@@ -396,27 +207,20 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
     B = tok.shape[0]
     V, D, L, H, qd, kvd, hd, KVH, G, F, S = _sizes(emb, wq, wk, w1, kc, n_heads)
     dt = emb.dtype
+    n_steps = max(1, ids.shape[1])
     x = np.empty((B, D), dtype=dt)
     xn = np.empty((B, D), dtype=dt)
-    qkv = np.empty((B, qd + 2 * kvd), dtype=dt)
+    qkv = np.empty((B, qd), dtype=dt)
     att = np.empty((B, qd), dtype=dt)
-    yd = np.empty((B, D), dtype=dt)
-    h1 = np.empty((B, F), dtype=dt)
-    h3 = np.empty((B, F), dtype=dt)
-    scores = np.empty((B * H, S), dtype=dt)
+    h = np.empty((B, F), dtype=dt)
+    n_max = 1
+    for b in range(B):
+        n_max = max(n_max, min(pos[b] + n_steps, S))
+    P = _spans(n_max)  # the most spans of a sequence (scratch per (sequence, span))
+    scores = np.empty((B * P, H, SPAN), dtype=dt)
+    ml = np.empty((B * P, H, 2), dtype=dt)
+    parts = np.empty((B * P, qd), dtype=dt)
     scale = dt.type(1.0 / np.sqrt(hd))
-    nq = (qd + TILE - 1) // TILE  # tiles of W_q, then of W_k and of W_v
-    nkv = (kvd + TILE - 1) // TILE
-    nd = (D + TILE - 1) // TILE
-    nf = (F + TILE - 1) // TILE
-    C = min(KVH, max(1, 4 // B))  # KV-head chunks per sequence in attention
-    # by tiles or row by row, for the products with K = D, H*hd and F inputs
-    isz = x.itemsize
-    cached = (L * (2 * qd + 2 * kvd + 3 * F) + V) * D * isz <= CACHED_WEIGHT_BYTES
-    tile_d = B < 4 or cached or B * D * isz > ROW_X_BYTES
-    tile_q = B < 4 or cached or B * qd * isz > ROW_X_BYTES
-    tile_f = B < 4 or cached or B * F * isz > ROW_X_BYTES
-    n_steps = max(1, ids.shape[1])
     ps = pos.copy()  # each sequence's position in the current step
     cur = tok.copy()  # and the token it feeds
     best = np.empty((threads, B), dtype=np.int64)
@@ -426,6 +230,9 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
             ps[b] = min(pos[b] + step, S - 1)
             x[b, :] = emb[cur[b]]
         for layer in range(L):
+            Wq = wq[layer]
+            Wk = wk[layer]
+            Wv = wv[layer]
             Wo = wo[layer]
             W1 = w1[layer]
             W2 = w2[layer]
@@ -433,110 +240,70 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
             Kc = kc[layer]
             Vc = vc[layer]
             _rmsnorm_rows(x, g_att[layer], eps, xn)
-            # q, k, v by tiles of rows (whole RoPE pairs); RoPE on q and k; k, v into the cache
-            for t in prange(nq + 2 * nkv):
-                if t < nq:
-                    W = wq[layer]
-                    i0 = t * TILE
-                    rows = qd
-                    c0 = i0
-                elif t < nq + nkv:
-                    W = wk[layer]
-                    i0 = (t - nq) * TILE
-                    rows = kvd
-                    c0 = qd + i0
-                else:
-                    W = wv[layer]
-                    i0 = (t - nq - nkv) * TILE
-                    rows = kvd
-                    c0 = qd + kvd + i0
-                nr = min(TILE, rows - i0)
-                _rows(xn, W, i0, nr, qkv, c0, tile_d, zero)
-                for b in range(B):
-                    p = ps[b]
-                    for r in range(0, nr, 2):
-                        rr = i0 + r
-                        head = rr // hd
-                        d0 = rr - head * hd
-                        y0 = qkv[b, c0 + r]
-                        y1 = qkv[b, c0 + r + 1]
-                        if t < nq + nkv:  # rotate the pair by the angle of position p
-                            c = cos[p, d0 // 2]
-                            s = sin[p, d0 // 2]
-                            y0, y1 = y0 * c - y1 * s, y0 * s + y1 * c
-                            if t < nq:  # q stays in qkv, rotated in place
-                                qkv[b, c0 + r] = y0
-                                qkv[b, c0 + r + 1] = y1
-                            else:
-                                Kc[b, p, head, d0] = y0
-                                Kc[b, p, head, d0 + 1] = y1
+            # q, k, v by RoPE pairs of rows of W_q, W_k, W_v stacked, as decode_step_one
+            for u in prange(threads):
+                lo, hi = _span(qd + 2 * kvd, u, threads)
+                for r in range(lo, hi, 2):
+                    for b in range(B):
+                        if r < qd:
+                            a = _dot(xn[b], Wq, r, zero)
+                            c = _dot(xn[b], Wq, r + 1, zero)
+                            d0 = r % hd
+                        elif r < qd + kvd:
+                            a = _dot(xn[b], Wk, r - qd, zero)
+                            c = _dot(xn[b], Wk, r - qd + 1, zero)
+                            d0 = (r - qd) % hd
                         else:
-                            Vc[b, p, head, d0] = y0
-                            Vc[b, p, head, d0 + 1] = y1
-            # attention of each sequence over its cache rows 0..p_b, the KV heads cut into C chunks
-            # (several chunks per sequence when there are few sequences, so both threads work)
-            for u in prange(B * C):
-                b = u // C
-                c = u - b * C
-                _attend(qkv, Kc, Vc, b, c * KVH // C, (c + 1) * KVH // C, G, ps[b] + 1, scale,
-                        scores, att)
-            # x += att W_o^T
-            for t in prange(nd):
-                i0 = t * TILE
-                nr = min(TILE, D - i0)
-                _rows(att, Wo, i0, nr, yd, i0, tile_q, zero)
-                for b in range(B):
-                    for r in range(nr):
-                        x[b, i0 + r] += yd[b, i0 + r]
-            # SwiGLU: h1 = silu(xn W_1^T) * (xn W_3^T)
-            _rmsnorm_rows(x, g_ffn[layer], eps, xn)
-            for t in prange(nf):
-                i0 = t * TILE
-                nr = min(TILE, F - i0)
-                _rows(xn, W1, i0, nr, h1, i0, tile_d, zero)
-                _rows(xn, W3, i0, nr, h3, i0, tile_d, zero)
-                for b in range(B):
-                    for r in range(nr):
-                        a = h1[b, i0 + r]
-                        h1[b, i0 + r] = a / (1.0 + np.exp(-a)) * h3[b, i0 + r]
-            # x += h1 W_2^T
-            for t in prange(nd):
-                i0 = t * TILE
-                nr = min(TILE, D - i0)
-                _rows(h1, W2, i0, nr, yd, i0, tile_f, zero)
-                for b in range(B):
-                    for r in range(nr):
-                        x[b, i0 + r] += yd[b, i0 + r]
-        _rmsnorm_rows(x, g_final, eps, xn)
-        if ids.shape[1] == 0:
-            for t in prange((V + TILE - 1) // TILE):
-                i0 = t * TILE
-                _rows(xn, wout, i0, min(TILE, V - i0), logits, i0, tile_d, zero)
-            return 1
-        # the classifier in one span of tiles per thread, then each span's argmax per sequence
-        # while its logits are in cache
-        nt = (V + TILE - 1) // TILE
-        for u in prange(threads):
-            for t in range(u * nt // threads, (u + 1) * nt // threads):
-                i0 = t * TILE
-                _rows(xn, wout, i0, min(TILE, V - i0), logits, i0, tile_d, zero)
-            lo = min(V, u * nt // threads * TILE)
-            hi = min(V, (u + 1) * nt // threads * TILE)
+                            a = _dot(xn[b], Wv, r - qd - kvd, zero)
+                            c = _dot(xn[b], Wv, r - qd - kvd + 1, zero)
+                            d0 = (r - qd - kvd) % hd
+                        _rope_store(r, a, c, d0, ps[b], qd, kvd, hd, cos, sin, qkv[b:b + 1],
+                                    Kc[b:b + 1], Vc[b:b + 1])
+            # sequence b's cache rows 0..p_b in the spans of SPAN rows decode_step_one takes
+            for u in prange(B * P):
+                b = u // P
+                c = u - b * P
+                n = ps[b] + 1
+                if c < _spans(n):
+                    _attend_span(qkv[b], Kc[b], Vc[b], c * SPAN, min(n, (c + 1) * SPAN), G,
+                                 scale, scores[u], ml[u], parts[u])
             for b in range(B):
-                best[u, b] = -1
-                finite[u, b] = True
-                if hi > lo:
+                Pb = _spans(ps[b] + 1)
+                _join_spans(ml[b * P:b * P + Pb], parts[b * P:b * P + Pb], att[b])
+            for u in prange(threads):
+                lo, hi = _span(D, u, threads)
+                for i in range(lo, hi):
+                    for b in range(B):
+                        x[b, i] += _dot(att[b], Wo, i, zero)
+            _rmsnorm_rows(x, g_ffn[layer], eps, xn)
+            for u in prange(threads):
+                lo, hi = _span(F, u, threads)
+                for i in range(lo, hi):
+                    for b in range(B):
+                        a = _dot(xn[b], W1, i, zero)
+                        h[b, i] = a / (1.0 + np.exp(-a)) * _dot(xn[b], W3, i, zero)
+            for u in prange(threads):
+                lo, hi = _span(D, u, threads)
+                for i in range(lo, hi):
+                    for b in range(B):
+                        x[b, i] += _dot(h[b], W2, i, zero)
+        _rmsnorm_rows(x, g_final, eps, xn)
+        # the classifier in one run of rows per thread, each run's argmax while in cache
+        for u in prange(threads):
+            lo = u * V // threads
+            hi = (u + 1) * V // threads
+            for v in range(lo, hi):
+                for b in range(B):
+                    logits[b, v] = _dot(xn[b], wout, v, zero)
+            if ids.shape[1] > 0:
+                for b in range(B):
                     best[u, b], finite[u, b] = _argmax_finite(logits[b], lo, hi)
+        if ids.shape[1] == 0:
+            return 1
         bad = False
         for b in range(B):
-            t = -1
-            ok = True
-            for u in range(threads):
-                if not finite[u, b]:
-                    ok = False
-                elif best[u, b] >= 0 and (t < 0 or logits[b, best[u, b]] > logits[b, t]):
-                    t = best[u, b]
-            ids[b, step] = t if ok else -1
+            t, done = _pick(logits[b], best[:, b], finite[:, b], stop[:0], ids[b], step)
+            ok = ids[b, step] >= 0
             cur[b] = t if ok else 0
             bad = bad or not ok
         if bad:
@@ -546,10 +313,11 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
 
 @njit(fastmath=True, cache=True, nogil=True, inline='always')
 def _dot(x, W, i, zero):  # pragma: no cover - compiled
-    """x_0 . W_i for the single row of x (1, K) and row i of W (N, K)."""
+    """x . W_i for x (K,) and row i of W (N, K): every product output of both steps is one
+    such call, so its order of sums is the same whatever the batch and the threads."""
     s = zero
-    for k in range(x.shape[1]):
-        s += x[0, k] * W[i, k]
+    for k in range(x.shape[0]):
+        s += x[k] * W[i, k]
     return s
 
 
@@ -654,16 +422,16 @@ def decode_step_one(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, 
             for i in prange((qd + 2 * kvd) // 2):
                 r = 2 * i
                 if r < qd:
-                    a = _dot(xn, Wq, r, zero)
-                    c = _dot(xn, Wq, r + 1, zero)
+                    a = _dot(xn[0], Wq, r, zero)
+                    c = _dot(xn[0], Wq, r + 1, zero)
                     d0 = r % hd
                 elif r < qd + kvd:
-                    a = _dot(xn, Wk, r - qd, zero)
-                    c = _dot(xn, Wk, r - qd + 1, zero)
+                    a = _dot(xn[0], Wk, r - qd, zero)
+                    c = _dot(xn[0], Wk, r - qd + 1, zero)
                     d0 = (r - qd) % hd
                 else:
-                    a = _dot(xn, Wv, r - qd - kvd, zero)
-                    c = _dot(xn, Wv, r - qd - kvd + 1, zero)
+                    a = _dot(xn[0], Wv, r - qd - kvd, zero)
+                    c = _dot(xn[0], Wv, r - qd - kvd + 1, zero)
                     d0 = (r - qd - kvd) % hd
                 _rope_store(r, a, c, d0, p, qd, kvd, hd, cos, sin, qkv, Kc, Vc)
             # attention over cache rows 0..p in P spans of SPAN consecutive rows (each thread
@@ -673,24 +441,24 @@ def decode_step_one(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, 
                              scores[u], ml[u], parts[u])
             _join_spans(ml[:P], parts[:P], att[0])
             for i in prange(D):
-                x[0, i] += _dot(att, Wo, i, zero)
+                x[0, i] += _dot(att[0], Wo, i, zero)
             _rmsnorm_rows(x, g_ffn[layer], eps, xn)
             for i in prange(F):
-                a = _dot(xn, W1, i, zero)
-                h[0, i] = a / (1.0 + np.exp(-a)) * _dot(xn, W3, i, zero)
+                a = _dot(xn[0], W1, i, zero)
+                h[0, i] = a / (1.0 + np.exp(-a)) * _dot(xn[0], W3, i, zero)
             for i in prange(D):
-                x[0, i] += _dot(h, W2, i, zero)
+                x[0, i] += _dot(h[0], W2, i, zero)
         _rmsnorm_rows(x, g_final, eps, xn)
         if ids.shape[0] == 0:
             for v in prange(V):
-                logits[0, v] = _dot(xn, wout, v, zero)
+                logits[0, v] = _dot(xn[0], wout, v, zero)
             return 1
         # the classifier in one span of rows per thread, each span's argmax while in cache
         for u in prange(threads):
             lo = u * V // threads
             hi = (u + 1) * V // threads
             for v in range(lo, hi):
-                logits[0, v] = _dot(xn, wout, v, zero)
+                logits[0, v] = _dot(xn[0], wout, v, zero)
             best[u], finite[u] = _argmax_finite(logits[0], lo, hi)
         t, done = _pick(logits[0], best, finite, stop, ids, step)
         if done:

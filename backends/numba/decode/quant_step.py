@@ -45,6 +45,7 @@ from .float_step import (
     _pick,
     _rmsnorm_rows,
     _rope_store,
+    _span,
     _spans,
 )
 
@@ -85,13 +86,6 @@ def _mv_add(qt, W, v, a8, x, y, lo, hi, lut, kv, none):  # pragma: no cover - co
     _mv(qt, W, none, v, a8, y, lo, hi, lut, kv)
     for i in range(lo, hi):
         x[0, i] += y[i]
-
-
-@njit(fastmath=True, cache=True, nogil=True, inline="always")
-def _span(N, u, parts):  # pragma: no cover - compiled
-    """Rows [lo, hi) of part u of N rows split into ``parts`` runs of even length (RoPE pairs
-    stay in one run)."""
-    return (N * u // parts) // 2 * 2, (N if u == parts - 1 else (N * (u + 1) // parts) // 2 * 2)
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline="always")

@@ -26,7 +26,11 @@ try:
 except MinillamaError as e:  # pragma: no cover - numba missing
     pytest.skip(f"numba backend unavailable: {e}", allow_module_level=True)
 
-from minillama.backends.numba.backend_decode import _NO_IDS  # noqa: E402
+from minillama.backends.numba.backend_decode import (  # noqa: E402
+    _NO_IDS,
+    _NO_IDS_2D,
+    _model_args,
+)
 from minillama.backends.numba.decode import float_step as decode  # noqa: E402
 from tests.backends.numba.decode.test_quant_step import quant_model  # noqa: E402
 
@@ -130,6 +134,32 @@ def test_float_decode_step_is_thread_invariant(numba_threads):
         numba.set_num_threads(pool)
         runs.append(_one(model, _copy(model, base), 0, tok, LENS[1], threads))
     np.testing.assert_array_equal(runs[1], runs[0])
+
+
+def test_float_batched_step_equals_each_row_alone_on_any_thread_count(numba_threads):
+    """The step of several sequences of a float32 model gives each row the logits and K/V rows
+    the one-sequence step gives it alone, bit for bit, the batch on 2 parts and each row alone
+    on 1, at positions that cross several attention spans."""
+    cfg = ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=71,
+                      hidden_dim=256, multiple_of=64, max_seq_len=S)
+    model = Transformer(cfg, init_params(cfg, seed=15, dtype=np.float32), backend="numba",
+                        dtype=np.float32)
+    rng = np.random.default_rng(16)
+    base = _prefilled(model, rng, LENS)
+    B, V = len(LENS), cfg.vocab_size
+    tok = rng.integers(0, V, B)
+    batch = _copy(model, base)
+    plan = NUMBA._decode_plan(model)
+    kc, vc = NUMBA._cache_lists(batch, model.dtype)
+    got = np.empty((B, V), np.float32)
+    NUMBA._decode.decode_step(tok.astype(np.int64), np.array(LENS, np.int64),
+                              *_model_args(plan, kc, vc), got, 2, _NO_IDS, _NO_IDS_2D)
+    alone = _copy(model, base)
+    numba.set_num_threads(1)
+    for b in range(B):
+        np.testing.assert_array_equal(got[b], _one(model, alone, b, int(tok[b]), LENS[b], 1))
+    for a, r in zip(batch.k + batch.v, alone.k + alone.v):
+        np.testing.assert_array_equal(a, r)
 
 
 def _copy_rows(model, src, n, B=1):
