@@ -20,8 +20,10 @@ a row of W with an activation row (:func:`_dot`), every attention a sum over spa
 :data:`SPAN` cache rows joined in order, so a sequence's logits do not depend on the thread
 count nor, in :func:`decode_step`, on the sequences batched with it: that kernel runs each
 row's operations in :func:`decode_step_one`'s order and shares only the reads of W (the
-threads take runs of consecutive rows of W, each dotted with the B activation rows while in
-L1).
+threads take runs of consecutive rows of W, by blocks dotted with the B activation rows while
+in L1). The price of that order: a dot product per output and sequence loads W from L1 for
+each sequence, where tiles of several rows and sequences shared each load (a step of 16
+sequences of SmolLM2's shape in float32 0.7x as fast as with the tiles, docs/BENCHMARKS.md).
 The weights are the model's own arrays (no copy), passed as typed lists over the layers (whose
 type does not depend on L, so one compilation per dtype serves every depth), so a decode step
 is one dispatch with no Python work per op. Given an ``ids`` buffer of n columns, both kernels
@@ -163,6 +165,17 @@ def _span(N, u, parts):  # pragma: no cover - compiled
     return (N * u // parts) // 2 * 2, (N if u == parts - 1 else (N * (u + 1) // parts) // 2 * 2)
 
 
+#: bytes of W rows in a block of :func:`decode_step` (each block is dotted with every
+#: sequence's activation row while the block and that row are in L1)
+BLOCK_BYTES = 16 * 1024
+
+
+@njit(cache=True, nogil=True, inline='always')
+def _block_rows(K, itemsize):  # pragma: no cover - compiled
+    """An even number of rows of K values of W per block of :data:`BLOCK_BYTES` (at least 2)."""
+    return max(2, BLOCK_BYTES // (K * itemsize) // 2 * 2)
+
+
 @njit(cache=True, nogil=True, inline='always')
 def _sizes(emb, wq, wk, w1, kc, n_heads):  # pragma: no cover - compiled
     """V, D, L, H, q width H*hd, kv width KVH*hd, hd, KVH, G = H/KVH, F and the cache length S
@@ -192,9 +205,10 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
     :func:`decode_step_one`); ids: (B, n) int64.
 
     Every operation on a row is :func:`decode_step_one`'s, in its order: each product output
-    is one :func:`_dot` (the threads take runs of consecutive rows of W, each row dotted with
-    the B activation rows while it is in L1), attention cuts each sequence's cache rows into
-    the same spans (all the sequences' spans in one parallel loop) joined per sequence. So a
+    is one :func:`_dot` (the threads take runs of consecutive rows of W, cut into blocks of
+    :data:`BLOCK_BYTES`, each block dotted with the B activation rows while it is in L1),
+    attention cuts each sequence's cache rows into the same spans (all the sequences' spans in
+    one parallel loop) joined per sequence. So a
     row's logits and K/V are the one-sequence kernel's bit for bit on any thread count:
     batching shares the reads of the weights and nothing else.
 
@@ -221,6 +235,10 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
     ml = np.empty((B * P, H, 2), dtype=dt)
     parts = np.empty((B * P, qd), dtype=dt)
     scale = dt.type(1.0 / np.sqrt(hd))
+    # rows of W per block, each block dotted with every sequence's row while both are in L1
+    rb_d = _block_rows(D, emb.itemsize)
+    rb_q = _block_rows(qd, emb.itemsize)
+    rb_f = _block_rows(F, emb.itemsize)
     ps = pos.copy()  # each sequence's position in the current step
     cur = tok.copy()  # and the token it feeds
     best = np.empty((threads, B), dtype=np.int64)
@@ -243,22 +261,23 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
             # q, k, v by RoPE pairs of rows of W_q, W_k, W_v stacked, as decode_step_one
             for u in prange(threads):
                 lo, hi = _span(qd + 2 * kvd, u, threads)
-                for r in range(lo, hi, 2):
+                for r0 in range(lo, hi, rb_d):
                     for b in range(B):
-                        if r < qd:
-                            a = _dot(xn[b], Wq, r, zero)
-                            c = _dot(xn[b], Wq, r + 1, zero)
-                            d0 = r % hd
-                        elif r < qd + kvd:
-                            a = _dot(xn[b], Wk, r - qd, zero)
-                            c = _dot(xn[b], Wk, r - qd + 1, zero)
-                            d0 = (r - qd) % hd
-                        else:
-                            a = _dot(xn[b], Wv, r - qd - kvd, zero)
-                            c = _dot(xn[b], Wv, r - qd - kvd + 1, zero)
-                            d0 = (r - qd - kvd) % hd
-                        _rope_store(r, a, c, d0, ps[b], qd, kvd, hd, cos, sin, qkv[b:b + 1],
-                                    Kc[b:b + 1], Vc[b:b + 1])
+                        for r in range(r0, min(r0 + rb_d, hi), 2):
+                            if r < qd:
+                                a = _dot(xn[b], Wq, r, zero)
+                                c = _dot(xn[b], Wq, r + 1, zero)
+                                d0 = r % hd
+                            elif r < qd + kvd:
+                                a = _dot(xn[b], Wk, r - qd, zero)
+                                c = _dot(xn[b], Wk, r - qd + 1, zero)
+                                d0 = (r - qd) % hd
+                            else:
+                                a = _dot(xn[b], Wv, r - qd - kvd, zero)
+                                c = _dot(xn[b], Wv, r - qd - kvd + 1, zero)
+                                d0 = (r - qd - kvd) % hd
+                            _rope_store(r, a, c, d0, ps[b], qd, kvd, hd, cos, sin, qkv[b:b + 1],
+                                        Kc[b:b + 1], Vc[b:b + 1])
             # sequence b's cache rows 0..p_b in the spans of SPAN rows decode_step_one takes
             for u in prange(B * P):
                 b = u // P
@@ -272,29 +291,33 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
                 _join_spans(ml[b * P:b * P + Pb], parts[b * P:b * P + Pb], att[b])
             for u in prange(threads):
                 lo, hi = _span(D, u, threads)
-                for i in range(lo, hi):
+                for i0 in range(lo, hi, rb_q):
                     for b in range(B):
-                        x[b, i] += _dot(att[b], Wo, i, zero)
+                        for i in range(i0, min(i0 + rb_q, hi)):
+                            x[b, i] += _dot(att[b], Wo, i, zero)
             _rmsnorm_rows(x, g_ffn[layer], eps, xn)
             for u in prange(threads):
                 lo, hi = _span(F, u, threads)
-                for i in range(lo, hi):
+                for i0 in range(lo, hi, rb_d // 2):
                     for b in range(B):
-                        a = _dot(xn[b], W1, i, zero)
-                        h[b, i] = a / (1.0 + np.exp(-a)) * _dot(xn[b], W3, i, zero)
+                        for i in range(i0, min(i0 + rb_d // 2, hi)):
+                            a = _dot(xn[b], W1, i, zero)
+                            h[b, i] = a / (1.0 + np.exp(-a)) * _dot(xn[b], W3, i, zero)
             for u in prange(threads):
                 lo, hi = _span(D, u, threads)
-                for i in range(lo, hi):
+                for i0 in range(lo, hi, rb_f):
                     for b in range(B):
-                        x[b, i] += _dot(h[b], W2, i, zero)
+                        for i in range(i0, min(i0 + rb_f, hi)):
+                            x[b, i] += _dot(h[b], W2, i, zero)
         _rmsnorm_rows(x, g_final, eps, xn)
         # the classifier in one run of rows per thread, each run's argmax while in cache
         for u in prange(threads):
             lo = u * V // threads
             hi = (u + 1) * V // threads
-            for v in range(lo, hi):
+            for v0 in range(lo, hi, rb_d):
                 for b in range(B):
-                    logits[b, v] = _dot(xn[b], wout, v, zero)
+                    for v in range(v0, min(v0 + rb_d, hi)):
+                        logits[b, v] = _dot(xn[b], wout, v, zero)
             if ids.shape[1] > 0:
                 for b in range(B):
                     best[u, b], finite[u, b] = _argmax_finite(logits[b], lo, hi)
