@@ -366,6 +366,18 @@ def _span_values(vs, kh, j0, L, sc, o):  # pragma: no cover - compiled
                 og[d] += w * vr[d]
 
 
+#: query rows per tile of :func:`attend_rows`: the rows of a tile share each span's keys and
+#: values while they are in L1
+ROW_TILE = 16
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _balanced(w, N):  # pragma: no cover - compiled
+    """Item w of 0..N-1 in the order 0, N-1, 1, N-2, ...: the threads' runs of a parallel
+    loop then each hold as many cheap (early, short causal rows) as dear (late) tiles."""
+    return w // 2 if w % 2 == 0 else N - 1 - w // 2
+
+
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
 def attend_rows(q, k, v, starts, scale, out):  # pragma: no cover - compiled
     r"""Causal GQA attention of every query row on its own: row t of sequence b (position p =
@@ -373,26 +385,36 @@ def attend_rows(q, k, v, starts, scale, out):  # pragma: no cover - compiled
     row 0, each span's (m, \ell, o) joined in order (:func:`..decode.float_step._join_spans`), so
     its output does not depend on the other rows, their count, the batch or the threads. The scores
     of a span are computed with the keys in vector lanes (K transposed once per call,
-    :func:`_keys_by_d`): each score the same sums for every row, no horizontal sums. q: (B, T, H,
-    hd); k, v: (B, S, KVH, hd); out: (B, T, H, hd)."""
+    :func:`_keys_by_d`): each score the same sums for every row, no horizontal sums. The rows go
+    by tiles of :data:`ROW_TILE` that share each span's keys and values (each row's sums as
+    alone), the tiles spread over the threads by :func:`_balanced`. q: (B, T, H, hd); k, v:
+    (B, S, KVH, hd); out: (B, T, H, hd)."""
     B, T, H, hd = q.shape
     KVH = k.shape[2]
     G = H // KVH
     kt = _keys_by_d(k, starts, T)
-    for i in prange(B * T):
-        b = i // T
-        t = i - b * T
-        n = starts[b] + t + 1
-        P = _spans(n)
+    nt = (T + ROW_TILE - 1) // ROW_TILE  # tiles per sequence
+    for w in prange(B * nt):
+        i = _balanced(w, B * nt)
+        b = i // nt
+        t0 = (i - b * nt) * ROW_TILE
+        R = min(T, t0 + ROW_TILE) - t0
+        P = _spans(starts[b] + t0 + R)  # the spans of the tile's last row
         sc = np.empty((G, SPAN), dtype=q.dtype)
-        ml = np.empty((P, H, 2), dtype=q.dtype)
-        parts = np.zeros((P, H * hd), dtype=q.dtype)
+        ml = np.empty((R, P, H, 2), dtype=q.dtype)
+        parts = np.zeros((R, P, H * hd), dtype=q.dtype)
         for u in range(P):
             j0 = u * SPAN
-            L = min(n, j0 + SPAN) - j0
             for kh in range(KVH):  # the G query heads of KV head kh share each key and value
-                for g in range(G):
-                    _span_scores(q[b, t, kh * G + g], kt[b, kh], j0, L, sc[g])
-                    _span_softmax(sc[g], L, scale, ml[u, kh * G + g])
-                _span_values(v[b], kh, j0, L, sc, parts[u, kh * G * hd:(kh + 1) * G * hd])
-        _join_spans(ml, parts, out[b, t].reshape(H * hd))
+                for r in range(R):
+                    n = starts[b] + t0 + r + 1
+                    if j0 < n:  # span u is one of row r's
+                        L = min(n, j0 + SPAN) - j0
+                        for g in range(G):
+                            _span_scores(q[b, t0 + r, kh * G + g], kt[b, kh], j0, L, sc[g])
+                            _span_softmax(sc[g], L, scale, ml[r, u, kh * G + g])
+                        _span_values(v[b], kh, j0, L, sc,
+                                     parts[r, u, kh * G * hd:(kh + 1) * G * hd])
+        for r in range(R):
+            Pr = _spans(starts[b] + t0 + r + 1)
+            _join_spans(ml[r, :Pr], parts[r, :Pr], out[b, t0 + r].reshape(H * hd))

@@ -1,0 +1,71 @@
+"""Attention of every prompt row on its own (backends/numba/floats/attention_forward.py:
+attend_rows): the reference's outputs within the rounding of float32 sums, and each row's output
+bit for bit the same whatever else the call holds: the prompt cut into chunks at any row (tiles
+of ROW_TILE rows then start elsewhere), other sequences beside it, any thread count."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from minillama.core import ops
+
+fa = pytest.importorskip("minillama.backends.numba.floats.attention_forward")
+
+U = float(np.finfo(np.float32).eps) / 2
+
+
+def _case(rng, B, S, H, KVH, hd, T):
+    q = rng.standard_normal((B, T, H, hd)).astype(np.float32)
+    k = rng.standard_normal((B, S, KVH, hd)).astype(np.float32)
+    v = rng.standard_normal((B, S, KVH, hd)).astype(np.float32)
+    return q, k, v
+
+
+def _rows(q, k, v, starts):
+    out = np.empty(q.shape, np.float32)
+    fa.attend_rows(q, k, v, np.asarray(starts, np.int64), np.float32(q.shape[3] ** -0.5), out)
+    return out
+
+
+def _bound(q, k, v, n, hd):
+    r"""The most float32 rounding moves an output from the exact one: each score q.k / sqrt(hd)
+    is off by at most hd u \sum_d |q_d k_d| / sqrt(hd), which moves each softmax weight by at
+    most twice that relatively; e^x (a few u), the sums of at most n weights and of n weighted
+    values (n u each) and the join of the spans (a few u) add (2 n + 32) u; all times max |v|."""
+    qk = np.abs(q).max() * np.abs(k).max() * hd / np.sqrt(hd)
+    return (2 * hd * U * qk + (2 * n + 32) * U) * np.abs(v).max()
+
+
+@pytest.mark.parametrize("B,T,start,H,KVH,hd", [(1, 150, 0, 6, 2, 16), (2, 23, 70, 4, 4, 8),
+                                                (1, 1, 200, 9, 3, 64), (3, 9, 5, 2, 1, 32)])
+def test_attend_rows_matches_the_reference(B, T, start, H, KVH, hd):
+    rng = np.random.default_rng(T + start)
+    q, k, v = _case(rng, B, start + T, H, KVH, hd, T)
+    got = _rows(q, k, v, np.full(B, start))
+    want = ops.attention_forward(q.astype(np.float64), k.astype(np.float64),
+                                 v.astype(np.float64), start)[0]
+    assert np.abs(got - want).max() <= _bound(q, k, v, start + T, hd)
+
+
+def test_a_row_does_not_depend_on_the_rest_of_the_call():
+    rng = np.random.default_rng(3)
+    T, H, KVH, hd = 3 * fa.SPAN + 11, 6, 2, 16
+    q, k, v = _case(rng, 3, T, H, KVH, hd, T)
+    whole = _rows(q[:1], k[:1], v[:1], [0])
+    for cut in (1, fa.ROW_TILE - 1, fa.ROW_TILE + 3, fa.SPAN, 2 * fa.SPAN + 5):
+        head = _rows(q[:1, :cut], k[:1], v[:1], [0])
+        tail = _rows(np.ascontiguousarray(q[:1, cut:]), k[:1], v[:1], [cut])
+        np.testing.assert_array_equal(np.concatenate([head, tail], axis=1), whole)
+    # beside two other sequences, each at its own start (its rows are 5.. of the third)
+    group = _rows(np.ascontiguousarray(q[:, 5:]), k, v, [5, 5, 5])
+    alone = _rows(np.ascontiguousarray(q[2:, 5:]), k[2:], v[2:], [5])
+    np.testing.assert_array_equal(group[2], alone[0])
+    np.testing.assert_array_equal(group[0], whole[0, 5:])
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        np.testing.assert_array_equal(_rows(q[:1], k[:1], v[:1], [0]), whole)
+    finally:
+        numba.set_num_threads(before)
