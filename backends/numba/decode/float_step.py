@@ -166,13 +166,18 @@ def _span(N, u, parts):  # pragma: no cover - compiled
 
 
 #: bytes of W rows in a block of :func:`decode_step` (each block is dotted with every
-#: sequence's activation row while the block and that row are in L1)
+#: sequence's activation row while the block and that row are in L1), and the most bytes of
+#: activation rows that stay in L1 without blocks
 BLOCK_BYTES = 16 * 1024
 
 
 @njit(cache=True, nogil=True, inline='always')
-def _block_rows(K, itemsize):  # pragma: no cover - compiled
-    """An even number of rows of K values of W per block of :data:`BLOCK_BYTES` (at least 2)."""
+def _block_rows(K, itemsize, B):  # pragma: no cover - compiled
+    """Rows of K values of W per block for B sequences: 2 (a RoPE pair) while the B activation
+    rows fit in :data:`BLOCK_BYTES`, else an even number of rows filling that much. Measured
+    on SmolLM2's shape in float32: blocks 1.2x faster at B = 8, pairs 1.2x at B = 4."""
+    if B * K * itemsize <= BLOCK_BYTES:
+        return 2
     return max(2, BLOCK_BYTES // (K * itemsize) // 2 * 2)
 
 
@@ -236,9 +241,9 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
     parts = np.empty((B * P, qd), dtype=dt)
     scale = dt.type(1.0 / np.sqrt(hd))
     # rows of W per block, each block dotted with every sequence's row while both are in L1
-    rb_d = _block_rows(D, emb.itemsize)
-    rb_q = _block_rows(qd, emb.itemsize)
-    rb_f = _block_rows(F, emb.itemsize)
+    rb_d = _block_rows(D, emb.itemsize, B)
+    rb_q = _block_rows(qd, emb.itemsize, B)
+    rb_f = _block_rows(F, emb.itemsize, B)
     ps = pos.copy()  # each sequence's position in the current step
     cur = tok.copy()  # and the token it feeds
     best = np.empty((threads, B), dtype=np.int64)

@@ -117,12 +117,16 @@ def test_many_sequences_match_reference(calls, dtype, tol):
     _fused_step_matches(ref, fast, calls, lens, rng, tol)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_batched_fused_step_equals_per_sequence_fused_steps(calls, dtype):
+@pytest.mark.parametrize("dtype,dim", [(np.float32, 48), (np.float64, 48), (np.float32, 320)])
+def test_batched_fused_step_equals_per_sequence_fused_steps(calls, dtype, dim):
     """One fused step of 16 sequences at their own positions gives each sequence the logits and
     cache rows that the single-sequence kernel gives it alone, bit for bit: batching shares
-    the reads of the weights and nothing else."""
-    _, fast = _pair(dtype=dtype)
+    the reads of the weights and nothing else (dim 320: 16 activation rows over BLOCK_BYTES,
+    so W is taken by blocks of rows)."""
+    from minillama.backends.numba.decode import float_step
+
+    assert (16 * dim * np.dtype(dtype).itemsize > float_step.BLOCK_BYTES) == (dim == 320)
+    _, fast = _pair(dtype=dtype, dim=dim)
     rng = np.random.default_rng(5)
     S, B = fast.cfg.max_seq_len, 16
     prompts = [rng.integers(0, 61, int(n)).tolist() for n in rng.integers(1, S - 1, B)]
