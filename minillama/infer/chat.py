@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minillama.core.decoding import finite_logits
 from minillama.core.errors import MinillamaError
 from minillama.core.sampling import SamplingParams, first_stop
+from minillama.infer.generate import GenerationStats, generate_steps
 from minillama.io.chat_template import common_prefix, encode_rendered, render_chat, stop_ids
 
 
@@ -93,11 +93,6 @@ class ChatSession:
                         f"turn{'s' if dropped > 1 else ''}]")
         return ids
 
-    def _logits(self, ids: list[int], start: int) -> np.ndarray:
-        block = np.asarray([ids], dtype=np.int64)
-        out = self.model.forward(block, start_pos=start, cache=self.cache, last_only=True)
-        return finite_logits(self.model.backend.to_numpy(out)[0], f"position {start}")
-
     def cut_reply(self, text: str) -> None:
         """The last reply as the user saw it, ``text`` (cut at a stop text): the conversation
         goes on from it (the next turn's prompt holds ``text``, not the tokens after it)."""
@@ -120,29 +115,28 @@ class ChatSession:
         self.last_prefill = len(ids) - n
         self.cached = self.cached[:n]  # positions n.. are rewritten now
         out: list[int] = []
-        full = False
         stops = [stop for stop in self.params.stop if stop]
+        stats = GenerationStats(positions=n)
+        # the decode loop of generate, on this conversation's cache and generator
+        steps = generate_steps(self.model, [ids], self.max_new_tokens, self.params,
+                               stop_ids=self.stop, stats=stats, cache=self.cache, cached=n,
+                               rngs=[self.rng])
         try:  # an interrupted turn still gets its (maybe empty) reply: roles keep alternating
-            z = self._logits(ids[n:], n)
-            self.cached = list(ids)
-            while len(out) < self.max_new_tokens:
-                t = self.params.pick(z, self.rng, self.cached)
-                if t in self.stop:
-                    break
-                out.append(t)
-                yield t
+            for step in steps:
+                for _, t in step:
+                    out.append(t)
+                    yield t
                 if stops and first_stop(self.tok.decode(out), stops) is not None:
                     break
-                if len(self.cached) >= self.context:
-                    full = True
-                    break
-                z = self._logits([t], len(self.cached))
-                self.cached.append(t)
         finally:
+            steps.close()
+            self.cached = (list(ids) + out)[:stats.positions]
             said = self.tok.decode(out)
             cut = first_stop(said, stops) if stops else None
             self.messages.append({"role": "assistant",
                                   "content": said if cut is None else said[:cut]})
+        # the reply ran into the end of the context (its last token has no position)
+        full = len(ids) + len(out) > self.context
         if full:
             self.notice(f"[context full ({self.context} tokens): the reply is cut; older turns "
                         f"are dropped next turn]")

@@ -46,6 +46,8 @@ class GenerationStats:
     decode_s: float = 0.0
     cache_bytes: int = 0
     cache_shape: tuple = field(default_factory=tuple)
+    #: the cache positions sequence 0 holds at the end (its prompt and the new tokens fed)
+    positions: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -78,7 +80,8 @@ def _as_prompts(prompts) -> tuple[list[list[int]], bool]:
 
 def generate_steps(model, prompts, max_new_tokens: int | None = None,
                    params: SamplingParams | None = None, *, stop_ids: Iterable[int] = (),
-                   stats: GenerationStats | None = None,
+                   stats: GenerationStats | None = None, cache=None, cached: int = 0,
+                   rngs: list | None = None,
                    **settings) -> Iterator[list[tuple[int, int]]]:
     """Generate, yielding after every model call the list of ``(sequence index, token)`` pairs
     produced by it (stop tokens are not yielded). ``prompts`` is a list of token-id lists (or one
@@ -86,7 +89,13 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
     ``settings`` (its field names: ``temperature=...``, ``top_k=...``, ``seed=...``) replaced says
     how tokens are chosen; the penalties look at each sequence's prompt and new tokens.
     ``max_new_tokens`` defaults to ``params.max_tokens``, else 256. ``stats`` (optional) is
-    filled in as the generation runs."""
+    filled in as the generation runs.
+
+    The decode loop of every front end but the server's continuous batching: ``chat`` runs its
+    turns through it with ``cache`` (a one-sequence cache to write into, whose first ``cached``
+    positions already hold the prompt's first tokens: only the rest is prefilled, at positions
+    ``cached``...) and ``rngs`` (the generators to draw from, one per sequence, instead of new
+    ones seeded ``params.seed``)."""
     params = SamplingParams.of(params, **settings)
     if max_new_tokens is None:
         max_new_tokens = 256 if params.max_tokens is None else params.max_tokens
@@ -102,13 +111,19 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
     stats.batch_size = B
     if max_new_tokens == 0:
         return
+    if cache is not None and (B != 1 or not 0 <= cached < int(lens[0])
+                              or int(lens[0]) > cache.max_seq_len):
+        raise MinillamaError(f"a given cache takes one prompt of at most {cache.max_seq_len} "
+                             f"tokens with fewer than its length cached ({cached} of "
+                             f"{int(lens[0])})")
     # the cache holds the longest prompt plus the new tokens, capped at the context
-    cache_len = int(min(cfg.max_seq_len, int((lens + max_new_tokens).max())))
+    cache_len = (cache.max_seq_len if cache is not None
+                 else int(min(cfg.max_seq_len, int((lens + max_new_tokens).max()))))
     stats.cache_shape = (2, cfg.n_layers, B, cache_len, cfg.n_kv_heads, cfg.head_dim)
-    rngs = _sequence_rngs(params.seed, B)
+    rngs = _sequence_rngs(params.seed, B) if rngs is None else rngs
     # token k of sequence b lands at position n_b + k - 1 and is sampled after feeding position
     # n_b + k - 2, which must lie inside the context: k <= S - n_b + 1
-    budget = np.minimum(max_new_tokens, cfg.max_seq_len - lens + 1)
+    budget = np.minimum(max_new_tokens, min(cfg.max_seq_len, cache_len) - lens + 1)
     penalised = params.penalised
     hist = [list(s) for s in seqs] if penalised else None  # each sequence's context so far
     greedy = params.temperature == 0
@@ -116,18 +131,19 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
     def pick(b, z):
         return params.pick(z, rngs[b], hist[b] if penalised else ())
 
-    if B == 1 and greedy and not penalised:  # a backend may decode many steps/call
+    if B == 1 and greedy and not penalised and cache is None:  # many steps per call
         dec = be.greedy_decoder(model, cache_len, stop)
         if dec is not None:
             stats.cache_bytes = dec.cache.nbytes
             yield from stream_greedy(dec, seqs[0], max_new_tokens, cfg.max_seq_len, stop, stats)
             return
-    cache = model.new_cache(B, cache_len)
+    if cache is None:
+        cache = model.new_cache(B, cache_len)
     stats.cache_bytes = cache.nbytes
     # greedy with several sequences: a backend may run up to 16 steps per call
     many = be.greedy_steps if greedy and B > 1 and not penalised else None
     yield from _prefill_and_decode(model, seqs, lens, cache, pick, many, stop, budget, hist,
-                                   stats)
+                                   stats, cached)
 
 
 def _prompt_lengths(cfg, seqs) -> np.ndarray:
@@ -150,31 +166,35 @@ def _sequence_rngs(seed, B: int) -> list:
     return [np.random.default_rng(seed) for _ in range(B)]
 
 
-def _prefill(model, seqs, lens, cache) -> np.ndarray:
-    """The prompts in one call (padded to the longest, the cache filled): each sequence's
-    last-position logits (B, V) on the host, checked finite."""
+def _prefill(model, seqs, lens, cache, cached: int = 0) -> np.ndarray:
+    """The prompts in one call (padded to the longest, the cache filled; one prompt from
+    position ``cached`` on, the cache holding the rest): each sequence's last-position logits
+    (B, V) on the host, checked finite."""
     B = len(seqs)
     block = np.zeros((B, int(lens.max())), dtype=np.int64)
     for b, s in enumerate(seqs):
         block[b, :len(s)] = s
     if B == 1:
-        logits = model.forward(block, start_pos=0, cache=cache, last_only=True)
+        logits = model.forward(block[:, cached:], start_pos=cached, cache=cache, last_only=True)
     else:
         logits = model.forward(block, start_pos=0, cache=cache, output_index=lens - 1)
     return _finite(model.backend.to_numpy(logits), "the prompt")
 
 
-def _prefill_and_decode(model, seqs, lens, cache, pick, many, stop, budget, hist, stats):
+def _prefill_and_decode(model, seqs, lens, cache, pick, many, stop, budget, hist, stats,
+                        cached=0):
     """The prompts in one call (padded to the longest, each sequence's last position read),
     then one token per running sequence per step until every one stops; yields each call's
-    ``(sequence index, token)`` pairs. ``many``: the backend's greedy_steps, or None."""
+    ``(sequence index, token)`` pairs. ``many``: the backend's greedy_steps, or None;
+    ``cached``: the positions of a one-prompt cache already filled."""
     be, B, cache_len = model.backend, len(seqs), cache.max_seq_len
     # -- prefill ----------------------------------------------------------------------------
     t0 = time.perf_counter()
-    z = _prefill(model, seqs, lens, cache)
-    stats.prompt_tokens = int(lens.sum())
+    z = _prefill(model, seqs, lens, cache, cached)
+    stats.prompt_tokens = int(lens.sum()) - cached
     alive = np.ones(B, dtype=bool)
     pos = lens.copy()  # where each sequence's next token goes
+    stats.positions = int(pos[0])
     last = np.zeros(B, dtype=np.int64)
     emitted = np.zeros(B, dtype=np.int64)
     step_out = _choose(lambda b: pick(b, z[b]), alive, stop, last, emitted, budget, hist)
@@ -205,6 +225,7 @@ def _prefill_and_decode(model, seqs, lens, cache, pick, many, stop, budget, hist
             if bad.any():
                 raise nonfinite_error(f"position {int(feed_pos[bad].max())}")
             pos = pos + alive
+            stats.positions = int(pos[0])
             step_out = _choose(lambda b, picked=picked: int(picked[b]), alive, stop, last,
                                emitted, budget, hist)
         else:
@@ -212,6 +233,7 @@ def _prefill_and_decode(model, seqs, lens, cache, pick, many, stop, budget, hist
             logits = model.forward(last[:, None], start_pos=sp, cache=cache, last_only=True)
             z = _finite(be.to_numpy(logits), f"position {int(np.max(feed_pos))}")
             pos = pos + alive
+            stats.positions = int(pos[0])
             step_out = _choose(lambda b, z=z: pick(b, z[b]), alive, stop, last, emitted,
                                budget, hist)
         stats.decode_steps += 1
