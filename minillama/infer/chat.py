@@ -22,8 +22,8 @@ from collections.abc import Callable
 import numpy as np
 
 from minillama.core.errors import MinillamaError
-from minillama.core.sampling import SamplingParams, first_stop
-from minillama.infer.generate import GenerationStats, generate_steps
+from minillama.core.sampling import SamplingParams, StopText, first_stop
+from minillama.infer.generate import GenerationStats, TextStreamer, generate_steps
 from minillama.io.chat_template import common_prefix, encode_rendered, render_chat, stop_ids
 
 
@@ -121,12 +121,15 @@ class ChatSession:
         steps = generate_steps(self.model, [ids], self.max_new_tokens, self.params,
                                stop_ids=self.stop, stats=stats, cache=self.cache, cached=n,
                                rngs=[self.rng])
+        stopper, streamer = StopText(stops), TextStreamer(self.tok)  # the text as it grows
         try:  # an interrupted turn still gets its (maybe empty) reply: roles keep alternating
             for step in steps:
                 for _, t in step:
                     out.append(t)
                     yield t
-                if stops and first_stop(self.tok.decode(out), stops) is not None:
+                    if stops:
+                        stopper.push(streamer.put(t))
+                if stopper.hit:
                     break
         finally:
             steps.close()
