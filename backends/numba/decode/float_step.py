@@ -20,10 +20,11 @@ a row of W with an activation row (:func:`_dot`), every attention a sum over spa
 :data:`SPAN` cache rows joined in order, so a sequence's logits do not depend on the thread
 count nor, in :func:`decode_step`, on the sequences batched with it: that kernel runs each
 row's operations in :func:`decode_step_one`'s order and shares only the reads of W (the
-threads take runs of consecutive rows of W, by blocks dotted with the B activation rows while
-in L1). The price of that order: a dot product per output and sequence loads W from L1 for
-each sequence, where tiles of several rows and sequences shared each load (a step of 16
-sequences of SmolLM2's shape in float32 0.7x as fast as with the tiles, docs/BENCHMARKS.md).
+threads take runs of consecutive rows of W, by pairs or blocks dotted with the B activation
+rows while in L1). The price of that order: a dot product per output and sequence loads W
+from L1 for each sequence, where tiles of several rows and sequences shared each load (a step
+of 16 sequences of SmolLM2's shape in float32 0.7x as fast as with the tiles,
+docs/BENCHMARKS.md).
 The weights are the model's own arrays (no copy), passed as typed lists over the layers (whose
 type does not depend on L, so one compilation per dtype serves every depth), so a decode step
 is one dispatch with no Python work per op. Given an ``ids`` buffer of n columns, both kernels
@@ -210,12 +211,12 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
     :func:`decode_step_one`); ids: (B, n) int64.
 
     Every operation on a row is :func:`decode_step_one`'s, in its order: each product output
-    is one :func:`_dot` (the threads take runs of consecutive rows of W, cut into blocks of
-    :data:`BLOCK_BYTES`, each block dotted with the B activation rows while it is in L1),
-    attention cuts each sequence's cache rows into the same spans (all the sequences' spans in
-    one parallel loop) joined per sequence. So a
-    row's logits and K/V are the one-sequence kernel's bit for bit on any thread count:
-    batching shares the reads of the weights and nothing else.
+    is one :func:`_dot` (the threads take runs of consecutive rows of W, by pairs, or by blocks
+    of :data:`BLOCK_BYTES` when the B activation rows do not fit in that much, each pair or
+    block dotted with the B activation rows while it is in L1), attention cuts each sequence's
+    cache rows into the same spans (all the sequences' spans in one parallel loop) joined per
+    sequence. So a row's logits and K/V are the one-sequence kernel's bit for bit on any thread
+    count: batching shares the reads of the weights and nothing else.
 
     Greedy (n > 0): after each step every sequence's next token is the argmax of its logits
     (the first maximum) and is fed at its next position, capped at the cache's last slot; all
