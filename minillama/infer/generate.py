@@ -111,19 +111,9 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
     stats.batch_size = B
     if max_new_tokens == 0:
         return
-    if cache is not None and (B != 1 or not 0 <= cached < int(lens[0])
-                              or int(lens[0]) > cache.max_seq_len):
-        raise MinillamaError(f"a given cache takes one prompt of at most {cache.max_seq_len} "
-                             f"tokens with fewer than its length cached ({cached} of "
-                             f"{int(lens[0])})")
-    # the cache holds the longest prompt plus the new tokens, capped at the context
-    cache_len = (cache.max_seq_len if cache is not None
-                 else int(min(cfg.max_seq_len, int((lens + max_new_tokens).max()))))
+    cache_len, budget = _cache_len_and_budget(cfg, lens, max_new_tokens, cache, cached)
     stats.cache_shape = (2, cfg.n_layers, B, cache_len, cfg.n_kv_heads, cfg.head_dim)
     rngs = _sequence_rngs(params.seed, B) if rngs is None else rngs
-    # token k of sequence b lands at position n_b + k - 1 and is sampled after feeding position
-    # n_b + k - 2, which must lie inside the context: k <= S - n_b + 1
-    budget = np.minimum(max_new_tokens, min(cfg.max_seq_len, cache_len) - lens + 1)
     penalised = params.penalised
     hist = [list(s) for s in seqs] if penalised else None  # each sequence's context so far
     greedy = params.temperature == 0
@@ -144,6 +134,22 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
     many = be.greedy_steps if greedy and B > 1 and not penalised else None
     yield from _prefill_and_decode(model, seqs, lens, cache, pick, many, stop, budget, hist,
                                    stats, cached)
+
+
+def _cache_len_and_budget(cfg, lens, max_new_tokens: int, cache, cached: int):
+    """The cache length (a given cache's, else the longest prompt plus the new tokens, capped
+    at the context) and each sequence's budget of new tokens (B,); a given cache must take one
+    prompt that it holds fewer than all of."""
+    if cache is not None and (len(lens) != 1 or not 0 <= cached < int(lens[0])
+                              or int(lens[0]) > cache.max_seq_len):
+        raise MinillamaError(f"a given cache takes one prompt of at most {cache.max_seq_len} "
+                             f"tokens with fewer than its length cached ({cached} of "
+                             f"{int(lens[0])})")
+    cache_len = (cache.max_seq_len if cache is not None
+                 else int(min(cfg.max_seq_len, int((lens + max_new_tokens).max()))))
+    # token k of sequence b lands at position n_b + k - 1 and is sampled after feeding position
+    # n_b + k - 2, which must lie inside the context: k <= S - n_b + 1
+    return cache_len, np.minimum(max_new_tokens, min(cfg.max_seq_len, cache_len) - lens + 1)
 
 
 def _prompt_lengths(cfg, seqs) -> np.ndarray:

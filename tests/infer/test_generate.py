@@ -114,6 +114,32 @@ def test_greedy_generation_equals_argmax_of_full_forward():
     assert out == seq[len(prompt):]
 
 
+def test_generation_on_a_given_cache_from_a_cached_prefix():
+    """generate_steps on a cache whose first positions another call filled (the chat turns'
+    path): the prompt's rest is prefilled from there, the tokens are those of a fresh run, the
+    cache holds the prompt and the tokens fed (stats.positions), the sequence's generator is
+    the one given; a cache given with several prompts or with the whole prompt cached is
+    refused."""
+    m = _model()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = generate(m, prompt, max_new_tokens=6)
+    cache = m.new_cache(1, 32)
+    m.forward(np.array([prompt[:5] + [7, 7]]), cache=cache)  # another prompt sharing 5 tokens
+    stats = GenerationStats()
+    got = [t for step in generate_steps(m, [prompt], 6, stats=stats, cache=cache, cached=5)
+           for _, t in step]
+    assert got == want and stats.prompt_tokens == 3
+    assert stats.positions == len(prompt) + 5  # the last new token is not fed
+    rng = np.random.default_rng(4)
+    drawn = [t for step in generate_steps(m, [prompt], 6, cache=m.new_cache(1, 32),
+                                          temperature=1.0, rngs=[rng]) for _, t in step]
+    assert drawn == generate(m, prompt, max_new_tokens=6, temperature=1.0, seed=4)
+    for kw in (dict(prompts=[prompt, prompt], cached=0), dict(prompts=[prompt], cached=8)):
+        with pytest.raises(MinillamaError, match="a given cache takes one prompt"):
+            list(generate_steps(m, kw["prompts"], 3, cache=m.new_cache(1, 32),
+                                cached=kw["cached"]))
+
+
 def test_seed_makes_sampling_reproducible():
     m = _model()
     a = generate(m, [1, 2], max_new_tokens=20, temperature=1.0, top_p=0.95, seed=5)
