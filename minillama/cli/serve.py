@@ -89,8 +89,10 @@ def load_engine(args):
                     max_queue=args.max_queue, prefix_reuse=args.prefix_reuse,
                     prefix_rows=args.prefix_cache)
     # the first request should not wait for the compiler: compile (or load) the kernels now,
-    # with those of long prompts and batches when it compiled, saying so when it takes a while
-    warm_up(model, [0], run=lambda: engine.generate([0], max_tokens=2), then=warm_prefill)
+    # with those of long prompts and batches, saying so when it takes a while; all of it on the
+    # engine's thread, the one that serves (Engine.run_in_thread says why)
+    warm_up(model, [0], run=lambda: engine.generate([0], max_tokens=2),
+            then=lambda m: engine.run_in_thread(warm_prefill, m))
     return engine, tok, args.model_name or model_name_for(checkpoint)
 
 

@@ -223,3 +223,30 @@ def test_generate_defaults_to_auto(ckpt, capsys, monkeypatch):
     assert rc == 0 and _ran_on(err) == "numpy"
     rc, out, err = _gen(capsys, "-c", str(ckpt), "-n", "3", "--seed", "0", "--backend", "auto")
     assert rc == 0 and _ran_on(err) == "reference"
+
+
+def test_serve_warms_up_on_the_engine_thread(monkeypatch):
+    """Every warm-up forward of `serve` (the first request's and warm_prefill's) runs on the
+    engine's scheduler thread, the one that serves: Numba's parallel kernels ran 2x slower on an
+    OS thread other than the first that ran them (Engine.run_in_thread)."""
+    import threading
+
+    from minillama.cli import main as cli
+    from minillama.cli import serve as serve_cli
+
+    where = []
+
+    def fake_warm_up(model, ids, run=None, then=None, **kw):  # every backend, no compiling
+        run()
+        then(model)
+        return 0.0
+
+    monkeypatch.setattr(serve_cli, "warm_up", fake_warm_up)
+    monkeypatch.setattr(serve_cli, "warm_prefill",
+                        lambda model: where.append(threading.current_thread().name))
+    args = cli.build_parser().parse_args(["serve", "--backend", "numpy", "--max-context", "64"])
+    engine, _, _ = serve_cli.load_engine(args)
+    try:
+        assert where == ["minillama-engine"]
+    finally:
+        engine.close()

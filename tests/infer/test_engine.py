@@ -550,3 +550,24 @@ def test_smollm2_second_turn_reuses_the_first_and_equals_a_cold_run(smollm2_gguf
     finally:
         warm.close()
         cold.close()
+
+
+def test_work_handed_to_the_engine_runs_on_its_thread_between_steps():
+    """run_in_thread runs a callable on the scheduler thread (the one that runs every step),
+    returns its result, raises its exception, and refuses once the engine is closed."""
+    eng = Engine(_model(), max_batch=2)
+    try:
+        seen = eng.run_in_thread(lambda a, b: (threading.current_thread().name, a + b), 2, 3)
+        assert seen == ("minillama-engine", 5)
+        tokens, _ = eng.generate([1, 2, 3], max_tokens=4)  # requests still run after it
+        assert len(tokens) == 4
+
+        def fails():
+            raise ValueError("from the engine's thread")
+
+        with pytest.raises(ValueError, match="from the engine's thread"):
+            eng.run_in_thread(fails)
+    finally:
+        eng.close()
+    with pytest.raises(MinillamaError, match="closed"):
+        eng.run_in_thread(lambda: None)
