@@ -151,6 +151,70 @@ class Request:
         self._emit(("error", message))
 
 
+def _checked_request(prompt_ids, logprobs, V: int, S: int) -> list[int]:
+    """The prompt's ids as ints, after checking them (not empty, in the vocabulary of V, at
+    most S) and ``logprobs`` (None or 0..MAX_TOP_LOGPROBS); one clear error otherwise."""
+    if logprobs is not None and (isinstance(logprobs, bool) or int(logprobs) != logprobs
+                                 or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise MinillamaError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
+                             f"{logprobs}")
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise MinillamaError("the prompt must hold at least one token")
+    if min(prompt) < 0 or max(prompt) >= V:
+        raise MinillamaError(f"prompt token ids must lie in [0, {V})")
+    if len(prompt) > S:
+        raise MinillamaError(f"the prompt of {len(prompt)} tokens is longer than the context "
+                             f"of {S} tokens")
+    return prompt
+
+
+class Calls:
+    """Work handed to the engine's scheduler thread (:meth:`Engine.run_in_thread`), run there
+    between two steps. Work on the model belongs on that thread: Numba's parallel kernels (GNU
+    OpenMP) ran a decode step 2x slower on a second OS thread than on the first one that ran
+    them (SmolLM2 Q4_1, 2 threads: 10-11 ms a step against 4.5-5.4 ms, the first thread's
+    speed with ``GOMP_SPINCOUNT=0``: each parallel region woke sleeping workers), and a server
+    whose warm-up ran on the main thread served one client at 0.65x its speed."""
+
+    def __init__(self, cv: threading.Condition):
+        self.cv = cv  # the engine's lock and wake-up
+        self.queue: collections.deque = collections.deque()  # (fn, args, future)
+        self.closed = False
+
+    def __bool__(self) -> bool:
+        return bool(self.queue)
+
+    def put(self, fn: Callable, args: tuple) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self.cv:
+            if self.closed:
+                raise MinillamaError("the engine is closed")
+            self.queue.append((fn, args, future))
+            self.cv.notify()
+        return future
+
+    def take(self) -> Callable[[], None] | None:
+        """The next call (lock held), as a function that runs it and hands its outcome over."""
+        if not self.queue:
+            return None
+        fn, args, future = self.queue.popleft()
+
+        def run() -> None:
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # the waiting caller gets it
+                future.set_exception(e)
+
+        return run
+
+    def refuse(self) -> None:
+        """The engine closed (lock held): every waiting call fails, and any later one."""
+        self.closed = True
+        while self.queue:
+            self.queue.popleft()[2].set_exception(MinillamaError("the engine is closed"))
+
+
 class Engine:
     r"""Continuous batching over ``model`` (a
     :class:`~minillama.model.transformer.Transformer`) with up to ``max_batch`` concurrent
@@ -191,9 +255,9 @@ class Engine:
                                extra_rows=int(prefix_rows), reuse=bool(prefix_reuse))
         self._slots = self.batch.slots
         self._pending: collections.deque[Request] = collections.deque()
-        self._calls: collections.deque = collections.deque()  # (fn, args, future) to run here
         self._in_step = 0  # the requests the running step holds (those it admits included)
         self._cv = threading.Condition()
+        self._calls = Calls(self._cv)  # work handed to the scheduler thread
         self._thread: threading.Thread | None = None
         self._closed = False
         self.finished: collections.Counter = collections.Counter()  #: finish reason -> count
@@ -219,21 +283,9 @@ class Engine:
         alternatives (:class:`Request`). Bad arguments (an empty prompt or one longer than the
         context, ids outside the vocabulary, settings out of range) raise
         :class:`MinillamaError` before anything runs; a full engine raises :class:`QueueFull`."""
-        if logprobs is not None and (isinstance(logprobs, bool) or int(logprobs) != logprobs
-                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
-            raise MinillamaError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
-                                 f"{logprobs}")
+        prompt = _checked_request(prompt_ids, logprobs, self.model.cfg.vocab_size, self.S)
         params = SamplingParams.of(params, **settings)
         max_tokens = 16 if params.max_tokens is None else params.max_tokens
-        prompt = [int(t) for t in prompt_ids]
-        V = self.model.cfg.vocab_size
-        if not prompt:
-            raise MinillamaError("the prompt must hold at least one token")
-        if min(prompt) < 0 or max(prompt) >= V:
-            raise MinillamaError(f"prompt token ids must lie in [0, {V})")
-        if len(prompt) > self.S:
-            raise MinillamaError(f"the prompt of {len(prompt)} tokens is longer than the context "
-                                 f"of {self.S} tokens")
         req = Request(self, prompt, int(max_tokens), params, {int(t) for t in stop_ids}, on_event,
                       None if logprobs is None else int(logprobs))
         with self._cv:
@@ -259,19 +311,9 @@ class Engine:
         return req.tokens, req.finish_reason
 
     def run_in_thread(self, fn: Callable, *args):
-        """``fn(*args)`` run on the scheduler thread between two steps; waits for it and returns
-        its result (or raises its exception). Work on the model belongs on that thread: Numba's
-        parallel kernels (GNU OpenMP) ran a decode step 2x slower on a second OS thread than on
-        the first one that ran them (SmolLM2 Q4_1, 2 threads: 10-11 ms a step against 4.5-5.4
-        ms, the speed of the first thread with ``GOMP_SPINCOUNT=0``, so its parallel regions
-        woke sleeping workers), and a server whose warm-up ran on the main thread served one
-        client at 0.65x its speed."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cv:
-            if self._closed:
-                raise MinillamaError("the engine is closed")
-            self._calls.append((fn, args, future))
-            self._cv.notify()
+        """``fn(*args)`` run on the scheduler thread between two steps (:class:`Calls` says
+        why); returns its result or raises its error."""
+        future = self._calls.put(fn, args)
         self.start()
         return future.result()
 
@@ -286,6 +328,7 @@ class Engine:
         """Stop the scheduler; requests still waiting or running end with an error event."""
         with self._cv:
             self._closed = True
+            self._calls.refuse()
             self._cv.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
@@ -305,21 +348,18 @@ class Engine:
                 while (not self._closed and not self._pending and not self._slots
                        and not self._calls):
                     self._cv.wait()
-                if self._closed:
-                    for _, _, future in self._calls:
-                        future.set_exception(MinillamaError("the engine is closed"))
+                if self._closed:  # close() refused the calls
                     return
-                call = self._calls.popleft() if self._calls else None
-            if call is not None:
-                self._run_call(*call)
-                continue
-            with self._cv:
-                if any(r.cancelled for r in self._pending):  # gone before a slot freed
+                call = self._calls.take()
+                if call is None and any(r.cancelled for r in self._pending):  # cancelled waiting
                     for r in [r for r in self._pending if r.cancelled]:
                         r._finish(r.cancel_reason)
                     self._pending = collections.deque(r for r in self._pending
                                                       if r.finish_reason is None)
-                new = self._take_pending()
+                new = [] if call is not None else self._take_pending()
+            if call is not None:
+                call()
+                continue
             try:
                 self.batch.step(list(new), more=functools.partial(self._more, new))
             except Exception as e:  # an unexpected failure ends these requests,
@@ -330,13 +370,6 @@ class Engine:
                 self._slots.clear()
                 self.batch.rows.reset()
             self._in_step = len(self._slots)
-
-    @staticmethod
-    def _run_call(fn, args, future) -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # handed to the waiting caller
-            future.set_exception(e)
 
     def _take_pending(self) -> list:
         """Pop the pending requests that fit beside the running ones (lock held); they count as

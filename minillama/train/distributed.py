@@ -34,6 +34,7 @@ import os
 import shutil
 import sys
 import sysconfig
+import time
 import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -47,6 +48,10 @@ from minillama.core.errors import MinillamaError
 #: the largest piece of the flat gradient buffer one all-reduce call sends (bytes); a model whose
 #: gradients are larger is reduced in several buckets of this size
 BUCKET_BYTES = 256 << 20
+#: seconds a failing MPI rank waits between writing its error line and MPI_Abort: the abort
+#: kills every rank at once, and the launcher (MPICH's hydra) could drop the line still in
+#: the pipe it forwards (seen once in four full test runs: exit status 2 with an empty stderr)
+ABORT_GRACE_S = 0.5
 
 #: (rank variable, size variable) that launchers set: MPICH/Intel MPI (Hydra, PMI), Open MPI,
 #: MVAPICH, SLURM's srun
@@ -333,6 +338,7 @@ class MPIComm(Communicator):
         return self.comm.bcast(obj, root=root)
 
     def abort(self, code: int):
+        time.sleep(ABORT_GRACE_S)  # the error line reaches the launcher first
         try:
             self.comm.Abort(code)
         finally:  # MPI_Abort may return before the launcher has killed this process
