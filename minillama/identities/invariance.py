@@ -178,6 +178,11 @@ def _float_threads(s: Subject, ex: dict) -> float:
 
 
 _PROMPT = st.integers(1, MAX_PROMPT)
+#: a prompt stepped beside 1-3 others, and one on 1 and 2-4 threads
+_BESIDE = st.fixed_dictionaries({"seed": ids.seeds, "P": _PROMPT, "steps": st.integers(1, 3),
+                                 "others": st.lists(_PROMPT, min_size=1, max_size=3)})
+_THREADS = st.fixed_dictionaries({"seed": ids.seeds, "P": _PROMPT, "steps": st.integers(1, 3),
+                                  "threads": st.integers(2, 4)})
 
 IDENTITIES = [
     Identity(
@@ -186,9 +191,7 @@ IDENTITIES = [
                   "a padded group beside 1-3 other prompts, then stepped beside them at their "
                   "own positions.",
         equation=r"z(X)_b \equiv z(X_b)",
-        strategy=st.fixed_dictionaries({
-            "seed": ids.seeds, "P": _PROMPT, "steps": st.integers(1, 3),
-            "others": st.lists(_PROMPT, min_size=1, max_size=3)}),
+        strategy=_BESIDE,
         tolerance="zero where the backend promises it (its invariance set); else the largest "
                   "difference is reported",
         ops=MODEL_FORWARD_OPS, fn=_batch, for_functions=False, exact="batch"),
@@ -208,9 +211,7 @@ IDENTITIES = [
         statement="A prompt's logits and its decode steps' are the same bit for bit on one "
                   "thread and on several.",
         equation=r"z_{1\ \mathrm{thread}}(x) \equiv z_{n\ \mathrm{threads}}(x)",
-        strategy=st.fixed_dictionaries({"seed": ids.seeds, "P": _PROMPT,
-                                        "steps": st.integers(1, 3),
-                                        "threads": st.integers(2, 4)}),
+        strategy=_THREADS,
         tolerance="zero where the backend promises it; else reported",
         ops=MODEL_FORWARD_OPS, fn=_threads, for_functions=False, exact="threads"),
     Identity(
@@ -228,9 +229,7 @@ IDENTITIES = [
                   "bit stepped alone and beside 1-3 other sequences at their own positions "
                   "(each prompt prefilled alone).",
         equation=r"\mathrm{step}(X)_b \equiv \mathrm{step}(X_b)",
-        strategy=st.fixed_dictionaries({
-            "seed": ids.seeds, "P": _PROMPT, "steps": st.integers(1, 3),
-            "others": st.lists(_PROMPT, min_size=1, max_size=3)}),
+        strategy=_BESIDE,
         tolerance="zero where the backend promises it; else reported",
         ops=MODEL_FORWARD_OPS, fn=_float_batch, for_functions=False,
         exact="float_decode_batch"),
@@ -239,9 +238,7 @@ IDENTITIES = [
         statement="On float32 weights, the decode steps after a prompt give the same logits "
                   "bit for bit on one thread and on several.",
         equation=r"\mathrm{step}_{1}(x) \equiv \mathrm{step}_{n}(x)",
-        strategy=st.fixed_dictionaries({"seed": ids.seeds, "P": _PROMPT,
-                                        "steps": st.integers(1, 3),
-                                        "threads": st.integers(2, 4)}),
+        strategy=_THREADS,
         tolerance="zero where the backend promises it; else reported",
         ops=MODEL_FORWARD_OPS, fn=_float_threads, for_functions=False,
         exact="float_decode_threads"),

@@ -270,20 +270,8 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
                 for r0 in range(lo, hi, rb_d):
                     for b in range(B):
                         for r in range(r0, min(r0 + rb_d, hi), 2):
-                            if r < qd:
-                                a = _dot(xn[b], Wq, r, zero)
-                                c = _dot(xn[b], Wq, r + 1, zero)
-                                d0 = r % hd
-                            elif r < qd + kvd:
-                                a = _dot(xn[b], Wk, r - qd, zero)
-                                c = _dot(xn[b], Wk, r - qd + 1, zero)
-                                d0 = (r - qd) % hd
-                            else:
-                                a = _dot(xn[b], Wv, r - qd - kvd, zero)
-                                c = _dot(xn[b], Wv, r - qd - kvd + 1, zero)
-                                d0 = (r - qd - kvd) % hd
-                            _rope_store(r, a, c, d0, ps[b], qd, kvd, hd, cos, sin, qkv[b:b + 1],
-                                        Kc[b:b + 1], Vc[b:b + 1])
+                            _qkv_pair(xn[b], Wq, Wk, Wv, r, ps[b], hd, cos, sin, qkv[b:b + 1],
+                                      Kc[b:b + 1], Vc[b:b + 1], zero)
             # sequence b's cache rows 0..p_b in the spans of SPAN rows decode_step_one takes
             for u in prange(B * P):
                 b = u // P
@@ -338,6 +326,22 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
         if bad:
             return step + 1
     return n_steps
+
+
+@njit(fastmath=True, cache=True, nogil=True, inline='always')
+def _qkv_pair(x, Wq, Wk, Wv, r, p, hd, cos, sin, qkv, Kc, Vc, zero):  # pragma: no cover
+    """Rows r, r + 1 (a RoPE pair) of W_q, W_k, W_v stacked, dotted with x (K,) by
+    :func:`_dot`, then rotated and stored by :func:`_rope_store` for position p: the one code of
+    both steps, so a row's q, k, v are the same in either."""
+    qd, kvd = Wq.shape[0], Wk.shape[0]
+    if r < qd:
+        W, i = Wq, r
+    elif r < qd + kvd:
+        W, i = Wk, r - qd
+    else:
+        W, i = Wv, r - qd - kvd
+    _rope_store(r, _dot(x, W, i, zero), _dot(x, W, i + 1, zero), i % hd, p, qd, kvd, hd, cos,
+                sin, qkv, Kc, Vc)
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline='always')
@@ -449,20 +453,7 @@ def decode_step_one(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, 
             # q, k, v by RoPE pairs of rows of W_q, W_k, W_v stacked: q and k rotated as computed,
             # k and v into the cache
             for i in prange((qd + 2 * kvd) // 2):
-                r = 2 * i
-                if r < qd:
-                    a = _dot(xn[0], Wq, r, zero)
-                    c = _dot(xn[0], Wq, r + 1, zero)
-                    d0 = r % hd
-                elif r < qd + kvd:
-                    a = _dot(xn[0], Wk, r - qd, zero)
-                    c = _dot(xn[0], Wk, r - qd + 1, zero)
-                    d0 = (r - qd) % hd
-                else:
-                    a = _dot(xn[0], Wv, r - qd - kvd, zero)
-                    c = _dot(xn[0], Wv, r - qd - kvd + 1, zero)
-                    d0 = (r - qd - kvd) % hd
-                _rope_store(r, a, c, d0, p, qd, kvd, hd, cos, sin, qkv, Kc, Vc)
+                _qkv_pair(xn[0], Wq, Wk, Wv, 2 * i, p, hd, cos, sin, qkv, Kc, Vc, zero)
             # attention over cache rows 0..p in P spans of SPAN consecutive rows (each thread
             # streams its own spans of the cache), then the spans joined in order
             for u in prange(P):
