@@ -162,10 +162,14 @@ class ReferenceBackend:
         or None to decline (the caller steps one token at a time). The reference declines."""
         return None
 
-    def greedy_decoder(self, model, max_seq_len: int, stop_ids=()):
+    def greedy_decoder(self, model, max_seq_len: int, stop_ids=(), speculate: bool = False,
+                       cache=None, cached: int = 0):
         """A decoder running greedy steps of one sequence several per call
         (:class:`minillama.core.decoding.ChunkDecoder`), or None where the backend has none (the
-        caller steps the model). The reference has none."""
+        caller steps the model); ``speculate``: one verifying prompt-lookup drafts
+        (:mod:`minillama.core.speculative`) where that gives the same ids; ``cache``, ``cached``:
+        a one-sequence cache holding the prompt's first ``cached`` positions to write into. The
+        reference has none."""
         return None
 
     def watch_compiles(self):

@@ -19,6 +19,7 @@ from minillama.core.decoding import ChunkDecoder, nonfinite_error
 from minillama.core.decoding import finite_logits as _finite
 from minillama.core.errors import MinillamaError
 from minillama.core.quant import QuantMatrix
+from minillama.core.speculative import Speculation
 
 from ..tuner import ThreadTuner
 
@@ -205,13 +206,13 @@ class FusedDecode(DecodePlans):
             plan["eps"], plan["heads"], logits, threads, stop, ids, q._F16,
             q._KVALUES)
 
-    def _step_rows_q(self, plan, tok, pos, kc, vc, logits, threads):
-        """One fused step of B > 1 sequences of a quantized plan, each at its own position, on
-        ``threads`` threads: :func:`.decode.quant_step.decode_step_rows_q`."""
+    def _step_rows_q(self, plan, tok, pos, seq, kc, vc, logits, threads):
+        """One fused step of B > 1 rows of a quantized plan, each at its own position in cache
+        row seq[b], on ``threads`` threads: :func:`.decode.quant_step.decode_step_rows_q`."""
         q = self._quant()
         wq, wk, wv, wo, w1, w2, w3 = plan["mats"]
         self._qdecode.decode_step_rows_q(
-            tok, pos, *plan["emb"], *plan["out"], plan["codes"], plan["norm"], plan["g_att"],
+            tok, pos, seq, *plan["emb"], *plan["out"], plan["codes"], plan["norm"], plan["g_att"],
             wq, wk, wv, wo, plan["g_ffn"], w1, w2, w3, kc, vc, plan["cos"], plan["sin"],
             plan["eps"], plan["heads"], logits, threads, q._F16, q._KVALUES)
 
@@ -252,20 +253,26 @@ class FusedDecode(DecodePlans):
             raise MinillamaError(f"sequence of {hi + 1} positions exceeds the KV cache length "
                                  f"{cache.max_seq_len}")
         logits = np.empty((B, _vocab(plan)), dtype=model.dtype)
-        if B == 1:
-            t = np.ascontiguousarray(tok[:, 0], dtype=np.int64)
-            self.tuner.run(self._numba_team, lambda threads, k: self._step_one(
-                plan, t, pos, kc, vc, logits, _NO_IDS, _NO_IDS, threads) or 1, 1)
-        elif plan.get("quant"):
-            t = np.ascontiguousarray(tok[:, 0], dtype=np.int64)
-            self.rows_tuner(B).run(self._numba_team, lambda threads, k: self._step_rows_q(
-                plan, t, pos, kc, vc, logits, threads) or 1, 1)
-        else:
-            t = np.ascontiguousarray(tok[:, 0], dtype=np.int64)
-            self.rows_tuner(B).run(self._numba_team, lambda threads, k: self._decode.decode_step(
-                t, pos, *_model_args(plan, kc, vc), logits, threads, _NO_IDS, _NO_IDS_2D) or 1,
-                1)
+        self._rows(plan, np.ascontiguousarray(tok[:, 0], dtype=np.int64), pos,
+                   np.arange(B, dtype=np.int64), kc, vc, logits)
         return logits
+
+    def _rows(self, plan, tok, pos, seq, kc, vc, logits) -> None:
+        """One fused step of the B rows tok (B,) at positions pos (B,) in cache rows seq (B,),
+        into logits (B, V), on the thread count its tuner picks: one row (a cache of one row) by
+        the one-sequence kernel, several by the kernel of several rows (each row computed as it
+        would be alone)."""
+        B = len(tok)
+        if B == 1:
+            self.tuner.run(self._numba_team, lambda threads, k: self._step_one(
+                plan, tok, pos, kc, vc, logits, _NO_IDS, _NO_IDS, threads) or 1, 1)
+        elif plan.get("quant"):
+            self.rows_tuner(B).run(self._numba_team, lambda threads, k: self._step_rows_q(
+                plan, tok, pos, seq, kc, vc, logits, threads) or 1, 1)
+        else:
+            self.rows_tuner(B).run(self._numba_team, lambda threads, k: self._decode.decode_step(
+                tok, pos, seq, *_model_args(plan, kc, vc), logits, threads, _NO_IDS,
+                _NO_IDS_2D) or 1, 1)
 
     @property
     def invariance(self) -> frozenset[str]:
@@ -273,14 +280,16 @@ class FusedDecode(DecodePlans):
         (the default): a sequence's logits whatever is batched with it, whether its prefix came
         from a cache, and the thread count (fixed attention spans, one kernel call per product
         row, prompt rows computed alike); not the prefill against the decode steps (their 8-bit
-        products sum in other orders), and none of these with ``MINILLAMA_QUANT_DOTS=float``.
+        products sum in other orders), a verification step over drafted tokens against the
+        decode steps (:class:`SpeculativeDecoder`), and none of these with
+        ``MINILLAMA_QUANT_DOTS=float``.
         On float weights: the decode steps whatever is batched with them and the thread count
         (each product output one dot, the one-sequence step's order in the batched one)."""
         from .quant.int8_dots import int8_enabled  # the switch alone: compiles nothing
 
         floats = frozenset({"float_decode_batch", "float_decode_threads"})
         if int8_enabled():
-            return floats | {"batch", "prefix_cache", "threads"}
+            return floats | {"batch", "prefix_cache", "threads", "speculative"}
         return floats
 
     def prompt_rows_invariant(self, model) -> bool:
@@ -326,7 +335,8 @@ class FusedDecode(DecodePlans):
         ids = np.empty((B, int(k)), dtype=np.int64)
         logits = np.empty((B, _vocab(plan)), dtype=model.dtype)
         n = self._decode.decode_step(
-            np.ascontiguousarray(tok, dtype=np.int64).reshape(B), pos, *_model_args(plan, *kv),
+            np.ascontiguousarray(tok, dtype=np.int64).reshape(B), pos,
+            np.arange(B, dtype=np.int64), *_model_args(plan, *kv),
             logits, self.num_threads, _NO_IDS, ids)
         return ids[:, :n]
 
@@ -347,14 +357,27 @@ class FusedDecode(DecodePlans):
             tuners[B] = ThreadTuner(self.num_threads)
         return tuners[B]
 
-    def greedy_decoder(self, model, max_seq_len: int, stop_ids=()):
+    def greedy_decoder(self, model, max_seq_len: int, stop_ids=(), speculate: bool = False,
+                       cache=None, cached: int = 0):
         """A :class:`GreedyDecoder` for one sequence of ``model`` and a cache of ``max_seq_len``
         positions (greedy decoding, several steps per compiled call, ending a call at a token
-        of ``stop_ids``), or None where the fused step does not apply."""
+        of ``stop_ids``), or None where the fused step does not apply. ``speculate``: a
+        :class:`SpeculativeDecoder` (the same ids) where :meth:`speculation_exact`. ``cache``:
+        a one-sequence cache to write into instead of a new one, its first ``cached`` positions
+        holding the prompt's first tokens (only the rest is prefilled)."""
         if self._decode_plan(model) is None:
             return None
-        dec = GreedyDecoder(self, model, max_seq_len, stop_ids)
-        return dec if self._cache_lists(dec.cache, model.dtype) is not None else None
+        kind = SpeculativeDecoder if speculate and self.speculation_exact(model) else GreedyDecoder
+        dec = kind(self, model, max_seq_len, stop_ids, cache, cached)
+        ok = dec.cache.batch_size == 1 and self._cache_lists(dec.cache, model.dtype) is not None
+        return dec if ok else None
+
+    def speculation_exact(self, model) -> bool:
+        """Whether a step of several rows computes each row as a one-row step would, bit for bit,
+        for ``model`` (the batch-invariant fused steps: float weights, or GGML blocks with 8-bit
+        products), so that verified drafts give the plain greedy ids."""
+        plan = self._decode_plan(model)
+        return plan is not None and (not plan.get("quant") or self._quant_int8())
 
 
 
@@ -369,10 +392,12 @@ class GreedyDecoder(ChunkDecoder):
     :func:`minillama.infer.generate.stream_greedy`; ``stop`` ends a call early (the stop id is the
     last one returned)."""
 
-    def __init__(self, backend, model, max_seq_len: int, stop_ids=()):
+    def __init__(self, backend, model, max_seq_len: int, stop_ids=(), cache=None,
+                 cached: int = 0):
         self.backend = backend
         self.model = model
-        self.cache = model.new_cache(1, max_seq_len)
+        self.cache = model.new_cache(1, max_seq_len) if cache is None else cache
+        self.cached = int(cached)  # prompt positions the cache already holds
         self.S = self.cache.max_seq_len
         self.stop = np.array(sorted({int(t) for t in stop_ids}), dtype=np.int64)
         self._P = None  # prompt length
@@ -386,9 +411,11 @@ class GreedyDecoder(ChunkDecoder):
         if prompt.ndim != 2 or prompt.shape[0] != 1:
             raise MinillamaError(f"prompt must be (1, P) token ids, got {prompt.shape}")
         P = prompt.shape[1]
-        if not 1 <= P <= self.S:
-            raise MinillamaError(f"a prompt of {P} tokens does not fit the cache of {self.S}")
-        z = _finite(self.model.forward(prompt, 0, self.cache, last_only=True), "the prompt")
+        if not 1 <= P <= self.S or not 0 <= self.cached < P:
+            raise MinillamaError(f"a prompt of {P} tokens ({self.cached} cached) does not fit "
+                                 f"the cache of {self.S}")
+        z = _finite(self.model.forward(prompt[:, self.cached:], self.cached, self.cache,
+                                       last_only=True), "the prompt")
         self._last = int(z[0].argmax())
         self._P, self._done = P, 1
         return np.array([self._last], dtype=np.int64)
@@ -427,3 +454,53 @@ class GreedyDecoder(ChunkDecoder):
         if n:
             self._last = int(ids[n - 1])
         return n
+
+
+class SpeculativeDecoder(Speculation, GreedyDecoder):
+    """:class:`GreedyDecoder` with prompt-lookup drafts verified in one step of several rows
+    (:class:`minillama.core.speculative.Speculation`): the rows are the one sequence at
+    consecutive positions, all in cache row 0, each computed as the one-row step computes it,
+    so the ids are the plain decoder's."""
+
+    def prefill(self, prompt) -> np.ndarray:
+        first = GreedyDecoder.prefill(self, prompt)
+        self._start_lookup(np.asarray(prompt).reshape(-1), int(first[0]))
+        return first
+
+    def _plain(self, n: int) -> list[int]:
+        return GreedyDecoder.more(self, n)[0].tolist()
+
+    def verify(self, tokens) -> list[int]:
+        """Each row's argmax (-1 for a row holding NaN/inf) of one step over ``tokens`` fed at
+        the positions from the last id's on."""
+        logits = self.verify_logits(tokens)
+        ok = np.isfinite(logits).all(axis=1)
+        return np.where(ok, logits.argmax(axis=1), -1).tolist()
+
+    def verify_logits(self, tokens) -> np.ndarray:
+        """The logits (len(tokens), V) of one step over the rows ``tokens`` fed at positions
+        p, p + 1, ... of cache row 0 (p where the last id goes), each row's K/V written there."""
+        be, m = self.backend, self.model
+        plan = be._decode_plan(m)
+        kc, vc = be._cache_lists(self.cache, m.dtype)
+        B = len(tokens)
+        p0 = self._P + self._done - 1
+        logits = np.empty((B, _vocab(plan)), dtype=m.dtype)
+        if p0 + B > self.S:
+            raise MinillamaError(f"{B} rows from position {p0} exceed the cache of {self.S}")
+        be._rows(plan, np.array(tokens, dtype=np.int64), np.arange(p0, p0 + B, dtype=np.int64),
+                 np.zeros(B, dtype=np.int64), kc, vc, logits)
+        return logits
+
+    def step_seconds(self, B: int) -> float | None:
+        """The thread tuner's seconds per step of B rows on its fastest count, once it has
+        measured every count it chooses between (None before)."""
+        tuner = self.backend.tuner if B == 1 else self.backend.rows_tuner(B)
+        per = tuner.per_step
+        return min(per.values()) if len(per) == min(tuner.most, 2) else None
+
+    def _take(self, ids) -> None:
+        if ids[-1] < 0:
+            raise nonfinite_error(f"position {self._P + self._done + len(ids) - 2}")
+        self._done += len(ids)
+        self._last = int(ids[-1])

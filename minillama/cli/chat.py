@@ -16,6 +16,7 @@ from minillama.cli.common import (
     add_backend_flag,
     add_model_flags,
     add_sampling_flags,
+    add_speculate_flag,
     backend_line,
     sampling_params,
 )
@@ -48,6 +49,7 @@ def add_cli(subparsers) -> None:
                         "context (default 4096)")
     add_sampling_flags(p, temperature=0.8, top_p=0.95, min_p=0.05)
     add_backend_flag(p, dtype=True)
+    add_speculate_flag(p)
     p.set_defaults(func=run_cli)
 
 
@@ -98,6 +100,7 @@ def _open_session(args):
         raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer ({TOKENIZER_KINDS})")
     session = ChatSession(model, tok, system=args.system, max_new_tokens=args.max_new_tokens,
                           context=args.context, params=params)
+    session.speculate = args.speculate
     # a throwaway turn compiles (or loads) the kernels before the first prompt, saying so when
     # it takes a while
     def dry_turn() -> None:
@@ -151,7 +154,9 @@ def _stream_reply(session, tok, text: str, out) -> bool:
     out.write("\n")
     out.flush()
     dt = time.perf_counter() - t0
+    st = session.last_stats
+    drafts = f"; drafts: {st.accepted} of {st.drafted} taken" if st and st.drafted else ""
     print(f"[{n} tokens in {dt:.2f} s, {n / dt if dt > 0 else 0.0:.1f} tok/s; "
-          f"prefilled {session.last_prefill}]", file=sys.stderr)
+          f"prefilled {session.last_prefill}{drafts}]", file=sys.stderr)
     return True
 

@@ -65,6 +65,16 @@ def add_backend_flag(p, *, dtype: bool = False, task: str = "decode") -> None:
                        help=f"{DTYPE_HELP} (default {COMPUTE_DTYPES[0]})")
 
 
+def add_speculate_flag(p) -> None:
+    """``--no-speculate`` (``args.speculate`` False): greedy decoding of one sequence without
+    prompt-lookup drafts (:mod:`minillama.core.speculative`)."""
+    p.add_argument("--no-speculate", dest="speculate", action="store_false",
+                   help="greedy decoding without prompt-lookup drafts (by default drafts are "
+                        "verified several tokens per step where the backend computes them "
+                        "exactly as single steps: the same tokens, faster on text that repeats "
+                        "its context)")
+
+
 @contextlib.contextmanager
 def apply_exact(args):
     """``--exact``: within it, the switch the numba kernels read at each product, in every thread

@@ -15,6 +15,7 @@ from minillama.cli.common import (
     add_backend_flag,
     add_model_flags,
     add_sampling_flags,
+    add_speculate_flag,
     backend_line,
     sampling_params,
 )
@@ -56,6 +57,7 @@ def add_cli(subparsers) -> None:
                         "which is noted on stderr)")
     add_sampling_flags(p, temperature=1.0, top_p=0.9, min_p=None)
     add_backend_flag(p, dtype=True)
+    add_speculate_flag(p)
     p.add_argument("--cuda-graph", default="auto", choices=CUDA_GRAPH_CHOICES,
                    help="greedy decoding on the cupy backend with each decode step captured as "
                         "one CUDA graph: auto (default: when --temperature 0, float32 and a plain "
@@ -113,7 +115,7 @@ def run_cli(args) -> int:
     else:
         warm_up(model, prompt_ids, params)
         steps = generate_steps(model, [prompt_ids], args.max_new_tokens, params, stop_ids=stop,
-                               stats=stats)
+                               stats=stats, speculate=args.speculate)
     stopper = StopText(params.stop)
     for step in steps:
         for _, t in step:
@@ -197,7 +199,15 @@ def _print_stats(stats: GenerationStats, model, graphed: bool) -> None:
           f"tokens in {stats.decode_s * 1e3:.1f} ms ({stats.decode_tokens_per_s:.1f} tok/s); "
           f"KV cache: {kib:.1f} KiB (2 x L={L} x B={B} x S={S} x KVH={KVH} x hd={hd} x "
           f"{model.dtype.itemsize} B); {backend_line(model.backend)}"
+          f"{_drafts(stats)}"
           f"{', one CUDA graph per decode step' if graphed else ''}", file=sys.stderr)
+
+
+def _drafts(stats: GenerationStats) -> str:
+    """The speed line's note of verified drafts (:mod:`minillama.core.speculative`)."""
+    if not stats.drafted:
+        return ""
+    return f"; drafts: {stats.accepted} of {stats.drafted} tokens taken"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -22,6 +22,9 @@ class ChunkDecoder:
     S: int = 0
     _P: int | None = None
     _done: int = 0
+    #: draft tokens verified and taken (:mod:`minillama.core.speculative`; 0 without drafts)
+    drafted: int = 0
+    accepted: int = 0
 
     def room(self) -> int:
         """How many more ids :meth:`more` can decode before the cache is full."""

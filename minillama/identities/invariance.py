@@ -177,6 +177,21 @@ def _float_threads(s: Subject, ex: dict) -> float:
     return max(deviation(w, g) for w, g in zip(*runs))
 
 
+def _speculative(s: Subject, ex: dict) -> float:
+    model = block_model(s, ex["seed"])
+    prompt, rows = _tokens(ex["seed"], ex["P"]), _tokens(ex["seed"] + 1, ex["rows"])
+    want = _alone(s, model, prompt, rows)[1:]  # each row fed by a decode step of its own
+    dec = model.backend.greedy_decoder(model, CONTEXT, speculate=True)
+    if hasattr(dec, "verify_logits"):  # the backend's verification step
+        dec.prefill(prompt[None])
+        got = s.get(dec.verify_logits(rows))
+    else:  # a backend without one: the rows in one forward, as a prompt's next chunk
+        cache = model.new_cache(1)
+        s.logits(model, prompt[None], cache=cache, last_only=True)
+        got = s.logits(model, rows[None], start_pos=ex["P"], cache=cache)[0]
+    return max(deviation(w, g) for w, g in zip(want, got))
+
+
 _PROMPT = st.integers(1, MAX_PROMPT)
 #: a prompt stepped beside 1-3 others, and one on 1 and 2-4 threads
 _BESIDE = st.fixed_dictionaries({"seed": ids.seeds, "P": _PROMPT, "steps": st.integers(1, 3),
@@ -242,4 +257,16 @@ IDENTITIES = [
         tolerance="zero where the backend promises it; else reported",
         ops=MODEL_FORWARD_OPS, fn=_float_threads, for_functions=False,
         exact="float_decode_threads"),
+    Identity(
+        name="speculative_equals_greedy", topic="invariance",
+        statement="After a prompt, one verification step over k drafted tokens (the rows at "
+                  "positions P ... P + k - 1, each attending up to its own) gives each row the "
+                  "logits bit for bit of feeding the tokens one decode step at a time, so "
+                  "speculative decoding keeps the greedy tokens.",
+        equation=r"\mathrm{verify}(d_{0:k} \mid x)_i \equiv \mathrm{step}(d_i \mid x, d_{0:i})",
+        strategy=st.integers(1, MAX_PROMPT).flatmap(lambda P: st.fixed_dictionaries({
+            "seed": ids.seeds, "P": st.just(P),
+            "rows": st.integers(1, min(16, CONTEXT - P))})),
+        tolerance="zero where the backend promises it; else reported",
+        ops=MODEL_FORWARD_OPS, fn=_speculative, for_functions=False, exact="speculative"),
 ]

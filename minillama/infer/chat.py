@@ -55,10 +55,14 @@ class ChatSession:
         # a template that refuses (e.g. no system role) fails now, not at the first turn
         render_chat(tok, self.messages + [{"role": "user", "content": "hi"}])
         self.cache = model.new_cache(1, self.context)
+        #: greedy replies verify prompt-lookup drafts (:mod:`minillama.core.speculative`)
+        self.speculate = True
         #: called with a message when old turns are dropped to fit the context
         self.notice: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
         #: prompt tokens prefilled by the last turn (the part not already cached)
         self.last_prefill = 0
+        #: the last turn's :class:`~minillama.infer.generate.GenerationStats`
+        self.last_stats: GenerationStats | None = None
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays)."""
@@ -116,11 +120,11 @@ class ChatSession:
         self.cached = self.cached[:n]  # positions n.. are rewritten now
         out: list[int] = []
         stops = [stop for stop in self.params.stop if stop]
-        stats = GenerationStats(positions=n)
+        stats = self.last_stats = GenerationStats(positions=n)
         # the decode loop of generate, on this conversation's cache and generator
         steps = generate_steps(self.model, [ids], self.max_new_tokens, self.params,
                                stop_ids=self.stop, stats=stats, cache=self.cache, cached=n,
-                               rngs=[self.rng])
+                               rngs=[self.rng], speculate=self.speculate)
         stopper, streamer = StopText(stops), TextStreamer(self.tok)  # the text as it grows
         try:  # an interrupted turn still gets its (maybe empty) reply: roles keep alternating
             for step in steps:

@@ -48,6 +48,9 @@ class GenerationStats:
     cache_shape: tuple = field(default_factory=tuple)
     #: the cache positions sequence 0 holds at the end (its prompt and the new tokens fed)
     positions: int = 0
+    #: draft tokens verified by speculative decoding, and how many of them were taken
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -81,7 +84,7 @@ def _as_prompts(prompts) -> tuple[list[list[int]], bool]:
 def generate_steps(model, prompts, max_new_tokens: int | None = None,
                    params: SamplingParams | None = None, *, stop_ids: Iterable[int] = (),
                    stats: GenerationStats | None = None, cache=None, cached: int = 0,
-                   rngs: list | None = None,
+                   rngs: list | None = None, speculate: bool = True,
                    **settings) -> Iterator[list[tuple[int, int]]]:
     """Generate, yielding after every model call the list of ``(sequence index, token)`` pairs
     produced by it (stop tokens are not yielded). ``prompts`` is a list of token-id lists (or one
@@ -95,7 +98,9 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
     turns through it with ``cache`` (a one-sequence cache to write into, whose first ``cached``
     positions already hold the prompt's first tokens: only the rest is prefilled, at positions
     ``cached``...) and ``rngs`` (the generators to draw from, one per sequence, instead of new
-    ones seeded ``params.seed``)."""
+    ones seeded ``params.seed``). ``speculate``: greedy decoding of one prompt verifies
+    prompt-lookup drafts (:mod:`minillama.core.speculative`) where the backend computes them
+    exactly as plain steps (the same ids, fewer reads of the weights); False turns it off."""
     params = SamplingParams.of(params, **settings)
     if max_new_tokens is None:
         max_new_tokens = 256 if params.max_tokens is None else params.max_tokens
@@ -121,11 +126,16 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
     def pick(b, z):
         return params.pick(z, rngs[b], hist[b] if penalised else ())
 
-    if B == 1 and greedy and not penalised and cache is None:  # many steps per call
-        dec = be.greedy_decoder(model, cache_len, stop)
+    if B == 1 and greedy and not penalised:  # many steps per call
+        dec = be.greedy_decoder(model, cache_len, stop, speculate=speculate, cache=cache,
+                                cached=cached)
         if dec is not None:
             stats.cache_bytes = dec.cache.nbytes
-            yield from stream_greedy(dec, seqs[0], max_new_tokens, cfg.max_seq_len, stop, stats)
+            for out in stream_greedy(dec, seqs[0], max_new_tokens, cfg.max_seq_len, stop, stats):
+                stats.drafted, stats.accepted = dec.drafted, dec.accepted
+                stats.positions = dec._P + dec._done - 1  # the last id is not fed yet
+                stats.prompt_tokens = len(seqs[0]) - cached
+                yield out
             return
     if cache is None:
         cache = model.new_cache(B, cache_len)
@@ -402,6 +412,17 @@ def _warm_steps(model, prompt_ids: Sequence[int], params) -> None:
             pass
 
 
+def warm_verify(model) -> None:
+    """One verification step of a speculative decoder (:mod:`minillama.core.speculative`) on a
+    scratch cache, where the backend speculates: the kernel of several rows compiles (or loads)
+    now, not at the first draft of an answer."""
+    dec = model.backend.greedy_decoder(model, min(16, model.cfg.max_seq_len), speculate=True)
+    if hasattr(dec, "verify") and dec.S >= 8:
+        V = model.cfg.vocab_size
+        dec.prefill(np.array([[1 % V, 2 % V]], dtype=np.int64))
+        dec.verify([3 % V, 4 % V, 5 % V, 6 % V])
+
+
 def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = None,
             note_after: float = 1.0, say=None, run: Callable[[], object] | None = None,
             then: Callable[[object], object] | None = None) -> float:
@@ -449,6 +470,7 @@ def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = No
             timer.start()
         try:
             (run or (lambda: _warm_steps(model, prompt_ids, params)))()
+            warm_verify(model)
             if then is not None:
                 then(model)
         finally:

@@ -195,13 +195,16 @@ def _sizes(emb, wq, wk, w1, kc, n_heads):  # pragma: no cover - compiled
 
 
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
-def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, w2, w3,
+def decode_step(tok, pos, seq, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, w2, w3,
                 kc, vc, cos, sin, eps, n_heads, zero, logits, threads, stop,
                 ids):  # pragma: no cover - compiled
     r"""One decode step for B sequences, each feeding one token at its own position; with
     ``ids`` of shape (B, n), n > 0, n greedy steps in one call.
 
     tok, pos: (B,) int64 (token id and absolute position p_b of each sequence);
+    seq: (B,) int64, the row of the caches row b reads and writes (``arange(B)`` for B
+    sequences; rows of one sequence at consecutive positions share a cache row, which is how
+    drafted tokens are verified: each row's K/V is written before any row attends);
     emb: (V, D) embedding; wout: (V, D) classifier; g_final (D,); per-layer lists (length L)
     g_att, g_ffn (D,), wq (H*hd, D), wk, wv (KVH*hd, D), wo (D, H*hd), w1, w3 (F, D), w2 (D, F);
     kc, vc: lists of the layers' caches (B, S_max, KVH, hd), written at p_b;
@@ -270,16 +273,17 @@ def decode_step(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, w1, 
                 for r0 in range(lo, hi, rb_d):
                     for b in range(B):
                         for r in range(r0, min(r0 + rb_d, hi), 2):
+                            s = seq[b]
                             _qkv_pair(xn[b], Wq, Wk, Wv, r, ps[b], hd, cos, sin, qkv[b:b + 1],
-                                      Kc[b:b + 1], Vc[b:b + 1], zero)
+                                      Kc[s:s + 1], Vc[s:s + 1], zero)
             # sequence b's cache rows 0..p_b in the spans of SPAN rows decode_step_one takes
             for u in prange(B * P):
                 b = u // P
                 c = u - b * P
                 n = ps[b] + 1
                 if c < _spans(n):
-                    _attend_span(qkv[b], Kc[b], Vc[b], c * SPAN, min(n, (c + 1) * SPAN), G,
-                                 scale, scores[u], ml[u], parts[u])
+                    _attend_span(qkv[b], Kc[seq[b]], Vc[seq[b]], c * SPAN,
+                                 min(n, (c + 1) * SPAN), G, scale, scores[u], ml[u], parts[u])
             for b in range(B):
                 Pb = _spans(ps[b] + 1)
                 _join_spans(ml[b * P:b * P + Pb], parts[b * P:b * P + Pb], att[b])

@@ -268,13 +268,14 @@ def decode_step_rows_q(*args):
 
 
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
-def decode_step_rows_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, codes,
+def decode_step_rows_q_kernel(tok, pos, seq, emb, emb_qt, emb_f, wout, out_qt, out_f, codes,
                               g_final, g_att, wq, wk, wv, wo, g_ffn, w1, w2, w3, kc, vc, cos,
                               sin, eps, n_heads, logits, threads, lut, kv,
                               int8):  # pragma: no cover - compiled
     r"""One decode step of B sequences on block-quantized matrices, sequence b feeding token
     tok[b] at its own position pos[b]: the step of :func:`decode_step_one_q_kernel` for every
-    row (the same arguments, but kc, vc the caches (B, S, KVH, hd) and logits (B, V)), each
+    row (the same arguments, but kc, vc the caches (B', S, KVH, hd), seq (B,) the cache row of
+    each row of the step (:func:`.float_step.decode_step`), and logits (B, V)), each
     matrix streamed once per step for all B rows (:func:`_mm`: the threads take runs of
     consecutive rows of W, each row dotted with the B activation rows while in L1). Attention
     cuts each sequence's cache rows 0..p_b into the spans of :func:`decode_step_one_q_kernel`
@@ -332,18 +333,19 @@ def decode_step_rows_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f,
             _mm(cv, wv[layer], none, xn, a8, y, qd + kvd, max(lo, qd + kvd) - qd - kvd,
                 hi - qd - kvd, lut, kv)
             for b in range(B):
+                s = seq[b]
                 for r in range(lo, hi, 2):
                     d0 = (r if r < qd else (r - qd if r < qd + kvd else r - qd - kvd)) % hd
                     _rope_store(r, y[b, r], y[b, r + 1], d0, pos[b], qd, kvd, hd, cos, sin,
-                                qkv[b:b + 1], Kc[b:b + 1], Vc[b:b + 1])
+                                qkv[b:b + 1], Kc[s:s + 1], Vc[s:s + 1])
         # sequence b's cache rows 0..p_b in the spans of SPAN rows the one-sequence kernel takes
         for u in prange(B * P):
             b = u // P
             c = u - b * P
             n = pos[b] + 1
             if c < _spans(n):
-                _attend_span(qkv[b], Kc[b], Vc[b], c * SPAN, min(n, (c + 1) * SPAN), G, scale,
-                             scores[u], ml[u], parts[u])
+                _attend_span(qkv[b], Kc[seq[b]], Vc[seq[b]], c * SPAN, min(n, (c + 1) * SPAN),
+                             G, scale, scores[u], ml[u], parts[u])
         for b in range(B):
             Pb = _spans(pos[b] + 1)
             _join_spans(ml[b * P:b * P + Pb], parts[b * P:b * P + Pb], att[b])

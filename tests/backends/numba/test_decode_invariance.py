@@ -110,7 +110,8 @@ def test_quantized_batched_step_equals_each_row_alone_on_any_thread_count(monkey
     plan = NUMBA._decode_plan(model)
     kc, vc = NUMBA._cache_lists(batch, model.dtype)
     got = np.empty((B, V), np.float32)
-    NUMBA._step_rows_q(plan, tok.astype(np.int64), np.array(LENS, np.int64), kc, vc, got, 2)
+    NUMBA._step_rows_q(plan, tok.astype(np.int64), np.array(LENS, np.int64),
+                       np.arange(B, dtype=np.int64), kc, vc, got, 2)
     alone = _copy(model, base)
     numba.set_num_threads(1)
     for b in range(B):
@@ -153,7 +154,8 @@ def test_float_batched_step_equals_each_row_alone_on_any_thread_count(numba_thre
     kc, vc = NUMBA._cache_lists(batch, model.dtype)
     got = np.empty((B, V), np.float32)
     NUMBA._decode.decode_step(tok.astype(np.int64), np.array(LENS, np.int64),
-                              *_model_args(plan, kc, vc), got, 2, _NO_IDS, _NO_IDS_2D)
+                              np.arange(B, dtype=np.int64), *_model_args(plan, kc, vc), got, 2,
+                              _NO_IDS, _NO_IDS_2D)
     alone = _copy(model, base)
     numba.set_num_threads(1)
     for b in range(B):

@@ -207,9 +207,11 @@ def test_declines_prefill_and_checks_positions(calls):
 def test_stories260k_golden_ids_through_the_fused_step(shared_data, calls):
     gold = [int(x) for x in (shared_data / "stories260K.greedy.txt").read_text().split()]
     model, _ = load_model(shared_data / "stories260K.bin", backend="numba")
-    assert generate(model, [1], max_new_tokens=64, temperature=0.0) == gold
+    assert generate(model, [1], max_new_tokens=64, temperature=0.0, speculate=False) == gold
     # the one-token prompt (one fused step), then the 63 greedy steps in calls of 16, 16, 16, 15
     assert calls["calls"] == 5
+    # with prompt-lookup drafts (the default) the same ids
+    assert generate(model, [1], max_new_tokens=64, temperature=0.0) == gold
 
 
 @pytest.mark.parametrize("kvh,head_dim", [(2, None), (1, None), (4, 6)])
@@ -246,7 +248,8 @@ def test_single_sequence_kernel_matches_reference_and_batched_kernel(calls, kvh,
         kc, vc = NUMBA._cache_lists(c_tile, fast.dtype)
         tiled = np.empty_like(got)
         numba_decode.decode_step(
-            tok[:, 0].astype(np.int64), np.array([n], np.int64), plan["emb"], plan["out"],
+            tok[:, 0].astype(np.int64), np.array([n], np.int64), np.zeros(1, np.int64),
+            plan["emb"], plan["out"],
             plan["norm"], *plan["layers"], kc, vc, plan["cos"], plan["sin"], plan["eps"],
             plan["heads"], plan["zero"], tiled, 2, np.zeros(0, np.int64),
             np.zeros((0, 0), np.int64))

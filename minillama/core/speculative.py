@@ -1,0 +1,230 @@
+r"""Exact speculative decoding by prompt lookup: guess the next tokens from the context, check
+them all in one model call, keep the ones the model would have chosen.
+
+**Drafts** (:class:`PromptLookup`, Saxena 2023's prompt lookup decoding): if the context's last n
+tokens (n = 3, then 2) occurred earlier, the tokens that followed their latest earlier occurrence
+are the draft d_1 ... d_k (continued periodically past the context's end: a loop repeats). Text
+that copies from its context (a repeated or rewritten passage, extracted fields, an edited piece
+of code) gets long right drafts; free text gets few.
+
+**Verification**: with t_0 the last token chosen, at position p, one step of the model over the
+k + 1 rows (t_0, d_1, ..., d_k) at positions p ... p + k, each row attending to the cache up to its
+own position (the rows' K/V are written before any row attends), gives the logits z_0 ... z_k.
+Greedy: g_i = argmax z_i. The draft is accepted up to its first miss,
+
+    a = max { j : d_i = g_{i-1} for every i <= j },
+
+and the new tokens are g_0 ... g_a (a + 1 of them: the accepted drafts and the model's own next
+token). Row i's logits are those of a one-token decode step at position p + i given the tokens
+before it; where the backend computes each row of a step as it would alone (the batch-invariant
+decode steps), they are equal bit for bit, so the tokens are plain greedy decoding's, only fewer
+reads of the weights. K/V rows written for rejected drafts lie beyond the sequence's end and are
+overwritten by the next step.
+
+**How long a draft** (:class:`DraftPolicy`): drafting k tokens pays when the expected tokens per
+verification, E_k = 1 + a + ... + a^k for an acceptance rate a, grow faster than the step's cost
+c(k + 1) over a one-token step's c(1). a is estimated from every lookup, also those not verified
+(a plain step's token shows whether the lookup's guess was right), c from the measured times of
+the steps; k maximizes E_k / c(k + 1), so the policy drafts long on copied text and stops drafting
+where drafts are not taken.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+#: the lengths n of the context suffix looked up, longest first
+NGRAMS = (3, 2)
+#: the draft lengths tried: verification steps of 4, 8, 12 or 16 rows (the 8-bit products take
+#: activation rows by fours; a step of 2 rows costs 1.6 one-row steps, one of 4 rows 2)
+LENGTHS = (3, 7, 11, 15)
+
+
+class PromptLookup:
+    """The context's tokens and, for each n in :data:`NGRAMS`, where each n-gram last occurred
+    with a token after it; :meth:`draft` proposes what followed the current suffix."""
+
+    def __init__(self, ids, ngrams=NGRAMS):
+        self.ids: list[int] = []
+        self.ngrams = tuple(ngrams)
+        #: n-gram -> the index of the token after its latest occurrence
+        self._next: dict[tuple, int] = {}
+        self.extend(ids)
+
+    def extend(self, ids) -> None:
+        """Append tokens to the context, indexing the n-grams that now have a follower."""
+        ctx = self.ids
+        for t in ids:
+            ctx.append(int(t))
+            i = len(ctx) - 1  # the new token follows the n-grams ending at i - 1
+            for n in self.ngrams:
+                if i >= n:
+                    self._next[tuple(ctx[i - n:i])] = i
+
+    def draft(self, k: int) -> list[int]:
+        """``k`` tokens that followed the latest earlier occurrence of the context's last n
+        tokens (the longest n of :data:`NGRAMS` that occurred), empty when none did. Where that
+        occurrence is s tokens back, the context is taken to repeat with period s: a draft
+        longer than what followed it continues with its own tokens s back."""
+        ctx = self.ids
+        if k <= 0:
+            return []
+        for n in self.ngrams:
+            if len(ctx) > n:
+                j = self._next.get(tuple(ctx[-n:]))
+                if j is not None:
+                    out = ctx[j:j + k]
+                    s = len(ctx) - j
+                    while len(out) < k:
+                        out.append(out[len(out) - s])
+                    return out
+        return []
+
+
+def accepted_length(draft, picks) -> int:
+    """How many leading draft tokens the model confirms: the largest a with draft[i] ==
+    picks[i] for i < a (picks[i] the model's token after the context and draft[:i])."""
+    a = 0
+    while a < len(draft) and int(draft[a]) == int(picks[a]):
+        a += 1
+    return a
+
+
+class DraftPolicy:
+    """The draft length that maximizes the expected tokens per second of step time.
+
+    ``rate``: the acceptance rate a of drafted tokens (a running mean, fed by :meth:`observe`);
+    ``cost[B]``: the measured time of a step of B rows (running means, fed by :meth:`timed`);
+    a B not measured yet is priced from the one-row time c_1 as c_1 (0.3 + 0.42 B) (SmolLM2-135M
+    Q4_1 on two cores), scaled as the largest measured B' < B compares with its own such price;
+    the measured times replace it. ``lengths``: the draft lengths k
+    considered."""
+
+    def __init__(self, lengths=LENGTHS, rate: float = 0.6, memory: float = 0.9):
+        self.lengths = tuple(sorted(lengths))
+        self.k_max = self.lengths[-1]
+        self.rate = float(rate)
+        self.memory = float(memory)
+        self.cost: dict[int, float] = {}
+
+    def observe(self, drafted: int, taken: int) -> None:
+        """``taken`` of ``drafted`` tokens matched (a verified or a shadow draft). Each drafted
+        token counts once, up to the first miss: the tokens after it were never tested."""
+        tested = min(drafted, taken + 1)
+        for i in range(tested):
+            hit = 1.0 if i < taken else 0.0
+            self.rate = self.memory * self.rate + (1 - self.memory) * hit
+
+    def timed(self, B: int, seconds: float) -> None:
+        """A step of B rows took ``seconds``."""
+        c = self.cost.get(B)
+        self.cost[B] = seconds if c is None else 0.8 * c + 0.2 * seconds
+
+    def _price(self, B: int) -> float:
+        """c(B): measured, else the prior scaled as the nearest measured B' < B compares with
+        its own prior (so a cheap measured step makes the larger ones worth a try)."""
+        if B in self.cost:
+            return self.cost[B]
+        c1 = self.cost.get(1, 1.0)
+
+        def prior(n):
+            return c1 if n == 1 else c1 * (0.3 + 0.42 * n)
+
+        below = [n for n in self.cost if 1 < n < B]
+        return prior(B) * (self.cost[max(below)] / prior(max(below)) if below else 1.0)
+
+    def length(self, available: int) -> int:
+        """The draft length k of :attr:`lengths`, k <= ``available``, with the most expected
+        tokens (1 - a^(k+1)) / (1 - a) per unit of step time; 0 when plain one-token steps are
+        expected to be faster."""
+        a = min(self.rate, 0.999)
+        best_k, best = 0, 1.0 / self._price(1)
+        for k in self.lengths:
+            if k > available:
+                break
+            value = (1 - a ** (k + 1)) / (1 - a) / self._price(k + 1)
+            if value > best:
+                best_k, best = k, value
+        return best_k
+
+
+class Speculation:
+    """Greedy decoding with prompt-lookup drafts, a mixin for a decoder driven by
+    :func:`minillama.core.decoding.stream_greedy` (the interface of
+    :class:`~minillama.core.decoding.ChunkDecoder`). The decoder provides ``_plain(n)`` (n plain
+    greedy steps in one call, taken: their ids, ending early at a stop id), ``verify(tokens)``
+    (one step over the rows ``tokens``, the first the last id taken, fed at the positions after
+    it: each row's argmax; nothing taken) and ``_take(ids)`` (ids chosen from a verification:
+    the next one is fed after them); :meth:`more` chooses between them. ``drafted`` and
+    ``accepted`` count the verified draft tokens."""
+
+    drafted = 0
+    accepted = 0
+    #: the context's drafts and the draft length, set by the prefill
+    lookup: PromptLookup | None = None
+    policy: DraftPolicy | None = None
+
+    def _start_lookup(self, prompt, first: int) -> None:
+        """The context after the prefill: the prompt's ids and the first id chosen."""
+        self.lookup = PromptLookup([*map(int, prompt), int(first)])
+        self.policy = DraftPolicy()
+        self.drafted = self.accepted = 0
+
+    def more(self, k):
+        """1 to ``k`` more greedy ids, (1, k'), from one model call (a stop id among them is the
+        last): a verified draft where the policy expects one to pay, plain steps elsewhere."""
+        k = self._check_more(k)
+        if k == 0:
+            return np.zeros((1, 0), dtype=np.int64)
+        return np.array([self._round(k, {int(t) for t in self.stop})], dtype=np.int64)
+
+    def _round(self, want: int, stop) -> list[int]:
+        """One model call's new ids (at most ``want``, ending at a stop id): a verified draft,
+        or plain steps (one while drafting pays or nearly does, so the next lookup comes soon;
+        else up to 8 in one call)."""
+        pol, look = self.policy, self.lookup
+        guess = look.draft(min(want - 1, pol.k_max))
+        d = pol.length(len(guess))
+        t0 = time.perf_counter()
+        if d > 0:
+            picks = self.verify([self._last, *guess[:d]])
+            self._timed(d + 1, time.perf_counter() - t0)
+            a = accepted_length(guess[:d], picks)
+            self.drafted += d
+            self.accepted += a
+            pol.observe(d, a)
+            ids = [int(t) for t in picks[:a + 1]]
+            for i, t in enumerate(ids):  # a stop id ends the ids
+                if t in stop:
+                    ids = ids[:i + 1]
+                    break
+            self._take(ids)
+            look.extend(ids)
+            return ids
+        near = pol.length(pol.k_max) > 0 or (guess and pol.rate > 0.4)
+        ids = [int(t) for t in self._plain(1 if near else min(want, 8))]
+        self._timed(1, (time.perf_counter() - t0) / max(1, len(ids)))
+        for t in ids:  # score what the lookup would have drafted, then take the id
+            g = look.draft(1)
+            if g:
+                pol.observe(1, int(g[0] == t))
+            look.extend([t])
+        return ids
+
+    def _timed(self, B: int, seconds: float) -> None:
+        """Price steps of B rows for the policy: the backend's own measure where it has one
+        (:meth:`step_seconds`), else a one-row step's wall time; a several-row step's wall time
+        is not taken (its first calls load kernels and explore thread counts: the prior stands
+        until the backend has measured it)."""
+        best = self.step_seconds(B)
+        if best is not None:
+            self.policy.cost[B] = best
+        elif B == 1:
+            self.policy.timed(B, seconds)
+
+    def step_seconds(self, B: int) -> float | None:
+        """The backend's settled measure of a step of B rows, or None (a decoder whose backend
+        times its steps overrides it)."""
+        return None

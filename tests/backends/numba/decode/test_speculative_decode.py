@@ -1,0 +1,92 @@
+"""Speculative decoding on the numba backend (:class:`SpeculativeDecoder`): drafts verified by
+one fused step of several rows of the same sequence give plain greedy decoding's ids bit for bit,
+on GGML block weights with 8-bit products and on float weights, in ``generate`` and in a chat's
+second turn on its reused cache; and on the real SmolLM2 file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minillama.backends import get_backend
+from minillama.core import speculative as spec
+from minillama.core.errors import MinillamaError
+from minillama.identities import Subject
+from minillama.identities.invariance import block_model, float_model
+from minillama.infer.generate import GenerationStats, generate
+
+
+def _numba():
+    try:
+        return get_backend("numba")
+    except MinillamaError as e:  # pragma: no cover - numba missing
+        pytest.skip(f"numba backend unavailable: {e}")
+
+
+class Eager(spec.DraftPolicy):
+    """Draft whenever a draft of a tried length is there (every round verifies)."""
+
+    def length(self, available):
+        return max([k for k in self.lengths if k <= available], default=0)
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    monkeypatch.setattr(spec, "DraftPolicy", Eager)
+
+
+@pytest.mark.parametrize("make", [block_model, float_model], ids=["blocks", "float32"])
+def test_verified_drafts_give_the_plain_greedy_ids(make, eager, monkeypatch):
+    """A prompt that repeats itself, so drafts are found from the first step; every round
+    verifies up to 16 rows, taken or not, and the ids stay the plain decoder's."""
+    monkeypatch.delenv("MINILLAMA_QUANT_DOTS", raising=False)
+    model = make(Subject(_numba(), np.float32), 3)
+    assert model.backend.speculation_exact(model)
+    prompt = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9]
+    want = generate(model, prompt, 60, speculate=False)
+    stats = GenerationStats()
+    got = generate(model, prompt, 60, stats=stats)
+    assert got == want
+    assert stats.drafted > 0 and 0 <= stats.accepted <= stats.drafted
+
+
+def test_float_products_on_blocks_do_not_speculate(monkeypatch):
+    """With ``MINILLAMA_QUANT_DOTS=float`` a step of several rows is not promised to compute each
+    row as alone: plain decoding, no drafts."""
+    monkeypatch.setenv("MINILLAMA_QUANT_DOTS", "float")
+    model = block_model(Subject(_numba(), np.float32), 4)
+    assert not model.backend.speculation_exact(model)
+    stats = GenerationStats()
+    generate(model, [5, 9, 2, 5, 9, 2], 20, stats=stats)
+    assert stats.drafted == 0
+
+
+def test_a_verification_past_the_cache_is_refused(eager):
+    model = float_model(Subject(_numba(), np.float32), 5)
+    dec = model.backend.greedy_decoder(model, 8, speculate=True)
+    dec.prefill(np.array([[1, 2, 3, 4]]))
+    dec.verify_logits([1, 2, 3, 4])  # positions 4..7: the last slot
+    with pytest.raises(MinillamaError, match="exceed the cache"):
+        dec.verify_logits([1, 2, 3, 4, 5])
+
+
+@pytest.mark.slow
+def test_smollm2_repeats_a_paragraph_by_verified_drafts(smollm2_gguf, monkeypatch):
+    """The real file, default policy: asked to repeat a paragraph, the greedy text is the plain
+    decoder's bit for bit, drafts verified on the way."""
+    monkeypatch.delenv("MINILLAMA_QUANT_DOTS", raising=False)
+    from minillama.io.chat_template import encode_rendered, render_chat, stop_ids
+    from minillama.io.load import load_model
+
+    model, tok = load_model(smollm2_gguf, backend="numba")
+    text = ("The violin, sometimes known as a fiddle, is a wooden chordophone, and is the "
+            "smallest, and thus highest-pitched instrument in regular use in the violin family. "
+            "Most violins have a hollow wooden body, and commonly have four strings.")
+    ids = encode_rendered(tok, render_chat(tok, [
+        {"role": "user", "content": "Repeat this text exactly:\n\n" + text}]))
+    stop = stop_ids(tok)
+    want = generate(model, ids, 96, speculate=False, stop_ids=stop)
+    stats = GenerationStats()
+    got = generate(model, ids, 96, stats=stats, stop_ids=stop)
+    assert got == want
+    assert stats.drafted > 0 and stats.accepted > 0, (stats.accepted, stats.drafted, len(got))
