@@ -58,11 +58,13 @@ class ThreadTuner:
             return self.most
         return min(self.per_step, key=self.per_step.get)
 
-    def plan(self, steps: int) -> tuple[int, int]:
+    def plan(self, steps: int, whole: bool = False) -> tuple[int, int]:
         """(threads, steps) of the next call of up to ``steps`` steps: one step of the count
         that is due a probe (or not measured yet, one thread first: :data:`FIRST_STEPS` calls
         of one step each after a warm-up call), else steps on the best count, as many as fit
-        before the next probe is due."""
+        before the next probe is due. ``whole``: the call runs all ``steps`` whatever the plan
+        says (the rows of one step), so a probe costs that many steps and comes that much more
+        rarely."""
         if self.most == 1 or not self.adapt:
             return self.most, steps
         for count in (1, self.most):  # one thread first: cheap on a quiet machine, and on a
@@ -70,7 +72,7 @@ class ThreadTuner:
                 return count, 1  # full count end that count's first measure
         best = self.best()
         other = 1 if best == self.most else self.most
-        left = PROBE_RATIO * self.per_step[other] - self.since_probe
+        left = PROBE_RATIO * self.per_step[other] * (steps if whole else 1) - self.since_probe
         if left <= 0:
             return other, 1
         return best, max(1, min(steps, math.ceil(left / self.per_step[best])))
@@ -98,12 +100,12 @@ class ThreadTuner:
             self.per_step[threads] = EMA * t + (1 - EMA) * old
             self.since_probe += seconds
 
-    def run(self, use, call, steps: int) -> int:
+    def run(self, use, call, steps: int, whole: bool = False) -> int:
         """``call(threads, k)`` (runs k <= steps steps on that many threads, returns how many it
-        ran) once, with the thread count and step count of :meth:`plan`, inside ``use(threads)``
-        (a context manager that sets the team size of the pools the call runs on and restores
-        it after). Returns the steps run."""
-        threads, k = self.plan(steps)
+        ran) once, with the thread count and step count of :meth:`plan` (``whole``: see there),
+        inside ``use(threads)`` (a context manager that sets the team size of the pools the call
+        runs on and restores it after). Returns the steps run."""
+        threads, k = self.plan(steps, whole)
         with use(threads):
             t0 = time.perf_counter()
             n = call(threads, k)

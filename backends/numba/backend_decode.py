@@ -257,22 +257,37 @@ class FusedDecode(DecodePlans):
                    np.arange(B, dtype=np.int64), kc, vc, logits)
         return logits
 
-    def _rows(self, plan, tok, pos, seq, kc, vc, logits) -> None:
+    def _rows(self, plan, tok, pos, seq, kc, vc, logits, tuner=None) -> None:
         """One fused step of the B rows tok (B,) at positions pos (B,) in cache rows seq (B,),
-        into logits (B, V), on the thread count its tuner picks: one row (a cache of one row) by
+        into logits (B, V), on the thread count a tuner picks: one row (a cache of one row) by
         the one-sequence kernel, several by the kernel of several rows (each row computed as it
-        would be alone)."""
+        would be alone). ``tuner``: one that times the step per row (B steps), instead of the
+        batch size's own."""
         B = len(tok)
         if B == 1:
             self.tuner.run(self._numba_team, lambda threads, k: self._step_one(
                 plan, tok, pos, kc, vc, logits, _NO_IDS, _NO_IDS, threads) or 1, 1)
-        elif plan.get("quant"):
-            self.rows_tuner(B).run(self._numba_team, lambda threads, k: self._step_rows_q(
-                plan, tok, pos, seq, kc, vc, logits, threads) or 1, 1)
+            return
+        if plan.get("quant"):
+            def step(threads):
+                self._step_rows_q(plan, tok, pos, seq, kc, vc, logits, threads)
         else:
-            self.rows_tuner(B).run(self._numba_team, lambda threads, k: self._decode.decode_step(
-                tok, pos, seq, *_model_args(plan, kc, vc), logits, threads, _NO_IDS,
-                _NO_IDS_2D) or 1, 1)
+            def step(threads):
+                self._decode.decode_step(tok, pos, seq, *_model_args(plan, kc, vc), logits,
+                                         threads, _NO_IDS, _NO_IDS_2D)
+        if tuner is None:
+            self.rows_tuner(B).run(self._numba_team, lambda threads, k: step(threads) or 1, 1)
+        else:
+            tuner.run(self._numba_team, lambda threads, k: step(threads) or B, B, whole=True)
+
+    @property
+    def verify_tuner(self) -> ThreadTuner:
+        """The thread count of the verification steps of drafted tokens
+        (:class:`SpeculativeDecoder`), by measured seconds per row: one tuner for their several
+        sizes, so that it settles in a few steps."""
+        if self.__dict__.get("_verify_tuner") is None:
+            self._verify_tuner = ThreadTuner(self.num_threads)
+        return self._verify_tuner
 
     @property
     def invariance(self) -> frozenset[str]:
@@ -489,15 +504,14 @@ class SpeculativeDecoder(Speculation, GreedyDecoder):
         if p0 + B > self.S:
             raise MinillamaError(f"{B} rows from position {p0} exceed the cache of {self.S}")
         be._rows(plan, np.array(tokens, dtype=np.int64), np.arange(p0, p0 + B, dtype=np.int64),
-                 np.zeros(B, dtype=np.int64), kc, vc, logits)
+                 np.zeros(B, dtype=np.int64), kc, vc, logits, be.verify_tuner)
         return logits
 
-    def step_seconds(self, B: int) -> float | None:
-        """The thread tuner's seconds per step of B rows on its fastest count, once it has
-        measured every count it chooses between (None before)."""
-        tuner = self.backend.tuner if B == 1 else self.backend.rows_tuner(B)
-        per = tuner.per_step
-        return min(per.values()) if len(per) == min(tuner.most, 2) else None
+    def timing_settled(self) -> bool:
+        """Whether the thread tuners of plain and verification steps have measured every count
+        they choose between (before, steps run on trial counts and their times mislead)."""
+        be = self.backend
+        return all(len(t.per_step) == min(t.most, 2) for t in (be.tuner, be.verify_tuner))
 
     def _take(self, ids) -> None:
         if ids[-1] < 0:

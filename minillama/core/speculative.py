@@ -23,10 +23,11 @@ overwritten by the next step.
 
 **How long a draft** (:class:`DraftPolicy`): drafting k tokens pays when the expected tokens per
 verification, E_k = 1 + a + ... + a^k for an acceptance rate a, grow faster than the step's cost
-c(k + 1) over a one-token step's c(1). a is estimated from every lookup, also those not verified
-(a plain step's token shows whether the lookup's guess was right), c from the measured times of
-the steps; k maximizes E_k / c(k + 1), so the policy drafts long on copied text and stops drafting
-where drafts are not taken.
+c(k + 1) over a one-token step's c(1). a is estimated apart for short and long runs of context
+shared with the earlier occurrence (a copied passage shares long runs), from every lookup, also
+those not verified (a plain step's token shows whether the lookup's guess was right); c from the
+measured times of the steps. k maximizes E_k / c(k + 1), so the policy drafts long on copied text
+and stops drafting where drafts are not taken; plain steps then run several per call.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ import numpy as np
 
 #: the lengths n of the context suffix looked up, longest first
 NGRAMS = (3, 2)
+#: the longest shared run of tokens :meth:`PromptLookup.guess` measures
+MATCH_MAX = 16
+#: the shared runs at which a draft's acceptance is estimated apart (:class:`DraftPolicy`): a
+#: draft after a long shared run (a passage being copied) is taken more often than one after a
+#: common pair of tokens
+MATCH_BUCKETS = (2, 4, 8, 16)
 #: the draft lengths tried: verification steps of 4, 8, 12 or 16 rows (the 8-bit products take
 #: activation rows by fours; a step of 2 rows costs 1.6 one-row steps, one of 4 rows 2)
 LENGTHS = (3, 7, 11, 15)
@@ -64,13 +71,18 @@ class PromptLookup:
                     self._next[tuple(ctx[i - n:i])] = i
 
     def draft(self, k: int) -> list[int]:
-        """``k`` tokens that followed the latest earlier occurrence of the context's last n
-        tokens (the longest n of :data:`NGRAMS` that occurred), empty when none did. Where that
-        occurrence is s tokens back, the context is taken to repeat with period s: a draft
+        """The tokens of :meth:`guess`."""
+        return self.guess(k)[0]
+
+    def guess(self, k: int) -> tuple[list[int], int]:
+        """(``k`` tokens that followed the latest earlier occurrence of the context's last n
+        tokens, the longest n of :data:`NGRAMS` that occurred; how many tokens the context and
+        that occurrence share, up to :data:`MATCH_MAX`), ``([], 0)`` when none occurred. Where
+        the occurrence is s tokens back, the context is taken to repeat with period s: a draft
         longer than what followed it continues with its own tokens s back."""
         ctx = self.ids
         if k <= 0:
-            return []
+            return [], 0
         for n in self.ngrams:
             if len(ctx) > n:
                 j = self._next.get(tuple(ctx[-n:]))
@@ -79,8 +91,11 @@ class PromptLookup:
                     s = len(ctx) - j
                     while len(out) < k:
                         out.append(out[len(out) - s])
-                    return out
-        return []
+                    m = n
+                    while m < min(MATCH_MAX, j) and ctx[j - 1 - m] == ctx[-1 - m]:
+                        m += 1
+                    return out, m
+        return [], 0
 
 
 def accepted_length(draft, picks) -> int:
@@ -95,27 +110,35 @@ def accepted_length(draft, picks) -> int:
 class DraftPolicy:
     """The draft length that maximizes the expected tokens per second of step time.
 
-    ``rate``: the acceptance rate a of drafted tokens (a running mean, fed by :meth:`observe`);
-    ``cost[B]``: the measured time of a step of B rows (running means, fed by :meth:`timed`);
-    a B not measured yet is priced from the one-row time c_1 as c_1 (0.3 + 0.42 B) (SmolLM2-135M
-    Q4_1 on two cores), scaled as the largest measured B' < B compares with its own such price;
-    the measured times replace it. ``lengths``: the draft lengths k
-    considered."""
+    ``rates[i]``: the acceptance rate a of drafted tokens after a shared run of context of at
+    least :data:`MATCH_BUCKETS` [i] tokens (running means, fed by :meth:`observe`; ``rate``,
+    their priors, grow with the run); ``cost[B]``: the measured time of a step of B rows (running
+    means, fed by :meth:`timed`); a B not measured yet is priced from the one-row time c_1 as
+    c_1 (0.3 + 0.42 B) (SmolLM2-135M Q4_1 on two cores), scaled as the largest measured B' < B
+    compares with its own such price; the measured times replace it. ``lengths``: the draft
+    lengths k considered."""
 
-    def __init__(self, lengths=LENGTHS, rate: float = 0.6, memory: float = 0.9):
+    def __init__(self, lengths=LENGTHS, rate=(0.5, 0.6, 0.7, 0.8), memory: float = 0.9):
         self.lengths = tuple(sorted(lengths))
         self.k_max = self.lengths[-1]
-        self.rate = float(rate)
+        rate = (rate,) * len(MATCH_BUCKETS) if isinstance(rate, (int, float)) else rate
+        self.rates = [float(r) for r in rate]
         self.memory = float(memory)
         self.cost: dict[int, float] = {}
 
-    def observe(self, drafted: int, taken: int) -> None:
-        """``taken`` of ``drafted`` tokens matched (a verified or a shadow draft). Each drafted
-        token counts once, up to the first miss: the tokens after it were never tested."""
-        tested = min(drafted, taken + 1)
-        for i in range(tested):
-            hit = 1.0 if i < taken else 0.0
-            self.rate = self.memory * self.rate + (1 - self.memory) * hit
+    @staticmethod
+    def bucket(matched: int) -> int:
+        """The index of the last :data:`MATCH_BUCKETS` entry <= ``matched``."""
+        return max(0, sum(1 for b in MATCH_BUCKETS if matched >= b) - 1)
+
+    def observe(self, drafted: int, taken: int, matched: int = 0) -> None:
+        """``taken`` of ``drafted`` tokens matched (a verified or a shadow draft, after a shared
+        run of ``matched`` tokens). Each drafted token counts once, up to the first miss: the
+        tokens after it were never tested."""
+        i = self.bucket(matched)
+        for t in range(min(drafted, taken + 1)):
+            hit = 1.0 if t < taken else 0.0
+            self.rates[i] = self.memory * self.rates[i] + (1 - self.memory) * hit
 
     def timed(self, B: int, seconds: float) -> None:
         """A step of B rows took ``seconds``."""
@@ -135,11 +158,11 @@ class DraftPolicy:
         below = [n for n in self.cost if 1 < n < B]
         return prior(B) * (self.cost[max(below)] / prior(max(below)) if below else 1.0)
 
-    def length(self, available: int) -> int:
+    def length(self, available: int, matched: int = 0) -> int:
         """The draft length k of :attr:`lengths`, k <= ``available``, with the most expected
-        tokens (1 - a^(k+1)) / (1 - a) per unit of step time; 0 when plain one-token steps are
-        expected to be faster."""
-        a = min(self.rate, 0.999)
+        tokens (1 - a^(k+1)) / (1 - a) per unit of step time, a the rate after a shared run of
+        ``matched`` tokens; 0 when plain one-token steps are expected to be faster."""
+        a = min(self.rates[self.bucket(matched)], 0.999)
         best_k, best = 0, 1.0 / self._price(1)
         for k in self.lengths:
             if k > available:
@@ -162,6 +185,7 @@ class Speculation:
 
     drafted = 0
     accepted = 0
+    _plain_calls = 0  # plain calls since the last verification
     #: the context's drafts and the draft length, set by the prefill
     lookup: PromptLookup | None = None
     policy: DraftPolicy | None = None
@@ -170,7 +194,7 @@ class Speculation:
         """The context after the prefill: the prompt's ids and the first id chosen."""
         self.lookup = PromptLookup([*map(int, prompt), int(first)])
         self.policy = DraftPolicy()
-        self.drafted = self.accepted = 0
+        self.drafted = self.accepted = self._plain_calls = 0
 
     def more(self, k):
         """1 to ``k`` more greedy ids, (1, k'), from one model call (a stop id among them is the
@@ -182,11 +206,12 @@ class Speculation:
 
     def _round(self, want: int, stop) -> list[int]:
         """One model call's new ids (at most ``want``, ending at a stop id): a verified draft,
-        or plain steps (one while drafting pays or nearly does, so the next lookup comes soon;
-        else up to 8 in one call)."""
+        or plain steps: 1, 2, 4, then 8 per call as plain calls follow one another (a passage
+        that starts being copied is met within a few tokens, free text pays few returns to
+        Python)."""
         pol, look = self.policy, self.lookup
-        guess = look.draft(min(want - 1, pol.k_max))
-        d = pol.length(len(guess))
+        guess, matched = look.guess(min(want - 1, pol.k_max))
+        d = pol.length(len(guess), matched)
         t0 = time.perf_counter()
         if d > 0:
             picks = self.verify([self._last, *guess[:d]])
@@ -194,7 +219,7 @@ class Speculation:
             a = accepted_length(guess[:d], picks)
             self.drafted += d
             self.accepted += a
-            pol.observe(d, a)
+            pol.observe(d, a, matched)
             ids = [int(t) for t in picks[:a + 1]]
             for i, t in enumerate(ids):  # a stop id ends the ids
                 if t in stop:
@@ -202,29 +227,25 @@ class Speculation:
                     break
             self._take(ids)
             look.extend(ids)
+            self._plain_calls = 0
             return ids
-        near = pol.length(pol.k_max) > 0 or (guess and pol.rate > 0.4)
-        ids = [int(t) for t in self._plain(1 if near else min(want, 8))]
+        ids = [int(t) for t in self._plain(min(want, 8, 1 << self._plain_calls))]
+        self._plain_calls += 1
         self._timed(1, (time.perf_counter() - t0) / max(1, len(ids)))
         for t in ids:  # score what the lookup would have drafted, then take the id
-            g = look.draft(1)
+            g, m = look.guess(1)
             if g:
-                pol.observe(1, int(g[0] == t))
+                pol.observe(1, int(g[0] == t), m)
             look.extend([t])
         return ids
 
     def _timed(self, B: int, seconds: float) -> None:
-        """Price steps of B rows for the policy: the backend's own measure where it has one
-        (:meth:`step_seconds`), else a one-row step's wall time; a several-row step's wall time
-        is not taken (its first calls load kernels and explore thread counts: the prior stands
-        until the backend has measured it)."""
-        best = self.step_seconds(B)
-        if best is not None:
-            self.policy.cost[B] = best
-        elif B == 1:
+        """Price steps of B rows for the policy by their wall time, once the backend's timing is
+        settled (:meth:`timing_settled`); until then the policy's prior stands."""
+        if self.timing_settled():
             self.policy.timed(B, seconds)
 
-    def step_seconds(self, B: int) -> float | None:
-        """The backend's settled measure of a step of B rows, or None (a decoder whose backend
-        times its steps overrides it)."""
-        return None
+    def timing_settled(self) -> bool:
+        """Whether the steps' times are those of their settled configuration (a backend that
+        tries thread counts on its first steps says no until it has chosen)."""
+        return True

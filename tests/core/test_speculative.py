@@ -41,16 +41,25 @@ def test_accepted_length_counts_up_to_the_first_miss():
     assert accepted_length([], [3]) == 0
 
 
+def test_a_guess_says_how_long_a_run_the_context_shares_with_its_source():
+    look = PromptLookup([4, 1, 2, 3, 9, 8, 7, 1, 2, 3])
+    assert look.guess(2) == ([9, 8], 3)  # "1 2 3" shared, "4" / "7" differ
+    look = PromptLookup([5, 6, 1, 2, 3, 9, 5, 6, 1, 2, 3])
+    assert look.guess(1) == ([9], 5)
+
+
 def test_the_policy_drafts_long_on_accepted_drafts_and_stops_on_rejected_ones():
     pol = DraftPolicy()
     pol.timed(1, 1.0)
     for _ in range(40):
-        pol.observe(7, 7)
-    assert pol.rate > 0.95 and pol.length(15) == 15
-    assert pol.length(10) == 7 and pol.length(2) == 0  # only the lengths it tries
+        pol.observe(7, 7, matched=9)
+    assert pol.rates[DraftPolicy.bucket(9)] > 0.95 and pol.length(15, 9) == 15
+    assert pol.length(10, 9) == 7 and pol.length(2, 9) == 0  # only the lengths it tries
     for _ in range(60):
-        pol.observe(3, 0)
-    assert pol.rate < 0.05 and pol.length(15) == 0
+        pol.observe(3, 0, matched=9)
+    assert pol.rates[2] < 0.05 and pol.length(15, 9) == 0
+    # each run length learns apart: short matches kept their prior
+    assert pol.rates[0] == DraftPolicy().rates[0]
 
 
 def test_the_policy_weighs_measured_step_times():
@@ -62,7 +71,7 @@ def test_the_policy_weighs_measured_step_times():
     # a miss counts once, the tokens after it are untested
     pol = DraftPolicy(rate=0.0, memory=0.5)
     pol.observe(7, 2)
-    assert pol.rate == 0.5 * (0.5 * (0.5 * 0 + 0.5) + 0.5)  # hit, hit, miss
+    assert pol.rates[0] == 0.5 * (0.5 * (0.5 * 0 + 0.5) + 0.5)  # hit, hit, miss
 
 
 V = 13
@@ -130,7 +139,7 @@ def _plain_ids(prompt, n, stop=()):
 class Eager(DraftPolicy):
     """A policy that always drafts as long as it may (the verification path every round)."""
 
-    def length(self, available):
+    def length(self, available, matched=0):
         return max([k for k in self.lengths if k <= available], default=0)
 
 

@@ -261,14 +261,16 @@ def test_single_sequence_kernel_matches_reference_and_batched_kernel(calls, kvh,
 def test_greedy_decoder_many_steps_per_call_equals_the_eager_loop(calls, prompt_len):
     """Greedy decoding of one sequence runs several steps per compiled call (GreedyDecoder);
     its tokens, stop rule and budget must be those of the reference backend's eager loop,
-    with a stop id met inside a chunk of 16 steps and the context end reached."""
+    with a stop id met inside a chunk of 16 steps and the context end reached; so must the
+    speculative decoder's (the default, below)."""
     ref, fast = _pair(max_seq_len=40)
     prompt = np.random.default_rng(prompt_len).integers(0, 61, prompt_len).tolist()
     full = generate(ref, prompt, max_new_tokens=60)  # runs into the context end
     assert len(full) == 40 - prompt_len + 1
     before = calls["calls"]
-    assert generate(fast, prompt, max_new_tokens=60) == full
+    assert generate(fast, prompt, max_new_tokens=60, speculate=False) == full
     assert calls["calls"] - before <= 4  # 40 tokens: one per ~16-step call, not per token
+    assert generate(fast, prompt, max_new_tokens=60) == full  # with prompt-lookup drafts
     for cut in (1, 18, len(full) - 2):  # stop at the first occurrence of full[cut]
         stop = full[cut]
         want = generate(ref, prompt, max_new_tokens=60, stop_ids=[stop])
