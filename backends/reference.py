@@ -24,7 +24,8 @@ from minillama.core.quant import QuantMatrix
 #: (:func:`minillama.backends.complete`, which :func:`~minillama.backends.get_backend` applies)
 ABILITIES = ("supports_float64", "attention_precision", "num_threads", "adamw_update",
              "exact_products", "decode_threads", "decode_step", "prompt_rows_invariant",
-             "greedy_steps", "greedy_decoder", "watch_compiles", "invariance", "threads",
+             "greedy_steps", "greedy_decoder", "decode_rows", "watch_compiles", "invariance",
+             "threads",
              "attention_forward_packed", "attention_backward_packed")
 
 
@@ -160,6 +161,13 @@ class ReferenceBackend:
     def greedy_steps(self, model, tok, start_pos, cache, k: int):
         """Up to ``k`` greedy decode steps of B > 1 sequences in one call: their ids (B, k'),
         or None to decline (the caller steps one token at a time). The reference declines."""
+        return None
+
+    def decode_rows(self, model, tok, pos, seq, cache):
+        """One step over R rows that need not be one per sequence: row r feeds tok[r] at
+        position pos[r] of cache row seq[r] (a sequence's drafted tokens are several rows at
+        consecutive positions), each row computed exactly as a one-row decode step computes it;
+        the logits (R, V), or None where the backend cannot promise that (the reference)."""
         return None
 
     def greedy_decoder(self, model, max_seq_len: int, stop_ids=(), speculate: bool = False,

@@ -280,6 +280,27 @@ class FusedDecode(DecodePlans):
         else:
             tuner.run(self._numba_team, lambda threads, k: step(threads) or B, B, whole=True)
 
+    def decode_rows(self, model, tok, pos, seq, cache):
+        """One fused step over R rows, row r feeding tok[r] at position pos[r] of cache row
+        seq[r], each row computed as the one-row step computes it (where
+        :meth:`speculation_exact`, and R > 1 unless the cache has one row; else None): the logits
+        (R, V). The thread count is the verification steps' (:attr:`verify_tuner`)."""
+        plan = self._decode_plan(model) if self.speculation_exact(model) else None
+        kv = self._cache_lists(cache, model.dtype) if plan is not None else None
+        if kv is None:
+            return None
+        tok, pos, seq = (np.array(a, dtype=np.int64).reshape(-1) for a in (tok, pos, seq))
+        if pos.min() < 0 or pos.max() >= cache.max_seq_len or seq.min() < 0 \
+                or seq.max() >= cache.batch_size:
+            raise MinillamaError(f"rows at positions up to {int(pos.max())} of cache rows up to "
+                                 f"{int(seq.max())} exceed the KV cache ({cache.batch_size} x "
+                                 f"{cache.max_seq_len})")
+        if len(tok) == 1 and cache.batch_size != 1:
+            return None  # one row: the one-sequence kernel takes a cache of one row
+        logits = np.empty((len(tok), _vocab(plan)), dtype=model.dtype)
+        self._rows(plan, tok, pos, seq, *kv, logits, self.verify_tuner)
+        return logits
+
     @property
     def verify_tuner(self) -> ThreadTuner:
         """The thread count of the verification steps of drafted tokens
@@ -494,18 +515,14 @@ class SpeculativeDecoder(Speculation, GreedyDecoder):
 
     def verify_logits(self, tokens) -> np.ndarray:
         """The logits (len(tokens), V) of one step over the rows ``tokens`` fed at positions
-        p, p + 1, ... of cache row 0 (p where the last id goes), each row's K/V written there."""
-        be, m = self.backend, self.model
-        plan = be._decode_plan(m)
-        kc, vc = be._cache_lists(self.cache, m.dtype)
+        p, p + 1, ... of cache row 0 (p where the last id goes), each row's K/V written there
+        (:meth:`FusedDecode.decode_rows`)."""
         B = len(tokens)
         p0 = self._P + self._done - 1
-        logits = np.empty((B, _vocab(plan)), dtype=m.dtype)
         if p0 + B > self.S:
             raise MinillamaError(f"{B} rows from position {p0} exceed the cache of {self.S}")
-        be._rows(plan, np.array(tokens, dtype=np.int64), np.arange(p0, p0 + B, dtype=np.int64),
-                 np.zeros(B, dtype=np.int64), kc, vc, logits, be.verify_tuner)
-        return logits
+        return self.backend.decode_rows(self.model, tokens, np.arange(p0, p0 + B),
+                                        np.zeros(B, dtype=np.int64), self.cache)
 
     def timing_settled(self) -> bool:
         """Whether the thread tuners of plain and verification steps have measured every count

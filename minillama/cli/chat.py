@@ -23,7 +23,7 @@ from minillama.cli.common import (
 from minillama.core.errors import MinillamaError
 from minillama.core.sampling import StopText
 from minillama.infer.chat import ChatSession
-from minillama.infer.generate import TextStreamer, warm_up
+from minillama.infer.generate import TextStreamer, warm_up, warm_verify
 from minillama.io.load import open_model
 from minillama.io.tokenizer import TOKENIZER_KINDS
 
@@ -108,6 +108,7 @@ def _open_session(args):
             dry = ChatSession(model, tok, system=args.system, max_new_tokens=2,
                               context=min(args.context, 256), params=params)
             list(dry.reply("hi"))
+            warm_verify(model)
         except MinillamaError:  # a template or context that refuses it: the first turn says so
             pass
 

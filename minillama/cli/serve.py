@@ -14,10 +14,15 @@ import socket
 import sys
 from pathlib import Path
 
-from minillama.cli.common import add_backend_flag, add_model_flags, positive_int
+from minillama.cli.common import (
+    add_backend_flag,
+    add_model_flags,
+    add_speculate_flag,
+    positive_int,
+)
 from minillama.core.errors import MinillamaError
 from minillama.infer.engine import Engine
-from minillama.infer.generate import warm_prefill, warm_up
+from minillama.infer.generate import warm_prefill, warm_up, warm_verify
 from minillama.infer.serve import build_app
 from minillama.io.load import DEFAULT_CHECKPOINT, detect_format, load_model, resolve_tokenizer
 from minillama.io.tokenizer import TOKENIZER_KINDS
@@ -68,6 +73,7 @@ def add_cli(subparsers) -> None:
                         "(default 0: up to --max-batch prompts kept)")
     p.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
                    help="prefill every prompt whole, never from the cache")
+    add_speculate_flag(p)
     p.set_defaults(func=run_cli)
 
 
@@ -87,13 +93,19 @@ def load_engine(args):
         raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer ({TOKENIZER_KINDS})")
     engine = Engine(model, max_batch=args.max_batch, max_seq_len=args.max_context,
                     max_queue=args.max_queue, prefix_reuse=args.prefix_reuse,
-                    prefix_rows=args.prefix_cache)
+                    prefix_rows=args.prefix_cache, speculate=args.speculate)
     # the first request should not wait for the compiler: compile (or load) the kernels now,
-    # with those of long prompts and batches, saying so when it takes a while; all of it on the
-    # engine's thread, the one that serves (Engine.run_in_thread says why)
+    # with those of long prompts, batches and drafts, saying so when it takes a while; all of
+    # it on the engine's thread, the one that serves (Engine.run_in_thread says why)
     warm_up(model, [0], run=lambda: engine.generate([0], max_tokens=2),
-            then=lambda m: engine.run_in_thread(warm_prefill, m))
+            then=lambda m: engine.run_in_thread(_warm_serving, m))
     return engine, tok, args.model_name or model_name_for(checkpoint)
+
+
+def _warm_serving(model) -> None:
+    """The kernels of long prompts, batches and drafts' verification."""
+    warm_prefill(model)
+    warm_verify(model)
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -145,7 +145,7 @@ class DraftPolicy:
         c = self.cost.get(B)
         self.cost[B] = seconds if c is None else 0.8 * c + 0.2 * seconds
 
-    def _price(self, B: int) -> float:
+    def price(self, B: int) -> float:
         """c(B): measured, else the prior scaled as the nearest measured B' < B compares with
         its own prior (so a cheap measured step makes the larger ones worth a try)."""
         if B in self.cost:
@@ -162,15 +162,34 @@ class DraftPolicy:
         """The draft length k of :attr:`lengths`, k <= ``available``, with the most expected
         tokens (1 - a^(k+1)) / (1 - a) per unit of step time, a the rate after a shared run of
         ``matched`` tokens; 0 when plain one-token steps are expected to be faster."""
-        a = min(self.rates[self.bucket(matched)], 0.999)
-        best_k, best = 0, 1.0 / self._price(1)
-        for k in self.lengths:
+        a = self.rates[self.bucket(matched)]
+        return batch_lengths([(a, available)], self.price, 1, self.lengths)[0]
+
+
+def batch_lengths(cands, price, rows: int, lengths=LENGTHS) -> list[int]:
+    """Draft lengths for the sequences of one batched step of ``rows`` plain rows (one per
+    sequence): ``cands`` holds, per sequence, (a, available), the acceptance rate of its draft
+    and how many draft tokens it has; ``price(B)`` the time of a step of B rows. Taking the
+    likeliest drafts first, a sequence drafts the k of ``lengths`` that raises the step's
+    expected tokens per second, (T + E_k - 1) / price(R + k), E_k = (1 - a^(k+1)) / (1 - a), T
+    and R the tokens and rows so far, above T / price(R); in a step whose rows already keep the
+    cores busy a draft row pays only when it is nearly sure to be taken."""
+    ks = [0] * len(cands)
+    T, R = float(rows), rows
+    for i in sorted(range(len(cands)), key=lambda i: -cands[i][0]):
+        a, available = min(cands[i][0], 0.999), cands[i][1]
+        best_k, best = 0, T / price(R)
+        for k in lengths:
             if k > available:
                 break
-            value = (1 - a ** (k + 1)) / (1 - a) / self._price(k + 1)
+            value = (T + (1 - a ** (k + 1)) / (1 - a) - 1) / price(R + k)
             if value > best:
                 best_k, best = k, value
-        return best_k
+        if best_k:
+            ks[i] = best_k
+            T += (1 - a ** (best_k + 1)) / (1 - a) - 1
+            R += best_k
+    return ks
 
 
 class Speculation:

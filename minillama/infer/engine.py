@@ -226,8 +226,10 @@ class Engine:
     :class:`QueueFull` when ``max_batch + max_queue`` requests are in the engine.
     ``prefix_reuse`` lets a prompt start from the K/V a row already holds for its first tokens
     (:mod:`minillama.infer.slots`); the free slots keep what their last request held, and
-    ``prefix_rows`` more rows keep it only for that. :attr:`stats` counts tokens and latencies
-    (:class:`~minillama.infer.metrics.EngineStats`).
+    ``prefix_rows`` more rows keep it only for that. ``speculate``: greedy requests verify
+    prompt-lookup drafts in the batched steps where the backend computes them exactly
+    (:mod:`minillama.infer.slot_drafts`; the same tokens). :attr:`stats` counts tokens and
+    latencies (:class:`~minillama.infer.metrics.EngineStats`).
 
     :meth:`submit` queues a request and returns at once; the scheduler thread starts on the first
     submit (or :meth:`start`) and stops with :meth:`close`.
@@ -235,7 +237,7 @@ class Engine:
 
     def __init__(self, model, max_batch: int = 8, max_seq_len: int | None = None,
                  prefill_tokens: int = 4096, max_queue: int | None = None,
-                 prefix_reuse: bool = True, prefix_rows: int = 0):
+                 prefix_reuse: bool = True, prefix_rows: int = 0, speculate: bool = True):
         for name, v, lo in (("max_batch", max_batch, 1), ("prefix_rows", prefix_rows, 0),
                             ("max_queue", 0 if max_queue is None else max_queue, 0)):
             if isinstance(v, bool) or int(v) != v or v < lo:
@@ -253,6 +255,7 @@ class Engine:
         self.stats = EngineStats()
         self.batch = SlotBatch(model, self.max_batch, self.S, self.prefill_tokens, self.stats,
                                extra_rows=int(prefix_rows), reuse=bool(prefix_reuse))
+        self.batch.speculate = bool(speculate)
         self._slots = self.batch.slots
         self._pending: collections.deque[Request] = collections.deque()
         self._in_step = 0  # the requests the running step holds (those it admits included)

@@ -403,13 +403,14 @@ def warm_prefill(model) -> None:
 
 
 def _warm_steps(model, prompt_ids: Sequence[int], params) -> None:
-    """A prefill of the prompt's last 64 tokens or fewer (the prompt's own kernels) and a few
-    decode steps, thrown away."""
+    """A prefill of the prompt's last 64 tokens or fewer (the prompt's own kernels), a few
+    decode steps and a verification step (:func:`warm_verify`), thrown away."""
     prompt = list(prompt_ids[-64:])
     n = min(3, model.cfg.max_seq_len - len(prompt) + 1)
     if n > 0:
         for _ in generate_steps(model, [prompt], n, params, seed=0):
             pass
+    warm_verify(model)
 
 
 def warm_verify(model) -> None:
@@ -427,7 +428,8 @@ def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = No
             note_after: float = 1.0, say=None, run: Callable[[], object] | None = None,
             then: Callable[[object], object] | None = None) -> float:
     """Run the generation's code paths once (``run``, by default a prefill of the prompt's last
-    64 tokens or fewer and a few decode steps, thrown away) on a backend that compiles kernels
+    64 tokens or fewer, a few decode steps and a drafts' verification step, thrown away; a
+    given ``run`` calls :func:`warm_verify` itself) on a backend that compiles kernels
     on first use, so the first answer and the reported speeds time the model and not the
     compiler. ``then(model)`` runs after it (e.g. :func:`warm_prefill`: a server's long prompts
     and batches); the kernels of other paths compile, or load, when first used.
@@ -470,7 +472,6 @@ def warm_up(model, prompt_ids: Sequence[int], params: SamplingParams | None = No
             timer.start()
         try:
             (run or (lambda: _warm_steps(model, prompt_ids, params)))()
-            warm_verify(model)
             if then is not None:
                 then(model)
         finally:

@@ -124,7 +124,11 @@ def prometheus_text(engine, http: HTTPCounts | None = None, prefix: str = "minil
              "Prompt tokens whose keys and values were reused from the cache, not prefilled."),
             ("prefill_tokens_total", s.prefilled_tokens, "Prompt tokens run through prefill."),
             ("completion_tokens_total", s.completion_tokens, "Tokens generated."),
-            ("decode_steps_total", engine.decode_steps, "Batched decode steps run.")):
+            ("decode_steps_total", engine.decode_steps, "Batched decode steps run."),
+            ("draft_tokens_total", engine.batch.drafted,
+             "Prompt-lookup draft tokens verified in decode steps."),
+            ("draft_tokens_accepted_total", engine.batch.accepted,
+             "Verified draft tokens the model chose (each one a decode step saved).")):
         _metric(out, f"{p}_{name}", "counter", help_, [f"{p}_{name} {value}"])
     for name, value, help_ in (
             ("queue_depth", engine.waiting, "Requests waiting for a slot."),

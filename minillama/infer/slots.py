@@ -25,6 +25,7 @@ import numpy as np
 
 from minillama.core.errors import MinillamaError
 from minillama.core.sampling import top_indices
+from minillama.infer.slot_drafts import DraftRows
 from minillama.io.chat_template import common_prefix
 
 
@@ -42,10 +43,12 @@ class _Slot:
     """A running request: ``pos`` is where its next fed token goes (= prompt length + tokens fed
     so far), ``last`` the token to feed, ``budget`` the most tokens it may produce."""
 
-    __slots__ = ("req", "pos", "last", "budget", "done")
+    __slots__ = ("req", "pos", "last", "budget", "done", "lookup", "policy", "drafts_ok")
 
     def __init__(self, req, pos: int, budget: int):
         self.req, self.pos, self.last, self.budget, self.done = req, pos, -1, budget, False
+        # its drafts (:mod:`.slot_drafts`): prompt lookup and policy, made on its first step
+        self.lookup = self.policy = self.drafts_ok = None
 
 
 class PrefixRows:
@@ -249,10 +252,11 @@ class Admission:
         for b, r in enumerate(group):
             self._start(r, 0, z[b], now)
 
-class SlotBatch(Admission):
+class SlotBatch(DraftRows, Admission):
     """The rows of the KV cache and the requests running in them: prefills new requests into
-    free rows (reusing cached prefixes), runs one batched decode step over all of them, samples
-    and hands over each one's token, and keeps the running requests in rows 0..n-1."""
+    free rows (reusing cached prefixes), runs one batched decode step over all of them (with
+    the drafts of :class:`~minillama.infer.slot_drafts.DraftRows` where they pay), samples and
+    hands over each one's tokens, and keeps the running requests in rows 0..n-1."""
 
     #: the fewest cached prompt tokens worth reusing (below this a request joins the padded
     #: prefill from position 0 of the others arriving with it)
@@ -310,18 +314,25 @@ class SlotBatch(Admission):
         self._take(slot, z, now)
 
     def _decode(self) -> None:
-        """One batched step: row b feeds its last token at its own position p_b."""
+        """One batched step: row b feeds its last token at its own position p_b (and, where
+        drafts pay, its drafted tokens at the positions after it: :meth:`_drafted_step`)."""
+        self._guesses = []
+        if self.speculate and self._drafted_step():
+            return
         n = len(self._slots)
         tok = np.array([[s.last] for s in self._slots], dtype=np.int64)
         pos = np.array([s.pos for s in self._slots], dtype=np.int64)
+        t0 = time.perf_counter()
         logits = self.model.forward(tok, pos, self._view(0, n), last_only=True)
         z = self.model.backend.to_numpy(logits).reshape(n, -1)
         now = time.perf_counter()
+        self._step_timed(n, now - t0)
         self.decode_steps += 1
         self.max_active = max(self.max_active, n)
         for b, s in enumerate(self._slots):
             s.pos += 1
             self._take(s, z[b], now)
+        self._shadow()
 
     def _take(self, s: _Slot, z: np.ndarray, now: float) -> None:
         """Sample s's next token from its logits z (V,) and hand it over, or end s."""
