@@ -118,7 +118,7 @@ class DraftPolicy:
     compares with its own such price; the measured times replace it. ``lengths``: the draft
     lengths k considered."""
 
-    def __init__(self, lengths=LENGTHS, rate=(0.5, 0.6, 0.7, 0.8), memory: float = 0.9):
+    def __init__(self, lengths=LENGTHS, rate=(0.4, 0.5, 0.6, 0.7), memory: float = 0.85):
         self.lengths = tuple(sorted(lengths))
         self.k_max = self.lengths[-1]
         rate = (rate,) * len(MATCH_BUCKETS) if isinstance(rate, (int, float)) else rate

@@ -183,6 +183,13 @@ ENTRIES: tuple[Entry, ...] = (
           related=("backends/cupy/graph.py:GraphDecoder",
                    "backends/numba/backend_decode.py:GreedyDecoder",
                    "backends/numba/backend_decode.py:FusedDecode.greedy_steps")),
+    Entry("speculative", "Speculative decoding by prompt lookup",
+          _at("minillama/core/speculative.py", "PromptLookup.guess", "accepted_length",
+              "DraftPolicy.length", "batch_lengths", "Speculation.more"),
+          ("prompt_lookup", "draft", "drafts", "speculation"),
+          related=("backends/numba/backend_decode.py:SpeculativeDecoder",
+                   "backends/numba/backend_decode.py:FusedDecode.decode_rows",
+                   "minillama/infer/slot_drafts.py:DraftRows")),
 )
 
 
