@@ -183,7 +183,50 @@ class DecodePlans:
         return got[:2]
 
 
-class FusedDecode(DecodePlans):
+class DraftSteps:
+    """What :class:`FusedDecode` offers speculative decoding: whether a step of several rows
+    computes each row as alone (:meth:`speculation_exact`), the step over rows that need not be
+    one per sequence (:meth:`decode_rows`) and its thread tuner."""
+
+    def speculation_exact(self, model) -> bool:
+        """Whether a step of several rows computes each row as a one-row step would, bit for bit,
+        for ``model`` (the batch-invariant fused steps: float weights, or GGML blocks with 8-bit
+        products), so that verified drafts give the plain greedy ids."""
+        plan = self._decode_plan(model)
+        return plan is not None and (not plan.get("quant") or self._quant_int8())
+
+    def decode_rows(self, model, tok, pos, seq, cache):
+        """One fused step over R rows, row r feeding tok[r] at position pos[r] of cache row
+        seq[r], each row computed as the one-row step computes it (where
+        :meth:`speculation_exact`, and R > 1 unless the cache has one row; else None): the logits
+        (R, V). The thread count is the verification steps' (:attr:`verify_tuner`)."""
+        plan = self._decode_plan(model) if self.speculation_exact(model) else None
+        kv = self._cache_lists(cache, model.dtype) if plan is not None else None
+        if kv is None:
+            return None
+        tok, pos, seq = (np.array(a, dtype=np.int64).reshape(-1) for a in (tok, pos, seq))
+        if pos.min() < 0 or pos.max() >= cache.max_seq_len or seq.min() < 0 \
+                or seq.max() >= cache.batch_size:
+            raise MinillamaError(f"rows at positions up to {int(pos.max())} of cache rows up to "
+                                 f"{int(seq.max())} exceed the KV cache ({cache.batch_size} x "
+                                 f"{cache.max_seq_len})")
+        if len(tok) == 1 and cache.batch_size != 1:
+            return None  # one row: the one-sequence kernel takes a cache of one row
+        logits = np.empty((len(tok), _vocab(plan)), dtype=model.dtype)
+        self._rows(plan, tok, pos, seq, *kv, logits, self.verify_tuner)
+        return logits
+
+    @property
+    def verify_tuner(self) -> ThreadTuner:
+        """The thread count of the verification steps of drafted tokens
+        (:class:`SpeculativeDecoder`), by measured seconds per row: one tuner for their several
+        sizes, so that it settles in a few steps."""
+        if self.__dict__.get("_verify_tuner") is None:
+            self._verify_tuner = ThreadTuner(self.num_threads)
+        return self._verify_tuner
+
+
+class FusedDecode(DraftSteps, DecodePlans):
     """The fused decode entry points: :meth:`decode_step` (taken by
     :meth:`minillama.model.transformer.Transformer.forward` at T = 1), :meth:`greedy_steps` and
     :meth:`greedy_decoder`."""
@@ -279,36 +322,6 @@ class FusedDecode(DecodePlans):
             self.rows_tuner(B).run(self._numba_team, lambda threads, k: step(threads) or 1, 1)
         else:
             tuner.run(self._numba_team, lambda threads, k: step(threads) or B, B, whole=True)
-
-    def decode_rows(self, model, tok, pos, seq, cache):
-        """One fused step over R rows, row r feeding tok[r] at position pos[r] of cache row
-        seq[r], each row computed as the one-row step computes it (where
-        :meth:`speculation_exact`, and R > 1 unless the cache has one row; else None): the logits
-        (R, V). The thread count is the verification steps' (:attr:`verify_tuner`)."""
-        plan = self._decode_plan(model) if self.speculation_exact(model) else None
-        kv = self._cache_lists(cache, model.dtype) if plan is not None else None
-        if kv is None:
-            return None
-        tok, pos, seq = (np.array(a, dtype=np.int64).reshape(-1) for a in (tok, pos, seq))
-        if pos.min() < 0 or pos.max() >= cache.max_seq_len or seq.min() < 0 \
-                or seq.max() >= cache.batch_size:
-            raise MinillamaError(f"rows at positions up to {int(pos.max())} of cache rows up to "
-                                 f"{int(seq.max())} exceed the KV cache ({cache.batch_size} x "
-                                 f"{cache.max_seq_len})")
-        if len(tok) == 1 and cache.batch_size != 1:
-            return None  # one row: the one-sequence kernel takes a cache of one row
-        logits = np.empty((len(tok), _vocab(plan)), dtype=model.dtype)
-        self._rows(plan, tok, pos, seq, *kv, logits, self.verify_tuner)
-        return logits
-
-    @property
-    def verify_tuner(self) -> ThreadTuner:
-        """The thread count of the verification steps of drafted tokens
-        (:class:`SpeculativeDecoder`), by measured seconds per row: one tuner for their several
-        sizes, so that it settles in a few steps."""
-        if self.__dict__.get("_verify_tuner") is None:
-            self._verify_tuner = ThreadTuner(self.num_threads)
-        return self._verify_tuner
 
     @property
     def invariance(self) -> frozenset[str]:
@@ -408,12 +421,6 @@ class FusedDecode(DecodePlans):
         ok = dec.cache.batch_size == 1 and self._cache_lists(dec.cache, model.dtype) is not None
         return dec if ok else None
 
-    def speculation_exact(self, model) -> bool:
-        """Whether a step of several rows computes each row as a one-row step would, bit for bit,
-        for ``model`` (the batch-invariant fused steps: float weights, or GGML blocks with 8-bit
-        products), so that verified drafts give the plain greedy ids."""
-        plan = self._decode_plan(model)
-        return plan is not None and (not plan.get("quant") or self._quant_int8())
 
 
 

@@ -130,12 +130,8 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
         dec = be.greedy_decoder(model, cache_len, stop, speculate=speculate, cache=cache,
                                 cached=cached)
         if dec is not None:
-            stats.cache_bytes = dec.cache.nbytes
-            for out in stream_greedy(dec, seqs[0], max_new_tokens, cfg.max_seq_len, stop, stats):
-                stats.drafted, stats.accepted = dec.drafted, dec.accepted
-                stats.positions = dec._P + dec._done - 1  # the last id is not fed yet
-                stats.prompt_tokens = len(seqs[0]) - cached
-                yield out
+            yield from _decoded(dec, seqs[0], max_new_tokens, cfg.max_seq_len, stop, stats,
+                                cached)
             return
     if cache is None:
         cache = model.new_cache(B, cache_len)
@@ -144,6 +140,17 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
     many = be.greedy_steps if greedy and B > 1 and not penalised else None
     yield from _prefill_and_decode(model, seqs, lens, cache, pick, many, stop, budget, hist,
                                    stats, cached)
+
+
+def _decoded(dec, prompt, max_new_tokens: int, context: int, stop, stats, cached: int):
+    """:func:`stream_greedy` through a backend's decoder ``dec``, ``stats`` kept up to date
+    (the drafts taken, the positions held, the prompt tokens prefilled)."""
+    stats.cache_bytes = dec.cache.nbytes
+    for out in stream_greedy(dec, prompt, max_new_tokens, context, stop, stats):
+        stats.drafted, stats.accepted = dec.drafted, dec.accepted
+        stats.positions = dec._P + dec._done - 1  # the last id is not fed yet
+        stats.prompt_tokens = len(prompt) - cached
+        yield out
 
 
 def _cache_len_and_budget(cfg, lens, max_new_tokens: int, cache, cached: int):
