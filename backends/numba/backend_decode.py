@@ -523,7 +523,7 @@ class SpeculativeDecoder(Speculation, GreedyDecoder):
     def verify_logits(self, tokens) -> np.ndarray:
         """The logits (len(tokens), V) of one step over the rows ``tokens`` fed at positions
         p, p + 1, ... of cache row 0 (p where the last id goes), each row's K/V written there
-        (:meth:`FusedDecode.decode_rows`)."""
+        (:meth:`DraftSteps.decode_rows`)."""
         B = len(tokens)
         p0 = self._P + self._done - 1
         if p0 + B > self.S:

@@ -188,7 +188,7 @@ ENTRIES: tuple[Entry, ...] = (
               "DraftPolicy.length", "batch_lengths", "Speculation.more"),
           ("prompt_lookup", "draft", "drafts", "speculation"),
           related=("backends/numba/backend_decode.py:SpeculativeDecoder",
-                   "backends/numba/backend_decode.py:FusedDecode.decode_rows",
+                   "backends/numba/backend_decode.py:DraftSteps.decode_rows",
                    "minillama/infer/slot_drafts.py:DraftRows")),
 )
 
