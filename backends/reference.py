@@ -24,8 +24,9 @@ from minillama.core.quant import QuantMatrix
 #: (:func:`minillama.backends.complete`, which :func:`~minillama.backends.get_backend` applies)
 ABILITIES = ("supports_float64", "attention_precision", "num_threads", "adamw_update",
              "exact_products", "decode_threads", "decode_step", "prompt_rows_invariant",
-             "greedy_steps", "greedy_decoder", "decode_rows", "watch_compiles", "invariance",
-             "threads",
+             "greedy_steps", "greedy_decoder", "decode_rows", "speculation_exact",
+             "verification_ready",
+             "watch_compiles", "invariance", "threads",
              "attention_forward_packed", "attention_backward_packed")
 
 
@@ -169,6 +170,16 @@ class ReferenceBackend:
         consecutive positions), each row computed exactly as a one-row decode step computes it;
         the logits (R, V), or None where the backend cannot promise that (the reference)."""
         return None
+
+    def speculation_exact(self, model) -> bool:
+        """Whether a step of several rows computes each row bit for bit as a one-row step
+        (so verified drafts keep the greedy tokens); the reference does not say so: False."""
+        return False
+
+    def verification_ready(self, model) -> bool:
+        """Whether :meth:`decode_rows` verifies drafts for ``model`` now (compiled, exact); the
+        reference has no such step: False."""
+        return False
 
     def greedy_decoder(self, model, max_seq_len: int, stop_ids=(), speculate: bool = False,
                        cache=None, cached: int = 0):

@@ -27,6 +27,17 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _rows_kernel_in_the_test_process():
+    """Tests that verify drafts want the kernel of several rows at once: compiled in the test's
+    process, not by a worker while the answer goes on without drafts (the worker's own test:
+    tests/backends/numba/decode/test_speculative_decode.py)."""
+    from minillama.backends.numba.backend_decode import DraftSteps
+
+    DraftSteps.compile_in_background = False
+    yield
+
+
 @pytest.fixture(params=BACKEND_PARAMS)
 def backend(request):
     """Each backend that can run here (the others are reported as skipped, with the reason)."""

@@ -185,8 +185,41 @@ class DecodePlans:
 
 class DraftSteps:
     """What :class:`FusedDecode` offers speculative decoding: whether a step of several rows
-    computes each row as alone (:meth:`speculation_exact`), the step over rows that need not be
-    one per sequence (:meth:`decode_rows`) and its thread tuner."""
+    computes each row as alone (:meth:`speculation_exact`) and is compiled
+    (:meth:`verification_ready`), the step over rows that need not be one per sequence
+    (:meth:`decode_rows`) and its thread tuner."""
+
+    #: a kernel of several rows missing from the disk cache compiles in a worker process, the
+    #: answers going on without drafts meanwhile (:mod:`.rows_compile`); False: in the thread
+    #: that first wants it
+    compile_in_background = True
+
+    def verification_ready(self, model) -> bool:
+        """Whether drafts can be verified for ``model`` now: :meth:`speculation_exact`, and its
+        kernel of several rows compiled in this process or loaded now from the disk cache. If
+        it is in neither, a worker process compiles it (:attr:`compile_in_background`; else it
+        compiles here, now) and this says False until the worker has ended."""
+        plan = self._decode_plan(model) if self.speculation_exact(model) else None
+        if plan is None:
+            return False
+        from . import rows_compile
+
+        kind = "quant" if plan.get("quant") else np.dtype(model.dtype).name
+        state = self.__dict__.setdefault("_rows_compiled", {})
+        st = state.get(kind)
+        if isinstance(st, bool):
+            return st
+        dispatcher, args = rows_compile.scratch_args(kind)
+        if st is None:  # first asked
+            if rows_compile.loadable(dispatcher, args) or not self.compile_in_background:
+                state[kind] = True
+                return True
+            state[kind] = rows_compile.start_worker(kind)
+            return False
+        if st.poll() is None:  # the worker is compiling
+            return False
+        state[kind] = st.returncode == 0 and rows_compile.loadable(dispatcher, args)
+        return state[kind]
 
     def speculation_exact(self, model) -> bool:
         """Whether a step of several rows computes each row as a one-row step would, bit for bit,
@@ -252,12 +285,18 @@ class FusedDecode(DraftSteps, DecodePlans):
     def _step_rows_q(self, plan, tok, pos, seq, kc, vc, logits, threads):
         """One fused step of B > 1 rows of a quantized plan, each at its own position in cache
         row seq[b], on ``threads`` threads: :func:`.decode.quant_step.decode_step_rows_q`."""
+        self._qdecode.decode_step_rows_q(  # the wrapper adds the 8-bit switch
+            *self._rows_q_args(plan, tok, pos, seq, kc, vc, logits, threads)[:-1])
+
+    def _rows_q_args(self, plan, tok, pos, seq, kc, vc, logits, threads) -> tuple:
+        """The arguments of :func:`.decode.quant_step.decode_step_rows_q_kernel`, the 8-bit
+        products on unless ``MINILLAMA_QUANT_DOTS=float``."""
         q = self._quant()
         wq, wk, wv, wo, w1, w2, w3 = plan["mats"]
-        self._qdecode.decode_step_rows_q(
-            tok, pos, seq, *plan["emb"], *plan["out"], plan["codes"], plan["norm"], plan["g_att"],
-            wq, wk, wv, wo, plan["g_ffn"], w1, w2, w3, kc, vc, plan["cos"], plan["sin"],
-            plan["eps"], plan["heads"], logits, threads, q._F16, q._KVALUES)
+        return (tok, pos, seq, *plan["emb"], *plan["out"], plan["codes"], plan["norm"],
+                plan["g_att"], wq, wk, wv, wo, plan["g_ffn"], w1, w2, w3, kc, vc, plan["cos"],
+                plan["sin"], plan["eps"], plan["heads"], logits, threads, q._F16, q._KVALUES,
+                self._qdecode.int8_enabled())
 
     def decode_step(self, model, tok, start_pos, cache):
         r"""One KV-cached decode step of ``model`` in one compiled call, or None to decline.
@@ -536,6 +575,9 @@ class SpeculativeDecoder(Speculation, GreedyDecoder):
         they choose between (before, steps run on trial counts and their times mislead)."""
         be = self.backend
         return all(len(t.per_step) == min(t.most, 2) for t in (be.tuner, be.verify_tuner))
+
+    def verify_ready(self) -> bool:
+        return self.backend.verification_ready(self.model)
 
     def _take(self, ids) -> None:
         if ids[-1] < 0:

@@ -230,7 +230,7 @@ class Speculation:
         Python)."""
         pol, look = self.policy, self.lookup
         guess, matched = look.guess(min(want - 1, pol.k_max))
-        d = pol.length(len(guess), matched)
+        d = pol.length(len(guess), matched) if guess and self.verify_ready() else 0
         t0 = time.perf_counter()
         if d > 0:
             picks = self.verify([self._last, *guess[:d]])
@@ -267,4 +267,9 @@ class Speculation:
     def timing_settled(self) -> bool:
         """Whether the steps' times are those of their settled configuration (a backend that
         tries thread counts on its first steps says no until it has chosen)."""
+        return True
+
+    def verify_ready(self) -> bool:
+        """Whether :meth:`verify` can run now without waiting (a backend whose kernel for it is
+        still compiling elsewhere says no: plain steps meanwhile)."""
         return True

@@ -422,8 +422,11 @@ def _warm_steps(model, prompt_ids: Sequence[int], params) -> None:
 
 def warm_verify(model) -> None:
     """One verification step of a speculative decoder (:mod:`minillama.core.speculative`) on a
-    scratch cache, where the backend speculates: the kernel of several rows compiles (or loads)
-    now, not at the first draft of an answer."""
+    scratch cache, where the backend speculates and has the kernel of several rows (loaded from
+    the disk cache now, not at the first draft of an answer; where it is not cached, the
+    backend compiles it in another process and answers go on without drafts meanwhile)."""
+    if not model.backend.verification_ready(model):  # none, or compiling in another process
+        return
     dec = model.backend.greedy_decoder(model, min(16, model.cfg.max_seq_len), speculate=True)
     if hasattr(dec, "verify") and dec.S >= 8:
         V = model.cfg.vocab_size

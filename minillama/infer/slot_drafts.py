@@ -38,23 +38,26 @@ class DraftRows:
         if s.lookup is None and s.drafts_ok is None:
             p = s.req.params
             s.drafts_ok = bool(self.speculate and p.temperature == 0 and not p.penalised
-                               and self._exact_rows())
+                               and self._exact is not False)
             if s.drafts_ok:
                 s.lookup = PromptLookup([*s.req.prompt_ids, *s.req.tokens])
                 s.policy = DraftPolicy()
         return s.lookup
 
     def _exact_rows(self) -> bool:
+        """Whether the backend verifies drafts exactly (asked once) and its kernel for that is
+        compiled (asked each step: on a cold cache it compiles in another process meanwhile)."""
         if self._exact is None:
-            be = self.model.backend
-            self._exact = bool(getattr(be, "speculation_exact", lambda m: False)(self.model))
-        return self._exact
+            self._exact = bool(self.model.backend.speculation_exact(self.model))
+        return self._exact and self.model.backend.verification_ready(self.model)
 
     def _drafted_step(self) -> bool:
         """One batched step with the drafts worth their rows; False (nothing run) when none
         is. Plain steps' tokens score each request's guess (:meth:`_shadow`)."""
         slots = self._slots
         self._guesses = guesses = []
+        if not self._exact_rows():
+            return False
         for s in slots:
             look = self._lookup_for(s)
             room = min(s.budget - len(s.req.tokens) - 1, self.S - 1 - s.pos, 15)

@@ -104,3 +104,68 @@ def test_smollm2_repeats_a_paragraph_by_verified_drafts(smollm2_gguf, monkeypatc
     got = generate(model, ids, 96, stats=stats, stop_ids=stop)
     assert got == want
     assert stats.drafted > 0 and stats.accepted > 0, (stats.accepted, stats.drafted, len(got))
+
+
+@pytest.mark.parametrize("make", [block_model, float_model], ids=["blocks", "float32"])
+def test_the_worker_compiles_the_kernel_a_real_call_takes(make, monkeypatch):
+    """The kernel of several rows is compiled apart from a model (:mod:`.rows_compile`): the
+    scratch arguments' types are a real verification's, so the worker's code is the code the
+    answer then loads."""
+    from minillama.backends.numba import rows_compile
+
+    be = _numba()
+    model = make(Subject(be, np.float32), 3)
+    kind = "quant" if make is block_model else "float32"
+    dispatcher, scratch = rows_compile.scratch_args(kind)
+    seen = []
+    monkeypatch.setattr(be, "_rows", lambda plan, tok, pos, seq, kc, vc, logits, tuner=None:
+                        seen.append(_real_args(be, plan, tok, pos, seq, kc, vc, logits)))
+    be.decode_rows(model, [1, 2], [0, 1], [0, 0], model.new_cache(1, 4))
+    assert rows_compile.signature(dispatcher, scratch) == rows_compile.signature(dispatcher,
+                                                                                 seen[0])
+
+
+def _real_args(be, plan, tok, pos, seq, kc, vc, logits):
+    """The arguments ``_rows`` passes the kernel of several rows (2 threads)."""
+    from minillama.backends.numba.backend_decode import _NO_IDS, _NO_IDS_2D, _model_args
+
+    if plan.get("quant"):
+        return be._rows_q_args(plan, tok, pos, seq, kc, vc, logits, 2)
+    return (tok, pos, seq, *_model_args(plan, kc, vc), logits, 2, _NO_IDS, _NO_IDS_2D)
+
+
+class _Worker:
+    """A stand-in for the compiling process: done after ``polls`` polls."""
+
+    def __init__(self, polls):
+        self.polls, self.returncode = polls, None
+
+    def poll(self):
+        self.polls -= 1
+        if self.polls <= 0:
+            self.returncode = 0
+        return self.returncode
+
+
+def test_a_cold_kernel_compiles_in_a_worker_and_drafts_start_after_it(eager, monkeypatch):
+    """The kernel missing from the cache: the answer starts without drafts (plain steps, the
+    same ids) while a worker compiles it, and verifies drafts once the worker has ended."""
+    from minillama.backends.numba import rows_compile
+
+    be = _numba()
+    monkeypatch.setattr(be, "compile_in_background", True)
+    monkeypatch.setattr(be, "_rows_compiled", {}, raising=False)
+    model = float_model(Subject(be, np.float32), 8)
+    prompt = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9]
+    want = generate(model, prompt, 40, speculate=False)
+    _oracle(monkeypatch, prompt, want)
+    workers = []
+    real = rows_compile.loadable
+    monkeypatch.setattr(rows_compile, "loadable",
+                        lambda d, a: bool(workers) and workers[0].returncode == 0 and real(d, a))
+    monkeypatch.setattr(rows_compile, "start_worker",
+                        lambda kind: workers.append(_Worker(6)) or workers[0])
+    stats = GenerationStats()
+    assert generate(model, prompt, 40, stats=stats) == want
+    assert len(workers) == 1 and workers[0].returncode == 0
+    assert 0 < stats.drafted < 39  # none until the worker ended, then every round

@@ -1,0 +1,109 @@
+"""The decode step of several rows, as speculative decoding verifies drafts with it, compiled
+apart from the answer that first wants it.
+
+On a cold kernel cache that kernel is a second compilation as long as the one-row step's
+(~25 s on two cores); a first answer would wait for it. :meth:`DraftSteps.verification_ready
+<minillama.backends.numba.backend_decode.DraftSteps.verification_ready>` asks :func:`loadable`
+whether it is compiled in this process or in the disk cache, and otherwise starts
+:func:`start_worker`: ``python -m minillama.backends.numba.rows_compile KIND`` compiles it into
+the disk cache (at a lower priority) while the answer goes on without drafts; the next step after
+the worker ends loads it. The worker needs no model: a kernel's compiled code depends on its
+arguments' types only, which :func:`scratch_args` builds from tiny arrays (a test holds them to a
+real call's types).
+
+Imported only by the numba backend (importing it imports Numba).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+#: the kernels of several rows: GGML block weights, float32 weights, float64 weights
+KINDS = ("quant", "float32", "float64")
+
+
+def scratch_args(kind: str):
+    """(the kernel of several rows of ``kind``, arguments of the types a real call passes)."""
+    from numba.typed import List
+
+    i64 = np.zeros(1, dtype=np.int64)
+    rows = (i64, i64.copy(), i64.copy())  # tok, pos, seq
+    if kind == "quant":
+        from .decode import quant_step
+        from .quant import matmul as q
+
+        def f32(*shape):
+            return np.zeros(shape, dtype=np.float32)
+
+        def u8():
+            return np.zeros((1, 1), dtype=np.uint8)
+
+        gains, mats, cache = List([f32(1)]), List([u8()]), List([f32(1, 1, 1, 1)])
+        args = (*rows, u8(), 0, f32(1, 1), u8(), 0, f32(1, 1), np.zeros((1, 7), np.int64),
+                f32(1), gains, mats, mats, mats, mats, gains, mats, mats, mats, cache, cache,
+                f32(1, 1), f32(1, 1), 1e-5, 1, f32(1, 1), 1, q._F16, q._KVALUES, True)
+        return quant_step.decode_step_rows_q_kernel, args
+    from .decode import float_step
+
+    dt = np.dtype(kind)
+    vec, mat = List([np.zeros(1, dt)]), List([np.zeros((1, 1), dt)])
+    cache = List([np.zeros((1, 1, 1, 1), dt)])
+    args = (*rows, np.zeros((1, 1), dt), np.zeros((1, 1), dt), np.zeros(1, dt), vec, mat, mat,
+            mat, mat, vec, mat, mat, mat, cache, cache, np.zeros((1, 1), dt),
+            np.zeros((1, 1), dt), 1e-5, 1, dt.type(0), np.zeros((1, 1), dt), 1,
+            np.zeros(0, np.int64), np.zeros((0, 0), np.int64))
+    return float_step.decode_step, args
+
+
+def signature(dispatcher, args) -> tuple:
+    """The Numba types ``dispatcher`` compiles a call with ``args`` for."""
+    return tuple(dispatcher.typeof_pyval(a) for a in args)
+
+
+def loadable(dispatcher, args) -> bool:
+    """Whether ``dispatcher`` has code for ``args``' types in this process or in its disk cache
+    (then loaded now, without compiling). Where Numba's cache cannot be asked, True: the call
+    compiles as it always did."""
+    sig = signature(dispatcher, args)
+    if sig in dispatcher.overloads:
+        return True
+    try:
+        cached = dispatcher._cache.load_overload(sig, dispatcher.targetctx) is not None
+    except Exception:  # another Numba's internals: no background compile
+        return True
+    if cached:
+        dispatcher.compile(sig)  # the disk cache's code, installed
+    return cached
+
+
+def start_worker(kind: str) -> subprocess.Popen:
+    """A process compiling ``kind``'s kernel of several rows into the disk cache (this
+    process's environment, so the same cache folder), at a lower priority."""
+
+    def lower():  # pragma: no cover - runs in the child
+        with contextlib.suppress(OSError, AttributeError):
+            os.nice(10)
+
+    return subprocess.Popen([sys.executable, "-m", __name__, kind], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lower if os.name == "posix" else None)
+
+
+def main(argv=None) -> int:
+    """Compile the kernel of several rows of the kind named in ``argv`` into the disk cache."""
+    kind = (argv or sys.argv[1:])[0]
+    if kind not in KINDS:
+        print(f"rows_compile: the kind is one of {', '.join(KINDS)}", file=sys.stderr)
+        return 2
+    dispatcher, args = scratch_args(kind)
+    dispatcher.compile(signature(dispatcher, args))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - the worker
+    raise SystemExit(main())
