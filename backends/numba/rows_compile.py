@@ -22,6 +22,10 @@ import subprocess
 import sys
 
 import numpy as np
+from numba.typed import List
+
+from .decode import float_step, quant_step
+from .quant import matmul as q
 
 #: the kernels of several rows: GGML block weights, float32 weights, float64 weights
 KINDS = ("quant", "float32", "float64")
@@ -29,14 +33,9 @@ KINDS = ("quant", "float32", "float64")
 
 def scratch_args(kind: str):
     """(the kernel of several rows of ``kind``, arguments of the types a real call passes)."""
-    from numba.typed import List
-
     i64 = np.zeros(1, dtype=np.int64)
     rows = (i64, i64.copy(), i64.copy())  # tok, pos, seq
     if kind == "quant":
-        from .decode import quant_step
-        from .quant import matmul as q
-
         def f32(*shape):
             return np.zeros(shape, dtype=np.float32)
 
@@ -48,8 +47,6 @@ def scratch_args(kind: str):
                 f32(1), gains, mats, mats, mats, mats, gains, mats, mats, mats, cache, cache,
                 f32(1, 1), f32(1, 1), 1e-5, 1, f32(1, 1), 1, q._F16, q._KVALUES, True)
         return quant_step.decode_step_rows_q_kernel, args
-    from .decode import float_step
-
     dt = np.dtype(kind)
     vec, mat = List([np.zeros(1, dt)]), List([np.zeros((1, 1), dt)])
     cache = List([np.zeros((1, 1, 1, 1), dt)])

@@ -43,6 +43,8 @@ LOCAL_IMPORTS = {
         _KERNELS,
     ("minillama.backends.numba.backend_decode", "minillama.backends.numba.quant.int8_dots"):
         _KERNELS,
+    ("minillama.backends.numba.backend_decode", "minillama.backends.numba.rows_compile"):
+        _KERNELS,
     ("minillama.backends.numba.quant.matmul", "minillama.backends.numba.quant.int8_dots"): _KERNELS,
     ("minillama.backends.numba.quant.matmul", "minillama.backends.numba.quant.int8_gemm"): _KERNELS,
     ("minillama.backends.cupy.mixed_precision", "minillama.backends.cupy.build"):
