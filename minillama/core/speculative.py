@@ -44,6 +44,9 @@ MATCH_MAX = 16
 #: draft after a long shared run (a passage being copied) is taken more often than one after a
 #: common pair of tokens
 MATCH_BUCKETS = (2, 4, 8, 16)
+#: how much more a draft must promise than plain steps (tokens per second): the rates and times
+#: are running estimates, and a draft not taken costs its rows
+MARGIN = 1.05
 #: the draft lengths tried: verification steps of 4, 8, 12 or 16 rows (the 8-bit products take
 #: activation rows by fours; a step of 2 rows costs 1.6 one-row steps, one of 4 rows 2)
 LENGTHS = (3, 7, 11, 15)
@@ -172,13 +175,13 @@ def batch_lengths(cands, price, rows: int, lengths=LENGTHS) -> list[int]:
     and how many draft tokens it has; ``price(B)`` the time of a step of B rows. Taking the
     likeliest drafts first, a sequence drafts the k of ``lengths`` that raises the step's
     expected tokens per second, (T + E_k - 1) / price(R + k), E_k = (1 - a^(k+1)) / (1 - a), T
-    and R the tokens and rows so far, above T / price(R); in a step whose rows already keep the
-    cores busy a draft row pays only when it is nearly sure to be taken."""
+    and R the tokens and rows so far, above :data:`MARGIN` T / price(R); in a step whose rows
+    already keep the cores busy a draft row pays only when it is nearly sure to be taken."""
     ks = [0] * len(cands)
     T, R = float(rows), rows
     for i in sorted(range(len(cands)), key=lambda i: -cands[i][0]):
         a, available = min(cands[i][0], 0.999), cands[i][1]
-        best_k, best = 0, T / price(R)
+        best_k, best = 0, MARGIN * T / price(R)
         for k in lengths:
             if k > available:
                 break
