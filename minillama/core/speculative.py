@@ -117,7 +117,7 @@ class DraftPolicy:
     least :data:`MATCH_BUCKETS` [i] tokens (running means, fed by :meth:`observe`; ``rate``,
     their priors, grow with the run); ``cost[B]``: the measured time of a step of B rows (running
     means, fed by :meth:`timed`); a B not measured yet is priced from the one-row time c_1 as
-    c_1 (0.3 + 0.42 B) (SmolLM2-135M Q4_1 on two cores), scaled as the largest measured B' < B
+    c_1 (0.36 + 0.466 B) (SmolLM2-135M Q4_1 on two cores: 4, 8 and 16 rows), scaled as the largest measured B' < B
     compares with its own such price; the measured times replace it. ``lengths``: the draft
     lengths k considered."""
 
@@ -156,7 +156,7 @@ class DraftPolicy:
         c1 = self.cost.get(1, 1.0)
 
         def prior(n):
-            return c1 if n == 1 else c1 * (0.3 + 0.42 * n)
+            return c1 if n == 1 else c1 * (0.36 + 0.466 * n)
 
         below = [n for n in self.cost if 1 < n < B]
         return prior(B) * (self.cost[max(below)] / prior(max(below)) if below else 1.0)
@@ -228,7 +228,7 @@ class Speculation:
 
     def _round(self, want: int, stop) -> list[int]:
         """One model call's new ids (at most ``want``, ending at a stop id): a verified draft,
-        or plain steps: 1, 2, 4, then 8 per call as plain calls follow one another (a passage
+        or plain steps: 1, 2, 4, 8, then 16 per call as plain calls follow one another (a passage
         that starts being copied is met within a few tokens, free text pays few returns to
         Python)."""
         pol, look = self.policy, self.lookup
@@ -251,7 +251,7 @@ class Speculation:
             look.extend(ids)
             self._plain_calls = 0
             return ids
-        ids = [int(t) for t in self._plain(min(want, 8, 1 << self._plain_calls))]
+        ids = [int(t) for t in self._plain(min(want, 16, 1 << self._plain_calls))]
         self._plain_calls += 1
         self._timed(1, (time.perf_counter() - t0) / max(1, len(ids)))
         for t in ids:  # score what the lookup would have drafted, then take the id
