@@ -165,7 +165,11 @@ def test_a_cold_kernel_compiles_in_a_worker_and_drafts_start_after_it(eager, mon
                         lambda d, a: bool(workers) and workers[0].returncode == 0 and real(d, a))
     monkeypatch.setattr(rows_compile, "start_worker",
                         lambda kind: workers.append(_Worker(3)) or workers[0])
+    verified = []  # the worker's state at each verification
+    rows = be.decode_rows
+    monkeypatch.setattr(be, "decode_rows",
+                        lambda *a: verified.append(workers[0].returncode) or rows(*a))
     stats = GenerationStats()
     assert generate(model, prompt, 60, stats=stats) == want
     assert len(workers) == 1 and workers[0].returncode == 0
-    assert 0 < stats.drafted < 59  # none until the worker ended (plain runs of 1, 2, 4 tokens)
+    assert stats.drafted > 0 and verified and set(verified) == {0}  # only after it ended
