@@ -117,9 +117,9 @@ class DraftPolicy:
     least :data:`MATCH_BUCKETS` [i] tokens (running means, fed by :meth:`observe`; ``rate``,
     their priors, grow with the run); ``cost[B]``: the measured time of a step of B rows (running
     means, fed by :meth:`timed`); a B not measured yet is priced from the one-row time c_1 as
-    c_1 (0.36 + 0.466 B) (SmolLM2-135M Q4_1 on two cores: 4, 8 and 16 rows), scaled as the largest measured B' < B
-    compares with its own such price; the measured times replace it. ``lengths``: the draft
-    lengths k considered."""
+    c_1 (0.36 + 0.466 B) (SmolLM2-135M Q4_1 on two cores: 4, 8 and 16 rows), scaled as the
+    largest measured B' < B compares with its own such price; the measured times replace it.
+    ``lengths``: the draft lengths k considered."""
 
     def __init__(self, lengths=LENGTHS, rate=(0.4, 0.5, 0.6, 0.7), memory: float = 0.85):
         self.lengths = tuple(sorted(lengths))
