@@ -48,6 +48,15 @@ def _model_args(plan, kc, vc):
             plan["sin"], plan["eps"], plan["heads"], plan["zero"])
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view of block data: one array type for the kernels whether the blocks were
+    mapped from a GGUF file (read-only) or quantized in memory, so one compiled step serves
+    both (and :mod:`.rows_compile`'s scratch arguments are of that type)."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
 _PROMPT = threading.local()
 
 
@@ -135,8 +144,9 @@ class DecodePlans:
 
         def side(w):  # (block data, type id, float matrix); type 0 for a float matrix
             if isinstance(w, QuantMatrix):
-                return w.data, q.qcode(w.qtype), np.zeros((1, 1), np.float32)
-            return np.zeros((1, 1), np.uint8), 0, np.require(w, np.float32, ("C", "W"))
+                return _read_only(w.data), q.qcode(w.qtype), np.zeros((1, 1), np.float32)
+            return _read_only(np.zeros((1, 1), np.uint8)), 0, np.require(w, np.float32,
+                                                                          ("C", "W"))
 
         rest = [k for k in shapes if k not in names and k not in (
             "tok_embeddings.weight", "output.weight")]
@@ -147,7 +157,7 @@ class DecodePlans:
             return np.require(a, dtype=np.float32, requirements=("C", "W"))
 
         lst = self._numba.typed.List
-        mats = tuple(lst([p[f"layers.{i}.{n}"].data for i in range(L)])
+        mats = tuple(lst([_read_only(p[f"layers.{i}.{n}"].data) for i in range(L)])
                      for n in self._QUANT_LINEAR)
         if self._qdecode is None:
             from .decode import quant_step as numba_qdecode

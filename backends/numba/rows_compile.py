@@ -39,8 +39,10 @@ def scratch_args(kind: str):
         def f32(*shape):
             return np.zeros(shape, dtype=np.float32)
 
-        def u8():
-            return np.zeros((1, 1), dtype=np.uint8)
+        def u8():  # block data: read-only, as the decode plans pass it
+            a = np.zeros((1, 1), dtype=np.uint8)
+            a.flags.writeable = False
+            return a
 
         gains, mats, cache = List([f32(1)]), List([u8()]), List([f32(1, 1, 1, 1)])
         args = (*rows, u8(), 0, f32(1, 1), u8(), 0, f32(1, 1), np.zeros((1, 7), np.int64),

@@ -106,16 +106,26 @@ def test_smollm2_repeats_a_paragraph_by_verified_drafts(smollm2_gguf, monkeypatc
     assert stats.drafted > 0 and stats.accepted > 0, (stats.accepted, stats.drafted, len(got))
 
 
-@pytest.mark.parametrize("make", [block_model, float_model], ids=["blocks", "float32"])
+def _mapped_blocks(s, seed):
+    """:func:`block_model` with its blocks read-only, as a GGUF file's memory map gives them."""
+    model = block_model(s, seed)
+    for w in model.params.values():
+        if hasattr(w, "qtype"):
+            w.data.flags.writeable = False
+    return model
+
+
+@pytest.mark.parametrize("make", [block_model, _mapped_blocks, float_model],
+                         ids=["blocks", "mapped-blocks", "float32"])
 def test_the_worker_compiles_the_kernel_a_real_call_takes(make, monkeypatch):
     """The kernel of several rows is compiled apart from a model (:mod:`.rows_compile`): the
-    scratch arguments' types are a real verification's, so the worker's code is the code the
-    answer then loads."""
+    scratch arguments' types are a real verification's, blocks quantized in memory or mapped
+    read-only from a file alike, so the worker's code is the code the answer then loads."""
     from minillama.backends.numba import rows_compile
 
     be = _numba()
     model = make(Subject(be, np.float32), 3)
-    kind = "quant" if make is block_model else "float32"
+    kind = "float32" if make is float_model else "quant"
     dispatcher, scratch = rows_compile.scratch_args(kind)
     seen = []
     monkeypatch.setattr(be, "_rows", lambda plan, tok, pos, seq, kc, vc, logits, tuner=None:
