@@ -58,6 +58,12 @@ class ThreadTuner:
             return self.most
         return min(self.per_step, key=self.per_step.get)
 
+    @property
+    def settled(self) -> bool:
+        """Whether every count it chooses between has been measured (before, calls run on
+        trial counts)."""
+        return self.most == 1 or not self.adapt or {1, self.most} <= self.per_step.keys()
+
     def plan(self, steps: int, whole: bool = False) -> tuple[int, int]:
         """(threads, steps) of the next call of up to ``steps`` steps: one step of the count
         that is due a probe (or not measured yet, one thread first: :data:`FIRST_STEPS` calls

@@ -209,7 +209,7 @@ class DraftSteps:
         kernel of several rows compiled in this process or loaded now from the disk cache. If
         it is in neither, a worker process compiles it (:attr:`compile_in_background`; else it
         compiles here, now) and this says False until the worker has ended."""
-        plan = self._decode_plan(model) if self.speculation_exact(model) else None
+        plan = self._exact_plan(model)
         if plan is None:
             return False
         from . import rows_compile
@@ -235,15 +235,20 @@ class DraftSteps:
         """Whether a step of several rows computes each row as a one-row step would, bit for bit,
         for ``model`` (the batch-invariant fused steps: float weights, or GGML blocks with 8-bit
         products), so that verified drafts give the plain greedy ids."""
+        return self._exact_plan(model) is not None
+
+    def _exact_plan(self, model):
+        """``model``'s decode plan where :meth:`speculation_exact`, else None."""
         plan = self._decode_plan(model)
-        return plan is not None and (not plan.get("quant") or self._quant_int8())
+        return plan if plan is not None and (not plan.get("quant") or self._quant_int8()) \
+            else None
 
     def decode_rows(self, model, tok, pos, seq, cache):
         """One fused step over R rows, row r feeding tok[r] at position pos[r] of cache row
         seq[r], each row computed as the one-row step computes it (where
         :meth:`speculation_exact`, and R > 1 unless the cache has one row; else None): the logits
         (R, V). The thread count is the verification steps' (:attr:`verify_tuner`)."""
-        plan = self._decode_plan(model) if self.speculation_exact(model) else None
+        plan = self._exact_plan(model)
         kv = self._cache_lists(cache, model.dtype) if plan is not None else None
         if kv is None:
             return None
@@ -472,7 +477,6 @@ class FusedDecode(DraftSteps, DecodePlans):
 
 
 
-
 class GreedyDecoder(ChunkDecoder):
     """Greedy decoding of one sequence on the numba backend, many steps per compiled call.
 
@@ -538,7 +542,7 @@ class GreedyDecoder(ChunkDecoder):
         be, m = self.backend, self.model
         plan = be._decode_plan(m)
         kc, vc = be._cache_lists(self.cache, m.dtype)
-        p0 = self._P + self._done - 1  # where the last id goes
+        p0 = self.positions  # where the last id goes
         logits = np.empty((1, _vocab(plan)), dtype=m.dtype)
         n = be._step_one(plan, np.array([self._last], dtype=np.int64),
                          np.array([p0], dtype=np.int64), kc, vc, logits, self.stop, ids, threads)
@@ -573,21 +577,21 @@ class SpeculativeDecoder(Speculation, GreedyDecoder):
         """The logits (len(tokens), V) of one step over the rows ``tokens`` fed at positions
         p, p + 1, ... of cache row 0 (p where the last id goes), each row's K/V written there
         (:meth:`DraftSteps.decode_rows`)."""
-        B = len(tokens)
-        p0 = self._P + self._done - 1
-        if p0 + B > self.S:
-            raise MinillamaError(f"{B} rows from position {p0} exceed the cache of {self.S}")
+        B, p0 = len(tokens), self.positions
         return self.backend.decode_rows(self.model, tokens, np.arange(p0, p0 + B),
                                         np.zeros(B, dtype=np.int64), self.cache)
 
     def timing_settled(self) -> bool:
         """Whether the thread tuners of plain and verification steps have measured every count
         they choose between (before, steps run on trial counts and their times mislead)."""
-        be = self.backend
-        return all(len(t.per_step) == min(t.most, 2) for t in (be.tuner, be.verify_tuner))
+        return self.backend.tuner.settled and self.backend.verify_tuner.settled
+
+    _ready = False
 
     def verify_ready(self) -> bool:
-        return self.backend.verification_ready(self.model)
+        """:meth:`DraftSteps.verification_ready`, asked until it says yes (then it stays so)."""
+        self._ready = self._ready or self.backend.verification_ready(self.model)
+        return self._ready
 
     def _take(self, ids) -> None:
         if ids[-1] < 0:

@@ -156,7 +156,7 @@ def _stream_reply(session, tok, text: str, out) -> bool:
     out.flush()
     dt = time.perf_counter() - t0
     st = session.last_stats
-    drafts = f"; drafts: {st.accepted} of {st.drafted} taken" if st and st.drafted else ""
+    drafts = f"; {st.drafts_taken}" if st and st.drafted else ""
     print(f"[{n} tokens in {dt:.2f} s, {n / dt if dt > 0 else 0.0:.1f} tok/s; "
           f"prefilled {session.last_prefill}{drafts}]", file=sys.stderr)
     return True

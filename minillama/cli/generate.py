@@ -199,15 +199,8 @@ def _print_stats(stats: GenerationStats, model, graphed: bool) -> None:
           f"tokens in {stats.decode_s * 1e3:.1f} ms ({stats.decode_tokens_per_s:.1f} tok/s); "
           f"KV cache: {kib:.1f} KiB (2 x L={L} x B={B} x S={S} x KVH={KVH} x hd={hd} x "
           f"{model.dtype.itemsize} B); {backend_line(model.backend)}"
-          f"{_drafts(stats)}"
+          f"{'; ' + stats.drafts_taken if stats.drafted else ''}"
           f"{', one CUDA graph per decode step' if graphed else ''}", file=sys.stderr)
-
-
-def _drafts(stats: GenerationStats) -> str:
-    """The speed line's note of verified drafts (:mod:`minillama.core.speculative`)."""
-    if not stats.drafted:
-        return ""
-    return f"; drafts: {stats.accepted} of {stats.drafted} tokens taken"
 
 
 if __name__ == "__main__":  # pragma: no cover

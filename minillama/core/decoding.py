@@ -26,6 +26,12 @@ class ChunkDecoder:
     drafted: int = 0
     accepted: int = 0
 
+    @property
+    def positions(self) -> int:
+        """The cache positions the sequence holds: the prompt and the ids fed (the last id is
+        not fed yet); where the next fed id goes."""
+        return 0 if self._P is None else self._P + self._done - 1
+
     def room(self) -> int:
         """How many more ids :meth:`more` can decode before the cache is full."""
         return 0 if self._P is None else self.S - self._P - self._done + 1

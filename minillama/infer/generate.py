@@ -53,6 +53,11 @@ class GenerationStats:
     accepted: int = 0
 
     @property
+    def drafts_taken(self) -> str:
+        """"drafts: a of d tokens taken" for a speed line, "" without drafts."""
+        return f"drafts: {self.accepted} of {self.drafted} tokens taken" if self.drafted else ""
+
+    @property
     def prefill_tokens_per_s(self) -> float:
         return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
 
@@ -148,7 +153,7 @@ def _decoded(dec, prompt, max_new_tokens: int, context: int, stop, stats, cached
     stats.cache_bytes = dec.cache.nbytes
     for out in stream_greedy(dec, prompt, max_new_tokens, context, stop, stats):
         stats.drafted, stats.accepted = dec.drafted, dec.accepted
-        stats.positions = dec._P + dec._done - 1  # the last id is not fed yet
+        stats.positions = dec.positions
         stats.prompt_tokens = len(prompt) - cached
         yield out
 

@@ -32,6 +32,7 @@ class DraftRows:
     drafted = 0
     accepted = 0
     _exact: bool | None = None  # whether the backend verifies exactly (asked once)
+    _ready = False  # and has the kernel for it (asked until it has)
 
     def _lookup_for(self, s):
         """s's prompt lookup, made on its first step (None: s does not draft)."""
@@ -46,10 +47,13 @@ class DraftRows:
 
     def _exact_rows(self) -> bool:
         """Whether the backend verifies drafts exactly (asked once) and its kernel for that is
-        compiled (asked each step: on a cold cache it compiles in another process meanwhile)."""
+        compiled (asked each step until it is: on a cold cache it compiles in another process
+        meanwhile)."""
         if self._exact is None:
             self._exact = bool(self.model.backend.speculation_exact(self.model))
-        return self._exact and self.model.backend.verification_ready(self.model)
+        self._ready = self._ready or (self._exact and
+                                      self.model.backend.verification_ready(self.model))
+        return self._exact and self._ready
 
     def _drafted_step(self) -> bool:
         """One batched step with the drafts worth their rows; False (nothing run) when none
@@ -101,20 +105,23 @@ class DraftRows:
                 self.drafted += k
                 self.accepted += taken
                 s.policy.observe(k, taken, m)
-            elif g and not s.done:
-                s.policy.observe(1, int(s.last == g[0]), m)
-            if s.lookup is not None:
-                s.lookup.extend(s.req.tokens[len(s.lookup.ids) - len(s.req.prompt_ids):])
+            self._settle(s, g if not k else (), m)
             r0 += len(row)
 
     def _shadow(self) -> None:
         """After a plain step: score each request's guess against the token it took."""
         for s, (g, m) in zip(self._slots, getattr(self, "_guesses", ())):
-            if s.lookup is None:
-                continue
-            if g and not s.done:
-                s.policy.observe(1, int(s.last == g[0]), m)
-            s.lookup.extend(s.req.tokens[len(s.lookup.ids) - len(s.req.prompt_ids):])
+            self._settle(s, g, m)
+
+    @staticmethod
+    def _settle(s, g, m) -> None:
+        """After s took a plain row's token: score its guess g (after a shared run of m
+        tokens) against it; then s's lookup takes s's new tokens."""
+        if s.lookup is None:
+            return
+        if g and not s.done:
+            s.policy.observe(1, int(s.last == g[0]), m)
+        s.lookup.extend(s.req.tokens[len(s.lookup.ids) - len(s.req.prompt_ids):])
 
     def _step_price(self, B: int) -> float:
         return self._costs.price(B)

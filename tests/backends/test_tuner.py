@@ -197,3 +197,27 @@ def test_teams_in_two_threads_leave_openblas_as_it_was():
             assert threads.num_threads() == 2
         assert threads.num_threads() == 1 and api[0]() == 1  # the outer team's size again
     assert api[0]() == before
+
+
+def test_settled_once_both_counts_are_measured():
+    t, m = ThreadTuner(2), _Machine({2: 0.005, 1: 0.009})
+    assert not t.settled
+    m.drive(t, 2 + FIRST_STEPS)  # one thread's warm-up and first measure
+    assert 1 in t.per_step and not t.settled
+    m.drive(t, 2 + FIRST_STEPS)
+    assert t.settled and set(t.per_step) == {1, 2}
+    assert ThreadTuner(1).settled and ThreadTuner(2, adapt=False).settled
+
+
+def test_a_whole_call_prices_its_probe_as_all_its_steps():
+    """A call that always runs its B steps at once (the rows of one verification step) is
+    probed B times more rarely, so probing still costs at most 1 / PROBE_RATIO of the time."""
+    t, m = ThreadTuner(2), _Machine({2: 0.005, 1: 0.009})
+    m.drive(t, 4 * (2 + FIRST_STEPS))
+    seen = []
+    for _ in range(200):
+        threads, _k = t.plan(16, whole=True)
+        t.record(threads, 16, 16 * m.per_step[threads])
+        seen.append(threads)
+    probes = seen.count(1)
+    assert 0 < probes and probes * 16 * 0.009 <= 200 * 16 * 0.005 / PROBE_RATIO + 16 * 0.009

@@ -80,7 +80,7 @@ def test_a_verification_past_the_cache_is_refused(eager):
     dec = model.backend.greedy_decoder(model, 8, speculate=True)
     dec.prefill(np.array([[1, 2, 3, 4]]))
     dec.verify_logits([1, 2, 3, 4])  # positions 4..7: the last slot
-    with pytest.raises(MinillamaError, match="exceed the cache"):
+    with pytest.raises(MinillamaError, match="exceed the KV cache"):
         dec.verify_logits([1, 2, 3, 4, 5])
 
 
