@@ -85,7 +85,8 @@ def _next(ctx) -> int:
 
 class ToyDecoder(Speculation, ChunkDecoder):
     """A decoder of the toy model with the speculative loop: ``verify`` answers each row from
-    the context, as a batch-invariant backend's step does."""
+    the context, as a batch-invariant backend's step does; its steps are priced by the policy's
+    prior, never by the clock (the test's outcome does not depend on the machine's speed)."""
 
     def __init__(self, S: int, stop=()):
         self.S, self.stop, self.calls = S, np.array(sorted(stop), dtype=np.int64), []
@@ -118,6 +119,9 @@ class ToyDecoder(Speculation, ChunkDecoder):
             ctx.append(int(t))
             picks.append(_next(ctx))
         return picks
+
+    def timing_settled(self):
+        return False  # the toy's wall times are noise: the policy prices steps by its prior
 
     def _take(self, ids):
         self.ctx.extend([self._last, *ids[:-1]])
