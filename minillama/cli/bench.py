@@ -1,4 +1,5 @@
-"""``minillama backends`` and ``minillama bench``: what can run here, and how fast each backend is.
+"""``minillama backends``, ``minillama compile`` and ``minillama bench``: what can run here, its
+kernels compiled ahead, and how fast each backend is.
 
 ``minillama bench`` is a quick, self-contained check that switching backends gives the same numbers
 and what each one costs: for one model shape it runs a training step (forward + backward) and a
@@ -24,6 +25,7 @@ from minillama.backends import (
 from minillama.cli.common import add_backend_list_flag, positive_int
 from minillama.core.config import SHAPES, ModelConfig
 from minillama.core.errors import MinillamaError
+from minillama.infer.precompile import precompile
 from minillama.model.transformer import Transformer, init_params
 
 
@@ -32,6 +34,16 @@ def add_cli(sub) -> None:
                        description="List every registered backend and whether it can run on "
                                    "this machine (and if not, what to install).")
     p.set_defaults(func=cmd_backends)
+
+    p = sub.add_parser("compile", help="compile the numba kernels of generate, chat and serve "
+                                       "ahead (an editable install does it)",
+                       description="Compile the numba kernels that generate, chat and serve run "
+                                   "on GGUF block-quantized and float32 models into Numba's disk "
+                                   "cache, for this CPU, so that the first answer does not wait "
+                                   "for the compiler: what `pip install -e .` does at install. "
+                                   "For a wheel install, after MINILLAMA_PRECOMPILE=0, or after "
+                                   "the cache was cleared. Kernels already cached load in seconds.")
+    p.set_defaults(func=cmd_compile)
 
     shapes = "; ".join(f"{k}: D={v['dim']}, L={v['n_layers']}, H={v['n_heads']}, "
                        f"V={v['vocab_size']}" for k, v in SHAPES.items())
@@ -60,6 +72,15 @@ def cmd_backends(args) -> int:
             print(f"{name:{width}s} ok ({getattr(be, 'device', 'cpu')})")
     print(auto_summary() + (f"; {ENV_VAR}={os.environ[ENV_VAR]} overrides it"
                             if os.environ.get(ENV_VAR) else ""))
+    return 0
+
+
+def cmd_compile(args) -> int:
+    try:
+        get_backend("numba")
+    except MinillamaError as e:
+        raise MinillamaError(f"compile: the numba backend cannot run here: {e}") from None
+    print(f"compiled (or loaded) in {precompile():.1f} s")
     return 0
 
 

@@ -76,7 +76,8 @@ def test_test_machinery_stays_out_of_the_wheel(wheel_names):
 
 
 def test_the_source_distribution_carries_docs_tests_and_scripts(tmp_path):
-    """A pip user who fetches the sdist gets the math map, the tests and the benchmarks."""
+    """A pip user who fetches the sdist gets the math map, the tests and the benchmarks, and
+    the build backend that pyproject.toml names (pip cannot build the sdist without it)."""
     pytest.importorskip("setuptools", reason="building the sdist needs setuptools")
     import tarfile
 
@@ -90,5 +91,5 @@ def test_the_source_distribution_carries_docs_tests_and_scripts(tmp_path):
     with tarfile.open(sdist) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     assert {"docs/MATH.md", "tests/mathmap/test_math_map.py", "scripts/bench_decode.py",
-            "minillama/core/ops.py", "backends/cupy/kernels/quant.cu"} <= names
+            "minillama/core/ops.py", "backends/cupy/kernels/quant.cu", "build_hooks.py"} <= names
     assert not any("__pycache__" in n for n in names)
