@@ -8,7 +8,11 @@ with 3). Prints decode tokens/s (medians over the rounds), the drafted tokens ta
 ratios: speculative over plain, and over the better llama-server mode. With ``--batch``, also
 the five prompts and three of them again sent at once (8 requests: minillama's engine, the
 server's batching in-process, and llama-server with 8 slots): tokens/s over all of them. Checks
-that minillama's speculative texts equal its plain texts, token for token.
+that minillama's speculative texts equal its plain texts, token for token. With ``--draft
+FILE`` (a smaller model with the same tokenizer, a GGUF file), also minillama drafting from it
+(``generate(..., draft=)``, ``--draft`` of the CLI) and, with ``--peer``, llama-server with it
+(``-md FILE``); e.g. SmolLM2 in float32 (``minillama export ... --format gguf --gguf-type F32``)
+drafted by its own Q4_1 file.
 
     python -m scripts.bench_speculative --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf \\
         --tokens 128 --rounds 3 --threads 2 --batch [--peer /path/to/llama-server]
@@ -69,10 +73,10 @@ def minillama_runs(args, model, tok, call=lambda fn: fn()):
            for name, _, text in PROMPTS}
     call(lambda: warm_up(model, ids["poem"]))
 
-    def run(name, speculate):
+    def run(name, speculate, draft=None):
         st = GenerationStats()
         out = call(lambda: generate(model, ids[name], args.tokens, stats=st, stop_ids=stop,
-                                    speculate=speculate))
+                                    speculate=speculate, draft=draft))
         return out, (st.decode_tokens_per_s, st.drafted, st.accepted, len(out))
 
     return run
@@ -155,6 +159,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peer", default=None, help="llama-server to compare with")
+    ap.add_argument("--draft", default=None, help="a draft model's GGUF file (same tokenizer)")
     ap.add_argument("--batch", action="store_true",
                     help="also 8 requests at once: minillama's engine and llama-server -np 8")
     args = ap.parse_args()
@@ -163,6 +168,7 @@ def main() -> None:
     from minillama.io.load import load_model
 
     model, tok = load_model(args.checkpoint)
+    draft = load_model(args.draft, backend=model.backend)[0] if args.draft else None
     # with --batch every kernel call runs on the engine's thread, the generations alone too
     # (Numba's OpenMP regions run slower on a second thread: minillama/infer/engine.py)
     eng = Engine(model, max_batch=8, max_seq_len=1024, prefix_reuse=False) if args.batch else None
@@ -171,6 +177,8 @@ def main() -> None:
     erun = engine_runs(args, eng, tok) if eng else None
     flags = {"server plain": [], "server ngram-12": ["--spec-type", "ngram-simple"],
              "server ngram-3": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"]}
+    if args.draft:
+        flags["server draft"] = ["-md", args.draft]
     peers = {m: start_peer(args, f) for m, f in flags.items()} if args.peer else {}
     peers8 = ({m: start_peer(args, f, 8) for m, f in flags.items()}
               if args.peer and args.batch else {})
@@ -184,6 +192,10 @@ def main() -> None:
                 same[name] = same.get(name, True) and plain == fast
                 res.setdefault((name, "plain"), []).append(a)
                 res.setdefault((name, "spec"), []).append(b)
+                if draft is not None:
+                    by_draft, c = run(name, True, draft)
+                    same[name] = same[name] and plain == by_draft
+                    res.setdefault((name, "draft"), []).append(c)
                 for mode, (_, url) in peers.items():
                     res.setdefault((name, mode), []).append(peer_run(url, text, args.tokens))
             if erun is not None:
@@ -209,7 +221,9 @@ def report(args, res, same, modes) -> None:
 
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} {args.checkpoint}, {args.tokens} tokens, "
           f"{args.threads} threads, median of {args.rounds} rounds")
+    drafts = any(key[1] == "draft" for key in res)
     head = "| prompt | kind | tokens | plain | speculative (taken) | spec/plain |"
+    head += " draft model (taken) | draft/plain |" if drafts else ""
     head += "".join(f" {m} (taken) |" for m in modes) + (" spec / best server |" if modes else "")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
@@ -220,6 +234,10 @@ def report(args, res, same, modes) -> None:
         p, s = med((name, "plain")), med((name, "spec"))
         row = (f"| {name} | {kind} | {res[(name, 'spec')][-1][3]} | {p:.1f} | {s:.1f} "
                f"({taken((name, 'spec'))}) | {s / p:.2f} |")
+        if drafts:
+            dm = med((name, "draft")) if (name, "draft") in res else float("nan")
+            row += (f" {dm:.1f} ({taken((name, 'draft')) if (name, 'draft') in res else '-'}) |"
+                    f" {dm / p:.2f} |")
         for m in modes:
             row += f" {med((name, m)):.1f} ({taken((name, m))}) |"
         if modes:

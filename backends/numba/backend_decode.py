@@ -552,6 +552,29 @@ class GreedyDecoder(ChunkDecoder):
         return n
 
 
+    def refeed(self, positions: int, tokens) -> int | None:
+        """Make cache positions ``positions``... hold the known ids ``tokens`` (a draft model
+        following its target's text, :class:`minillama.core.speculative.ModelDraft`), in fused
+        steps of up to 16 rows (:meth:`DraftSteps.decode_rows`), forgetting the positions after
+        them: the greedy id after them, which is then the next one fed. None (nothing done)
+        where the backend has no such step for the model, or not yet."""
+        be, m = self.backend, self.model
+        tokens = [int(t) for t in tokens]
+        if (self._P is None or not self._P <= positions <= self.S - len(tokens) or not tokens
+                or not be.verification_ready(m)):
+            return None
+        for i in range(0, len(tokens), 16):
+            rows = tokens[i:i + 16]
+            p = positions + i
+            z = be.decode_rows(m, rows, np.arange(p, p + len(rows)),
+                               np.zeros(len(rows), dtype=np.int64), self.cache)
+            if z is None:
+                return None
+        self._last = int(_finite(z[-1:], f"position {positions + len(tokens) - 1}")[0].argmax())
+        self._done = positions + len(tokens) - self._P + 1
+        return self._last
+
+
 class SpeculativeDecoder(Speculation, GreedyDecoder):
     """:class:`GreedyDecoder` with prompt-lookup drafts verified in one step of several rows
     (:class:`minillama.core.speculative.Speculation`): the rows are the one sequence at

@@ -14,10 +14,12 @@ from pathlib import Path
 
 from minillama.cli.common import (
     add_backend_flag,
+    add_draft_flag,
     add_model_flags,
     add_sampling_flags,
     add_speculate_flag,
     backend_line,
+    load_draft,
     sampling_params,
 )
 from minillama.core.errors import MinillamaError
@@ -50,6 +52,7 @@ def add_cli(subparsers) -> None:
     add_sampling_flags(p, temperature=0.8, top_p=0.95, min_p=0.05)
     add_backend_flag(p, dtype=True)
     add_speculate_flag(p)
+    add_draft_flag(p)
     p.set_defaults(func=run_cli)
 
 
@@ -101,6 +104,7 @@ def _open_session(args):
     session = ChatSession(model, tok, system=args.system, max_new_tokens=args.max_new_tokens,
                           context=args.context, params=params)
     session.speculate = args.speculate
+    session.draft = load_draft(args, model, tok, params)
     # a throwaway turn compiles (or loads) the kernels before the first prompt, saying so when
     # it takes a while
     def dry_turn() -> None:

@@ -12,7 +12,7 @@ from minillama.backends import backend_help, backend_names, threads_in_use
 from minillama.core.config import COMPUTE_DTYPES, DTYPE_HELP
 from minillama.core.errors import MinillamaError
 from minillama.core.sampling import SamplingParams
-from minillama.io.load import DEFAULT_CHECKPOINT
+from minillama.io.load import DEFAULT_CHECKPOINT, open_model
 from minillama.io.tokenizer import TOKENIZER_KINDS
 
 
@@ -73,6 +73,46 @@ def add_speculate_flag(p) -> None:
                         "verified several tokens per step where the backend computes them "
                         "exactly as single steps: the same tokens, faster on text that repeats "
                         "its context)")
+
+
+def add_draft_flag(p) -> None:
+    """``--draft CHECKPOINT``: drafts from a smaller model with the same tokenizer."""
+    p.add_argument("--draft", metavar="CHECKPOINT",
+                   help="draft from this smaller model (same tokenizer) instead of looking the "
+                        "next tokens up in the context: it proposes its greedy continuation, the "
+                        "model checks several tokens per step; greedy only (--temperature 0), "
+                        "the same tokens as without it (default: prompt lookup)")
+
+
+def load_draft(args, model, tok, params: SamplingParams):
+    """The draft model of ``--draft`` on ``model``'s backend, or None; refused in one line where
+    it cannot draft for ``model`` (sampling, --no-speculate, another tokenizer or a shorter
+    context)."""
+    path = getattr(args, "draft", None)
+    if not path:
+        return None
+    if params.temperature != 0 or params.penalised:
+        raise MinillamaError("--draft: drafts are verified for greedy decoding only (--temperature "
+                             "0, no penalties)")
+    if not args.speculate:
+        raise MinillamaError("--draft and --no-speculate contradict each other")
+    if not model.backend.speculation_exact(model):
+        raise MinillamaError(f"--draft: the {model.backend.name} backend does not verify drafts "
+                             "for this model (numba does, on float weights and on GGML blocks "
+                             "with 8-bit products, so not with --exact)")
+    draft, dtok, _ = open_model(path, model.backend, args.dtype)
+    same = draft.cfg.vocab_size == model.cfg.vocab_size
+    if same and tok is not None and dtok is not None:
+        same = (getattr(tok, "bos_id", None), getattr(tok, "eos_id", None)) == \
+            (getattr(dtok, "bos_id", None), getattr(dtok, "eos_id", None)) and all(
+                tok.token_text(i) == dtok.token_text(i) for i in range(model.cfg.vocab_size))
+    if not same:
+        raise MinillamaError(f"--draft {path}: its vocabulary differs from the model's (a draft "
+                             "model needs the same tokenizer)")
+    if draft.cfg.max_seq_len < model.cfg.max_seq_len:
+        raise MinillamaError(f"--draft {path}: its context ({draft.cfg.max_seq_len}) is shorter "
+                             f"than the model's ({model.cfg.max_seq_len})")
+    return draft
 
 
 @contextlib.contextmanager

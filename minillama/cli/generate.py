@@ -13,10 +13,12 @@ from pathlib import Path
 from minillama.backends import resolve_name
 from minillama.cli.common import (
     add_backend_flag,
+    add_draft_flag,
     add_model_flags,
     add_sampling_flags,
     add_speculate_flag,
     backend_line,
+    load_draft,
     sampling_params,
 )
 from minillama.cli.main import main
@@ -58,6 +60,7 @@ def add_cli(subparsers) -> None:
     add_sampling_flags(p, temperature=1.0, top_p=0.9, min_p=None)
     add_backend_flag(p, dtype=True)
     add_speculate_flag(p)
+    add_draft_flag(p)
     p.add_argument("--cuda-graph", default="auto", choices=CUDA_GRAPH_CHOICES,
                    help="greedy decoding on the cupy backend with each decode step captured as "
                         "one CUDA graph: auto (default: when --temperature 0, float32 and a plain "
@@ -84,6 +87,7 @@ def check_cuda_graph_flag(mode: str, backend_name: str, temperature: float) -> N
 def run_cli(args) -> int:
     params = sampling_params(args)
     model, tok, checkpoint, fmt, graph_mode = _load_for_cli(args)
+    draft = load_draft(args, model, tok, params)
     cfg = model.cfg
     prompt_ids, stop = _cli_prompt(args, tok, cfg, checkpoint, fmt)
     if params.stop and tok is None:
@@ -115,7 +119,7 @@ def run_cli(args) -> int:
     else:
         warm_up(model, prompt_ids, params)
         steps = generate_steps(model, [prompt_ids], args.max_new_tokens, params, stop_ids=stop,
-                               stats=stats, speculate=args.speculate)
+                               stats=stats, speculate=args.speculate, draft=draft)
     stopper = StopText(params.stop)
     for step in steps:
         for _, t in step:

@@ -50,6 +50,11 @@ MARGIN = 1.05
 #: the draft lengths tried: verification steps of 4, 8, 12 or 16 rows (the 8-bit products take
 #: activation rows by fours; a step of 2 rows costs 1.6 one-row steps, one of 4 rows 2)
 LENGTHS = (3, 7, 11, 15)
+#: the prior acceptance rate of a draft model's tokens (:class:`ModelDraft`), and after how many
+#: plain tokens a draft of the shortest length is tried anyway (a draft model's rate and costs
+#: are seen only by drafting: until a verification is timed, and then now and then)
+MODEL_RATE = 0.6
+PROBE_EVERY = 64
 
 
 class PromptLookup:
@@ -101,6 +106,55 @@ class PromptLookup:
         return [], 0
 
 
+class ModelDraft:
+    """Drafts from a smaller model with the same tokenizer (``--draft``): its own greedy
+    continuation of the context, from ``decoder``, a plain greedy decoder of the draft model
+    (:class:`~minillama.core.decoding.ChunkDecoder`: ``prefill`` with ``cached``, ``more``, and
+    where it has one ``refeed``, fused steps over known ids). The draft model's cache follows the
+    context: the positions it holds that the context confirms (the context itself, and the drafts
+    fed after it up to the first one rejected) are kept, and the next :meth:`guess` feeds only
+    the rest. A draft costs draft-model
+    steps, so it is made only for the length the policy chose (``priced``: the caller asks for
+    that many), and plain steps are not shadow-scored."""
+
+    priced = True
+
+    def __init__(self, decoder, ids):
+        self.dec = decoder
+        self.ids = [int(t) for t in ids]
+        self.valid = 0  # the leading context positions the draft model's cache holds
+        self._fed: list[int] = []  # drafts fed after the context by the last guess
+
+    def extend(self, ids) -> None:
+        """Append tokens to the context; the drafts they confirm stay in the draft cache."""
+        ids = [int(t) for t in ids]
+        if self.valid == len(self.ids):  # the cache holds the context, then self._fed
+            a = 0
+            while a < min(len(ids), len(self._fed)) and ids[a] == self._fed[a]:
+                a += 1
+            self.valid += a
+        self._fed = []
+        self.ids += ids
+
+    def guess(self, k: int) -> tuple[list[int], int]:
+        """(the draft model's next ``k`` greedy tokens after the context, or fewer where its
+        cache ends; 0: no shared run is measured)."""
+        n = len(self.ids)
+        k = min(int(k), self.dec.S - n + 1)
+        if k <= 0:
+            return [], 0
+        v = min(self.valid, n - 1)  # the last token is fed again: its logits
+        first = self.dec.refeed(v, self.ids[v:]) if v and hasattr(self.dec, "refeed") else None
+        if first is None:  # the first draft, or a decoder without fused steps of known ids
+            self.dec.cached = v
+            first = self.dec.prefill(np.asarray([self.ids], dtype=np.int64))[0]
+        out = [int(first)]
+        if k > 1:
+            out += [int(t) for t in self.dec.more(k - 1)[0]]
+        self.valid, self._fed = n, out[:-1]
+        return out, 0
+
+
 def accepted_length(draft, picks) -> int:
     """How many leading draft tokens the model confirms: the largest a with draft[i] ==
     picks[i] for i < a (picks[i] the model's token after the context and draft[:i])."""
@@ -119,15 +173,36 @@ class DraftPolicy:
     means, fed by :meth:`timed`); a B not measured yet is priced from the one-row time c_1 as
     c_1 (0.36 + 0.466 B) (SmolLM2-135M Q4_1 on two cores: 4, 8 and 16 rows), scaled as the
     largest measured B' < B compares with its own such price; the measured times replace it.
-    ``lengths``: the draft lengths k considered."""
+    ``lengths``: the draft lengths k considered. ``draft_cost``: what making one draft token
+    costs (a draft model's step; 0 for a lookup), priced with the verification (:meth:`length`),
+    from a prior of a quarter of c_1 until :meth:`drafted` measures it."""
 
-    def __init__(self, lengths=LENGTHS, rate=(0.4, 0.5, 0.6, 0.7), memory: float = 0.85):
+    def __init__(self, lengths=LENGTHS, rate=(0.4, 0.5, 0.6, 0.7), memory: float = 0.85,
+                 priced_drafts: bool = False):
         self.lengths = tuple(sorted(lengths))
         self.k_max = self.lengths[-1]
         rate = (rate,) * len(MATCH_BUCKETS) if isinstance(rate, (int, float)) else rate
         self.rates = [float(r) for r in rate]
         self.memory = float(memory)
         self.cost: dict[int, float] = {}
+        self.priced_drafts = bool(priced_drafts)
+        self._draft_cost: float | None = None
+
+    @property
+    def draft_cost(self) -> float:
+        if not self.priced_drafts:
+            return 0.0
+        return 0.25 * self.price(1) if self._draft_cost is None else self._draft_cost
+
+    @property
+    def measured(self) -> bool:
+        """Whether a step of several rows has been timed (before, every price is the prior)."""
+        return any(B > 1 for B in self.cost)
+
+    def drafted(self, k: int, seconds: float) -> None:
+        """Making ``k`` draft tokens took ``seconds``."""
+        c, per = self._draft_cost, seconds / max(1, k)
+        self._draft_cost = per if c is None else 0.8 * c + 0.2 * per
 
     @staticmethod
     def bucket(matched: int) -> int:
@@ -165,8 +240,9 @@ class DraftPolicy:
         """The draft length k of :attr:`lengths`, k <= ``available``, with the most expected
         tokens (1 - a^(k+1)) / (1 - a) per unit of step time, a the rate after a shared run of
         ``matched`` tokens; 0 when plain one-token steps are expected to be faster."""
-        a = self.rates[self.bucket(matched)]
-        return batch_lengths([(a, available)], self.price, 1, self.lengths)[0]
+        a, c = self.rates[self.bucket(matched)], self.draft_cost
+        price = self.price if not c else (lambda B: self.price(B) + (B - 1) * c)
+        return batch_lengths([(a, available)], price, 1, self.lengths)[0]
 
 
 def batch_lengths(cands, price, rows: int, lengths=LENGTHS) -> list[int]:
@@ -208,15 +284,24 @@ class Speculation:
     drafted = 0
     accepted = 0
     _plain_calls = 0  # plain calls since the last verification
+    _plain_tokens = 0  # and the ids they took
     #: the context's drafts and the draft length, set by the prefill
     lookup: PromptLookup | None = None
     policy: DraftPolicy | None = None
 
+    #: a plain greedy decoder of a draft model (``--draft``) to draft from instead of the lookup
+    draft_decoder = None
+
     def _start_lookup(self, prompt, first: int) -> None:
         """The context after the prefill: the prompt's ids and the first id chosen."""
-        self.lookup = PromptLookup([*map(int, prompt), int(first)])
-        self.policy = DraftPolicy()
-        self.drafted = self.accepted = self._plain_calls = 0
+        ids = [*map(int, prompt), int(first)]
+        if self.draft_decoder is not None:
+            self.lookup = ModelDraft(self.draft_decoder, ids)
+            self.policy = DraftPolicy(rate=MODEL_RATE, priced_drafts=True)
+        else:
+            self.lookup = PromptLookup(ids)
+            self.policy = DraftPolicy()
+        self.drafted = self.accepted = self._plain_calls = self._plain_tokens = 0
 
     def more(self, k):
         """1 to ``k`` more greedy ids, (1, k'), from one model call (a stop id among them is the
@@ -232,8 +317,21 @@ class Speculation:
         that starts being copied is met within a few tokens, free text pays few returns to
         Python)."""
         pol, look = self.policy, self.lookup
-        guess, matched = look.guess(min(want - 1, pol.k_max))
-        d = pol.length(len(guess), matched) if guess and self.verify_ready() else 0
+        priced = getattr(look, "priced", False)
+        if priced:  # a draft model: the length first, then only that many tokens drafted
+            avail = min(want - 1, pol.k_max)
+            d = pol.length(avail) if self.verify_ready() else 0
+            if not d and avail >= pol.lengths[0] and self.verify_ready() and (
+                    self._plain_tokens >= PROBE_EVERY or not pol.measured):
+                d = pol.lengths[0]  # a probe: the rate and the costs are only seen by drafting
+            t0 = time.perf_counter()
+            guess, matched = look.guess(d) if d else ([], 0)
+            d = len(guess)
+            if d:
+                pol.drafted(d, time.perf_counter() - t0)
+        else:
+            guess, matched = look.guess(min(want - 1, pol.k_max))
+            d = pol.length(len(guess), matched) if guess and self.verify_ready() else 0
         t0 = time.perf_counter()
         if d > 0:
             picks = self.verify([self._last, *guess[:d]])
@@ -249,13 +347,14 @@ class Speculation:
                     break
             self._take(ids)
             look.extend(ids)
-            self._plain_calls = 0
+            self._plain_calls = self._plain_tokens = 0
             return ids
         ids = [int(t) for t in self._plain(min(want, 16, 1 << self._plain_calls))]
         self._plain_calls += 1
+        self._plain_tokens += len(ids)
         self._timed(1, (time.perf_counter() - t0) / max(1, len(ids)))
         for t in ids:  # score what the lookup would have drafted, then take the id
-            g, m = look.guess(1)
+            g, m = look.guess(1) if not priced else ([], 0)
             if g:
                 pol.observe(1, int(g[0] == t), m)
             look.extend([t])

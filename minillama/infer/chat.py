@@ -57,6 +57,8 @@ class ChatSession:
         self.cache = model.new_cache(1, self.context)
         #: greedy replies verify prompt-lookup drafts (:mod:`minillama.core.speculative`)
         self.speculate = True
+        #: a draft model for the greedy turns (``generate_steps``' ``draft``), or None
+        self.draft = None
         #: called with a message when old turns are dropped to fit the context
         self.notice: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
         #: prompt tokens prefilled by the last turn (the part not already cached)
@@ -124,7 +126,8 @@ class ChatSession:
         # the decode loop of generate, on this conversation's cache and generator
         steps = generate_steps(self.model, [ids], self.max_new_tokens, self.params,
                                stop_ids=self.stop, stats=stats, cache=self.cache, cached=n,
-                               rngs=[self.rng], speculate=self.speculate)
+                               rngs=[self.rng], speculate=self.speculate,
+                               draft=self.draft)
         stopper, streamer = StopText(stops), TextStreamer(self.tok)  # the text as it grows
         try:  # an interrupted turn still gets its (maybe empty) reply: roles keep alternating
             for step in steps:

@@ -31,6 +31,7 @@ from minillama.core.decoding import ChunkDecoder, nonfinite_error, stream_greedy
 from minillama.core.decoding import finite_logits as _finite
 from minillama.core.errors import MinillamaError
 from minillama.core.sampling import SamplingParams
+from minillama.core.speculative import Speculation
 
 
 @dataclass
@@ -89,7 +90,7 @@ def _as_prompts(prompts) -> tuple[list[list[int]], bool]:
 def generate_steps(model, prompts, max_new_tokens: int | None = None,
                    params: SamplingParams | None = None, *, stop_ids: Iterable[int] = (),
                    stats: GenerationStats | None = None, cache=None, cached: int = 0,
-                   rngs: list | None = None, speculate: bool = True,
+                   rngs: list | None = None, speculate: bool = True, draft=None,
                    **settings) -> Iterator[list[tuple[int, int]]]:
     """Generate, yielding after every model call the list of ``(sequence index, token)`` pairs
     produced by it (stop tokens are not yielded). ``prompts`` is a list of token-id lists (or one
@@ -105,7 +106,10 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
     ``cached``...) and ``rngs`` (the generators to draw from, one per sequence, instead of new
     ones seeded ``params.seed``). ``speculate``: greedy decoding of one prompt verifies
     prompt-lookup drafts (:mod:`minillama.core.speculative`) where the backend computes them
-    exactly as plain steps (the same ids, fewer reads of the weights); False turns it off."""
+    exactly as plain steps (the same ids, fewer reads of the weights); False turns it off.
+    ``draft``: a smaller model with the same tokenizer whose greedy continuation is the draft
+    instead (:class:`~minillama.core.speculative.ModelDraft`; it needs a backend with a greedy
+    decoder, and is unused where the drafts would not be verified)."""
     params = SamplingParams.of(params, **settings)
     if max_new_tokens is None:
         max_new_tokens = 256 if params.max_tokens is None else params.max_tokens
@@ -135,6 +139,11 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
         dec = be.greedy_decoder(model, cache_len, stop, speculate=speculate, cache=cache,
                                 cached=cached)
         if dec is not None:
+            if draft is not None and isinstance(dec, Speculation):
+                dec.draft_decoder = draft.backend.greedy_decoder(draft, cache_len)
+                if dec.draft_decoder is None:
+                    raise MinillamaError(f"the draft model cannot decode on the "
+                                         f"{draft.backend.name} backend (numba or cupy can)")
             yield from _decoded(dec, seqs[0], max_new_tokens, cfg.max_seq_len, stop, stats,
                                 cached)
             return

@@ -177,3 +177,130 @@ def test_a_loop_is_decoded_by_verified_drafts():
     assert verified and set(verified) <= {4, 8, 12, 16}
     assert dec.accepted > 0.5 * dec.drafted
     assert len(dec.calls) < 0.5 * n  # fewer model calls than tokens
+
+
+def _draft_fn(seed: int):
+    """A toy draft model: its greedy choice after ``ctx`` depends on every position of it (a
+    draft cache holding one wrong position changes its drafts); seed 0 is the toy model itself."""
+    def fn(ctx):
+        return _next(ctx) if seed == 0 else (sum((i + seed) * t for i, t in enumerate(ctx))
+                                             + len(ctx)) % V
+    return fn
+
+
+class ToyDraft(ChunkDecoder):
+    """A plain greedy decoder of a toy draft model over a cache of S positions: ``prefill``
+    keeps the first ``cached`` positions, ``more`` feeds ids one by one, and ``refeed`` (where
+    ``fused``) writes known ids at any positions; each id is computed from the cache."""
+
+    def __init__(self, S, fn, fused):
+        self.S, self.fn, self.cache, self.cached, self.fused = S, fn, [None] * S, 0, fused
+        self.fed = 0  # positions written
+
+    def prefill(self, prompt):
+        ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
+        for i in range(self.cached, len(ids)):
+            self.cache[i] = ids[i]
+        self.fed += len(ids) - self.cached
+        self._P, self._done = len(ids), 1
+        self._last = self.fn(self.cache[:len(ids)])
+        return np.array([self._last])
+
+    def more(self, k):
+        out = []
+        for _ in range(k):
+            p = self.positions
+            self.cache[p], self._done = self._last, self._done + 1
+            self.fed += 1
+            self._last = self.fn(self.cache[:p + 1])
+            out.append(self._last)
+        return np.array([out])
+
+    def __getattr__(self, name):
+        if name == "refeed" and self.__dict__.get("fused"):
+            return self._refeed
+        raise AttributeError(name)
+
+    def _refeed(self, positions, tokens):
+        for i, t in enumerate(tokens):
+            self.cache[positions + i] = int(t)
+        self.fed += len(tokens)
+        self._done = positions + len(tokens) - self._P + 1
+        self._last = self.fn(self.cache[:positions + len(tokens)])
+        return self._last
+
+
+def _greedy(fn, ctx, k):
+    ctx, out = list(ctx), []
+    for _ in range(k):
+        out.append(fn(ctx))
+        ctx.append(out[-1])
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=12), seed=st.integers(0, 3),
+       fused=st.booleans(), rounds=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6),
+                                                      st.integers(0, V - 1)), max_size=12))
+def test_a_model_draft_is_the_draft_models_greedy_continuation_of_the_context(
+        prompt, seed, fused, rounds):
+    """Whatever was drafted before and however much of it the context then took (a prefix of
+    the draft and one other id, or ids without a draft), each draft is the draft model's greedy
+    continuation of the whole context, computed from scratch: the positions its cache keeps
+    hold the context."""
+    fn = _draft_fn(seed)
+    draft = spec.ModelDraft(ToyDraft(64, fn, fused), prompt)
+    for k, taken, other in rounds:
+        got, _ = draft.guess(k)
+        assert got == _greedy(fn, draft.ids, min(k, 64 - len(draft.ids) + 1))
+        ids = got[:min(taken, len(got))] + [other]
+        if len(draft.ids) + len(ids) + 8 > 64:
+            break
+        draft.extend(ids)
+        assert draft.guess(2)[0] == _greedy(fn, draft.ids, 2)
+
+
+def test_drafts_the_context_confirms_are_not_fed_again():
+    """After a draft taken up to its third token, only the id after them is fed to the draft
+    model (with fused steps of known ids), not the whole context."""
+    fn = _draft_fn(0)
+    dec = ToyDraft(64, fn, fused=True)
+    draft = spec.ModelDraft(dec, [1, 2, 3, 4])
+    guess, _ = draft.guess(5)
+    fed = dec.fed
+    draft.extend(guess[:3] + [(guess[3] + 1) % V])
+    draft.guess(1)
+    assert dec.fed - fed == 1  # the new id only: the three drafts it took stayed in the cache
+
+
+@settings(max_examples=40, deadline=None)
+@given(prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=20), n=st.integers(1, 60),
+       seed=st.integers(0, 3), fused=st.booleans())
+def test_a_draft_model_gives_the_plain_greedy_ids(prompt, n, seed, fused):
+    """The speculative loop drafting from a draft model (a right one, seed 0, or a wrong one)
+    decodes the plain greedy ids; a right draft model has its drafts verified and taken."""
+    S = len(prompt) + n
+    dec = ToyDecoder(S)
+    dec.draft_decoder = ToyDraft(S, _draft_fn(seed), fused)
+    got = [t for step in stream_greedy(dec, prompt, n, S) for _, t in step]
+    assert got == _plain_ids(prompt, n)
+    verified = [rows for kind, rows in dec.calls if kind == "verify"]
+    if seed == 0 and n > 8:
+        assert verified and dec.accepted == dec.drafted
+
+
+def test_a_draft_model_is_priced_with_its_steps():
+    """A draft token costs a draft-model step: with it priced the policy drafts shorter, and
+    not at all when drafting costs as much as the model's own step."""
+    pol = DraftPolicy(rate=0.9, memory=1.0, priced_drafts=True)
+    pol.timed(1, 1.0)
+    for B, c in ((4, 1.8), (8, 3.9), (12, 5.9), (16, 7.9)):
+        pol.timed(B, c)
+    free = DraftPolicy(rate=0.9, memory=1.0)
+    free.cost = dict(pol.cost)
+    assert free.length(15) > 0
+    pol.drafted(3, 0.3)
+    assert 0 < pol.length(15) <= free.length(15)
+    pol.drafted(1, 5.0)  # the running mean of a draft token's cost grows past a plain step
+    pol.drafted(1, 5.0)
+    assert pol.draft_cost > 1.0 and pol.length(15) == 0

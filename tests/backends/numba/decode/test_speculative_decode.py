@@ -183,3 +183,29 @@ def test_a_cold_kernel_compiles_in_a_worker_and_drafts_start_after_it(eager, mon
     assert generate(model, prompt, 60, stats=stats) == want
     assert len(workers) == 1 and workers[0].returncode == 0
     assert stats.drafted > 0 and verified and set(verified) == {0}  # only after it ended
+
+
+@pytest.mark.parametrize("target, drafter, seed, itself", [
+    (float_model, block_model, 3, False),  # the same weights in GGML blocks
+    (block_model, block_model, 3, True),  # the model itself
+    (float_model, float_model, 8, False),  # other weights
+], ids=["float-by-its-blocks", "blocks-by-itself", "float-by-another"])
+def test_a_draft_model_gives_the_plain_greedy_ids(target, drafter, seed, itself, monkeypatch):
+    """``--draft``: a draft model proposes its greedy continuation; the ids stay the plain
+    decoder's, and the model drafting for itself has every draft taken (its cache kept in
+    step with the text). Known ids reach the draft model's cache by fused steps (``refeed``),
+    not by its prompt path."""
+    monkeypatch.delenv("MINILLAMA_QUANT_DOTS", raising=False)
+    be = _numba()
+    model = target(Subject(be, np.float32), 3)
+    draft = drafter(Subject(be, np.float32), seed)
+    prompt = [5, 9, 2, 7, 1, 4, 3, 8]
+    want = generate(model, prompt, 60, speculate=False)
+    kind = type(be.greedy_decoder(draft, 8))
+    refed, real = [], kind.refeed
+    monkeypatch.setattr(kind, "refeed", lambda self, p, t: refed.append(len(t)) or real(self, p, t))
+    stats = GenerationStats()
+    assert generate(model, prompt, 60, stats=stats, draft=draft) == want
+    assert stats.drafted > 0 and refed
+    if itself:
+        assert stats.accepted == stats.drafted
