@@ -11,8 +11,8 @@ server's batching in-process, and llama-server with 8 slots): tokens/s over all 
 that minillama's speculative texts equal its plain texts, token for token. With ``--draft
 FILE`` (a smaller model with the same tokenizer, a GGUF file), also minillama drafting from it
 (``generate(..., draft=)``, ``--draft`` of the CLI) and, with ``--peer``, llama-server with it
-(``-md FILE``); e.g. SmolLM2 in float32 (``minillama export ... --format gguf --gguf-type F32``)
-drafted by its own Q4_1 file.
+(``-md FILE --spec-type draft-simple``); e.g. SmolLM2 in float32 (``minillama export ...
+--format gguf --gguf-type F32``) drafted by its own Q4_1 file.
 
     python -m scripts.bench_speculative --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf \\
         --tokens 128 --rounds 3 --threads 2 --batch [--peer /path/to/llama-server]
@@ -178,7 +178,7 @@ def main() -> None:
     flags = {"server plain": [], "server ngram-12": ["--spec-type", "ngram-simple"],
              "server ngram-3": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"]}
     if args.draft:
-        flags["server draft"] = ["-md", args.draft]
+        flags["server draft"] = ["-md", args.draft, "--spec-type", "draft-simple"]
     peers = {m: start_peer(args, f) for m, f in flags.items()} if args.peer else {}
     peers8 = ({m: start_peer(args, f, 8) for m, f in flags.items()}
               if args.peer and args.batch else {})

@@ -551,7 +551,6 @@ class GreedyDecoder(ChunkDecoder):
             self._last = int(ids[n - 1])
         return n
 
-
     def refeed(self, positions: int, tokens) -> int | None:
         """Make cache positions ``positions``... hold the known ids ``tokens`` (a draft model
         following its target's text, :class:`minillama.core.speculative.ModelDraft`), in fused

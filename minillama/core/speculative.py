@@ -113,9 +113,8 @@ class ModelDraft:
     where it has one ``refeed``, fused steps over known ids). The draft model's cache follows the
     context: the positions it holds that the context confirms (the context itself, and the drafts
     fed after it up to the first one rejected) are kept, and the next :meth:`guess` feeds only
-    the rest. A draft costs draft-model
-    steps, so it is made only for the length the policy chose (``priced``: the caller asks for
-    that many), and plain steps are not shadow-scored."""
+    the rest. A draft costs draft-model steps, so it is made only for the length the policy
+    chose (``priced``: the caller asks for that many), and plain steps are not shadow-scored."""
 
     priced = True
 

@@ -107,9 +107,8 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
     ones seeded ``params.seed``). ``speculate``: greedy decoding of one prompt verifies
     prompt-lookup drafts (:mod:`minillama.core.speculative`) where the backend computes them
     exactly as plain steps (the same ids, fewer reads of the weights); False turns it off.
-    ``draft``: a smaller model with the same tokenizer whose greedy continuation is the draft
-    instead (:class:`~minillama.core.speculative.ModelDraft`; it needs a backend with a greedy
-    decoder, and is unused where the drafts would not be verified)."""
+    ``draft``: a smaller model with the same tokenizer drafting its greedy continuation instead
+    (:class:`~minillama.core.speculative.ModelDraft`; unused where drafts are not verified)."""
     params = SamplingParams.of(params, **settings)
     if max_new_tokens is None:
         max_new_tokens = 256 if params.max_tokens is None else params.max_tokens
@@ -136,14 +135,8 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
         return params.pick(z, rngs[b], hist[b] if penalised else ())
 
     if B == 1 and greedy and not penalised:  # many steps per call
-        dec = be.greedy_decoder(model, cache_len, stop, speculate=speculate, cache=cache,
-                                cached=cached)
+        dec = _greedy_decoder(model, cache_len, stop, speculate, cache, cached, draft)
         if dec is not None:
-            if draft is not None and isinstance(dec, Speculation):
-                dec.draft_decoder = draft.backend.greedy_decoder(draft, cache_len)
-                if dec.draft_decoder is None:
-                    raise MinillamaError(f"the draft model cannot decode on the "
-                                         f"{draft.backend.name} backend (numba or cupy can)")
             yield from _decoded(dec, seqs[0], max_new_tokens, cfg.max_seq_len, stop, stats,
                                 cached)
             return
@@ -154,6 +147,19 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
     many = be.greedy_steps if greedy and B > 1 and not penalised else None
     yield from _prefill_and_decode(model, seqs, lens, cache, pick, many, stop, budget, hist,
                                    stats, cached)
+
+
+def _greedy_decoder(model, cache_len: int, stop, speculate: bool, cache, cached: int, draft):
+    """The backend's decoder of one greedy sequence (several steps per call), drafting from
+    ``draft``'s own decoder where it verifies drafts; None where the backend has none."""
+    dec = model.backend.greedy_decoder(model, cache_len, stop, speculate=speculate, cache=cache,
+                                       cached=cached)
+    if dec is not None and draft is not None and isinstance(dec, Speculation):
+        dec.draft_decoder = draft.backend.greedy_decoder(draft, cache_len)
+        if dec.draft_decoder is None:
+            raise MinillamaError(f"the draft model cannot decode on the {draft.backend.name} "
+                                 "backend (numba or cupy can)")
+    return dec
 
 
 def _decoded(dec, prompt, max_new_tokens: int, context: int, stop, stats, cached: int):
