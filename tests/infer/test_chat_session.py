@@ -339,3 +339,21 @@ def test_a_session_ends_its_reply_at_a_stop_text_and_keeps_it_cut(tiny_chat):
     assert got == ids[:n] and n < len(ids)
     said = tok.decode(got)
     assert s.messages[-1] == {"role": "assistant", "content": said[:said.index(stop)]}
+
+
+def test_chat_with_a_draft_model_replies_as_without(tiny_chat, monkeypatch):
+    """`minillama chat --draft` (here the model drafting for itself) drafts from it and gives
+    the replies of plain greedy decoding, turn after turn on the reused cache."""
+    from minillama.core import speculative
+
+    folder, _, _ = tiny_chat
+    base = ["-c", str(folder), "--backend", "numba", "--temperature", "0", "-n", "12"]
+    lines = "the cat sat\non the mat?\nthe cat sat\n"
+    rc, plain = _chat([*base, "--no-speculate"], lines)
+    guesses = []
+    real = speculative.ModelDraft.guess
+    monkeypatch.setattr(speculative.ModelDraft, "guess",
+                        lambda self, k: guesses.append(k) or real(self, k))
+    rc2, drafted = _chat([*base, "--draft", str(folder)], lines)
+    assert rc == rc2 == 0 and plain.count("\n") >= 3
+    assert drafted == plain and guesses
