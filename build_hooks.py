@@ -4,7 +4,8 @@
 run into Numba's disk cache beside the sources, for this machine's CPU (what ``minillama
 compile`` does; :mod:`minillama.infer.precompile`), so that the first answer does not wait about
 40 s for the compiler. It takes about 100 s on two cores, in pip's build environment (to which
-it adds the package's own dependencies, the same versions the install then gets); pip shows its
+it adds the package's own dependencies: the versions pip resolves for the install too, unless
+the environment pins another Numba, whose cache would not read these kernels); pip shows its
 lines with ``-v``. ``MINILLAMA_PRECOMPILE=0`` skips it; a failure is reported and never fails the
 install (the kernels then compile on first use, as they would anyway). A wheel (``pip install
 .``) is built as setuptools builds it: its kernels compile on first use or with ``minillama
@@ -66,7 +67,9 @@ sys.path.insert(0, root)
 """
 _BOOT = _FINDER + """
 from minillama.infer.precompile import precompile
-print(f"minillama: kernels compiled in {precompile():.1f} s", flush=True)
+import numba
+print(f"minillama: kernels compiled in {precompile():.1f} s for numba {numba.__version__}",
+      flush=True)
 """
 
 

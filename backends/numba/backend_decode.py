@@ -243,11 +243,12 @@ class DraftSteps:
         return plan if plan is not None and (not plan.get("quant") or self._quant_int8()) \
             else None
 
-    def decode_rows(self, model, tok, pos, seq, cache):
+    def decode_rows(self, model, tok, pos, seq, cache, tuner: ThreadTuner | None = None):
         """One fused step over R rows, row r feeding tok[r] at position pos[r] of cache row
         seq[r], each row computed as the one-row step computes it (where
         :meth:`speculation_exact`, and R > 1 unless the cache has one row; else None): the logits
-        (R, V). The thread count is the verification steps' (:attr:`verify_tuner`)."""
+        (R, V). The thread count is ``tuner``'s, by default the verification steps'
+        (:attr:`verify_tuner`)."""
         plan = self._exact_plan(model)
         kv = self._cache_lists(cache, model.dtype) if plan is not None else None
         if kv is None:
@@ -261,7 +262,7 @@ class DraftSteps:
         if len(tok) == 1 and cache.batch_size != 1:
             return None  # one row: the one-sequence kernel takes a cache of one row
         logits = np.empty((len(tok), _vocab(plan)), dtype=model.dtype)
-        self._rows(plan, tok, pos, seq, *kv, logits, self.verify_tuner)
+        self._rows(plan, tok, pos, seq, *kv, logits, tuner or self.verify_tuner)
         return logits
 
     @property
@@ -499,6 +500,10 @@ class GreedyDecoder(ChunkDecoder):
         self._P = None  # prompt length
         self._done = 0  # ids decoded so far, the prefill's included
         self._last = 0  # the last id decoded (fed at the next step)
+        #: the thread tuners of its plain steps and of its steps of known ids (:meth:`refeed`):
+        #: the backend's, unless a decoder of another model sharing the backend (a draft
+        #: model's) is given its own so that their times do not mix
+        self.tuner, self.rows_tuner = backend.tuner, None
 
     def prefill(self, prompt) -> np.ndarray:
         """Run the (1, P) prompt through the model (per-op path, BLAS), filling the cache; the
@@ -522,11 +527,11 @@ class GreedyDecoder(ChunkDecoder):
         k = self._check_more(k)
         ids = np.empty(k, dtype=np.int64)
         got = 0
-        while got < k:  # in calls whose thread count the backend's tuner picks
+        while got < k:  # in calls whose thread count the tuner picks
             rest = ids[got:]
-            n = self.backend.tuner.run(self.backend._numba_team,
-                                       lambda threads, n, rest=rest: self._steps(rest[:n], threads),
-                                       k - got)
+            n = self.tuner.run(self.backend._numba_team,
+                               lambda threads, n, rest=rest: self._steps(rest[:n], threads),
+                               k - got)
             if n == 0:
                 break
             got += n
@@ -551,6 +556,13 @@ class GreedyDecoder(ChunkDecoder):
             self._last = int(ids[n - 1])
         return n
 
+    def own_tuners(self) -> GreedyDecoder:
+        """This decoder with thread tuners of its own (a draft model's: its steps' times are
+        not its target's, whose tuners the backend keeps)."""
+        self.tuner = ThreadTuner(self.backend.num_threads)
+        self.rows_tuner = ThreadTuner(self.backend.num_threads)
+        return self
+
     def refeed(self, positions: int, tokens) -> int | None:
         """Make cache positions ``positions``... hold the known ids ``tokens`` (a draft model
         following its target's text, :class:`minillama.core.speculative.ModelDraft`), in fused
@@ -566,7 +578,7 @@ class GreedyDecoder(ChunkDecoder):
             rows = tokens[i:i + 16]
             p = positions + i
             z = be.decode_rows(m, rows, np.arange(p, p + len(rows)),
-                               np.zeros(len(rows), dtype=np.int64), self.cache)
+                               np.zeros(len(rows), dtype=np.int64), self.cache, self.rows_tuner)
             if z is None:
                 return None
         self._last = int(_finite(z[-1:], f"position {positions + len(tokens) - 1}")[0].argmax())
@@ -606,7 +618,7 @@ class SpeculativeDecoder(Speculation, GreedyDecoder):
     def timing_settled(self) -> bool:
         """Whether the thread tuners of plain and verification steps have measured every count
         they choose between (before, steps run on trial counts and their times mislead)."""
-        return self.backend.tuner.settled and self.backend.verify_tuner.settled
+        return self.tuner.settled and self.backend.verify_tuner.settled
 
     _ready = False
 

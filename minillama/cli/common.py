@@ -12,6 +12,7 @@ from minillama.backends import backend_help, backend_names, threads_in_use
 from minillama.core.config import COMPUTE_DTYPES, DTYPE_HELP
 from minillama.core.errors import MinillamaError
 from minillama.core.sampling import SamplingParams
+from minillama.infer.generate import draft_decoder, warm_up
 from minillama.io.load import DEFAULT_CHECKPOINT, open_model
 from minillama.io.tokenizer import TOKENIZER_KINDS
 
@@ -105,14 +106,24 @@ def load_draft(args, model, tok, params: SamplingParams):
     if same and tok is not None and dtok is not None:
         same = (getattr(tok, "bos_id", None), getattr(tok, "eos_id", None)) == \
             (getattr(dtok, "bos_id", None), getattr(dtok, "eos_id", None)) and all(
-                tok.token_text(i) == dtok.token_text(i) for i in range(model.cfg.vocab_size))
+                _piece(tok, i) == _piece(dtok, i) for i in range(model.cfg.vocab_size))
     if not same:
         raise MinillamaError(f"--draft {path}: its vocabulary differs from the model's (a draft "
                              "model needs the same tokenizer)")
     if draft.cfg.max_seq_len < model.cfg.max_seq_len:
         raise MinillamaError(f"--draft {path}: its context ({draft.cfg.max_seq_len}) is shorter "
                              f"than the model's ({model.cfg.max_seq_len})")
+    draft_decoder(draft, 2)  # one-line error where it has no decoder of its own
+    warm_up(draft, [1, 2, 3])  # its kernels compiled (or loaded) now, not in the first reply
     return draft
+
+
+def _piece(tok, i: int):
+    """Token ``i``'s text, or None where the tokenizer has none (a padded vocabulary)."""
+    try:
+        return tok.token_text(i)
+    except (IndexError, KeyError, ValueError):
+        return None
 
 
 @contextlib.contextmanager

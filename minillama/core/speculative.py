@@ -36,6 +36,8 @@ import time
 
 import numpy as np
 
+from minillama.core.errors import MinillamaError
+
 #: the lengths n of the context suffix looked up, longest first
 NGRAMS = (3, 2)
 #: the longest shared run of tokens :meth:`PromptLookup.guess` measures
@@ -50,11 +52,11 @@ MARGIN = 1.05
 #: the draft lengths tried: verification steps of 4, 8, 12 or 16 rows (the 8-bit products take
 #: activation rows by fours; a step of 2 rows costs 1.6 one-row steps, one of 4 rows 2)
 LENGTHS = (3, 7, 11, 15)
-#: the prior acceptance rate of a draft model's tokens (:class:`ModelDraft`), and after how many
-#: plain tokens a draft of the shortest length is tried anyway (a draft model's rate and costs
-#: are seen only by drafting: until a verification is timed, and then now and then)
+#: the prior acceptance rate of a draft model's tokens (:class:`ModelDraft`), and the least and
+#: most plain tokens between two probes where the policy would not draft from it
+#: (:meth:`Speculation._model_guess`)
 MODEL_RATE = 0.6
-PROBE_EVERY = 64
+PROBE_MIN, PROBE_MAX = 16, 1024
 
 
 class PromptLookup:
@@ -106,6 +108,17 @@ class PromptLookup:
         return [], 0
 
 
+class DraftModel:
+    """A draft model (``--draft``) with, from one generation to the next, its decoder and the
+    ids its cache holds (a chat's turns share them: a turn feeds the draft model only what
+    follows the text the last turn left in its cache)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.decoder = None
+        self.held: list[int] = []
+
+
 class ModelDraft:
     """Drafts from a smaller model with the same tokenizer (``--draft``): its own greedy
     continuation of the context, from ``decoder``, a plain greedy decoder of the draft model
@@ -118,11 +131,16 @@ class ModelDraft:
 
     priced = True
 
-    def __init__(self, decoder, ids):
-        self.dec = decoder
+    def __init__(self, source: DraftModel, ids):
+        self.src, self.dec = source, source.decoder
         self.ids = [int(t) for t in ids]
-        self.valid = 0  # the leading context positions the draft model's cache holds
+        held, n = source.held, 0
+        while n < min(len(held), len(self.ids)) and held[n] == self.ids[n]:
+            n += 1
+        self.valid = n  # the leading context positions the draft model's cache holds
         self._fed: list[int] = []  # drafts fed after the context by the last guess
+        #: the seconds of one of the draft model's steps in the last guess (None: none ran)
+        self.step_time: float | None = None
 
     def extend(self, ids) -> None:
         """Append tokens to the context; the drafts they confirm stay in the draft cache."""
@@ -134,6 +152,7 @@ class ModelDraft:
             self.valid += a
         self._fed = []
         self.ids += ids
+        self.src.held = self.ids[:self.valid]
 
     def guess(self, k: int) -> tuple[list[int], int]:
         """(the draft model's next ``k`` greedy tokens after the context, or fewer where its
@@ -147,10 +166,13 @@ class ModelDraft:
         if first is None:  # the first draft, or a decoder without fused steps of known ids
             self.dec.cached = v
             first = self.dec.prefill(np.asarray([self.ids], dtype=np.int64))[0]
-        out = [int(first)]
+        out, self.step_time = [int(first)], None
         if k > 1:
+            t0 = time.perf_counter()
             out += [int(t) for t in self.dec.more(k - 1)[0]]
+            self.step_time = (time.perf_counter() - t0) / (len(out) - 1)
         self.valid, self._fed = n, out[:-1]
+        self.src.held = list(self.ids)
         return out, 0
 
 
@@ -193,11 +215,6 @@ class DraftPolicy:
             return 0.0
         return 0.25 * self.price(1) if self._draft_cost is None else self._draft_cost
 
-    @property
-    def measured(self) -> bool:
-        """Whether a step of several rows has been timed (before, every price is the prior)."""
-        return any(B > 1 for B in self.cost)
-
     def drafted(self, k: int, seconds: float) -> None:
         """Making ``k`` draft tokens took ``seconds``."""
         c, per = self._draft_cost, seconds / max(1, k)
@@ -227,13 +244,21 @@ class DraftPolicy:
         its own prior (so a cheap measured step makes the larger ones worth a try)."""
         if B in self.cost:
             return self.cost[B]
-        c1 = self.cost.get(1, 1.0)
+        c1 = self._c1()
 
         def prior(n):
             return c1 if n == 1 else c1 * (0.36 + 0.466 * n)
 
         below = [n for n in self.cost if 1 < n < B]
         return prior(B) * (self.cost[max(below)] / prior(max(below)) if below else 1.0)
+
+    def _c1(self) -> float:
+        """The one-row step's time: measured, else as the smallest measured step's prior says
+        (a draft model drafting every round leaves no plain step timed), else 1."""
+        if 1 in self.cost:
+            return self.cost[1]
+        measured = [n for n in self.cost if n > 1]
+        return self.cost[min(measured)] / (0.36 + 0.466 * min(measured)) if measured else 1.0
 
     def length(self, available: int, matched: int = 0) -> int:
         """The draft length k of :attr:`lengths`, k <= ``available``, with the most expected
@@ -284,23 +309,26 @@ class Speculation:
     accepted = 0
     _plain_calls = 0  # plain calls since the last verification
     _plain_tokens = 0  # and the ids they took
+    _probe_gap = 0  # plain ids before a draft model's next probe (:meth:`_model_guess`)
     #: the context's drafts and the draft length, set by the prefill
     lookup: PromptLookup | None = None
     policy: DraftPolicy | None = None
 
-    #: a plain greedy decoder of a draft model (``--draft``) to draft from instead of the lookup
-    draft_decoder = None
+    #: a draft model with its decoder (:class:`DraftModel`, ``--draft``) to draft from instead
+    #: of the lookup
+    draft_source: DraftModel | None = None
 
     def _start_lookup(self, prompt, first: int) -> None:
         """The context after the prefill: the prompt's ids and the first id chosen."""
         ids = [*map(int, prompt), int(first)]
-        if self.draft_decoder is not None:
-            self.lookup = ModelDraft(self.draft_decoder, ids)
+        if self.draft_source is not None:
+            self.lookup = ModelDraft(self.draft_source, ids)
             self.policy = DraftPolicy(rate=MODEL_RATE, priced_drafts=True)
         else:
             self.lookup = PromptLookup(ids)
             self.policy = DraftPolicy()
         self.drafted = self.accepted = self._plain_calls = self._plain_tokens = 0
+        self._probe_gap = 0
 
     def more(self, k):
         """1 to ``k`` more greedy ids, (1, k'), from one model call (a stop id among them is the
@@ -317,37 +345,17 @@ class Speculation:
         Python)."""
         pol, look = self.policy, self.lookup
         priced = getattr(look, "priced", False)
-        if priced:  # a draft model: the length first, then only that many tokens drafted
-            avail = min(want - 1, pol.k_max)
-            d = pol.length(avail) if self.verify_ready() else 0
-            if not d and avail >= pol.lengths[0] and self.verify_ready() and (
-                    self._plain_tokens >= PROBE_EVERY or not pol.measured):
-                d = pol.lengths[0]  # a probe: the rate and the costs are only seen by drafting
-            t0 = time.perf_counter()
-            guess, matched = look.guess(d) if d else ([], 0)
+        if priced:
+            guess, matched = self._model_guess(want)
+            if guess is None:  # the draft model failed: prompt lookup from here on
+                return self._round(want, stop)
             d = len(guess)
-            if d:
-                pol.drafted(d, time.perf_counter() - t0)
         else:
             guess, matched = look.guess(min(want - 1, pol.k_max))
             d = pol.length(len(guess), matched) if guess and self.verify_ready() else 0
-        t0 = time.perf_counter()
         if d > 0:
-            picks = self.verify([self._last, *guess[:d]])
-            self._timed(d + 1, time.perf_counter() - t0)
-            a = accepted_length(guess[:d], picks)
-            self.drafted += d
-            self.accepted += a
-            pol.observe(d, a, matched)
-            ids = [int(t) for t in picks[:a + 1]]
-            for i, t in enumerate(ids):  # a stop id ends the ids
-                if t in stop:
-                    ids = ids[:i + 1]
-                    break
-            self._take(ids)
-            look.extend(ids)
-            self._plain_calls = self._plain_tokens = 0
-            return ids
+            return self._verified(guess[:d], matched, stop)
+        t0 = time.perf_counter()
         ids = [int(t) for t in self._plain(min(want, 16, 1 << self._plain_calls))]
         self._plain_calls += 1
         self._plain_tokens += len(ids)
@@ -357,6 +365,53 @@ class Speculation:
             if g:
                 pol.observe(1, int(g[0] == t), m)
             look.extend([t])
+        return ids
+
+    def _model_guess(self, want: int):
+        """A draft model's draft for this round, ([], 0) for none, None where the draft model's
+        logits went non-finite (the lookup then replaces it). The length is the policy's; where
+        the policy would not draft, a probe of the shortest length is made after
+        ``_probe_gap`` plain tokens (a draft model's rate and costs are seen only by drafting),
+        the gap doubling after each probe (16 up to 1024) and back to 16 after a draft the policy
+        chose, so that a draft model that does not pay costs less and less."""
+        pol, look = self.policy, self.lookup
+        avail = min(want - 1, pol.k_max)
+        ready = avail >= pol.lengths[0] and self.verify_ready()
+        d = pol.length(avail) if ready else 0
+        if d:
+            self._probe_gap = PROBE_MIN
+        elif ready and self._plain_tokens >= self._probe_gap:
+            d = pol.lengths[0]
+            self._probe_gap = min(PROBE_MAX, max(PROBE_MIN, 2 * self._probe_gap))
+        if not d:
+            return [], 0
+        try:
+            guess, matched = look.guess(d)
+        except MinillamaError:
+            self.lookup, self.policy = PromptLookup(look.ids), DraftPolicy()
+            return None, 0
+        if look.step_time is not None:  # a draft token costs about one draft-model step (feeding
+            pol.drafted(1, look.step_time)  # the text's new ids is a step too, of a few rows)
+        return guess, matched
+
+    def _verified(self, draft, matched: int, stop) -> list[int]:
+        """Verify ``draft`` in one step and take what the model confirms (ending at a stop id)."""
+        pol, d = self.policy, len(draft)
+        t0 = time.perf_counter()
+        picks = self.verify([self._last, *draft])
+        self._timed(d + 1, time.perf_counter() - t0)
+        a = accepted_length(draft, picks)
+        self.drafted += d
+        self.accepted += a
+        pol.observe(d, a, matched)
+        ids = [int(t) for t in picks[:a + 1]]
+        for i, t in enumerate(ids):  # a stop id ends the ids
+            if t in stop:
+                ids = ids[:i + 1]
+                break
+        self._take(ids)
+        self.lookup.extend(ids)
+        self._plain_calls = self._plain_tokens = 0
         return ids
 
     def _timed(self, B: int, seconds: float) -> None:

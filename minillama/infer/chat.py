@@ -23,6 +23,7 @@ import numpy as np
 
 from minillama.core.errors import MinillamaError
 from minillama.core.sampling import SamplingParams, StopText, first_stop
+from minillama.core.speculative import DraftModel
 from minillama.infer.generate import GenerationStats, TextStreamer, generate_steps
 from minillama.io.chat_template import common_prefix, encode_rendered, render_chat, stop_ids
 
@@ -57,7 +58,8 @@ class ChatSession:
         self.cache = model.new_cache(1, self.context)
         #: greedy replies verify prompt-lookup drafts (:mod:`minillama.core.speculative`)
         self.speculate = True
-        #: a draft model for the greedy turns (``generate_steps``' ``draft``), or None
+        #: a draft model for the greedy turns (``generate_steps``' ``draft``; its cache kept
+        #: from turn to turn), or None
         self.draft = None
         #: called with a message when old turns are dropped to fit the context
         self.notice: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
@@ -71,6 +73,13 @@ class ChatSession:
         self.messages: list[dict] = ([{"role": "system", "content": self.system}]
                                      if self.system else [])
         self.cached: list[int] = []
+
+    def _draft(self):
+        """:attr:`draft` as a :class:`~minillama.core.speculative.DraftModel` (made once), so that
+        its cache keeps the conversation from one turn to the next; None without one."""
+        if self.draft is not None and not isinstance(self.draft, DraftModel):
+            self.draft = DraftModel(self.draft)
+        return self.draft
 
     def _prompt(self) -> list[int]:
         """The ids of the whole conversation and the generation prompt; drops the oldest turns
@@ -127,7 +136,7 @@ class ChatSession:
         steps = generate_steps(self.model, [ids], self.max_new_tokens, self.params,
                                stop_ids=self.stop, stats=stats, cache=self.cache, cached=n,
                                rngs=[self.rng], speculate=self.speculate,
-                               draft=self.draft)
+                               draft=self._draft())
         stopper, streamer = StopText(stops), TextStreamer(self.tok)  # the text as it grows
         try:  # an interrupted turn still gets its (maybe empty) reply: roles keep alternating
             for step in steps:

@@ -31,7 +31,7 @@ from minillama.core.decoding import ChunkDecoder, nonfinite_error, stream_greedy
 from minillama.core.decoding import finite_logits as _finite
 from minillama.core.errors import MinillamaError
 from minillama.core.sampling import SamplingParams
-from minillama.core.speculative import Speculation
+from minillama.core.speculative import DraftModel, Speculation
 
 
 @dataclass
@@ -107,8 +107,8 @@ def generate_steps(model, prompts, max_new_tokens: int | None = None,
     ones seeded ``params.seed``). ``speculate``: greedy decoding of one prompt verifies
     prompt-lookup drafts (:mod:`minillama.core.speculative`) where the backend computes them
     exactly as plain steps (the same ids, fewer reads of the weights); False turns it off.
-    ``draft``: a smaller model with the same tokenizer drafting its greedy continuation instead
-    (:class:`~minillama.core.speculative.ModelDraft`; unused where drafts are not verified)."""
+    ``draft``: a smaller model with the same tokenizer drafting its greedy continuation (a
+    :class:`~minillama.core.speculative.DraftModel` keeps its cache from call to call)."""
     params = SamplingParams.of(params, **settings)
     if max_new_tokens is None:
         max_new_tokens = 256 if params.max_tokens is None else params.max_tokens
@@ -155,11 +155,22 @@ def _greedy_decoder(model, cache_len: int, stop, speculate: bool, cache, cached:
     dec = model.backend.greedy_decoder(model, cache_len, stop, speculate=speculate, cache=cache,
                                        cached=cached)
     if dec is not None and draft is not None and isinstance(dec, Speculation):
-        dec.draft_decoder = draft.backend.greedy_decoder(draft, cache_len)
-        if dec.draft_decoder is None:
-            raise MinillamaError(f"the draft model cannot decode on the {draft.backend.name} "
-                                 "backend (numba or cupy can)")
+        src = draft if isinstance(draft, DraftModel) else DraftModel(draft)
+        if src.decoder is None or src.decoder.S < cache_len:
+            d = draft_decoder(src.model, cache_len)
+            src.decoder, src.held = getattr(d, "own_tuners", lambda: d)(), []
+        dec.draft_source = src
     return dec
+
+
+def draft_decoder(draft, cache_len: int):
+    """A plain greedy decoder of model ``draft`` (on its backend, a cache of ``cache_len``),
+    or a one-line error where its backend has none."""
+    d = draft.backend.greedy_decoder(draft, cache_len)
+    if d is None:
+        raise MinillamaError(f"the draft model has no multi-step greedy decoder on the "
+                             f"{draft.backend.name} backend")
+    return d
 
 
 def _decoded(dec, prompt, max_new_tokens: int, context: int, stop, stats, cached: int):

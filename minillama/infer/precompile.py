@@ -7,9 +7,10 @@ not for their sizes, and keys its disk cache on them and on the host's CPU. So a
 same kind as a real one, but tiny, run through the same warm-ups as the commands (loaded by the
 same loader: a GGUF file of block-quantized matrices and the float model that ships), compiles
 every kernel a real model of that kind needs: afterwards `generate`, `chat` and `serve` on, say,
-SmolLM2-135M-Instruct Q4_1 load their kernels from the cache (a test holds the kernels and
-signatures the two compile to be the same). The GGML type of each matrix is an argument of the
-kernels, not a type, so one file with a mix of block types covers them all.
+SmolLM2-135M-Instruct Q4_1 load their kernels from the cache (a test holds every kernel and
+signature the real model's commands compile to be among those compiled here). The GGML type
+of each matrix is an argument of the kernels, not a type, so one file with a mix of block types
+covers them all.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def precompile(say=print) -> float:
     the seconds spent."""
     backend = get_backend("numba")
     t0 = time.perf_counter()
-    backend.compile_in_background = False  # this instance's; the class keeps its own
+    own = vars(backend).get("compile_in_background", _UNSET)  # the instance's own, if any
+    backend.compile_in_background = False
     try:
         with tempfile.TemporaryDirectory() as tmp:
             path = write_tiny_gguf(Path(tmp) / "tiny.gguf")
@@ -93,5 +95,11 @@ def precompile(say=print) -> float:
         warm_model(Transformer(cfg, init_params(cfg, seed=0), backend=backend))
         say(f"numba: kernels of float32 models ready ({time.perf_counter() - t:.1f} s)")
     finally:
-        del backend.compile_in_background
+        if own is _UNSET:
+            del backend.compile_in_background
+        else:
+            backend.compile_in_background = own
     return time.perf_counter() - t0
+
+
+_UNSET = object()

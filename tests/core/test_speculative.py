@@ -5,6 +5,7 @@ function of the context: whatever the drafts, the ids are plain greedy decoding'
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -230,6 +231,12 @@ class ToyDraft(ChunkDecoder):
         return self._last
 
 
+def _source(decoder):
+    src = spec.DraftModel(None)
+    src.decoder = decoder
+    return src
+
+
 def _greedy(fn, ctx, k):
     ctx, out = list(ctx), []
     for _ in range(k):
@@ -249,7 +256,7 @@ def test_a_model_draft_is_the_draft_models_greedy_continuation_of_the_context(
     continuation of the whole context, computed from scratch: the positions its cache keeps
     hold the context."""
     fn = _draft_fn(seed)
-    draft = spec.ModelDraft(ToyDraft(64, fn, fused), prompt)
+    draft = spec.ModelDraft(_source(ToyDraft(64, fn, fused)), prompt)
     for k, taken, other in rounds:
         got, _ = draft.guess(k)
         assert got == _greedy(fn, draft.ids, min(k, 64 - len(draft.ids) + 1))
@@ -265,7 +272,7 @@ def test_drafts_the_context_confirms_are_not_fed_again():
     model (with fused steps of known ids), not the whole context."""
     fn = _draft_fn(0)
     dec = ToyDraft(64, fn, fused=True)
-    draft = spec.ModelDraft(dec, [1, 2, 3, 4])
+    draft = spec.ModelDraft(_source(dec), [1, 2, 3, 4])
     guess, _ = draft.guess(5)
     fed = dec.fed
     draft.extend(guess[:3] + [(guess[3] + 1) % V])
@@ -281,7 +288,7 @@ def test_a_draft_model_gives_the_plain_greedy_ids(prompt, n, seed, fused):
     decodes the plain greedy ids; a right draft model has its drafts verified and taken."""
     S = len(prompt) + n
     dec = ToyDecoder(S)
-    dec.draft_decoder = ToyDraft(S, _draft_fn(seed), fused)
+    dec.draft_source = _source(ToyDraft(S, _draft_fn(seed), fused))
     got = [t for step in stream_greedy(dec, prompt, n, S) for _, t in step]
     assert got == _plain_ids(prompt, n)
     verified = [rows for kind, rows in dec.calls if kind == "verify"]
@@ -304,3 +311,30 @@ def test_a_draft_model_is_priced_with_its_steps():
     pol.drafted(1, 5.0)  # the running mean of a draft token's cost grows past a plain step
     pol.drafted(1, 5.0)
     assert pol.draft_cost > 1.0 and pol.length(15) == 0
+
+
+def test_a_draft_models_cache_serves_the_next_generation():
+    """A chat's next turn (a new ModelDraft on the same DraftModel) feeds the draft model only
+    what follows the text its cache holds, and drafts the continuation of the whole text."""
+    fn = _draft_fn(2)
+    dec = ToyDraft(96, fn, fused=True)
+    src = _source(dec)
+    first = spec.ModelDraft(src, [1, 2, 3, 4, 5])
+    guess, _ = first.guess(4)
+    first.extend(guess[:2] + [(guess[2] + 1) % V])  # the turn ends here
+    turn = first.ids + [7, 8, 9]  # the next turn's text: the conversation and a new message
+    fed = dec.fed
+    second = spec.ModelDraft(src, turn)
+    assert second.valid == len(first.ids) - 1  # all but the last id, which was never fed
+    assert second.guess(3)[0] == _greedy(fn, turn, 3)
+    assert dec.fed - fed == 4 + 2  # the 4 ids after the cached text, then 2 drafts fed
+
+
+def test_the_one_row_time_follows_from_a_measured_step_when_none_was_timed():
+    """A draft model that drafts every round leaves no plain step timed: c(1) then follows
+    from the smallest measured step and its prior, in the same units."""
+    pol = DraftPolicy()
+    pol.timed(4, 0.02)
+    c1 = 0.02 / (0.36 + 0.466 * 4)
+    assert pol.price(1) == pytest.approx(c1) and pol.price(4) == 0.02
+    assert pol.price(8) == pytest.approx(0.02 * (0.36 + 0.466 * 8) / (0.36 + 0.466 * 4))

@@ -190,11 +190,12 @@ def test_a_cold_kernel_compiles_in_a_worker_and_drafts_start_after_it(eager, mon
     (block_model, block_model, 3, True),  # the model itself
     (float_model, float_model, 8, False),  # other weights
 ], ids=["float-by-its-blocks", "blocks-by-itself", "float-by-another"])
-def test_a_draft_model_gives_the_plain_greedy_ids(target, drafter, seed, itself, monkeypatch):
-    """``--draft``: a draft model proposes its greedy continuation; the ids stay the plain
-    decoder's, and the model drafting for itself has every draft taken (its cache kept in
-    step with the text). Known ids reach the draft model's cache by fused steps (``refeed``),
-    not by its prompt path."""
+def test_a_draft_model_gives_the_plain_greedy_ids(target, drafter, seed, itself, eager,
+                                                  monkeypatch):
+    """``--draft``: a draft model proposes its greedy continuation (every round, whatever its
+    rate: the eager policy); the ids stay the plain decoder's, and the model drafting for itself
+    has every draft taken (its cache kept in step with the text). Known ids reach the draft
+    model's cache by fused steps (``refeed``), not by its prompt path."""
     monkeypatch.delenv("MINILLAMA_QUANT_DOTS", raising=False)
     be = _numba()
     model = target(Subject(be, np.float32), 3)
