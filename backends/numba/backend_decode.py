@@ -558,9 +558,10 @@ class GreedyDecoder(ChunkDecoder):
 
     def own_tuners(self) -> GreedyDecoder:
         """This decoder with thread tuners of its own (a draft model's: its steps' times are
-        not its target's, whose tuners the backend keeps)."""
-        self.tuner = ThreadTuner(self.backend.num_threads)
-        self.rows_tuner = ThreadTuner(self.backend.num_threads)
+        not its target's, whose tuners the backend keeps), on all threads without trials (a
+        draft model's calls are few and short: trials would cost more than they find)."""
+        self.tuner = ThreadTuner(self.backend.num_threads, adapt=False)
+        self.rows_tuner = ThreadTuner(self.backend.num_threads, adapt=False)
         return self
 
     def refeed(self, positions: int, tokens) -> int | None:
