@@ -1,4 +1,5 @@
-"""The disk cache of the numba backend's kernels, keyed on all their sources at once.
+"""The disk cache of the numba backend's kernels, keyed on all their sources at once, its writes
+locked across processes.
 
 Imported by every module of this folder and its subfolders that compiles kernels, before its
 first ``@njit`` (Numba picks a kernel's cache locator when the decorator runs); not by the
@@ -118,4 +119,40 @@ def stamp_kernel_caches() -> None:
             classes.insert(i, _stamped(classes[i], here, stamp))
 
 
+def lock_cache_writes() -> None:
+    """Make each write of Numba's disk cache exclusive across processes and threads.
+
+    Numba saves a kernel's new signature by reading the kernel's index, choosing the first free
+    data-file number, and writing the index and the data file, unlocked. Two processes saving
+    two signatures of one kernel at once (a worker compiling the several-rows decode step while
+    the command compiles its prompt's kernels, both reaching a shared callee) can both take
+    number 1: the index then pairs one signature with the other's code. Each save here holds an
+    exclusive ``flock`` on a ``numba-cache.lock`` file in the cache's folder while it runs
+    (POSIX; elsewhere Numba's own, unlocked saves)."""
+    try:
+        import fcntl
+
+        from numba.core import caching
+        cls = caching.IndexDataCacheFile
+    except (ImportError, AttributeError):
+        return
+    if not getattr(cls.save, "minillama_locked", False):
+        cls.save = _locked(cls.save, fcntl)
+
+
+def _locked(save, fcntl):
+    """``save(self, key, data)`` under an exclusive lock of ``self._cache_path``'s lock file."""
+    def locked_save(self, key, data):
+        with open(os.path.join(self._cache_path, "numba-cache.lock"), "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                return save(self, key, data)
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    locked_save.minillama_locked = True
+    return locked_save
+
+
 stamp_kernel_caches()
+lock_cache_writes()

@@ -175,3 +175,37 @@ def test_an_edit_in_a_subfolder_changes_the_stamp_and_recompiles(tmp_path):
     table.write_text("SCALE = 2  # an edit in another subfolder\n")
     assert _cache._stamper(_cache._sources(str(root)), str(root))() != before
     assert run() == (0, 1)  # the stamp changed: compiled again
+
+
+def test_cache_writes_exclude_each_other(tmp_path):
+    """Numba's saves of the kernels' cache hold an exclusive lock of the cache's folder: two
+    writers (threads here; processes alike) never save at once, so neither pairs its signature
+    with the other's data file."""
+    fcntl = pytest.importorskip("fcntl", reason="POSIX file locks")
+    import threading
+    import time
+
+    from numba.core import caching
+
+    from minillama.backends.numba import _cache
+
+    assert caching.IndexDataCacheFile.save.minillama_locked  # installed with the kernels
+    inside, most = [0], [0]
+
+    def save(self, key, data):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.02)  # room for the other writer to come in, were it not locked out
+        inside[0] -= 1
+
+    class Index:
+        _cache_path = str(tmp_path)
+
+    locked = _cache._locked(save, fcntl)
+    writers = [threading.Thread(target=lambda: [locked(Index(), k, None) for k in range(5)])
+               for _ in range(3)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    assert most[0] == 1 and (tmp_path / "numba-cache.lock").exists()
