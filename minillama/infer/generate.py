@@ -158,7 +158,7 @@ def _greedy_decoder(model, cache_len: int, stop, speculate: bool, cache, cached:
         src = draft if isinstance(draft, DraftModel) else DraftModel(draft)
         if src.decoder is None or src.decoder.S < cache_len:
             d = draft_decoder(src.model, cache_len)
-            src.decoder, src.held = getattr(d, "own_tuners", lambda: d)(), []
+            src.decoder, src.last = getattr(d, "own_tuners", lambda: d)(), None
         dec.draft_source = src
     return dec
 
