@@ -26,7 +26,7 @@ ABILITIES = ("supports_float64", "attention_precision", "num_threads", "adamw_up
              "exact_products", "decode_threads", "decode_step", "prompt_rows_invariant",
              "greedy_steps", "greedy_decoder", "decode_rows", "speculation_exact",
              "verification_ready",
-             "watch_compiles", "invariance", "threads",
+             "watch_compiles", "invariance", "threads", "half_kv_cache",
              "attention_forward_packed", "attention_backward_packed")
 
 
@@ -130,6 +130,10 @@ class ReferenceBackend:
         path (numba: GGML block weights times activations rounded to 8 bits); the training
         forward and the identities run in it. The reference's products are exact: a no-op."""
         return contextlib.nullcontext()
+
+    #: whether a model's KV cache may store float16 (``--kv-cache f16``): the model widens what
+    #: the cache returns before attention, so every op here sees float32
+    half_kv_cache = True
 
     #: the bitwise identities of :mod:`minillama.identities.invariance` this backend keeps
     #: ("batch", "prefix_cache", "threads", "prefill_decode"): none here, whose NumPy products

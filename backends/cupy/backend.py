@@ -66,6 +66,8 @@ class CupyBackend(AttentionOps, RowOps, ReferenceBackend):
     #: accuracy); "tf32": one TF32 product (faster, about 1e-3 relative). From
     #: MINILLAMA_CUDA_ATTENTION when set.
     attention_precision = "fp32"
+    #: float32 caches only: the CUDA-graph decoder writes float32 rows into the cache arrays
+    half_kv_cache = False
 
     def __init__(self) -> None:  # documented on the class
         super().__init__()

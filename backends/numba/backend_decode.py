@@ -178,17 +178,24 @@ class DecodePlans:
 
     def _cache_lists(self, cache, dt):
         """The cache's per-layer K and V arrays as typed lists (built once per cache), or None
-        when they are not C-contiguous writeable NumPy arrays of the model dtype."""
+        when they are not C-contiguous writeable NumPy arrays of the model dtype or, for a
+        float32 model, half-precision ones (passed as their uint16 bits, which the kernels
+        convert: :mod:`.floats.half`)."""
         got = self._cache_plans.get(cache)
         if got is not None and all(map(operator.is_, got[2], cache.k + cache.v)):
             return got[:2]
         arrays = list(cache.k) + list(cache.v)
+        kinds = (dt, np.float16) if dt == np.float32 else (dt,)
         for a in arrays:
-            if not (isinstance(a, np.ndarray) and a.dtype == dt and a.flags.c_contiguous
-                    and a.flags.writeable):
+            if not (isinstance(a, np.ndarray) and a.dtype in kinds and a.flags.c_contiguous
+                    and a.flags.writeable and a.dtype == arrays[0].dtype):
                 return None
         lst = self._numba.typed.List
-        got = (lst(cache.k), lst(cache.v), arrays)
+
+        def bits(a):
+            return a.view(np.uint16) if a.dtype == np.float16 else a
+
+        got = (lst(map(bits, cache.k)), lst(map(bits, cache.v)), arrays)
         self._cache_plans[cache] = got
         return got[:2]
 
@@ -215,6 +222,8 @@ class DraftSteps:
         from . import rows_compile
 
         kind = "quant" if plan.get("quant") else np.dtype(model.dtype).name
+        if np.dtype(getattr(model, "kv_dtype", model.dtype)) == np.float16:
+            kind += "-f16"
         state = self.__dict__.setdefault("_rows_compiled", {})
         st = state.get(kind)
         if isinstance(st, bool):

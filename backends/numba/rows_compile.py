@@ -27,14 +27,16 @@ from numba.typed import List
 from .decode import float_step, quant_step
 from .quant import matmul as q
 
-#: the kernels of several rows: GGML block weights, float32 weights, float64 weights
-KINDS = ("quant", "float32", "float64")
+#: the kernels of several rows: GGML block weights, float32 weights, float64 weights; "-f16":
+#: with a half-precision KV cache
+KINDS = ("quant", "float32", "float64", "quant-f16", "float32-f16")
 
 
 def scratch_args(kind: str):
     """(the kernel of several rows of ``kind``, arguments of the types a real call passes)."""
     i64 = np.zeros(1, dtype=np.int64)
     rows = (i64, i64.copy(), i64.copy())  # tok, pos, seq
+    kind, half = kind.removesuffix("-f16"), kind.endswith("-f16")
     if kind == "quant":
         def f32(*shape):
             return np.zeros(shape, dtype=np.float32)
@@ -44,14 +46,15 @@ def scratch_args(kind: str):
             a.flags.writeable = False
             return a
 
-        gains, mats, cache = List([f32(1)]), List([u8()]), List([f32(1, 1, 1, 1)])
+        cache = List([np.zeros((1, 1, 1, 1), np.uint16 if half else np.float32)])
+        gains, mats = List([f32(1)]), List([u8()])
         args = (*rows, u8(), 0, f32(1, 1), u8(), 0, f32(1, 1), np.zeros((1, 7), np.int64),
                 f32(1), gains, mats, mats, mats, mats, gains, mats, mats, mats, cache, cache,
                 f32(1, 1), f32(1, 1), 1e-5, 1, f32(1, 1), 1, q._F16, q._KVALUES, True)
         return quant_step.decode_step_rows_q_kernel, args
     dt = np.dtype(kind)
     vec, mat = List([np.zeros(1, dt)]), List([np.zeros((1, 1), dt)])
-    cache = List([np.zeros((1, 1, 1, 1), dt)])
+    cache = List([np.zeros((1, 1, 1, 1), np.uint16 if half else dt)])
     args = (*rows, np.zeros((1, 1), dt), np.zeros((1, 1), dt), np.zeros(1, dt), vec, mat, mat,
             mat, mat, vec, mat, mat, mat, cache, cache, np.zeros((1, 1), dt),
             np.zeros((1, 1), dt), 1e-5, 1, dt.type(0), np.zeros((1, 1), dt), 1,

@@ -18,6 +18,7 @@ from minillama.cli.common import (
     add_model_flags,
     add_sampling_flags,
     add_speculate_flag,
+    apply_kv_cache,
     backend_line,
     load_draft,
     sampling_params,
@@ -101,6 +102,7 @@ def _open_session(args):
                                getattr(args, "adapter", None), args.tokenizer)
     if tok is None:
         raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer ({TOKENIZER_KINDS})")
+    apply_kv_cache(args, model)
     session = ChatSession(model, tok, system=args.system, max_new_tokens=args.max_new_tokens,
                           context=args.context, params=params)
     session.speculate = args.speculate

@@ -15,6 +15,7 @@ from minillama.core.sampling import SamplingParams
 from minillama.infer.generate import draft_decoder, warm_up
 from minillama.io.load import DEFAULT_CHECKPOINT, open_model
 from minillama.io.tokenizer import TOKENIZER_KINDS
+from minillama.model.kvcache import KV_CACHE_TYPES
 
 
 def positive_int(text: str) -> int:
@@ -51,9 +52,10 @@ def add_model_flags(p, *, checkpoint_required: bool = False, checkpoint_help: st
                             "into the weights on loading")
 
 
-def add_backend_flag(p, *, dtype: bool = False, task: str = "decode") -> None:
+def add_backend_flag(p, *, dtype: bool = False, task: str = "decode", cache: bool = True) -> None:
     """``--backend`` (one backend name or auto; ``task``: what auto is chosen for, see
-    :func:`~minillama.backends.backend_help`), and ``--dtype`` with ``dtype``."""
+    :func:`~minillama.backends.backend_help`), with ``--exact`` and (``cache``: a command that
+    decodes on a KV cache) ``--kv-cache`` for decoding, and ``--dtype`` with ``dtype``."""
     p.add_argument("--backend", default=None, help=backend_help(task))
     if task == "decode":
         p.add_argument("--exact", action="store_true",
@@ -61,9 +63,22 @@ def add_backend_flag(p, *, dtype: bool = False, task: str = "decode") -> None:
                             "float32 instead of being rounded to 8-bit blocks as llama.cpp does; "
                             "slower, and on near-ties other tokens (the same as "
                             "MINILLAMA_QUANT_DOTS=float)")
+    if task == "decode" and cache:
+        p.add_argument("--kv-cache", default="auto", choices=KV_CACHE_TYPES,
+                       help="the KV cache's storage: f16 halves its memory and the bytes a decode "
+                            "step reads at long contexts, f32 keeps the compute precision; auto "
+                            "(default): f16 for GGML block weights (whose 8-bit activations "
+                            "already round far coarser), f32 for float weights")
     if dtype:
         p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                        help=f"{DTYPE_HELP} (default {COMPUTE_DTYPES[0]})")
+
+
+def apply_kv_cache(args, model) -> None:
+    """``--kv-cache`` on ``model`` (its caches' storage, :attr:`Transformer.kv_dtype`), refused
+    in one line where the backend or the dtype cannot keep it."""
+    model.kv_cache = getattr(args, "kv_cache", "auto")
+    model.kv_dtype  # noqa: B018  (checked now: a clear error before any work)
 
 
 def add_speculate_flag(p) -> None:
@@ -102,6 +117,7 @@ def load_draft(args, model, tok, params: SamplingParams):
                              "for this model (numba does, on float weights and on GGML blocks "
                              "with 8-bit products, so not with --exact)")
     draft, dtok, _ = open_model(path, model.backend, args.dtype)
+    apply_kv_cache(args, draft)
     same = draft.cfg.vocab_size == model.cfg.vocab_size
     if same and tok is not None and dtok is not None:
         same = (getattr(tok, "bos_id", None), getattr(tok, "eos_id", None)) == \

@@ -17,6 +17,7 @@ from minillama.cli.common import (
     add_model_flags,
     add_sampling_flags,
     add_speculate_flag,
+    apply_kv_cache,
     backend_line,
     load_draft,
     sampling_params,
@@ -157,6 +158,7 @@ def _load_for_cli(args):
         checkpoint = Path(args.checkpoint)
     model, tok, fmt = open_model(checkpoint, args.backend, args.dtype,
                                  getattr(args, "adapter", None), args.tokenizer)
+    apply_kv_cache(args, model)
     return model, tok, checkpoint, fmt, graph_mode
 
 
@@ -194,6 +196,10 @@ def _cli_prompt(args, tok, cfg, checkpoint, fmt) -> tuple[list[int], set[int]]:
     return prompt_ids, stop
 
 
+#: the speed line's names of the KV cache's storage
+_KV_NAMES = {"float16": "f16", "float32": "f32", "float64": "f64"}
+
+
 def _print_stats(stats: GenerationStats, model, graphed: bool) -> None:
     """The prefill and decode speeds and the KV cache's size, on stderr."""
     kib = stats.cache_bytes / 1024
@@ -202,7 +208,8 @@ def _print_stats(stats: GenerationStats, model, graphed: bool) -> None:
           f"({stats.prefill_tokens_per_s:.1f} tok/s); decode: {max(stats.new_tokens - 1, 0)} "
           f"tokens in {stats.decode_s * 1e3:.1f} ms ({stats.decode_tokens_per_s:.1f} tok/s); "
           f"KV cache: {kib:.1f} KiB (2 x L={L} x B={B} x S={S} x KVH={KVH} x hd={hd} x "
-          f"{model.dtype.itemsize} B); {backend_line(model.backend)}"
+          f"{model.kv_dtype.itemsize} B, {_KV_NAMES[model.kv_dtype.name]}); "
+          f"{backend_line(model.backend)}"
           f"{'; ' + stats.drafts_taken if stats.drafted else ''}"
           f"{', one CUDA graph per decode step' if graphed else ''}", file=sys.stderr)
 

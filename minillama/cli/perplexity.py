@@ -37,7 +37,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
                    help="replace each chunk's first token by BOS (auto: as the tokenizer's "
                         "model does)")
-    add_backend_flag(p)
+    add_backend_flag(p, cache=False)  # a forward per chunk, no KV cache
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.set_defaults(func=run_perplexity)
 

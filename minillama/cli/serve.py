@@ -18,6 +18,7 @@ from minillama.cli.common import (
     add_backend_flag,
     add_model_flags,
     add_speculate_flag,
+    apply_kv_cache,
     positive_int,
 )
 from minillama.core.errors import MinillamaError
@@ -88,6 +89,7 @@ def load_engine(args):
     checkpoint = Path(args.checkpoint) if args.checkpoint else DEFAULT_CHECKPOINT
     fmt = detect_format(checkpoint)
     model, model_tok = load_model(checkpoint, backend=args.backend, dtype=args.dtype)
+    apply_kv_cache(args, model)
     tok = resolve_tokenizer(args.tokenizer, model_tok, model.cfg, checkpoint, fmt)
     if tok is None:
         raise MinillamaError(f"{checkpoint} has no tokenizer; pass --tokenizer ({TOKENIZER_KINDS})")

@@ -7,12 +7,41 @@ import numpy as np
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
 
+#: the choices of the cache's storage (``--kv-cache``): "f32" the model's compute dtype, "f16"
+#: IEEE half precision, "auto" half where the model's products are block-quantized
+KV_CACHE_TYPES = ("auto", "f32", "f16")
+
+
+def kv_storage_dtype(kind: str, dtype, blocks: bool, backend) -> np.dtype:
+    r"""The dtype a KV cache stores K and V in: ``dtype`` (the compute precision) for "f32", or
+    float16 for "f16" and for "auto" on a model whose layers hold GGML block weights (``blocks``),
+    on a float32 model and a backend that keeps half caches (``backend.half_kv_cache``).
+
+    A half keeps 11 significant bits, a relative rounding of at most 2^{-11} per entry of K and V,
+    and reads half the bytes of float32, which is what a decode step at a long context spends
+    its time on. Block-quantized products already round their activations to 8-bit blocks (a
+    relative step of up to 2^{-7} of each block's largest entry), far coarser, so "auto" takes
+    half there; float weights keep float32 K and V, as the exact math they are compared with.
+    """
+    if kind not in KV_CACHE_TYPES:
+        raise MinillamaError(f"KV cache type must be one of {', '.join(KV_CACHE_TYPES)}, "
+                             f"got {kind!r}")
+    half_ok = np.dtype(dtype) == np.float32 and getattr(backend, "half_kv_cache", False)
+    if kind == "f16" and not half_ok:
+        raise MinillamaError(f"a float16 KV cache needs a float32 model on a backend that keeps "
+                             f"one (numba, numpy, reference), not {np.dtype(dtype).name} on "
+                             f"{getattr(backend, 'name', backend)}")
+    if kind == "f16" or (kind == "auto" and blocks and half_ok):
+        return np.dtype(np.float16)
+    return np.dtype(dtype)
+
 
 class KVCache:
     r"""Per-layer K and V buffers of shape (B, S_max, KVH, hd), preallocated once.
 
     Only the KVH key/value heads are stored, never the H repeated query-head copies, so GQA and MQA
-    shrink the cache by H / KVH. Its size is
+    shrink the cache by H / KVH; ``dtype`` float16 halves it again (:func:`kv_storage_dtype`;
+    the writes round to the nearest half, the reads widen back). Its size is
 
         bytes = 2 \cdot L \cdot B \cdot S_{max} \cdot KVH \cdot hd \cdot itemsize.
 

@@ -48,8 +48,9 @@ from minillama.core.config import ModelConfig, param_shapes
 from minillama.core.errors import MinillamaError
 from minillama.core.notes_ops import sinusoidal_positions
 from minillama.core.ops import rope_tables
+from minillama.core.quant import QuantMatrix
 from minillama.model import packing, recompute
-from minillama.model.kvcache import KVCache
+from minillama.model.kvcache import KVCache, kv_storage_dtype
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,6 +177,8 @@ class Transformer:
         #: LoRA adapters (:class:`minillama.model.lora.LoRA`): when set, the targeted linears add
         #: their adapter and :meth:`loss_and_grads` returns the adapters' gradients only
         self.lora = None
+        #: the KV caches' storage: "auto", "f32" or "f16" (:attr:`kv_dtype`)
+        self.kv_cache = "auto"
         #: gradient checkpointing; the packed rows of a call given ``segments`` (while it runs)
         self.recompute, self.segments = False, None
         if cfg.pos_encoding == "rope":
@@ -190,9 +193,18 @@ class Transformer:
         key = "tok_embeddings.weight" if self.cfg.tie_embeddings else "output.weight"
         return self.params[key]
 
+    @property
+    def kv_dtype(self) -> np.dtype:
+        """The dtype its KV caches store K and V in, by :attr:`kv_cache` ("auto", "f32" or
+        "f16"; :func:`~minillama.model.kvcache.kv_storage_dtype`)."""
+        blocks = any(isinstance(v, QuantMatrix) for k, v in self.params.items()
+                     if k.startswith("layers."))
+        return kv_storage_dtype(self.kv_cache, self.dtype, blocks, self.backend)
+
     def new_cache(self, batch_size: int, max_seq_len: int | None = None) -> KVCache:
-        """An empty KV cache for this model on its backend."""
-        return KVCache(self.cfg, batch_size, max_seq_len, dtype=self.dtype, xp=self.backend.xp)
+        """An empty KV cache for this model on its backend, of :attr:`kv_dtype`."""
+        return KVCache(self.cfg, batch_size, max_seq_len, dtype=self.kv_dtype,
+                       xp=self.backend.xp)
 
     # ========================================================================================
     # the inputs: token and target arrays, positions in the context and the RoPE rows at them
@@ -416,6 +428,8 @@ class Transformer:
         if cache is not None:
             k, v = cache.update(layer, k, v, start_pos)  # (B, S, KVH, hd)
             k, v, start_pos = self._window_keys(k, v, start_pos)
+            if k.dtype != q.dtype:  # a half cache: K, V widened back (exact)
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
         att_forward, att_backward = self._attention_ops(k.shape[1])
         a, c_att = att_forward(q, k, v, start_pos)
         o, c_o = self._proj(pre, "attention.wo", a.reshape(B, T, H * hd))

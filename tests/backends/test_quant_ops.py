@@ -119,6 +119,7 @@ def test_model_logits_and_grads_match_the_dequantized_model(cfg, qtype, backend,
     quant, floats = quantized_params(init_params(cfg, seed=3), qtype, np.random.default_rng(4),
                                      scale)
     mq = Transformer(cfg, quant, backend=backend)
+    mq.kv_cache = "f32"  # the weights alone here (a half cache: tests/model/test_kvcache.py)
     mf = Transformer(cfg, floats, backend="reference")
     assert mq.dtype == np.float32
     assert all(mq.params[k] is quant[k] for k in quant if isinstance(quant[k], QuantMatrix))

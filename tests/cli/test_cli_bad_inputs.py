@@ -80,6 +80,8 @@ def _table(f):
         (["-c", str(f["binary"])], "not a recognised checkpoint"),
         (["-c", str(f["fifo"])], "not a regular file"),
         ([*ck, "-n", "x"], "invalid int value"),
+        ([*ck, "--kv-cache", "f8"], "invalid choice"),
+        ([*ck, "--kv-cache", "f16", "--dtype", "float64"], "a float16 KV cache needs a float32"),
         ([*ck, "-n", "-1"], "max-new-tokens"),
         ([*ck, "--temperature", "-1"], "temperature"),
         ([*ck, "--temperature", "nan"], "temperature"),

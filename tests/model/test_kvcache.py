@@ -114,3 +114,56 @@ def test_batched_ragged_decode_equals_each_alone(backend, cfg, data):
     batched = np.stack(rows, axis=1)  # (B, steps+1, V)
     for b in range(B):
         np.testing.assert_allclose(batched[b], alone[b], rtol=0, atol=1e-10)
+
+
+def test_the_storage_follows_the_kind_the_weights_and_the_backend():
+    """"auto" takes half precision for block-quantized float32 models on a backend that keeps
+    half caches and the compute dtype otherwise; "f16" where it cannot be kept is refused."""
+    from types import SimpleNamespace
+
+    from minillama.model.kvcache import kv_storage_dtype
+
+    half, none = (SimpleNamespace(name=n, half_kv_cache=h) for n, h in (("numba", True),
+                                                                       ("cupy", False)))
+    f16, f32, f64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+    for kind, dtype, blocks, be, want in [
+            ("auto", f32, True, half, f16), ("auto", f32, False, half, f32),
+            ("auto", f64, True, half, f64), ("auto", f32, True, none, f32),
+            ("f16", f32, False, half, f16), ("f32", f32, True, half, f32),
+            ("f32", f64, False, none, f64)]:
+        assert kv_storage_dtype(kind, dtype, blocks, be) == want, (kind, dtype, blocks, be)
+    for kind, dtype, be in [("f16", f64, half), ("f16", f32, none), ("bf16", f32, half)]:
+        with pytest.raises(MinillamaError):
+            kv_storage_dtype(kind, dtype, False, be)
+
+
+class _RoundingCache(KVCache):
+    """A float32 cache that rounds each written K/V row to half precision and back."""
+
+    def update(self, layer, k_new, v_new, start_pos):
+        half = [a.astype(np.float16).astype(np.float32) for a in (k_new, v_new)]
+        return super().update(layer, *half, start_pos)
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "numpy"])
+def test_a_half_cache_is_the_float32_math_on_k_and_v_rounded_to_half(backend_name):
+    """With ``kv_cache = "f16"`` the cache stores float16 (half the bytes) and a prefill and the
+    decode steps after it give, bit for bit, the logits of a float32 cache whose rows are
+    rounded to half as they are written: the model widens what it reads exactly and changes
+    nothing else."""
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=40,
+                      hidden_dim=48, max_seq_len=24)
+    m = _model(cfg, backend_name, np.float32, 3)
+    toks = np.random.default_rng(3).integers(0, cfg.vocab_size, (1, 12))
+    f32 = m.new_cache(1)
+    m.kv_cache = "f16"
+    half = m.new_cache(1)
+    assert half.k[0].dtype == np.float16 and half.nbytes * 2 == f32.nbytes
+    rounded = _RoundingCache(cfg, 1, dtype=np.float32)
+    for cache in (half, rounded):
+        rows = [m.forward(toks[:, :7], cache=cache)]
+        rows += [m.forward(toks[:, t:t + 1], start_pos=t, cache=cache) for t in range(7, 12)]
+        cache.logits = np.concatenate(rows, axis=1)
+    np.testing.assert_array_equal(half.logits, rounded.logits)
+    for a, r in zip(half.k + half.v, rounded.k + rounded.v):
+        np.testing.assert_array_equal(a.astype(np.float32), r)

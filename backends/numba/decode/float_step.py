@@ -44,6 +44,7 @@ from numba import njit, prange
 
 from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 from ..floats.fastmath import fexp
+from ..floats.half import kv_read, kv_write
 
 #: cache rows per span of the decode steps' attention (:func:`_attend_span`): the spans of a
 #: sequence at position p are rows [0, SPAN), [SPAN, 2 SPAN), ... whatever the thread count, so
@@ -84,7 +85,7 @@ def _attend_span(q, Kc, Vc, j0, j1, G, scale, sc, ml, o):  # pragma: no cover - 
                 qh = q[h * hd:(h + 1) * hd]  # a slice: its loop index needs no wraparound
                 s = o.dtype.type(0)
                 for d in range(hd):
-                    s += qh[d] * kr[d]
+                    s += qh[d] * kv_read(kr[d])
                 sc[h, j - j0] = s * scale
     o[:] = 0
     for h in range(H):
@@ -106,7 +107,7 @@ def _attend_span(q, Kc, Vc, j0, j1, G, scale, sc, ml, o):  # pragma: no cover - 
                 w = sc[h, j - j0]
                 oh = o[h * hd:(h + 1) * hd]
                 for d in range(hd):
-                    oh[d] += w * vr[d]
+                    oh[d] += w * kv_read(vr[d])
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline='always')
@@ -122,11 +123,11 @@ def _rope_store(r, a, c, d0, p, qd, kvd, hd, cos, sin, qkv, Kc, Vc):  # pragma: 
         qkv[0, r] = a
         qkv[0, r + 1] = c
     elif r < qd + kvd:
-        Kc[0, p, (r - qd) // hd, d0] = a
-        Kc[0, p, (r - qd) // hd, d0 + 1] = c
+        Kc[0, p, (r - qd) // hd, d0] = kv_write(Kc, a)
+        Kc[0, p, (r - qd) // hd, d0 + 1] = kv_write(Kc, c)
     else:
-        Vc[0, p, (r - qd - kvd) // hd, d0] = a
-        Vc[0, p, (r - qd - kvd) // hd, d0 + 1] = c
+        Vc[0, p, (r - qd - kvd) // hd, d0] = kv_write(Vc, a)
+        Vc[0, p, (r - qd - kvd) // hd, d0 + 1] = kv_write(Vc, c)
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline='always')

@@ -95,13 +95,17 @@ def test_quantized_decode_is_thread_invariant(mode, monkeypatch, numba_threads):
             np.testing.assert_array_equal(a, r)
 
 
+@pytest.mark.parametrize("kv", ["auto", "f32"])
 def test_quantized_batched_step_equals_each_row_alone_on_any_thread_count(monkeypatch,
-                                                                          numba_threads):
+                                                                          numba_threads, kv):
     """The step of several sequences on GGML blocks (continuous batching) gives each row the
     logits and K/V the one-sequence step gives it alone, bit for bit, though the batch runs on
-    2 parts and each row alone on 1 (the tuner picks each batch size's count on its own)."""
+    2 parts and each row alone on 1 (the tuner picks each batch size's count on its own); with
+    the default half cache and a float32 one."""
     monkeypatch.setenv("MINILLAMA_QUANT_DOTS", "int8")
     model = quant_model(("Q4_1", "Q8_0"), seed=9, max_seq_len=S)
+    model.kv_cache = kv
+    assert model.kv_dtype == (np.float16 if kv == "auto" else np.float32)
     rng = np.random.default_rng(10)
     base = _prefilled(model, rng, LENS)
     B, V = len(LENS), model.cfg.vocab_size
@@ -137,14 +141,16 @@ def test_float_decode_step_is_thread_invariant(numba_threads):
     np.testing.assert_array_equal(runs[1], runs[0])
 
 
-def test_float_batched_step_equals_each_row_alone_on_any_thread_count(numba_threads):
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_float_batched_step_equals_each_row_alone_on_any_thread_count(numba_threads, kv):
     """The step of several sequences of a float32 model gives each row the logits and K/V rows
     the one-sequence step gives it alone, bit for bit, the batch on 2 parts and each row alone
-    on 1, at positions that cross several attention spans."""
+    on 1, at positions that cross several attention spans; with a float32 and a half cache."""
     cfg = ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=71,
                       hidden_dim=256, multiple_of=64, max_seq_len=S)
     model = Transformer(cfg, init_params(cfg, seed=15, dtype=np.float32), backend="numba",
                         dtype=np.float32)
+    model.kv_cache = kv
     rng = np.random.default_rng(16)
     base = _prefilled(model, rng, LENS)
     B, V = len(LENS), cfg.vocab_size

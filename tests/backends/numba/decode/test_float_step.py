@@ -257,6 +257,35 @@ def test_single_sequence_kernel_matches_reference_and_batched_kernel(calls, kvh,
     assert calls["calls"] == 4  # three steps, and the one-token prompt of n = 1
 
 
+def test_half_cache_step_matches_reference(calls):
+    """A float16 KV cache (``kv_cache = "f16"``): from the same cached rows the fused step (which
+    reads them as half bits and rounds its new row to half in the kernel) and the reference's
+    per-op step (NumPy's float16 casts) give the same logits and new rows within the error
+    model: the new K/V entries are the same float32 numbers up to the order of their sums (2e-5
+    relative, as the float32 tests), each then rounded to half, so an entry may land one half
+    step (2^-11 of its row's scale) apart, and a logit moves by about that relative amount."""
+    ref, fast = _pair()
+    ref.kv_cache = fast.kv_cache = "f16"
+    S = ref.cfg.max_seq_len
+    for n in (1, 7, S - 1):
+        prompt = np.random.default_rng(n).integers(0, 61, (1, n))
+        c_fast, c_ref = fast.new_cache(1, S), ref.new_cache(1, S)
+        assert c_fast.k[0].dtype == np.float16
+        fast.forward(prompt, cache=c_fast)
+        for a, b in zip(c_ref.k + c_ref.v, c_fast.k + c_fast.v):
+            a[...] = b  # the same cached rows
+        tok = np.array([[n % 61]])
+        before = calls["calls"]
+        want = ref.forward(tok, start_pos=n, cache=c_ref, last_only=True)
+        got = fast.forward(tok, start_pos=n, cache=c_fast, last_only=True)
+        assert calls["calls"] == before + 1
+        np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -11 * np.abs(want).max())
+        for a, b in zip(c_ref.k + c_ref.v, c_fast.k + c_fast.v):
+            x, y = a[0, n].astype(np.float32), b[0, n].astype(np.float32)
+            np.testing.assert_allclose(y, x, rtol=0, atol=2.0 ** -10 * np.abs(x).max())
+            np.testing.assert_array_equal(b[0, :n], a[0, :n])  # the cached rows untouched
+
+
 @pytest.mark.parametrize("prompt_len", [1, 5])
 def test_greedy_decoder_many_steps_per_call_equals_the_eager_loop(calls, prompt_len):
     """Greedy decoding of one sequence runs several steps per compiled call (GreedyDecoder);

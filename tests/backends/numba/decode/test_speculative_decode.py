@@ -126,6 +126,7 @@ def test_the_worker_compiles_the_kernel_a_real_call_takes(make, monkeypatch):
     be = _numba()
     model = make(Subject(be, np.float32), 3)
     kind = "float32" if make is float_model else "quant"
+    kind += "-f16" if model.kv_dtype == np.float16 else ""  # the default for blocks
     dispatcher, scratch = rows_compile.scratch_args(kind)
     seen = []
     monkeypatch.setattr(be, "_rows", lambda plan, tok, pos, seq, kc, vc, logits, tuner=None:

@@ -325,6 +325,7 @@ def test_backend_fused_decode_with_quantized_linears(rng, monkeypatch):
     for name, w in quant.items():
         if name != "tok_embeddings.weight":
             fast.params[name] = w  # the blocks themselves (the loader keeps files so)
+    fast.kv_cache = "f32"  # as the reference's (a half cache: decode/test_quant_step.py)
     calls = {"n": 0, "rows": 0}
     kernel, rows_kernel = qdecode.decode_step_one_q, qdecode.decode_step_rows_q
 
