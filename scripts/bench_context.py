@@ -8,8 +8,8 @@ on a small model the cache is soon most of the bytes (SmolLM2-135M: 30 layers x 
 the weights near 1,000 positions). ``--kv-cache f16`` halves it. For each round, in turn:
 minillama with each cache (a fresh process: the prompt of d random ids prefilled, then
 ``--tokens`` greedy steps timed, the deeper depths continuing the same cache) and llama-bench
-``-d`` with its cache of the same type (``-ctk/-ctv f32`` or ``f16``, its other defaults).
-Prints tokens/s (medians over the rounds) and minillama over llama-bench per cache type.
+``-d`` (its default F16 cache; llama-bench takes no F32 cache type). Prints tokens/s (medians
+over the rounds) and each minillama cache over llama-bench.
 
     python -m scripts.bench_context --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf \\
         --depths 0,4096,8000 --tokens 64 --rounds 3 --threads 2 --peer BIN/llama-bench
@@ -80,10 +80,9 @@ def run_minillama(cache: str, args) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])["tg"]
 
 
-def run_peer(cache: str, args) -> dict:
+def run_peer(args) -> dict:
     cmd = [args.peer, "-m", args.checkpoint, "-p", "0", "-n", str(args.tokens), "-d",
-           args.depths, "-t", str(args.threads), "-r", "1", "-ctk", cache, "-ctv", cache,
-           "-o", "json"]
+           args.depths, "-t", str(args.threads), "-r", "1", "-o", "json"]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         sys.exit(f"bench_context: llama-bench failed: {r.stderr.strip()[-400:]}")
@@ -95,26 +94,23 @@ def main(argv=None) -> int:
     if args.child:
         child(args)
         return 0
-    runs = {(who, c): [] for who in ("minillama", "llama-bench") for c in CACHES}
+    runs = {who: [] for who in (*CACHES, "llama-bench")}
     for r in range(args.rounds):
         for c in CACHES:
-            runs["minillama", c].append(run_minillama(c, args))
-            if args.peer:
-                runs["llama-bench", c].append(run_peer(c, args))
+            runs[c].append(run_minillama(c, args))
+        if args.peer:
+            runs["llama-bench"].append(run_peer(args))
         print(f"# round {r + 1}/{args.rounds} done", file=sys.stderr)
-    depths = sorted(int(d) for d in args.depths.split(","))
-    head = "| depth | " + " | ".join(f"minillama {c} | llama-bench {c} | ratio {c}"
-                                       if args.peer else f"minillama {c}" for c in CACHES)
-    print(head + " |")
-    print("|" + "---|" * (1 + len(CACHES) * (3 if args.peer else 1)))
-    for d in depths:
-        cells = []
-        for c in CACHES:
-            mine = statistics.median(x[str(d)] for x in runs["minillama", c])
-            cells.append(f"{mine:.1f}")
-            if args.peer:
-                peer = statistics.median(x[str(d)] for x in runs["llama-bench", c])
-                cells += [f"{peer:.1f}", f"{mine / peer:.2f}"]
+    cols = [*CACHES, "llama-bench"] if args.peer else list(CACHES)
+    print("| depth | " + " | ".join(f"minillama {c}" if c in CACHES else "llama-bench (f16)"
+                                     for c in cols)
+          + (" | f32 / llama-bench | f16 / llama-bench |" if args.peer else " |"))
+    print("|" + "---|" * (1 + len(cols) + (2 if args.peer else 0)))
+    for d in sorted(int(d) for d in args.depths.split(",")):
+        med = {c: statistics.median(x[str(d)] for x in runs[c]) for c in cols}
+        cells = [f"{med[c]:.1f}" for c in cols]
+        if args.peer:
+            cells += [f"{med[c] / med['llama-bench']:.2f}" for c in CACHES]
         print(f"| {d} | " + " | ".join(cells) + " |")
     return 0
 

@@ -143,7 +143,8 @@ def run_cli(args) -> int:
     host, port = sock.getsockname()[:2]
     print(f"minillama: serving {name!r} on http://{host}:{port} (backend "
           f"{engine.model.backend.name}, {engine.max_batch} slots of {engine.S} positions, "
-          f"queue {engine.max_queue}, KV cache {engine.cache.nbytes / 2**20:.1f} MiB)",
+          f"queue {engine.max_queue}, KV cache {engine.cache.nbytes / 2**20:.1f} MiB "
+          f"{engine.cache.k[0].dtype.name})",
           file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
     draining_server(config, app.state.drain).run(sockets=[sock])
