@@ -62,22 +62,26 @@ def add_backend_flag(p, *, dtype: bool = False, task: str = "decode", cache: boo
                        help="float32 products with quantized weights (numba): activations stay "
                             "float32 instead of being rounded to 8-bit blocks as llama.cpp does; "
                             "slower, and on near-ties other tokens (the same as "
-                            "MINILLAMA_QUANT_DOTS=float)")
+                            "MINILLAMA_QUANT_DOTS=float)"
+                            + ("; the KV cache float32 too unless --kv-cache says otherwise"
+                               if cache else ""))
     if task == "decode" and cache:
         p.add_argument("--kv-cache", default="auto", choices=KV_CACHE_TYPES,
                        help="the KV cache's storage: f16 halves its memory and the bytes a decode "
                             "step reads at long contexts, f32 keeps the compute precision; auto "
                             "(default): f16 for GGML block weights (whose 8-bit activations "
-                            "already round far coarser), f32 for float weights")
+                            "already round far coarser), f32 for float weights and with --exact")
     if dtype:
         p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                        help=f"{DTYPE_HELP} (default {COMPUTE_DTYPES[0]})")
 
 
 def apply_kv_cache(args, model) -> None:
-    """``--kv-cache`` on ``model`` (its caches' storage, :attr:`Transformer.kv_dtype`), refused
-    in one line where the backend or the dtype cannot keep it."""
-    model.kv_cache = getattr(args, "kv_cache", "auto")
+    """``--kv-cache`` on ``model`` (its caches' storage, :attr:`Transformer.kv_dtype`; "auto"
+    with ``--exact`` is float32, the float model's math), refused in one line where the backend
+    or the dtype cannot keep it."""
+    kind = getattr(args, "kv_cache", "auto")
+    model.kv_cache = "f32" if kind == "auto" and getattr(args, "exact", False) else kind
     model.kv_dtype  # noqa: B018  (checked now: a clear error before any work)
 
 

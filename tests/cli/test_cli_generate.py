@@ -196,3 +196,26 @@ def test_stop_text_cuts_the_output_where_it_first_appears(byte_ckpt, capsys):
     assert main(args + ["--stop", stop, "--stop", "\x00never"]) == 0
     want = "To be" + cont[:cont.index(stop)]
     assert capsys.readouterr().out.rstrip("\n") == want.rstrip("\n")
+
+
+def test_the_speed_line_names_the_kv_cache_the_flags_choose(tmp_path, capsys):
+    """``--kv-cache``: by default half precision on GGML block weights (float32 with ``--exact``)
+    and float32 on float weights; either on request. The speed line gives the bytes per entry
+    and the type, and the cache's size follows them."""
+    pytest.importorskip("gguf")
+    shipped = "minillama/weights/shakespeare.safetensors"
+    q8 = tmp_path / "q8.gguf"
+    assert main(["quantize", shipped, str(q8), "--type", "Q8_0"]) == 0
+    capsys.readouterr()
+    sizes = {}
+    for ckpt, flags, want in [(q8, [], "2 B, f16"), (q8, ["--kv-cache", "f32"], "4 B, f32"),
+                              (q8, ["--exact"], "4 B, f32"),
+                              (q8, ["--exact", "--kv-cache", "f16"], "2 B, f16"),
+                              (shipped, [], "4 B, f32"),
+                              (shipped, ["--kv-cache", "f16"], "2 B, f16")]:
+        assert main(["generate", "-c", str(ckpt), "--prompt", "To be", "-n", "4",
+                     "--temperature", "0", *flags]) == 0
+        err = capsys.readouterr().err
+        assert want in err, (ckpt, flags, err)
+        sizes[want[0]] = float(err.split("KV cache: ")[1].split(" KiB")[0])
+    assert sizes["2"] * 2 == sizes["4"]
