@@ -7,17 +7,21 @@ not for their sizes, and keys its disk cache on them and on the host's CPU. So a
 same kind as a real one, but tiny, run through the same warm-ups as the commands (loaded by the
 same loader: a GGUF file of block-quantized matrices and the float model that ships), compiles
 every kernel a real model of that kind needs: afterwards `generate`, `chat` and `serve` on, say,
-SmolLM2-135M-Instruct Q4_1 load their kernels from the cache (a test holds every kernel and
-signature the real model's commands compile to be among those compiled here). The GGML type
+SmolLM2-135M-Instruct Q4_1 load their kernels from the cache, with ``--exact`` too (a test
+holds every kernel and signature the real model's commands compile to be among those compiled
+here). The GGML type
 of each matrix is an argument of the kernels, not a type, so one file with a mix of block types
 covers them all.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 from minillama.backends import get_backend
 from minillama.core.config import ModelConfig
@@ -68,6 +72,24 @@ def warm_model(model) -> None:
         engine.close()
 
 
+def warm_exact(model) -> None:
+    """The steps of ``generate --exact`` and ``chat --exact`` on ``model``: float32 products
+    (``MINILLAMA_QUANT_DOTS=float``) and a float32 KV cache; the environment and the model's
+    cache setting as they were after it."""
+    before, kind = os.environ.get("MINILLAMA_QUANT_DOTS"), model.kv_cache
+    os.environ["MINILLAMA_QUANT_DOTS"], model.kv_cache = "float", "f32"
+    try:
+        _warm_steps(model, list(range(1, 40)), SamplingParams(temperature=0.0))
+        # a short prompt: products of few rows, on all threads past a size (a real model's head)
+        model.forward(np.arange(1, 9)[None], 0, model.new_cache(1, 16), last_only=True)
+    finally:
+        model.kv_cache = kind
+        if before is None:
+            os.environ.pop("MINILLAMA_QUANT_DOTS", None)
+        else:
+            os.environ["MINILLAMA_QUANT_DOTS"] = before
+
+
 def _warm_serving(model) -> None:
     warm_prefill(model)
     warm_verify(model)
@@ -90,6 +112,9 @@ def precompile(say=print) -> float:
             warm_model(model)
             say(f"numba: kernels of GGUF block-quantized models ready "
                 f"({time.perf_counter() - t:.1f} s)")
+            t = time.perf_counter()
+            warm_exact(model)
+            say(f"numba: their kernels with --exact ready ({time.perf_counter() - t:.1f} s)")
         t = time.perf_counter()
         cfg = tiny_quantized_config()
         warm_model(Transformer(cfg, init_params(cfg, seed=0), backend=backend))

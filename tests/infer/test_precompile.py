@@ -1,9 +1,10 @@
 """``minillama compile`` (:mod:`minillama.infer.precompile`) compiles, on its tiny models, every
 kernel and signature that ``generate --chat``, ``chat`` and ``serve``'s warm-up compile for the
 real SmolLM2-135M-Instruct (its Q4_1 GGUF file, and the same weights as a float32 Hugging Face
-folder): after it, their first answer loads its kernels from the disk cache instead of waiting
-for Numba. Each side runs in a fresh process on the same cache (an editable install has filled
-it already; else this test compiles it, a few minutes).
+folder), and ``generate --exact`` on the GGUF file: after it, their first answer loads its
+kernels from the disk cache instead of waiting for Numba. Each side runs in a fresh process on
+the same cache (an editable install has filled it already; else this test compiles it, a few
+minutes).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ for ckpt in (gguf, hf):
     run("chat", "-c", ckpt, "--tokenizer", gguf, "--temperature", "0", stdin="hi\\n")
     engine = load_engine(build_parser().parse_args(["serve", "-c", ckpt, "--tokenizer", gguf]))[0]
     engine.close()
+run("generate", "--chat", "-c", gguf, "--prompt", "hi", "-n", "4", "--temperature", "0",
+    "--exact")
 print("KERNELS" + json.dumps(kernels()))
 """
 
