@@ -7,16 +7,43 @@ rounding of NumPy's ``astype(np.float16)``, so a row the kernels write holds the
 path writes for the same value). Both are one LLVM conversion (``vcvtph2ps`` / ``vcvtps2ph`` where
 the CPU has F16C), which the loop vectoriser widens; on a cache of the compute dtype both are the
 identity, so one kernel source serves the float32, float64 and half caches.
+
+Where the target has no conversion instructions (x86 without F16C; :data:`NATIVE` False) LLVM
+would call the runtime's ``__extendhfsf2`` / ``__truncsfhf2``, which the JIT cannot always find:
+there the same conversions run as integer operations on the bits (:func:`half_to_float_bits`,
+:func:`float_to_half_bits`), equal bit for bit.
 """
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
-from llvmlite import ir
-from numba import types
+from llvmlite import binding, ir
+from numba import njit, types
+from numba.core import config
 from numba.extending import intrinsic, overload
 
 from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+
+
+def _native() -> bool:
+    """Whether the target Numba compiles for converts halves in instructions: x86 with F16C
+    (``NUMBA_CPU_FEATURES`` when set, else the host's), 64-bit ARM always."""
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return True
+    if machine not in ("x86_64", "amd64"):
+        return False
+    try:
+        feats = config.CPU_FEATURES or binding.get_host_cpu_features().flatten()
+    except Exception:  # no feature string: the integer conversions
+        return False
+    return "+f16c" in feats
+
+
+#: the conversions by instructions (else by integer operations on the bits)
+NATIVE = _native()
 
 
 @intrinsic
@@ -38,6 +65,63 @@ def _float_to_half(typingctx, x):
     return types.uint16(types.float32), codegen
 
 
+@intrinsic
+def _bits_to_float(typingctx, b):
+    """The float32 whose bits are the uint32 ``b``."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _float_to_bits(typingctx, x):
+    """The bits (uint32) of the float32 ``x``."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def half_to_float_bits(h):  # pragma: no cover - compiled
+    """:func:`_half_to_float` by integer operations: sign, exponent and fraction moved into
+    float32's fields (exponent bias 15 -> 127); a subnormal half m 2^-24 as that product (exact);
+    inf and NaN keep an all-ones exponent."""
+    u = np.uint32(h)
+    sign = (u & np.uint32(0x8000)) << np.uint32(16)
+    e = (u >> np.uint32(10)) & np.uint32(0x1F)
+    m = u & np.uint32(0x3FF)
+    if e == 0:
+        f = np.float32(m) * np.float32(2.0 ** -24)
+        return -f if sign else f
+    if e == 31:
+        return _bits_to_float(sign | np.uint32(0x7F800000) | (m << np.uint32(13)))
+    return _bits_to_float(sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def float_to_half_bits(x):  # pragma: no cover - compiled
+    """:func:`_float_to_half` by integer operations, rounding to nearest, ties to even: the
+    23-bit fraction cut to 10 bits with the carry running into the exponent (up to inf); below
+    2^-14 the subnormal half round(|x| 2^24); inf stays inf, NaN becomes a quiet NaN."""
+    u = _float_to_bits(np.float32(x))
+    sign = np.uint16((u >> np.uint32(16)) & np.uint32(0x8000))
+    a = u & np.uint32(0x7FFFFFFF)
+    if a >= np.uint32(0x7F800000):  # inf, NaN
+        return sign | np.uint16(0x7C00 if a == np.uint32(0x7F800000) else 0x7E00)
+    if a >= np.uint32(0x477FF000):  # from 65520 on: rounds to inf
+        return sign | np.uint16(0x7C00)
+    if a < np.uint32(0x38800000):  # below 2^-14: a subnormal half (or 0), 2^24 |x| rounded
+        return sign | np.uint16(np.rint(_bits_to_float(a) * np.float32(2.0 ** 24)))
+    r = ((a >> np.uint32(23)) - np.uint32(112)) << np.uint32(10) | ((a >> np.uint32(13))
+                                                                    & np.uint32(0x3FF))
+    rest = a & np.uint32(0x1FFF)
+    if rest > np.uint32(0x1000) or (rest == np.uint32(0x1000) and r & np.uint32(1)):
+        r += np.uint32(1)
+    return sign | np.uint16(r)
+
+
 def kv_read(x):
     """A cache entry as a number of the compute dtype: a half's bits widened, a float as it is."""
     return x
@@ -46,7 +130,7 @@ def kv_read(x):
 @overload(kv_read, inline="always")
 def _kv_read(x):
     if x == types.uint16:
-        return lambda x: _half_to_float(x)
+        return (lambda x: _half_to_float(x)) if NATIVE else (lambda x: half_to_float_bits(x))
     return lambda x: x
 
 
@@ -59,5 +143,7 @@ def kv_write(cache, x):
 @overload(kv_write, inline="always")
 def _kv_write(cache, x):
     if cache.dtype == types.uint16:
-        return lambda cache, x: _float_to_half(np.float32(x))
+        if NATIVE:
+            return lambda cache, x: _float_to_half(np.float32(x))
+        return lambda cache, x: float_to_half_bits(x)
     return lambda cache, x: x

@@ -1,6 +1,8 @@
 """The half-precision KV cache's conversions in the fused decode steps
 (backends/numba/floats/half.py) against NumPy's float16: every half widened, and float32 values
-rounded to the nearest half (ties to even, subnormals, overflow, NaN), bit for bit."""
+rounded to the nearest half (ties to even, subnormals, overflow, NaN), bit for bit, by the
+conversions this host's kernels take and by the integer ones of hosts without conversion
+instructions."""
 
 from __future__ import annotations
 
@@ -17,7 +19,12 @@ except MinillamaError as e:  # pragma: no cover - numba missing
 
 from numba import njit  # noqa: E402
 
-from minillama.backends.numba.floats.half import kv_read, kv_write  # noqa: E402
+from minillama.backends.numba.floats.half import (  # noqa: E402
+    float_to_half_bits,
+    half_to_float_bits,
+    kv_read,
+    kv_write,
+)
 
 
 @njit(cache=False)
@@ -32,34 +39,53 @@ def _round(x, cache):
         cache[i] = kv_write(cache, x[i])
 
 
-def test_every_half_widens_to_numpys_float32():
+@njit(cache=False)
+def _widen_bits(bits, out):
+    for i in range(bits.shape[0]):
+        out[i] = half_to_float_bits(bits[i])
+
+
+@njit(cache=False)
+def _round_bits(x, cache):
+    for i in range(x.shape[0]):
+        cache[i] = float_to_half_bits(x[i])
+
+
+PATHS = {"this host's": (_widen, _round), "integer": (_widen_bits, _round_bits)}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_half_widens_to_numpys_float32(path):
+    widen, _ = PATHS[path]
     bits = np.arange(1 << 16, dtype=np.uint16)
     got = np.empty(bits.shape, np.float32)
-    _widen(bits, got)
+    widen(bits, got)
     want = bits.view(np.float16).astype(np.float32)
     nan = np.isnan(want)
     np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
     assert np.isnan(got[nan]).all()
 
 
-def test_float32_rounds_to_numpys_nearest_half():
+@pytest.mark.parametrize("path", PATHS)
+def test_float32_rounds_to_numpys_nearest_half(path):
+    _, round_ = PATHS[path]
     rng = np.random.default_rng(0)
     halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
-    finite = halves[np.isfinite(halves)].astype(np.float32)
-    lo, hi = np.sort(finite)[:-1], np.sort(finite)[1:]
+    finite = np.sort(halves[np.isfinite(halves)].astype(np.float32))
+    lo, hi = finite[:-1], finite[1:]
+    ties = (lo + hi) / 2  # every tie between neighbouring halves (exact in float32)
     x = np.concatenate([
         rng.normal(0, 1, 100_000), rng.normal(0, 1e4, 10_000), rng.normal(0, 1e-5, 10_000),
-        (lo + hi) / 2,  # every tie between neighbouring halves (exact in float32)
-        np.nextafter((lo + hi) / 2, np.inf), finite,
+        ties, np.nextafter(ties, np.inf), np.nextafter(ties, -np.inf), finite,
         [0.0, -0.0, 65504, 65519.99, 65520, 1e9, -1e9, np.inf, -np.inf, 2.0 ** -25,
-         2.0 ** -24, 3 * 2.0 ** -26]]).astype(np.float32)
+         2.0 ** -24, 3 * 2.0 ** -26, 1e-45, -1e-45]]).astype(np.float32)
     got = np.empty(x.shape, np.uint16)
     with np.errstate(over="ignore"):
         want = x.astype(np.float16).view(np.uint16)
-    _round(x, got)
+    round_(x, got)
     np.testing.assert_array_equal(got, want)
     nan = np.empty(1, np.uint16)
-    _round(np.array([np.nan], np.float32), nan)
+    round_(np.array([np.nan], np.float32), nan)
     assert np.isnan(nan.view(np.float16)[0])
 
 
