@@ -1,5 +1,5 @@
 """The disk cache of the numba backend's kernels, keyed on all their sources at once, its writes
-locked across processes.
+locked across processes; and the CPU features the kernels compile for.
 
 Imported by every module of this folder and its subfolders that compiles kernels, before its
 first ``@njit`` (Numba picks a kernel's cache locator when the decorator runs); not by the
@@ -12,6 +12,23 @@ import contextlib
 import hashlib
 import os
 import sys
+
+
+def target_features() -> str:
+    """The CPU features the kernels compile for, as Numba decides them: ``NUMBA_CPU_FEATURES``
+    where set, else the host's ("" where LLVM cannot say): what the IR written by hand may
+    assume (VNNI and GFNI dots, AVX-512 permutes, half conversions; its cache is keyed on the
+    same)."""
+    from numba.core import config
+
+    if config.CPU_FEATURES is not None:
+        return config.CPU_FEATURES
+    try:
+        from llvmlite import binding
+
+        return binding.get_host_cpu_features().flatten()
+    except Exception:  # no feature string: the portable code
+        return ""
 
 
 def _sources(here: str) -> list[str] | None:

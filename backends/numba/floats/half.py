@@ -19,9 +19,8 @@ from __future__ import annotations
 import platform
 
 import numpy as np
-from llvmlite import binding, ir
+from llvmlite import ir
 from numba import njit, types
-from numba.core import config
 from numba.extending import intrinsic, overload
 
 from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
@@ -29,17 +28,13 @@ from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit
 
 def _native() -> bool:
     """Whether the target Numba compiles for converts halves in instructions: x86 with F16C
-    (``NUMBA_CPU_FEATURES`` when set, else the host's), 64-bit ARM always."""
+    (:func:`.._cache.target_features`), 64-bit ARM always."""
     machine = platform.machine().lower()
     if machine in ("aarch64", "arm64"):
         return True
     if machine not in ("x86_64", "amd64"):
         return False
-    try:
-        feats = config.CPU_FEATURES or binding.get_host_cpu_features().flatten()
-    except Exception:  # no feature string: the integer conversions
-        return False
-    return "+f16c" in feats
+    return "+f16c" in _cache.target_features()
 
 
 #: the conversions by instructions (else by integer operations on the bits)

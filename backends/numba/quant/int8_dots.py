@@ -55,15 +55,7 @@ from .unpack import (
     _vec,
 )
 
-
-def _host_features() -> str:
-    try:
-        return binding.get_host_cpu_features().flatten()
-    except Exception:  # no feature string: the portable code
-        return ""
-
-
-_FEATS = _host_features()
+_FEATS = _cache.target_features()
 #: unsigned-by-signed byte dots by ``vpdpbusd`` (zmm); else the portable IR
 VNNI = "+avx512vnni" in _FEATS and "+avx512bw" in _FEATS
 #: per-byte affine maps by ``vgf2p8affineqb`` (zmm) unpack nibbles in the VNNI build (else a

@@ -66,6 +66,11 @@ from .block_types import (
 
 _opts = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 
+#: whether 4-bit codes are looked up in AVX-512 tables (:data:`.unpack.LOOKUP`), as a plain
+#: global: a kernel's branch on it is pruned, so the branch naming a kernel that does not exist
+#: on other CPUs (``unpack.row_iq4_nl`` is None there) is never typed
+_LOOKUP = unpack.LOOKUP
+
 #: at most this many rows of x take the fused dot kernels; more rows dequantize tiles + GEMM
 GEMV_MAX_ROWS = 8
 #: rows of W per dequantized tile of the GEMM path
@@ -176,7 +181,7 @@ def _dot(qt, w, n, x, m, lut, kv, L):
     if qt == Q5_1:
         return unpack.row_q5_1(pw, px, K // 32)
     if qt == IQ4_NL:
-        if unpack.LOOKUP:
+        if _LOOKUP:  # a global constant: Numba prunes the branch whose kernel does not exist
             return unpack.row_iq4_nl(pw, px, K // 32)
         return _dot_iq4_nl(w, n, x, m, lut, kv, L)
     if qt == IQ4_XS:
@@ -227,8 +232,11 @@ def _dequant_row(qt, w, n, out, r, lut, kv):  # pragma: no cover - compiled
         unpack.deq_q5_0(pw, po, K // 32)
     elif qt == Q5_1:
         unpack.deq_q5_1(pw, po, K // 32)
-    elif qt == IQ4_NL and unpack.LOOKUP:
-        unpack.deq_iq4_nl(pw, po, K // 32)
+    elif qt == IQ4_NL:
+        if _LOOKUP:  # a global constant: Numba prunes the branch whose kernel does not exist
+            unpack.deq_iq4_nl(pw, po, K // 32)
+        else:
+            _dequant_row_loops(qt, w, n, out, r, lut, kv)
     elif qt == Q4_K:
         unpack.deq_q4_k(pw, po, K // 256)
     elif qt == Q5_K:

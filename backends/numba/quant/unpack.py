@@ -23,6 +23,9 @@ from numba.extending import intrinsic
 
 from minillama.core.quant import IQ4_GRID, QUANT_TYPES
 
+from .. import _cache
+from ..floats.half import NATIVE as NATIVE_HALF
+
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
 
@@ -46,7 +49,33 @@ def _load(builder, addr, off, t, align=1):
 
 
 def _half(builder, addr, off):
-    return builder.fpext(_load(builder, addr, off, ir.HalfType(), 1), _F32)
+    """The float16 at addr + off (a block's scale) as a float32: one ``fpext`` where the target
+    converts halves in instructions (:data:`..floats.half.NATIVE`), else integer operations on
+    its bits (:func:`_half_bits`)."""
+    if NATIVE_HALF:
+        return builder.fpext(_load(builder, addr, off, ir.HalfType(), 1), _F32)
+    return _half_bits(builder, builder.zext(_load(builder, addr, off, ir.IntType(16), 1), _I32))
+
+
+def _half_bits(builder, h):
+    """The float32 of the half whose bits are the i32 ``h``: sign, exponent (bias 15 -> 127) and
+    fraction moved into float32's fields; a subnormal m 2^-24 as that product; an all-ones
+    exponent (inf, NaN) kept all ones (:func:`..floats.half.half_to_float_bits`, in IR)."""
+    def c(v):
+        return ir.Constant(_I32, v)
+
+    sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
+    e = builder.and_(builder.lshr(h, c(10)), c(0x1F))
+    m = builder.and_(h, c(0x3FF))
+    frac = builder.or_(sign, builder.shl(m, c(13)))
+    normal = builder.or_(frac, builder.shl(builder.add(e, c(112)), c(23)))
+    special = builder.or_(frac, c(0x7F800000))
+    top = builder.icmp_unsigned("==", e, c(31))
+    f = builder.bitcast(builder.select(top, special, normal), _F32)
+    sub = builder.fmul(builder.uitofp(m, _F32), ir.Constant(_F32, 2.0 ** -24))
+    sub = builder.select(builder.icmp_unsigned("!=", sign, c(0)),
+                         builder.fsub(ir.Constant(_F32, -0.0), sub), sub)
+    return builder.select(builder.icmp_unsigned("==", e, c(0)), sub, f)
 
 
 def _splat(builder, v, n):
@@ -101,12 +130,7 @@ def _tofloat(builder, q):
 
 
 def _host_has_avx512() -> bool:
-    try:
-        from llvmlite import binding
-
-        return "+avx512f" in binding.get_host_cpu_features().flatten()
-    except Exception:  # no feature string: the portable code
-        return False
+    return "+avx512f" in _cache.target_features()
 
 
 #: 4-bit codes are looked up in a 16-float table per block (``vpermps``: the table holds the
