@@ -27,10 +27,14 @@ from minillama.backends.numba.floats.half import (  # noqa: E402
 )
 
 
-@njit(cache=False)
-def _widen(bits, out):
-    for i in range(bits.shape[0]):
-        out[i] = kv_read(bits[i])
+def _each(f):
+    """A compiled loop out[i] = f(x[i])."""
+    @njit(cache=False)
+    def run(x, out):
+        for i in range(x.shape[0]):
+            out[i] = f(x[i])
+
+    return run
 
 
 @njit(cache=False)
@@ -39,18 +43,8 @@ def _round(x, cache):
         cache[i] = kv_write(cache, x[i])
 
 
-@njit(cache=False)
-def _widen_bits(bits, out):
-    for i in range(bits.shape[0]):
-        out[i] = half_to_float_bits(bits[i])
-
-
-@njit(cache=False)
-def _round_bits(x, cache):
-    for i in range(x.shape[0]):
-        cache[i] = float_to_half_bits(x[i])
-
-
+_widen, _widen_bits, _round_bits = (_each(f) for f in (kv_read, half_to_float_bits,
+                                                       float_to_half_bits))
 PATHS = {"this host's": (_widen, _round), "integer": (_widen_bits, _round_bits)}
 
 
