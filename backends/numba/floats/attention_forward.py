@@ -21,6 +21,7 @@ from numba import njit, prange
 from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 from ..decode.float_step import SPAN, _join_spans, _spans
 from .fastmath import JIT_OPTS, fexp, rowmax
+from .span_ir import LANES, span_scores1, span_scores2, span_values1, span_values4, span_values4x2
 
 #: query positions per tile of the attention kernels (each brings its G heads: BR*G rows)
 BR = 16
@@ -290,18 +291,22 @@ def attn_dec_serial(q, k, v, starts, scale, nsplit, pm, pl, pacc, out, lse):
 
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
 def _keys_by_d(k, starts, T):  # pragma: no cover - compiled
-    """kt (B, KVH, hd, n_max): k[b, j, kh, d] at kt[b, kh, d, j] for the keys rows 0..p read."""
+    """kt (B, KVH, hd, n_pad): k[b, j, kh, d] at kt[b, kh, d, j] for the keys rows 0..p read,
+    zeros after them up to n_pad, a whole number of spans."""
     B, KVH, hd = k.shape[0], k.shape[2], k.shape[3]
     n_max = 0
     for b in range(B):
         n_max = max(n_max, starts[b] + T)
-    kt = np.empty((B, KVH, hd, n_max), dtype=k.dtype)
+    n_pad = SPAN * ((n_max + SPAN - 1) // SPAN)  # whole spans: span_scores reads SPAN keys
+    kt = np.empty((B, KVH, hd, n_pad), dtype=k.dtype)
     for i in prange(B * KVH):
         b = i // KVH
         kh = i - b * KVH
         for j in range(starts[b] + T):
             for d in range(hd):
                 kt[b, kh, d, j] = k[b, j, kh, d]
+        for d in range(hd):
+            kt[b, kh, d, starts[b] + T:] = 0
     return kt
 
 
@@ -366,6 +371,50 @@ def _span_values(vs, kh, j0, L, sc, o):  # pragma: no cover - compiled
                 og[d] += w * vr[d]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _addr(a, i, j, k, m=0):  # pragma: no cover - compiled
+    """The byte address of a[i, j, k, m] (a 4-d array)."""
+    s = a.strides
+    return a.ctypes.data + i * s[0] + j * s[1] + k * s[2] + m * s[3]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _scores_vec(q, kt, b, t, kh, j0, sc):  # pragma: no cover - compiled
+    """sc[g, :SPAN] = q[b, t, kh G + g] . k_j for the keys j0.. (kt: K transposed, padded) and
+    the G heads of KV head kh, two heads per :func:`.span_ir.span_scores2` call."""
+    G, hd = sc.shape[0], q.shape[3]
+    pk, ldk = _addr(kt, b, kh, 0, j0), kt.strides[2]
+    g = 0
+    while g + 2 <= G:
+        span_scores2(_addr(q, b, t, kh * G + g), q.strides[2], pk, ldk, sc[g].ctypes.data,
+                     sc.strides[0], hd)
+        g += 2
+    if g < G:
+        span_scores1(_addr(q, b, t, kh * G + g), q.strides[2], pk, ldk, sc[g].ctypes.data,
+                     sc.strides[0], hd)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _values_vec(sc, v, b, j0, kh, L, o):  # pragma: no cover - compiled
+    """o[g hd:(g + 1) hd] += sum_{j < L} sc[g, j] v[b, j0 + j, kh] for the G heads g of KV head
+    kh by the kernels of :mod:`.span_ir` (o: G hd contiguous float32, hd a multiple of 16)."""
+    G, hd = sc.shape[0], v.shape[3]
+    pv, ldv, ldw, ldo = _addr(v, b, j0, kh), v.strides[1], sc.strides[0], 4 * hd
+    for d in range(0, hd - hd % (4 * LANES), 4 * LANES):
+        g = 0
+        while g + 2 <= G:
+            span_values4x2(sc[g].ctypes.data, ldw, pv + 4 * d, ldv, L,
+                           o.ctypes.data + 4 * (g * hd + d), ldo)
+            g += 2
+        if g < G:
+            span_values4(sc[g].ctypes.data, ldw, pv + 4 * d, ldv, L,
+                         o.ctypes.data + 4 * (g * hd + d), ldo)
+    for d in range(hd - hd % (4 * LANES), hd, LANES):
+        for g in range(G):
+            span_values1(sc[g].ctypes.data, ldw, pv + 4 * d, ldv, L,
+                         o.ctypes.data + 4 * (g * hd + d), ldo)
+
+
 #: query rows per tile of :func:`attend_rows`: the rows of a tile share each span's keys and
 #: values while they are in L1
 ROW_TILE = 16
@@ -385,7 +434,9 @@ def attend_rows(q, k, v, starts, scale, out):  # pragma: no cover - compiled
     row 0, each span's (m, \ell, o) joined in order (:func:`..decode.float_step._join_spans`), so
     its output does not depend on the other rows, their count, the batch or the threads. The scores
     of a span are computed with the keys in vector lanes (K transposed once per call,
-    :func:`_keys_by_d`): each score the same sums for every row, no horizontal sums. The rows go
+    :func:`_keys_by_d`): each score the same sums for every row, no horizontal sums; with float32
+    and hd a multiple of 16 both products of a span are the vector kernels of :mod:`.span_ir`
+    (each output one fused multiply-add chain, the accumulators in registers). The rows go
     by tiles of :data:`ROW_TILE` that share each span's keys and values (each row's sums as
     alone), the tiles spread over the threads by :func:`_balanced`. q: (B, T, H, hd); k, v:
     (B, S, KVH, hd); out: (B, T, H, hd)."""
@@ -393,6 +444,7 @@ def attend_rows(q, k, v, starts, scale, out):  # pragma: no cover - compiled
     KVH = k.shape[2]
     G = H // KVH
     kt = _keys_by_d(k, starts, T)
+    vec = hd % LANES == 0 and q.itemsize == 4  # float32 in whole vectors: the IR products
     nt = (T + ROW_TILE - 1) // ROW_TILE  # tiles per sequence
     for w in prange(B * nt):
         i = _balanced(w, B * nt)
@@ -410,11 +462,17 @@ def attend_rows(q, k, v, starts, scale, out):  # pragma: no cover - compiled
                     n = starts[b] + t0 + r + 1
                     if j0 < n:  # span u is one of row r's
                         L = min(n, j0 + SPAN) - j0
+                        o = parts[r, u, kh * G * hd:(kh + 1) * G * hd]
+                        if vec:
+                            _scores_vec(q, kt, b, t0 + r, kh, j0, sc)
                         for g in range(G):
-                            _span_scores(q[b, t0 + r, kh * G + g], kt[b, kh], j0, L, sc[g])
+                            if not vec:
+                                _span_scores(q[b, t0 + r, kh * G + g], kt[b, kh], j0, L, sc[g])
                             _span_softmax(sc[g], L, scale, ml[r, u, kh * G + g])
-                        _span_values(v[b], kh, j0, L, sc,
-                                     parts[r, u, kh * G * hd:(kh + 1) * G * hd])
+                        if vec:
+                            _values_vec(sc, v, b, j0, kh, L, o)
+                        else:
+                            _span_values(v[b], kh, j0, L, sc, o)
         for r in range(R):
             Pr = _spans(starts[b] + t0 + r + 1)
             _join_spans(ml[r, :Pr], parts[r, :Pr], out[b, t0 + r].reshape(H * hd))

@@ -69,3 +69,51 @@ def test_a_row_does_not_depend_on_the_rest_of_the_call():
         np.testing.assert_array_equal(_rows(q[:1], k[:1], v[:1], [0]), whole)
     finally:
         numba.set_num_threads(before)
+
+
+def test_the_span_kernels_give_one_value_per_output_whichever_computes_it():
+    """span_ir: an output's fused multiply-add chain is the same in the one- and two-row kernels
+    and in the 64- and 16-float value kernels (so the heads' pairing never moves a result), and
+    it is the chain in order: q_0 k_0 first, then each next term."""
+    ir = pytest.importorskip("minillama.backends.numba.floats.span_ir")
+    from numba import njit
+
+    @njit
+    def scores(q, kt, s1, s2):
+        ir.span_scores1(q[1].ctypes.data, 0, kt.ctypes.data, kt.strides[0], s1.ctypes.data, 0,
+                        q.shape[1])
+        ir.span_scores2(q.ctypes.data, q.strides[0], kt.ctypes.data, kt.strides[0],
+                        s2.ctypes.data, s2.strides[0], q.shape[1])
+
+    @njit
+    def values(w, vr, o4, o1, o2):
+        L = w.shape[1]
+        ir.span_values4(w[1].ctypes.data, 0, vr.ctypes.data, vr.strides[0], L, o4.ctypes.data, 0)
+        for d in range(0, 64, 16):
+            ir.span_values1(w[1].ctypes.data, 0, vr.ctypes.data + 4 * d, vr.strides[0], L,
+                            o1.ctypes.data + 4 * d, 0)
+        ir.span_values4x2(w.ctypes.data, w.strides[0], vr.ctypes.data, vr.strides[0], L,
+                          o2.ctypes.data, o2.strides[0])
+
+    rng = np.random.default_rng(7)
+    hd, L = 48, 37
+    q = rng.standard_normal((2, hd)).astype(np.float32)
+    kt = rng.standard_normal((hd, fa.SPAN)).astype(np.float32)
+    s1, s2 = np.empty(fa.SPAN, np.float32), np.empty((2, fa.SPAN), np.float32)
+    scores(q, kt, s1, s2)
+    np.testing.assert_array_equal(s1, s2[1])
+    chain = np.zeros(fa.SPAN, np.float32)  # fma(q_d, k_d, acc) in order, rounded once per step
+    for d in range(hd):
+        chain = (q[1, d].astype(np.float64) * kt[d] + chain).astype(np.float32)
+    np.testing.assert_array_equal(s2[1], chain)
+    w = rng.standard_normal((2, L)).astype(np.float32)
+    vr = rng.standard_normal((L, 64)).astype(np.float32)
+    start = rng.standard_normal((2, 64)).astype(np.float32)
+    o4, o1, o2 = start[1].copy(), start[1].copy(), start.copy()
+    values(w, vr, o4, o1, o2)
+    np.testing.assert_array_equal(o4, o1)
+    np.testing.assert_array_equal(o4, o2[1])
+    chain = start[1].copy()
+    for j in range(L):
+        chain = (w[1, j].astype(np.float64) * vr[j] + chain).astype(np.float32)
+    np.testing.assert_array_equal(o4, chain)
