@@ -386,12 +386,12 @@ def _scores_vec(q, kt, b, t, kh, j0, sc):  # pragma: no cover - compiled
     pk, ldk = _addr(kt, b, kh, 0, j0), kt.strides[2]
     g = 0
     while g + 2 <= G:
-        span_scores2(_addr(q, b, t, kh * G + g), q.strides[2], pk, ldk, sc[g].ctypes.data,
-                     sc.strides[0], hd)
+        span_scores2(_addr(q, b, t, kh * G + g), q.strides[2], pk, ldk, hd, sc[g].ctypes.data,
+                     sc.strides[0])
         g += 2
     if g < G:
-        span_scores1(_addr(q, b, t, kh * G + g), q.strides[2], pk, ldk, sc[g].ctypes.data,
-                     sc.strides[0], hd)
+        span_scores1(_addr(q, b, t, kh * G + g), q.strides[2], pk, ldk, hd, sc[g].ctypes.data,
+                     sc.strides[0])
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -37,50 +37,27 @@ def _i64(n):
     return ir.Constant(_I64, n)
 
 
-def _scores(nh):
+def _chains(nh, m, accumulate):
+    """c_h += sum_{i < n} a_{h i} b_i for nh rows h (a_{h i} the float at pa + h lda + 4 i, b_i the
+    m vectors at pb + i ldb, c_h the m vectors at po + h ldo), each lane one fused multiply-add
+    chain over i in order from 0 (accumulate) or from 0.0."""
     def codegen(context, builder, signature, args):
-        pq, ldq, pk, ldk, ps, lds, hd = args
-        m = SPAN // LANES
-        accs = [cgutils.alloca_once_value(builder, _const(_F32, LANES, 0.0))
-                for _ in range(nh * m)]
-        with cgutils.for_range(builder, hd) as loop:
-            d = loop.index
-            row = builder.add(pk, builder.mul(d, ldk))
-            ks = [_load(builder, row, 4 * LANES * i, _V, 4) for i in range(m)]
-            for h in range(nh):
-                at = builder.add(builder.add(pq, builder.mul(_i64(h), ldq)),
-                                 builder.mul(d, _i64(4)))
-                qd = _splat(builder, _load(builder, at, 0, _F32, 4), LANES)
-                for i in range(m):
-                    acc = accs[h * m + i]
-                    builder.store(_fma(builder, qd, ks[i], builder.load(acc)), acc)
-        for h in range(nh):
-            out = builder.add(ps, builder.mul(_i64(h), lds))
-            for i in range(m):
-                builder.store(builder.load(accs[h * m + i]),
-                              _at(builder, out, 4 * LANES * i, _V), align=4)
-        return context.get_dummy_value()
-
-    return codegen
-
-
-def _values(nh, m):
-    def codegen(context, builder, signature, args):
-        pw, ldw, pv, ldv, L, po, ldo = args
+        pa, lda, pb, ldb, n, po, ldo = args
         outs = [builder.add(po, builder.mul(_i64(h), ldo)) for h in range(nh)]
-        accs = [cgutils.alloca_once_value(builder, _load(builder, outs[h], 4 * LANES * i, _V, 4))
+        accs = [cgutils.alloca_once_value(builder, _load(builder, outs[h], 4 * LANES * i, _V, 4)
+                                          if accumulate else _const(_F32, LANES, 0.0))
                 for h in range(nh) for i in range(m)]
-        with cgutils.for_range(builder, L) as loop:
+        with cgutils.for_range(builder, n) as loop:
             j = loop.index
-            row = builder.add(pv, builder.mul(j, ldv))
-            vs = [_load(builder, row, 4 * LANES * i, _V, 4) for i in range(m)]
+            row = builder.add(pb, builder.mul(j, ldb))
+            bs = [_load(builder, row, 4 * LANES * i, _V, 4) for i in range(m)]
             for h in range(nh):
-                at = builder.add(builder.add(pw, builder.mul(_i64(h), ldw)),
+                at = builder.add(builder.add(pa, builder.mul(_i64(h), lda)),
                                  builder.mul(j, _i64(4)))
-                w = _splat(builder, _load(builder, at, 0, _F32, 4), LANES)
+                a = _splat(builder, _load(builder, at, 0, _F32, 4), LANES)
                 for i in range(m):
                     acc = accs[h * m + i]
-                    builder.store(_fma(builder, w, vs[i], builder.load(acc)), acc)
+                    builder.store(_fma(builder, a, bs[i], builder.load(acc)), acc)
         for h in range(nh):
             for i in range(m):
                 builder.store(builder.load(accs[h * m + i]),
@@ -94,34 +71,34 @@ _SIG = types.none(*([types.int64] * 7))
 
 
 @intrinsic
-def span_scores1(typingctx, pq, ldq, pk, ldk, ps, lds, hd):
+def span_scores1(typingctx, pq, ldq, pk, ldk, hd, ps, lds):
     r"""s_j = \sum_{d < hd} q_d k_{dj} for j < SPAN: q at pq (hd floats), K^T rows at
     pk + d ldk (SPAN floats each, all readable), s at ps (SPAN floats)."""
-    return _SIG, _scores(1)
+    return _SIG, _chains(1, SPAN // LANES, False)
 
 
 @intrinsic
-def span_scores2(typingctx, pq, ldq, pk, ldk, ps, lds, hd):
+def span_scores2(typingctx, pq, ldq, pk, ldk, hd, ps, lds):
     """:func:`span_scores1` for two query rows (pq, pq + ldq) into (ps, ps + lds), each key
     loaded once for both."""
-    return _SIG, _scores(2)
+    return _SIG, _chains(2, SPAN // LANES, False)
 
 
 @intrinsic
 def span_values4(typingctx, pw, ldw, pv, ldv, L, po, ldo):
     r"""o_d += \sum_{j < L} w_j v_{jd} for the 64 floats o at po: w at pw, row j of v at
     pv + j ldv."""
-    return _SIG, _values(1, 4)
+    return _SIG, _chains(1, 4, True)
 
 
 @intrinsic
 def span_values4x2(typingctx, pw, ldw, pv, ldv, L, po, ldo):
     """:func:`span_values4` for two heads (weights pw, pw + ldw; outputs po, po + ldo), each
     value row loaded once for both."""
-    return _SIG, _values(2, 4)
+    return _SIG, _chains(2, 4, True)
 
 
 @intrinsic
 def span_values1(typingctx, pw, ldw, pv, ldv, L, po, ldo):
     """:func:`span_values4` for 16 floats."""
-    return _SIG, _values(1, 1)
+    return _SIG, _chains(1, 1, True)

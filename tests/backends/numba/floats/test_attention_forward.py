@@ -80,10 +80,10 @@ def test_the_span_kernels_give_one_value_per_output_whichever_computes_it():
 
     @njit
     def scores(q, kt, s1, s2):
-        ir.span_scores1(q[1].ctypes.data, 0, kt.ctypes.data, kt.strides[0], s1.ctypes.data, 0,
-                        q.shape[1])
-        ir.span_scores2(q.ctypes.data, q.strides[0], kt.ctypes.data, kt.strides[0],
-                        s2.ctypes.data, s2.strides[0], q.shape[1])
+        ir.span_scores1(q[1].ctypes.data, 0, kt.ctypes.data, kt.strides[0], q.shape[1],
+                        s1.ctypes.data, 0)
+        ir.span_scores2(q.ctypes.data, q.strides[0], kt.ctypes.data, kt.strides[0], q.shape[1],
+                        s2.ctypes.data, s2.strides[0])
 
     @njit
     def values(w, vr, o4, o1, o2):
