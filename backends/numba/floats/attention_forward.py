@@ -444,7 +444,8 @@ def attend_rows(q, k, v, starts, scale, out):  # pragma: no cover - compiled
     KVH = k.shape[2]
     G = H // KVH
     kt = _keys_by_d(k, starts, T)
-    vec = hd % LANES == 0 and q.itemsize == 4  # float32 in whole vectors: the IR products
+    # float32 q, k, v in whole vectors: the IR products (which read float32 by address)
+    vec = hd % LANES == 0 and q.itemsize == 4 and k.itemsize == 4 and v.itemsize == 4
     nt = (T + ROW_TILE - 1) // ROW_TILE  # tiles per sequence
     for w in prange(B * nt):
         i = _balanced(w, B * nt)
