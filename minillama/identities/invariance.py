@@ -127,6 +127,29 @@ def _prefix_cache(s: Subject, ex: dict) -> float:
     return max(deviation(w, g) for w, g in zip(want, got))
 
 
+def _next_turn(s: Subject, ex: dict) -> float:
+    model = block_model(s, ex["seed"])
+    P, N = ex["P"], ex["reply"]
+    prompt, follow = _tokens(ex["seed"], P), _tokens(ex["seed"] + 1, 2)
+    # the earlier turn: its prompt prefilled, then a greedy reply fed by decode steps
+    earlier = model.new_cache(1)
+    z, reply = s.logits(model, prompt[None], cache=earlier, last_only=True)[0], []
+    for i in range(N):
+        reply.append(int(np.argmax(z)))
+        z = s.logits(model, np.array([[reply[-1]]]), start_pos=P + i, cache=earlier,
+                     last_only=True)[0]
+    turn = np.concatenate([prompt, reply, _tokens(ex["seed"] + 2, ex["extra"])])
+    want = _alone(s, model, turn, follow)
+    # the next turn keeps the rows the model allows of the earlier one and prefills the rest
+    c = model.reusable_rows(P, P + N)
+    cache = model.new_cache(1)
+    for kept, old in zip(cache.k + cache.v, earlier.k + earlier.v):
+        kept[:, :c] = old[:, :c]
+    got = [s.logits(model, turn[None, c:], start_pos=c, cache=cache, last_only=True)[0]]
+    got += [z[0] for z in _steps(s, model, cache, follow[None], [len(turn)])]
+    return max(deviation(w, g) for w, g in zip(want, got))
+
+
 def _threads(s: Subject, ex: dict) -> float:
     model = block_model(s, ex["seed"])
     prompt, follow = _tokens(ex["seed"], ex["P"]), _tokens(ex["seed"] + 1, ex["steps"])
@@ -221,6 +244,19 @@ IDENTITIES = [
             "extra": st.integers(1, 9)})),
         tolerance="zero where the backend promises it; else reported",
         ops=MODEL_FORWARD_OPS, fn=_prefix_cache, for_functions=False, exact="prefix_cache"),
+    Identity(
+        name="next_turn_invariance", topic="invariance",
+        statement="A conversation's next turn (an earlier prompt, its greedy reply fed by "
+                  "decode steps, then new tokens) gets the same logits bit for bit prefilled "
+                  "cold and on the rows of the earlier turn's cache that the model lets a later "
+                  "prompt keep (Transformer.reusable_rows), as chat and the server keep them.",
+        equation=r"z(t_{c:} \mid \mathrm{cache}_{<c}(x, y)) \equiv z(t)_{c:},\ "
+                 r"t = (x, y, u),\ c = \mathrm{reusable}(|x|, |x| + |y|)",
+        strategy=st.integers(1, MAX_PROMPT - 12).flatmap(lambda P: st.fixed_dictionaries({
+            "seed": ids.seeds, "P": st.just(P), "reply": st.integers(1, 8),
+            "extra": st.integers(1, 4)})),
+        tolerance="zero where the backend promises prefix-cache invariance; else reported",
+        ops=MODEL_FORWARD_OPS, fn=_next_turn, for_functions=False, exact="prefix_cache"),
     Identity(
         name="thread_invariance", topic="invariance",
         statement="A prompt's logits and its decode steps' are the same bit for bit on one "

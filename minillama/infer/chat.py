@@ -8,7 +8,11 @@ r"""Chat sessions over a model's own chat template
   |t| - 1, so that one position is fed to get the next logits), and prefills only
   :math:`t_{n:}` at positions n, n+1, ... (rows past them still hold the old turn's K/V but
   are never read: attention reads positions below the one it feeds, and later writes overwrite
-  them). When the conversation no longer fits the context, the oldest turns are dropped (a
+  them). The cached ids are those whose rows the model lets a later prompt keep
+  (:meth:`~minillama.model.transformer.Transformer.reusable_rows`): on GGML block weights
+  (numba) the rows its prompts' prefills wrote, not the reply's, which decode steps wrote in
+  another order, so a turn on the cache gets the logits of the whole conversation sent fresh,
+  bit for bit, for a prefill of the last reply. When the conversation no longer fits the context, the oldest turns are dropped (a
   system message stays) and :attr:`ChatSession.notice` says so.
 
 The ``minillama chat`` command around it is :mod:`minillama.cli.chat`.
@@ -30,7 +34,7 @@ from minillama.io.chat_template import common_prefix, encode_rendered, render_ch
 
 class ChatSession:
     """A conversation with a model: ``messages`` (a system message first if given) and the KV
-    cache of ``cached`` (the ids whose K/V rows the cache holds, positions 0..len-1).
+    cache of ``cached`` (the ids whose K/V rows, positions 0..len-1, the next turn keeps).
 
     :meth:`reply` adds a user turn and yields the reply's tokens as they are chosen; the reply
     joins the history when the generator finishes (or is closed, e.g. after Ctrl-C: the text
@@ -149,7 +153,10 @@ class ChatSession:
                     break
         finally:
             steps.close()
-            self.cached = (list(ids) + out)[:stats.positions]
+            # the rows a next turn may keep (a row a decode step wrote may differ from the
+            # same row prefilled: the next turn prefills it again, as a fresh chat would)
+            self.cached = (list(ids) + out)[:self.model.reusable_rows(len(ids),
+                                                                      stats.positions)]
             said = self.tok.decode(out)
             cut = first_stop(said, stops) if stops else None
             self.messages.append({"role": "assistant",

@@ -104,10 +104,12 @@ class PrefixRows:
                 self.held[victim], self.stamp[victim] = self.held[row], self.stamp[row]
         self.take(row)
 
-    def best(self, prompt: np.ndarray, free_from: int, running) -> tuple[int, int]:
+    def best(self, prompt: np.ndarray, free_from: int, running, keep) -> tuple[int, int]:
         """(row, c): the row whose cached ids share the longest prefix c with ``prompt`` (c at
         most len(prompt) - 1: one token is always fed), among the free rows ``free_from``.. and
-        the prompts of the ``running`` slots (rows 0..); (-1, 0) when none shares any."""
+        the prompts of the ``running`` slots (rows 0..), of which the first ``keep(len(p),
+        len(p))`` rows of a prompt p may be kept (the model's ``reusable_rows``); (-1, 0) when
+        none shares any."""
         cap = len(prompt) - 1
         best, best_c = -1, 0
         for row in range(free_from, len(self.held)):
@@ -117,7 +119,8 @@ class PrefixRows:
                 if c > best_c or (c == best_c and c and self.stamp[row] > self.stamp[best]):
                     best, best_c = row, c
         for row, s in enumerate(running):
-            c = min(common_prefix(s.req.prompt_array, prompt), cap)
+            P = len(s.req.prompt_array)
+            c = min(common_prefix(s.req.prompt_array, prompt), cap, keep(P, P))
             if c > best_c:
                 best, best_c = row, c
         return best, best_c
@@ -171,7 +174,8 @@ class Admission:
         if not self.reuse:
             return -1, 0
         n, cap = len(self._slots), len(r.prompt_ids) - 1
-        row, c = self.rows.best(r.prompt_array, n + len(warm), self._slots)
+        row, c = self.rows.best(r.prompt_array, n + len(warm), self._slots,
+                                self.model.reusable_rows)
         for j, (q, cq) in enumerate(warm):
             cj = min(common_prefix(q.prompt_array, r.prompt_array), cq, cap)
             if cj > c:
@@ -363,12 +367,14 @@ class SlotBatch(DraftRows, Admission):
             r._finish("length")
 
     def _held(self, s: _Slot) -> np.ndarray | None:
-        """The ids whose K/V s's row holds (its prompt and fed reply), None when not kept."""
+        """The ids whose K/V rows of s's row a later prompt may keep (its prompt and fed reply,
+        as far as the model's ``reusable_rows`` allows), None when not kept."""
         r = s.req
         if not self.reuse or r.finish_reason == "error":
             return None
-        fed = r.tokens[:s.pos - len(r.prompt_ids)]
-        return np.concatenate([r.prompt_array, np.asarray(fed, dtype=np.int64)])
+        P = len(r.prompt_ids)
+        fed = np.asarray(r.tokens[:s.pos - P], dtype=np.int64)
+        return np.concatenate([r.prompt_array, fed])[:self.model.reusable_rows(P, s.pos)]
 
     def _compact(self) -> None:
         """Remove the finished slots; the last running row trades places with each freed one

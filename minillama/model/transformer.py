@@ -206,6 +206,19 @@ class Transformer:
         return KVCache(self.cfg, batch_size, max_seq_len, dtype=self.kv_dtype,
                        xp=self.backend.xp)
 
+    def reusable_rows(self, prompt_len: int, positions: int) -> int:
+        """How many leading K/V rows of a cache row that holds a prompt of ``prompt_len`` tokens
+        (prefilled) and then tokens fed by decode steps up to ``positions`` a later prompt with
+        the same first ids may keep as its prefix.
+
+        Where the backend computes prompt rows alike whatever their count but decode steps in
+        another order (numba on GGML blocks: :func:`_rows_alike`), only the rows the prompt
+        path wrote, the prompt's but its last: a kept row computed by a decode step would give
+        the later prompt other logits than a cold prefill of it. Elsewhere every position."""
+        if _rows_alike(self) and "prefill_decode" not in self.backend.invariance:
+            return max(0, min(int(positions), int(prompt_len) - 1))
+        return int(positions)
+
     # ========================================================================================
     # the inputs: token and target arrays, positions in the context and the RoPE rows at them
     # ========================================================================================

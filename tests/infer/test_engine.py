@@ -12,6 +12,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from minillama.backends import get_backend
 from minillama.core.config import ModelConfig
 from minillama.core.errors import MinillamaError
 from minillama.infer.engine import Engine, StopText
@@ -542,7 +543,10 @@ def test_smollm2_second_turn_reuses_the_first_and_equals_a_cold_run(smollm2_gguf
         before = warm.stats.prefilled_tokens
         got = warm.submit(p2, max_tokens=16, stop_ids=stops)
         list(got.events(timeout=300))
-        assert got.cached_tokens >= len(p1)
+        # the rows of the first prompt's prefill at least (numba keeps no more: the reply's rows
+        # came from decode steps, in another order than a prompt's)
+        assert got.cached_tokens >= model.reusable_rows(len(p1), len(p1) + len(r1))
+        assert got.cached_tokens >= len(p1) - 1
         assert warm.stats.prefilled_tokens - before == len(p2) - got.cached_tokens
         assert (got.tokens, got.finish_reason) == cold.generate(p2, max_tokens=16,
                                                                 stop_ids=stops)
@@ -571,3 +575,32 @@ def test_work_handed_to_the_engine_runs_on_its_thread_between_steps():
         eng.close()
     with pytest.raises(MinillamaError, match="closed"):
         eng.run_in_thread(lambda: None)
+
+
+def test_a_second_turn_on_block_weights_equals_a_cold_run_bit_for_bit():
+    """On GGML block weights (numba), whose decode steps sum in another order than a prompt's
+    rows: a second turn keeps only the rows the first turn's prefill wrote (its prompt but the
+    last token), prefills the rest with the new message, and gets the cold run's tokens and
+    log-probabilities bit for bit."""
+    from minillama.backends import available_backends
+    from minillama.identities import Subject
+    from minillama.identities.invariance import VOCAB, block_model
+
+    if "numba" not in available_backends():
+        pytest.skip("numba is not installed")
+    m = block_model(Subject(get_backend("numba"), np.float32), 4)
+    rng = np.random.default_rng(9)
+    first = rng.integers(0, VOCAB, 30).tolist()
+    warm, cold = Engine(m, max_batch=2), Engine(m, max_batch=2, prefix_reuse=False)
+    try:
+        reply, _ = warm.generate(first, max_tokens=12)
+        second = first + reply + rng.integers(0, VOCAB, 5).tolist()
+        runs = [e.submit(second, max_tokens=12, logprobs=5) for e in (warm, cold)]
+        for r in runs:
+            assert list(r.events(timeout=120))[-1] == ("done", "length")
+        assert runs[0].cached_tokens == len(first) - 1 and runs[1].cached_tokens == 0
+        assert runs[0].tokens == runs[1].tokens
+        assert runs[0].token_logprobs == runs[1].token_logprobs
+    finally:
+        warm.close()
+        cold.close()
