@@ -12,8 +12,9 @@ r"""Chat sessions over a model's own chat template
   (:meth:`~minillama.model.transformer.Transformer.reusable_rows`): on GGML block weights
   (numba) the rows its prompts' prefills wrote, not the reply's, which decode steps wrote in
   another order, so a turn on the cache gets the logits of the whole conversation sent fresh,
-  bit for bit, for a prefill of the last reply. When the conversation no longer fits the context, the oldest turns are dropped (a
-  system message stays) and :attr:`ChatSession.notice` says so.
+  bit for bit, for a prefill of the last reply. When the conversation no longer fits the
+  context, the oldest turns are dropped (a system message stays) and
+  :attr:`ChatSession.notice` says so.
 
 The ``minillama chat`` command around it is :mod:`minillama.cli.chat`.
 """
