@@ -12,6 +12,12 @@ machine). The script prints, per server, how many target replies came back and h
 texts they held (1 is the promise of a batch- and load-invariant engine), and the most common
 text's share.
 
+With ``--second-turn TEXT`` the target is a conversation's second turn instead: the target
+question, the reply a first cold request got, then TEXT. Half of the target clients send the
+first turn and then, on its reply, the second (so the second finds the first turn's row in the
+cache), the others send the second turn directly; the texts counted are (first reply, second
+reply) pairs.
+
     python -m scripts.probe_determinism --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf \\
         --requests 200 --clients 8 --tokens 48 --busy 2 [--peer /path/to/llama-server]
 """
@@ -49,6 +55,8 @@ def probe(url: str, name: str, args, rng: random.Random) -> collections.Counter:
     request that fails (a refusal, a broken connection) is retried in a later round, never
     counted as a text."""
     texts: collections.Counter = collections.Counter()
+    # the first turn's reply to a cold request (the second turn's history when sent directly)
+    first = ask(url, name, args, [user(TARGET)]) if args.second_turn else None
     rounds = -(-args.requests // max(1, args.clients // 2))
     spinners: list = []
     r = 0
@@ -65,12 +73,12 @@ def probe(url: str, name: str, args, rng: random.Random) -> collections.Counter:
             out: list = [None] * args.clients
             gate = threading.Barrier(args.clients, timeout=60)
 
-            def client(i, asks=asks, out=out, gate=gate):
-                body = {"model": name, "max_tokens": args.tokens, "temperature": 0,
-                        "stream": True, "messages": [{"role": "user", "content": asks[i]}]}
+            def client(i, asks=asks, out=out, gate=gate, who=who):
                 try:
-                    out[i] = reply_text(stream_once(url, "/v1/chat/completions", body,
-                                                    gate)["raw"])
+                    if args.second_turn and i in who:
+                        out[i] = second_turn(url, name, args, first, gate, i % 2 == 0)
+                    else:
+                        out[i] = ask(url, name, args, [user(asks[i])], gate)
                 except (Exception, SystemExit) as e:  # counted as a failure, not a text
                     gate.abort()
                     print(f"  client {i}: {e}", file=sys.stderr, flush=True)
@@ -89,6 +97,28 @@ def probe(url: str, name: str, args, rng: random.Random) -> collections.Counter:
     return texts
 
 
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def ask(url: str, name: str, args, messages: list, gate=None) -> str:
+    """One greedy streamed chat request: the reply's text."""
+    body = {"model": name, "max_tokens": args.tokens, "temperature": 0, "stream": True,
+            "messages": messages}
+    return reply_text(stream_once(url, "/v1/chat/completions", body, gate)["raw"])
+
+
+def second_turn(url: str, name: str, args, first: str, gate, on_cache: bool) -> tuple:
+    """(first reply, second reply): after the first turn sent now (``on_cache``: its row then
+    holds the conversation so far), else on the cold first reply ``first``."""
+    if on_cache:
+        first = ask(url, name, args, [user(TARGET)], gate)
+    elif gate is not None:
+        gate.wait()
+    history = [user(TARGET), {"role": "assistant", "content": first}, user(args.second_turn)]
+    return first, ask(url, name, args, history)
+
+
 def stop_spinners(spinners: list) -> None:
     """End the spinning processes (and reap them)."""
     for p in spinners:
@@ -103,6 +133,7 @@ def report(label: str, texts: collections.Counter) -> None:
     print(f"{label}: {n} target replies, {len(texts)} distinct texts, the most common "
           f"{top}/{n}", flush=True)
     for text, k in texts.most_common(4):
+        text = text if isinstance(text, str) else " / ".join(t[:44] for t in text)
         print(f"    {k:4d} x {text[:90]!r}", flush=True)
 
 
@@ -119,6 +150,8 @@ def main() -> int:
     ap.add_argument("--max-context", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peer", default=None, help="llama-server to compare with")
+    ap.add_argument("--second-turn", default=None, metavar="TEXT",
+                    help="the target is the second turn TEXT after the target question")
     args = ap.parse_args()
     t0 = time.time()
     print(f"load average before: {os.getloadavg()}", flush=True)

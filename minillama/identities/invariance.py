@@ -112,7 +112,7 @@ def _batch(s: Subject, ex: dict) -> float:
 
 def _prefix_cache(s: Subject, ex: dict) -> float:
     model = block_model(s, ex["seed"])
-    P, c = ex["P"], min(ex["cached"], ex["P"] - 1)
+    P, c = ex["P"], min(ex["cached"], ex["P"] - 2)
     prompt, follow = _tokens(ex["seed"], P), _tokens(ex["seed"] + 1, 2)
     want = _alone(s, model, prompt, follow)
     # an earlier request shared the first c tokens; its rows 0..c-1 are kept, the rest is new
@@ -124,6 +124,23 @@ def _prefix_cache(s: Subject, ex: dict) -> float:
         kept[:, :c] = old[:, :c]
     got = [s.logits(model, prompt[None, c:], start_pos=c, cache=cache, last_only=True)[0]]
     got += [z[0] for z in _steps(s, model, cache, follow[None], [P])]
+    return max(deviation(w, g) for w, g in zip(want, got))
+
+
+def _chunks(s: Subject, ex: dict) -> float:
+    model = block_model(s, ex["seed"])
+    P = ex["P"]
+    prompt, follow = _tokens(ex["seed"], P), _tokens(ex["seed"] + 1, 2)
+    want = _alone(s, model, prompt, follow)
+    cache, got = model.new_cache(1), []
+    cuts = [0]  # chunks of two tokens or more: a call of one token is a decode step
+    for c in sorted(ex["cuts"]) + [P]:
+        if c - cuts[-1] >= 2 and P - c >= 2 or c == P:
+            cuts.append(c)
+    for a, b in zip(cuts, cuts[1:]):  # each chunk's last logits, as a caller streaming it would
+        got.append(s.logits(model, prompt[None, a:b], start_pos=a, cache=cache,
+                            last_only=True)[0])
+    got = got[-1:] + [z[0] for z in _steps(s, model, cache, follow[None], [P])]
     return max(deviation(w, g) for w, g in zip(want, got))
 
 
@@ -237,13 +254,27 @@ IDENTITIES = [
         name="prefix_cache_invariance", topic="invariance",
         statement="A prompt's logits, and those of the steps after it, are the same bit for "
                   "bit prefilled cold and after its first c tokens' K/V came from another "
-                  "request's cache.",
+                  "request's cache (a rest of two tokens or more: a call of one token with a "
+                  "cache is a decode step).",
         equation=r"z(x_{c:P} \mid \mathrm{cache}(x_{0:c})) \equiv z(x_{0:P})_{c:P}",
-        strategy=st.integers(2, MAX_PROMPT).flatmap(lambda P: st.fixed_dictionaries({
-            "seed": ids.seeds, "P": st.just(P), "cached": st.integers(1, P - 1),
+        strategy=st.integers(3, MAX_PROMPT).flatmap(lambda P: st.fixed_dictionaries({
+            "seed": ids.seeds, "P": st.just(P), "cached": st.integers(1, P - 2),
             "extra": st.integers(1, 9)})),
         tolerance="zero where the backend promises it; else reported",
         ops=MODEL_FORWARD_OPS, fn=_prefix_cache, for_functions=False, exact="prefix_cache"),
+    Identity(
+        name="chunked_prefill_invariance", topic="invariance",
+        statement="A prompt's logits, and those of the steps after it, are the same bit for "
+                  "bit prefilled at once and cut into chunks of two tokens or more (a call of "
+                  "one token with a cache is a decode step) prefilled one after another, each "
+                  "asked for its last logits.",
+        equation=r"z(x_{c_k:P} \mid \mathrm{cache}(x_{0:c_1}, \dots, x_{c_{k-1}:c_k})) "
+                 r"\equiv z(x_{0:P})_{c_k:P}",
+        strategy=st.integers(2, MAX_PROMPT).flatmap(lambda P: st.fixed_dictionaries({
+            "seed": ids.seeds, "P": st.just(P),
+            "cuts": st.lists(st.integers(1, P - 1), min_size=1, max_size=4)})),
+        tolerance="zero where the backend promises prefix-cache invariance; else reported",
+        ops=MODEL_FORWARD_OPS, fn=_chunks, for_functions=False, exact="prefix_cache"),
     Identity(
         name="next_turn_invariance", topic="invariance",
         statement="A conversation's next turn (an earlier prompt, its greedy reply fed by "

@@ -131,7 +131,7 @@ class ChatSession:
         except MinillamaError:
             self.messages.pop()  # refused: the conversation stays as it was
             raise
-        n = min(common_prefix(self.cached, ids), len(ids) - 1)
+        n = self.model.prefill_start(common_prefix(self.cached, ids), len(ids))
         self.last_prefill = len(ids) - n
         self.cached = self.cached[:n]  # positions n.. are rewritten now
         out: list[int] = []

@@ -104,13 +104,13 @@ class PrefixRows:
                 self.held[victim], self.stamp[victim] = self.held[row], self.stamp[row]
         self.take(row)
 
-    def best(self, prompt: np.ndarray, free_from: int, running, keep) -> tuple[int, int]:
+    def best(self, prompt: np.ndarray, free_from: int, running, model) -> tuple[int, int]:
         """(row, c): the row whose cached ids share the longest prefix c with ``prompt`` (c at
-        most len(prompt) - 1: one token is always fed), among the free rows ``free_from``.. and
-        the prompts of the ``running`` slots (rows 0..), of which the first ``keep(len(p),
-        len(p))`` rows of a prompt p may be kept (the model's ``reusable_rows``); (-1, 0) when
+        most ``model.prefill_start``'s cap: a token or two are always fed), among the free rows
+        ``free_from``.. and the prompts of the ``running`` slots (rows 0..), of which the first
+        ``model.reusable_rows(len(p), len(p))`` rows of a prompt p may be kept; (-1, 0) when
         none shares any."""
-        cap = len(prompt) - 1
+        cap = model.prefill_start(len(prompt), len(prompt))
         best, best_c = -1, 0
         for row in range(free_from, len(self.held)):
             h = self.held[row]
@@ -120,7 +120,7 @@ class PrefixRows:
                     best, best_c = row, c
         for row, s in enumerate(running):
             P = len(s.req.prompt_array)
-            c = min(common_prefix(s.req.prompt_array, prompt), cap, keep(P, P))
+            c = min(common_prefix(s.req.prompt_array, prompt), cap, model.reusable_rows(P, P))
             if c > best_c:
                 best, best_c = row, c
         return best, best_c
@@ -173,9 +173,9 @@ class Admission:
         the first c_j ids of its prompt); (-1, 0) without prefix reuse."""
         if not self.reuse:
             return -1, 0
-        n, cap = len(self._slots), len(r.prompt_ids) - 1
-        row, c = self.rows.best(r.prompt_array, n + len(warm), self._slots,
-                                self.model.reusable_rows)
+        n, P = len(self._slots), len(r.prompt_ids)
+        cap = self.model.prefill_start(P, P)
+        row, c = self.rows.best(r.prompt_array, n + len(warm), self._slots, self.model)
         for j, (q, cq) in enumerate(warm):
             cj = min(common_prefix(q.prompt_array, r.prompt_array), cq, cap)
             if cj > c:

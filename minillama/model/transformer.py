@@ -212,12 +212,28 @@ class Transformer:
         the same first ids may keep as its prefix.
 
         Where the backend computes prompt rows alike whatever their count but decode steps in
-        another order (numba on GGML blocks: :func:`_rows_alike`), only the rows the prompt
-        path wrote, the prompt's but its last: a kept row computed by a decode step would give
-        the later prompt other logits than a cold prefill of it. Elsewhere every position."""
-        if _rows_alike(self) and "prefill_decode" not in self.backend.invariance:
-            return max(0, min(int(positions), int(prompt_len) - 1))
+        another order (numba on GGML blocks: :func:`_rows_alike`), only the rows the prompt's
+        prefill wrote (:func:`_prompt_then_step`): a kept row computed by a decode step would
+        give the later prompt other logits than a cold prefill of it. Elsewhere every
+        position."""
+        if self._decode_rows_differ():
+            # a one-token prompt is a decode step: its row is no prefill's
+            return min(int(positions), int(prompt_len)) if prompt_len >= 2 else 0
         return int(positions)
+
+    def prefill_start(self, common: int, prompt_len: int) -> int:
+        """Where the prefill of a prompt of ``prompt_len`` tokens starts when its first
+        ``common`` ids' K/V rows are cached (:meth:`reusable_rows`): at most one token before its
+        end, so that its last logits are computed; at most two where decode steps sum in another
+        order than a prefill, since a call of one token with a cache is a decode step, whose
+        row a later prompt could not keep."""
+        fed = 2 if self._decode_rows_differ() else 1
+        return max(0, min(int(common), int(prompt_len) - fed))
+
+    def _decode_rows_differ(self) -> bool:
+        """Whether the backend computes a prompt's rows alike whatever their count, in another
+        order than its decode steps (numba on GGML blocks: :func:`_rows_alike`)."""
+        return _rows_alike(self) and "prefill_decode" not in self.backend.invariance
 
     # ========================================================================================
     # the inputs: token and target arrays, positions in the context and the RoPE rows at them
@@ -722,15 +738,28 @@ def _rows_alike(model) -> bool:
 
 
 def _prompt_then_step(model, tok, start_pos, cache, output_index):
-    """A cached prompt as the backend's row-alike prefill of all but each sequence's last token,
-    then that token by ``decode_step``: the logits (B, V) at ``output_index`` (default the last
-    column), or None when the step declines. A cold prompt, one whose prefix came from a cache
-    and one prefilled beside others then end in the same computations, so their logits and K/V
-    agree bit for bit."""
+    """A cached prompt as the backend's row-alike prefill of every token (K/V rows only), then
+    each sequence's last token by ``decode_step`` for its logits, after which that token's K/V
+    rows are put back as the prefill wrote them (where the sequence has two tokens or more
+    here: a single one is a decode step's, as alone): the logits (B, V) at ``output_index``
+    (default the last column), or None when the step declines. Every cache row a prompt of two
+    tokens or more leaves is then a prefill's row, so a cold prompt, one whose prefix came from
+    a cache, one prefilled beside others and one cut into chunks end in the same computations:
+    their logits and K/V agree bit for bit (the decode step sums in another order than the
+    prefill on GGML blocks)."""
     B, T = tok.shape
     idx = np.broadcast_to(np.asarray(T - 1 if output_index is None else output_index,
                                      dtype=np.int64).reshape(-1), (B,))
     with model.backend.prompt_rows():
-        model._run(tok[:, :-1], start_pos, cache, train=False, head=False)
+        model._run(tok, start_pos, cache, train=False, head=False)
     starts = np.broadcast_to(np.asarray(start_pos, dtype=np.int64).reshape(-1), (B,))
-    return model.backend.decode_step(model, tok[np.arange(B), idx][:, None], starts + idx, cache)
+    # the last tokens' rows as prefilled, of the sequences given two tokens or more (one token
+    # is a decode step, as it is alone)
+    b = np.flatnonzero(idx >= 1)
+    last = (b, (starts + idx)[b])
+    rows = [a[last].copy() for a in cache.k + cache.v]
+    logits = model.backend.decode_step(model, tok[np.arange(B), idx][:, None], starts + idx,
+                                       cache)
+    for a, r in zip(cache.k + cache.v, rows):
+        a[last] = r
+    return logits

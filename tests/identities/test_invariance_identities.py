@@ -14,7 +14,8 @@ from minillama.core.quant import QuantMatrix, dequantize
 from minillama.identities import BY_NAME, Subject, run_identity, select
 from minillama.identities.runner import NOT_GUARANTEED, format_row, summary
 
-NAMES = ("batch_invariance", "prefix_cache_invariance", "next_turn_invariance",
+NAMES = ("batch_invariance", "prefix_cache_invariance", "chunked_prefill_invariance",
+         "next_turn_invariance",
          "thread_invariance", "prefill_decode_invariance", "float_decode_batch_invariance",
          "float_decode_thread_invariance", "speculative_equals_greedy")
 #: what numba promises on float weights whatever the product mode
@@ -28,7 +29,7 @@ def _numba():
         pytest.skip(f"numba backend unavailable: {e}")
 
 
-def test_the_catalog_holds_the_eight_and_the_reference_promises_none():
+def test_the_catalog_holds_the_nine_and_the_reference_promises_none():
     assert [i.name for i in select(topics=("invariance",))] == list(NAMES)
     assert all(BY_NAME[n].exact for n in NAMES)
     assert get_backend("reference").invariance == frozenset()
@@ -44,9 +45,9 @@ def test_numba_keeps_its_promises_bit_for_bit(monkeypatch):
     assert be.invariance == {"batch", "prefix_cache", "threads", "speculative"} | FLOATS
     results = [run_identity(BY_NAME[n], Subject(be, np.float32), examples=8, seed=1)
                for n in NAMES]
-    assert [r.status for r in results] == ["pass"] * 4 + [NOT_GUARANTEED] + ["pass"] * 3
-    assert all(r.worst == 0.0 for i, r in enumerate(results) if i != 4)
-    assert "not guaranteed (largest difference" in format_row(results[4], 30)
+    assert [r.status for r in results] == ["pass"] * 5 + [NOT_GUARANTEED] + ["pass"] * 3
+    assert all(r.worst == 0.0 for i, r in enumerate(results) if i != 5)
+    assert "not guaranteed (largest difference" in format_row(results[5], 30)
     assert "1 not guaranteed by the backend" in summary(results)
     monkeypatch.setenv("MINILLAMA_QUANT_DOTS", "float")  # float products: the floats' left
     assert be.invariance == FLOATS
