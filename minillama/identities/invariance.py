@@ -177,14 +177,18 @@ def _threads(s: Subject, ex: dict) -> float:
     return max(deviation(w, g) for w, g in zip(*runs))
 
 
-def _prefill_decode(s: Subject, ex: dict) -> float:
-    model = block_model(s, ex["seed"])
+def _prefill_decode(s: Subject, ex: dict, make=block_model) -> float:
+    model = make(s, ex["seed"])
     P = ex["P"]
     prompt = _tokens(ex["seed"], P)
     want = s.logits(model, prompt[None], cache=model.new_cache(1), last_only=True)[0]
     cache = model.new_cache(1)  # the same prompt fed one token at a time
     got = _steps(s, model, cache, prompt[None], [0])[-1][0]
     return deviation(want, got)
+
+
+def _float_prefill_decode(s: Subject, ex: dict) -> float:
+    return _prefill_decode(s, ex, float_model)
 
 
 def _prefilled_alone(s: Subject, model, prompts) -> object:
@@ -324,6 +328,16 @@ IDENTITIES = [
         tolerance="zero where the backend promises it; else reported",
         ops=MODEL_FORWARD_OPS, fn=_float_threads, for_functions=False,
         exact="float_decode_threads"),
+    Identity(
+        name="float_prefill_decode_invariance", topic="invariance",
+        statement="On float32 weights, a prompt's last logits are the same bit for bit "
+                  "prefilled at once and fed one token at a time through decode steps.",
+        equation=r"z(x_{0:P})_{P-1} \equiv \mathrm{step}(x_{P-1} \mid \mathrm{steps}(x_{0:P-1}))",
+        strategy=st.fixed_dictionaries({"seed": ids.seeds, "P": st.integers(2, MAX_PROMPT)}),
+        tolerance="zero where the backend promises it (none does: a float prompt's products "
+                  "take BLAS); else reported",
+        ops=MODEL_FORWARD_OPS, fn=_float_prefill_decode, for_functions=False,
+        exact="float_prefill_decode"),
     Identity(
         name="speculative_equals_greedy", topic="invariance",
         statement="After a prompt, one verification step over k drafted tokens (the rows at "
