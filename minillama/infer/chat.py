@@ -5,7 +5,8 @@ r"""Chat sessions over a model's own chat template
   whole conversation again (templates are not prefix-stable in general: some rewrite earlier
   turns), keeps the cached positions of the longest common token prefix
   :math:`n = \max\{k : c_{<k} = t_{<k}\}` of the cached ids c and the new ids t (at most
-  |t| - 1, so that one position is fed to get the next logits), and prefills only
+  |t| - 1, so that one position is fed to get the next logits; |t| - 2 on GGML block weights:
+  :meth:`~minillama.model.transformer.Transformer.prefill_start`), and prefills only
   :math:`t_{n:}` at positions n, n+1, ... (rows past them still hold the old turn's K/V but
   are never read: attention reads positions below the one it feeds, and later writes overwrite
   them). The cached ids are those whose rows the model lets a later prompt keep
