@@ -105,22 +105,24 @@ class PrefixRows:
         self.take(row)
 
     def best(self, prompt: np.ndarray, free_from: int, running, model) -> tuple[int, int]:
-        """(row, c): the row whose cached ids share the longest prefix c with ``prompt`` (c at
-        most ``model.prefill_start``'s cap: a token or two are always fed), among the free rows
-        ``free_from``.. and the prompts of the ``running`` slots (rows 0..), of which the first
-        ``model.reusable_rows(len(p), len(p))`` rows of a prompt p may be kept; (-1, 0) when
-        none shares any."""
-        cap = model.prefill_start(len(prompt), len(prompt))
+        """(row, c): the row whose cached ids share the longest prefix c with ``prompt``, among
+        the free rows ``free_from``.. and the prompts of the ``running`` slots (rows 0..), of
+        which the first ``model.reusable_rows(len(p), len(p))`` rows of a prompt p may be kept;
+        c is where the prefill starts (``model.prefill_start``: a token or two are always fed;
+        one with its row kept only from a free row, which moves whole); (-1, 0) when none
+        shares any."""
+        P = len(prompt)
         best, best_c = -1, 0
         for row in range(free_from, len(self.held)):
             h = self.held[row]
             if h is not None:
-                c = min(common_prefix(h, prompt), cap)
+                c = model.prefill_start(common_prefix(h, prompt), P, keep_last=True)
                 if c > best_c or (c == best_c and c and self.stamp[row] > self.stamp[best]):
                     best, best_c = row, c
         for row, s in enumerate(running):
-            P = len(s.req.prompt_array)
-            c = min(common_prefix(s.req.prompt_array, prompt), cap, model.reusable_rows(P, P))
+            n = len(s.req.prompt_array)
+            common = min(common_prefix(s.req.prompt_array, prompt), model.reusable_rows(n, n))
+            c = model.prefill_start(common, P)
             if c > best_c:
                 best, best_c = row, c
         return best, best_c
@@ -174,10 +176,10 @@ class Admission:
         if not self.reuse:
             return -1, 0
         n, P = len(self._slots), len(r.prompt_ids)
-        cap = self.model.prefill_start(P, P)
         row, c = self.rows.best(r.prompt_array, n + len(warm), self._slots, self.model)
         for j, (q, cq) in enumerate(warm):
-            cj = min(common_prefix(q.prompt_array, r.prompt_array), cq, cap)
+            cj = self.model.prefill_start(min(common_prefix(q.prompt_array, r.prompt_array),
+                                              cq), P)
             if cj > c:
                 row, c = n + j, cj
         return row, c
@@ -213,13 +215,19 @@ class Admission:
         for b, x in enumerate(rests):
             block[b, :len(x)] = x
         starts = np.array([c for _, c in group], dtype=np.int64)
+        # a prompt whose last token's row is cached (a free row moved here whole) has that row
+        # kept while the decode step gives its logits (``prefill_start``'s keep_last)
+        last = [b for b, x in enumerate(rests) if len(x) == 1] if (
+            self.model.decode_rows_differ) else []
         try:
-            if k == 1:
-                logits = self.model.forward(block, int(starts[0]), self._view(n, n + 1),
-                                            last_only=True)
-            else:
-                logits = self.model.forward(block, starts, self._view(n, n + k),
-                                            output_index=np.array([len(x) - 1 for x in rests]))
+            with self._view(n, n + k).kept(last, starts[last]):
+                if k == 1:
+                    logits = self.model.forward(block, int(starts[0]), self._view(n, n + 1),
+                                                last_only=True)
+                else:
+                    logits = self.model.forward(block, starts, self._view(n, n + k),
+                                                output_index=np.array([len(x) - 1
+                                                                       for x in rests]))
         except MinillamaError as e:
             for r, _ in group:
                 r._fail(str(e))

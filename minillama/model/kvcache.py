@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from minillama.core.config import ModelConfig
@@ -73,6 +75,18 @@ class KVCache:
         view.k = [a[lo:hi] for a in self.k]
         view.v = [a[lo:hi] for a in self.v]
         return view
+
+    @contextlib.contextmanager
+    def kept(self, seqs, positions):
+        """Within it writes may land anywhere; at its end the K/V rows of sequences ``seqs`` at
+        ``positions`` (equal-length int arrays) are put back as they were when it began."""
+        at = (np.asarray(seqs, dtype=np.int64), np.asarray(positions, dtype=np.int64))
+        saved = [a[at].copy() for a in self.k + self.v]
+        try:
+            yield
+        finally:
+            for a, r in zip(self.k + self.v, saved):
+                a[at] = r
 
     @property
     def nbytes(self) -> int:

@@ -216,23 +216,30 @@ class Transformer:
         prefill wrote (:func:`_prompt_then_step`): a kept row computed by a decode step would
         give the later prompt other logits than a cold prefill of it. Elsewhere every
         position."""
-        if self._decode_rows_differ():
+        if self.decode_rows_differ:
             # a one-token prompt is a decode step: its row is no prefill's
             return min(int(positions), int(prompt_len)) if prompt_len >= 2 else 0
         return int(positions)
 
-    def prefill_start(self, common: int, prompt_len: int) -> int:
+    def prefill_start(self, common: int, prompt_len: int, keep_last: bool = False) -> int:
         """Where the prefill of a prompt of ``prompt_len`` tokens starts when its first
         ``common`` ids' K/V rows are cached (:meth:`reusable_rows`): at most one token before its
-        end, so that its last logits are computed; at most two where decode steps sum in another
-        order than a prefill, since a call of one token with a cache is a decode step, whose
-        row a later prompt could not keep."""
-        fed = 2 if self._decode_rows_differ() else 1
-        return max(0, min(int(common), int(prompt_len) - fed))
+        end, so that its last logits are computed. Where :attr:`decode_rows_differ`, at most two
+        (a call of one token with a cache is a decode step, whose row is no prefill's), except
+        with ``keep_last`` when the cache holds every row of the prompt: then one, the caller
+        keeping that last row (:meth:`~minillama.model.kvcache.KVCache.kept`) while the decode
+        step gives its logits, as a cold prefill does."""
+        if not self.decode_rows_differ:
+            return max(0, min(int(common), int(prompt_len) - 1))
+        if keep_last and common >= prompt_len:
+            return int(prompt_len) - 1
+        return max(0, min(int(common), int(prompt_len) - 2))
 
-    def _decode_rows_differ(self) -> bool:
+    @property
+    def decode_rows_differ(self) -> bool:
         """Whether the backend computes a prompt's rows alike whatever their count, in another
-        order than its decode steps (numba on GGML blocks: :func:`_rows_alike`)."""
+        order than its decode steps (numba on GGML blocks: :func:`_rows_alike`): then a cache row
+        a decode step wrote is no prefill's."""
         return _rows_alike(self) and "prefill_decode" not in self.backend.invariance
 
     # ========================================================================================
@@ -756,10 +763,6 @@ def _prompt_then_step(model, tok, start_pos, cache, output_index):
     # the last tokens' rows as prefilled, of the sequences given two tokens or more (one token
     # is a decode step, as it is alone)
     b = np.flatnonzero(idx >= 1)
-    last = (b, (starts + idx)[b])
-    rows = [a[last].copy() for a in cache.k + cache.v]
-    logits = model.backend.decode_step(model, tok[np.arange(B), idx][:, None], starts + idx,
-                                       cache)
-    for a, r in zip(cache.k + cache.v, rows):
-        a[last] = r
-    return logits
+    with cache.kept(b, (starts + idx)[b]):
+        return model.backend.decode_step(model, tok[np.arange(B), idx][:, None], starts + idx,
+                                         cache)

@@ -601,6 +601,60 @@ def test_a_second_turn_on_block_weights_equals_a_cold_run_bit_for_bit():
         assert runs[0].cached_tokens == len(first) and runs[1].cached_tokens == 0
         assert runs[0].tokens == runs[1].tokens
         assert runs[0].token_logprobs == runs[1].token_logprobs
+        # the same second turn again: all its rows are cached, one token is fed (its row kept
+        # as the prefill wrote it), and it gets the cold run's numbers; a third turn after it too
+        again = warm.submit(second, max_tokens=12, logprobs=5)
+        list(again.events(timeout=120))
+        assert again.cached_tokens == len(second) - 1
+        assert again.token_logprobs == runs[1].token_logprobs
+        third = second + again.tokens + rng.integers(0, VOCAB, 3).tolist()
+        runs = [e.submit(third, max_tokens=8, logprobs=5) for e in (warm, cold)]
+        for r in runs:
+            list(r.events(timeout=120))
+        assert runs[0].cached_tokens == len(second)
+        assert runs[0].token_logprobs == runs[1].token_logprobs
+    finally:
+        warm.close()
+        cold.close()
+
+
+def test_smollm2_repeats_and_second_turns_get_the_cold_numbers_bit_for_bit(smollm2_gguf,
+                                                                          monkeypatch):
+    """SmolLM2's Q4_1 file on numba with its default 8-bit products: a chat request sent again
+    (all its rows cached: one token fed, its row kept as the prefill wrote it) and the
+    conversation's second turn after it (the reply's rows prefilled again) get the
+    log-probabilities of an engine that reuses nothing, bit for bit."""
+    pytest.importorskip("jinja2")
+    from minillama.backends import available_backends
+    from minillama.io.chat_template import encode_rendered, render_chat, stop_ids
+    from minillama.io.load import load_model
+
+    if "numba" not in available_backends():
+        pytest.skip("numba is not installed")
+    monkeypatch.delenv("MINILLAMA_QUANT_DOTS", raising=False)
+    model, tok = load_model(smollm2_gguf, backend="numba")
+    stops = stop_ids(tok)
+    turn1 = [{"role": "user", "content": "Tell me about a violin."}]
+    p1 = encode_rendered(tok, render_chat(tok, turn1))
+    warm = Engine(model, max_batch=2, max_seq_len=256)
+    cold = Engine(model, max_batch=2, max_seq_len=256, prefix_reuse=False)
+
+    def both(prompt, engines):
+        runs = [e.submit(prompt, max_tokens=24, stop_ids=stops, logprobs=3) for e in engines]
+        for r in runs:
+            list(r.events(timeout=300))
+        return runs
+
+    try:
+        first, want = both(p1, (warm, cold))
+        again, = both(p1, (warm,))
+        assert again.cached_tokens == len(p1) - 1
+        assert first.token_logprobs == want.token_logprobs == again.token_logprobs
+        turn2 = turn1 + [{"role": "assistant", "content": tok.decode(again.tokens)},
+                         {"role": "user", "content": "And a cello?"}]
+        got, want = both(encode_rendered(tok, render_chat(tok, turn2)), (warm, cold))
+        assert got.cached_tokens >= len(p1) and want.cached_tokens == 0
+        assert got.tokens == want.tokens and got.token_logprobs == want.token_logprobs
     finally:
         warm.close()
         cold.close()

@@ -66,6 +66,9 @@ def test_smollm2_kept_rows_are_a_prefills(smol):
     assert model.reusable_rows(1, 5) == 0  # a one-token prompt is a decode step
     assert model.prefill_start(len(prompt), len(prompt)) == len(prompt) - 2
     assert model.prefill_start(3, 2) == 0
+    # every row of the prompt cached: one token fed, its row kept by the caller
+    assert model.prefill_start(len(prompt), len(prompt), keep_last=True) == len(prompt) - 1
+    assert model.prefill_start(len(prompt) - 1, len(prompt), keep_last=True) == len(prompt) - 2
     turn = prompt + reply
     _, want = _run(model, turn, [], [])
     _, got = _run(model, turn, [len(prompt)], [])
