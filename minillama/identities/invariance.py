@@ -236,6 +236,12 @@ def _speculative(s: Subject, ex: dict) -> float:
     return max(deviation(w, g) for w, g in zip(want, got))
 
 
+def _prompts(lo: int, hi: int, fields) -> st.SearchStrategy:
+    """Examples of a seed, a prompt length P in lo..hi and the strategies ``fields(P)``."""
+    return st.integers(lo, hi).flatmap(lambda P: st.fixed_dictionaries({
+        "seed": ids.seeds, "P": st.just(P), **fields(P)}))
+
+
 _PROMPT = st.integers(1, MAX_PROMPT)
 #: a prompt stepped beside 1-3 others, and one on 1 and 2-4 threads
 _BESIDE = st.fixed_dictionaries({"seed": ids.seeds, "P": _PROMPT, "steps": st.integers(1, 3),
@@ -261,9 +267,8 @@ IDENTITIES = [
                   "request's cache (a rest of two tokens or more: a call of one token with a "
                   "cache is a decode step).",
         equation=r"z(x_{c:P} \mid \mathrm{cache}(x_{0:c})) \equiv z(x_{0:P})_{c:P}",
-        strategy=st.integers(3, MAX_PROMPT).flatmap(lambda P: st.fixed_dictionaries({
-            "seed": ids.seeds, "P": st.just(P), "cached": st.integers(1, P - 2),
-            "extra": st.integers(1, 9)})),
+        strategy=_prompts(3, MAX_PROMPT, lambda P: {"cached": st.integers(1, P - 2),
+                                                    "extra": st.integers(1, 9)}),
         tolerance="zero where the backend promises it; else reported",
         ops=MODEL_FORWARD_OPS, fn=_prefix_cache, for_functions=False, exact="prefix_cache"),
     Identity(
@@ -274,9 +279,8 @@ IDENTITIES = [
                   "asked for its last logits.",
         equation=r"z(x_{c_k:P} \mid \mathrm{cache}(x_{0:c_1}, \dots, x_{c_{k-1}:c_k})) "
                  r"\equiv z(x_{0:P})_{c_k:P}",
-        strategy=st.integers(2, MAX_PROMPT).flatmap(lambda P: st.fixed_dictionaries({
-            "seed": ids.seeds, "P": st.just(P),
-            "cuts": st.lists(st.integers(1, P - 1), min_size=1, max_size=4)})),
+        strategy=_prompts(2, MAX_PROMPT, lambda P: {
+            "cuts": st.lists(st.integers(1, P - 1), min_size=1, max_size=4)}),
         tolerance="zero where the backend promises prefix-cache invariance; else reported",
         ops=MODEL_FORWARD_OPS, fn=_chunks, for_functions=False, exact="prefix_cache"),
     Identity(
@@ -287,9 +291,8 @@ IDENTITIES = [
                   "prompt keep (Transformer.reusable_rows), as chat and the server keep them.",
         equation=r"z(t_{c:} \mid \mathrm{cache}_{<c}(x, y)) \equiv z(t)_{c:},\ "
                  r"t = (x, y, u),\ c = \mathrm{reusable}(|x|, |x| + |y|)",
-        strategy=st.integers(1, MAX_PROMPT - 12).flatmap(lambda P: st.fixed_dictionaries({
-            "seed": ids.seeds, "P": st.just(P), "reply": st.integers(1, 8),
-            "extra": st.integers(1, 4)})),
+        strategy=_prompts(1, MAX_PROMPT - 12, lambda P: {"reply": st.integers(1, 8),
+                                                        "extra": st.integers(1, 4)}),
         tolerance="zero where the backend promises prefix-cache invariance; else reported",
         ops=MODEL_FORWARD_OPS, fn=_next_turn, for_functions=False, exact="prefix_cache"),
     Identity(
@@ -345,9 +348,8 @@ IDENTITIES = [
                   "logits bit for bit of feeding the tokens one decode step at a time, so "
                   "speculative decoding keeps the greedy tokens.",
         equation=r"\mathrm{verify}(d_{0:k} \mid x)_i \equiv \mathrm{step}(d_i \mid x, d_{0:i})",
-        strategy=st.integers(1, MAX_PROMPT).flatmap(lambda P: st.fixed_dictionaries({
-            "seed": ids.seeds, "P": st.just(P),
-            "rows": st.integers(1, min(16, CONTEXT - P))})),
+        strategy=_prompts(1, MAX_PROMPT, lambda P: {
+            "rows": st.integers(1, min(16, CONTEXT - P))}),
         tolerance="zero where the backend promises it; else reported",
         ops=MODEL_FORWARD_OPS, fn=_speculative, for_functions=False, exact="speculative"),
 ]
