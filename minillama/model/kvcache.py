@@ -81,6 +81,9 @@ class KVCache:
         """Within it writes may land anywhere; at its end the K/V rows of sequences ``seqs`` at
         ``positions`` (equal-length int arrays) are put back as they were when it began."""
         at = (np.asarray(seqs, dtype=np.int64), np.asarray(positions, dtype=np.int64))
+        if not at[0].size:  # nothing to keep (on any array library)
+            yield
+            return
         saved = [a[at].copy() for a in self.k + self.v]
         try:
             yield

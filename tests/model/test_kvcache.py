@@ -167,3 +167,28 @@ def test_a_half_cache_is_the_float32_math_on_k_and_v_rounded_to_half(backend_nam
     np.testing.assert_array_equal(half.logits, rounded.logits)
     for a, r in zip(half.k + half.v, rounded.k + rounded.v):
         np.testing.assert_array_equal(a.astype(np.float32), r)
+
+
+def test_kept_rows_are_put_back_and_the_rest_stays_written():
+    """``KVCache.kept``: the named (sequence, position) rows of every layer's K and V are as they
+    were before the block, also when it raises; every other write in it stays; none named is a
+    no-op."""
+    cfg = ModelConfig(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=5, hidden_dim=4,
+                      max_seq_len=6)
+    cache = KVCache(cfg, 3, dtype=np.float32)
+    for i, a in enumerate(cache.k + cache.v):
+        a[...] = np.arange(a.size, dtype=np.float32).reshape(a.shape) + 100 * i
+    before = [a.copy() for a in cache.k + cache.v]
+    with pytest.raises(RuntimeError):
+        with cache.kept([0, 2], [4, 1]):
+            for a in cache.k + cache.v:
+                a[...] = -1.0
+            raise RuntimeError("a failing step")
+    for a, b in zip(cache.k + cache.v, before):
+        assert np.array_equal(a[[0, 2], [4, 1]], b[[0, 2], [4, 1]])
+        rest = np.ones(a.shape[:2], dtype=bool)
+        rest[[0, 2], [4, 1]] = False
+        assert (a[rest] == -1.0).all()
+    with cache.kept([], []):
+        cache.k[0][1, 3] = 7.0
+    assert (cache.k[0][1, 3] == 7.0).all()
