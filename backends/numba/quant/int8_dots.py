@@ -13,11 +13,15 @@ the type and A, B the scales (and mins) of its block or sub-block, so
     \sum_k w_k x_k ~ \sum_b d_b A_b \sum_{k in b} u_k xq_k - (o A_b + B_b) d_b \sum_{k in b} xq_k.
 
 The first sum is an integer dot of unsigned by signed bytes: ``vpdpbusd`` (AVX512-VNNI, 64
-products into 16 lanes of 4) where the host has it, else portable IR (widen to i32, multiply,
-add groups of 4) that LLVM lowers for any target. Each group of 4 products is converted to
-float32 and multiplied by its scale with a fused multiply-add, the second term by one more
-fused multiply-add against ``xs``; one horizontal sum per row. The 16-lane accumulators hold
-64 values (two blocks of 32, or two 32-runs of a K super-block).
+products into 16 lanes of 4) where the host has it; else, with AVX2, ``vpmaddubsw`` (pairs of
+products into 16 bits) then ``vpmaddwd`` against ones (pairs of pairs into 32 bits), exact
+where no pair can leave 16 bits (the codes of every type but Q8_0; Q8_0's bytes are split into
+their low 7 bits and their top bit, two such dots); else portable IR (widen to i32, multiply,
+add groups of 4) that LLVM lowers for any target. All three give the same integers. Each
+group of 4 products is converted to float32 and multiplied by its scale with a fused
+multiply-add, the second term by one more fused multiply-add against ``xs``; one horizontal sum
+per row. The 16-lane accumulators hold 64 values (two blocks of 32, or two 32-runs of a K
+super-block).
 
 Q8_0's signed codes become u = q + 128 (o = 128), Q4_0 o = 8, Q5_0 o = 16, Q6_K o = 32,
 Q3_K u = q + 4 (o = 4); the types with mins (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) have o = 0 and B.
@@ -63,6 +67,8 @@ VNNI = "+avx512vnni" in _FEATS and "+avx512bw" in _FEATS
 GFNI = "+gfni" in _FEATS and "+avx512bw" in _FEATS
 #: LLVM 21 on takes the byte operands of the VNNI intrinsics as byte vectors (before: i32 lanes)
 _VNNI_BYTES = binding.llvm_version_info[0] >= 21
+#: without VNNI, byte pairs by ``vpmaddubsw`` and ``vpmaddwd`` (ymm) where the host has AVX2
+AVX2 = "+avx2" in _FEATS
 
 #: the GGML type ids with an integer kernel, blocks of 32 and K super-blocks of 256
 _TYPES32 = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)
@@ -117,10 +123,59 @@ def int8_enabled() -> bool:
 # ---------------------------------------------------------------------------------------------
 # IR pieces
 # ---------------------------------------------------------------------------------------------
-def _dot4(builder, u, s, vnni, acc=None):
-    """Sums of 4 consecutive products u_k s_k (u unsigned, s signed bytes, <n x i8>) as
-    <n/4 x i32>, added to acc (<n/4 x i32>) when given."""
+def fits16(qt):
+    """Whether every pair u_k s_k + u_{k+1} s_{k+1} of GGML type qt's dots lies in 16 bits, in
+    the row kernels (u its codes, at most 63; s the activations' codes, |s| <= 127) and in the
+    GEMM of :mod:`.int8_gemm` (u the activations' codes + 128, at most 255; s the signed codes,
+    |s| <= 32): every type but Q8_0, whose codes take all 8 bits."""
+    return qt != Q8_0
+
+
+def _pairs(builder, name, width, a, b, ret):
+    """An x86 pairwise multiply-add intrinsic ``name`` (``width`` lanes of a's type per call)
+    over the vectors a and b, by chunks, the results concatenated (of element type ret)."""
+    n = a.type.count
+    outs = []
+    for c in range(0, n, width):
+        ac, bc = (_shuf(builder, v, range(c, c + width)) if width < n else v for v in (a, b))
+        fn = _fn(builder, name, _vec(ret, width // 2), [ac.type, bc.type])
+        outs.append(builder.call(fn, [ac, bc]))
+    while len(outs) > 1:
+        outs = [_cat(builder, outs[i], outs[i + 1]) for i in range(0, len(outs), 2)]
+    return outs[0]
+
+
+def _dot4_avx2(builder, u, s, fits16):
+    """:func:`_dot4` by ``vpmaddubsw`` (u_k s_k + u_{k+1} s_{k+1} in 16 bits, saturating) and
+    ``vpmaddwd`` (adjacent 16-bit sums times 1 or 128, added in 32 bits). ``fits16``: the caller
+    knows every pair sum lies in 16 bits, so one pass is exact; else u = (u & 127) + 128 (u >> 7),
+    two passes, each exact since |s| <= 128 (127 * 128 * 2 = 32512)."""
     n = u.type.count
+    w = 32 if n % 32 == 0 else 16
+    ub = ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.ssse3.pmadd.ub.sw.128")[w == 16]
+    wd = ("llvm.x86.avx2.pmadd.wd", "llvm.x86.sse2.pmadd.wd")[w == 16]
+    I16 = ir.IntType(16)
+
+    def part(v, scale):
+        return _pairs(builder, wd, w // 2, _pairs(builder, ub, w, v, s, I16),
+                      _const(I16, n // 2, [scale] * (n // 2)), _I32)
+
+    if fits16:
+        return part(u, 1)
+    lo = builder.and_(u, _const(_I8, n, [127] * n))
+    hi = builder.lshr(u, _const(_I8, n, [7] * n))
+    return builder.add(part(lo, 1), part(hi, 128))
+
+
+def _dot4(builder, u, s, vnni, acc=None, fits16=False):
+    """Sums of 4 consecutive products u_k s_k (u unsigned, s signed bytes with |s| <= 128,
+    <n x i8>) as <n/4 x i32>, added to acc (<n/4 x i32>) when given. ``fits16``: the caller
+    knows |u_k s_k + u_{k+1} s_{k+1}| < 2^15 for every pair (:func:`fits16`: a shorter AVX2
+    path)."""
+    n = u.type.count
+    if not vnni and AVX2 and n % 16 == 0:
+        out = _dot4_avx2(builder, u, s, fits16)
+        return out if acc is None else builder.add(acc, out)
     if vnni:
         t = _vec(_I32, n // 4)
         name = f"llvm.x86.avx512.vpdpbusd.{n * 8}"
@@ -263,7 +318,7 @@ def _rows32(qt, vnni):
             i = loop.index
             u, a, m = _pair32(qt, builder, at(pw, i, 2 * size), vnni and GFNI)
             xs = _load(builder, at(pq, i, 64), 0, _vec(_I8, 64))
-            p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 16))
+            p = builder.sitofp(_dot4(builder, u, xs, vnni, fits16=fits16(qt)), _vec(_F32, 16))
             dx = _load(builder, at(pd, i, 8), 0, _vec(_F32, 2), 4)
             builder.store(_fma(builder, p, _shuf(builder, builder.fmul(a, dx), lanes),
                                builder.load(acc)), acc)
@@ -278,7 +333,7 @@ def _rows32(qt, vnni):
         with builder.if_then(odd):
             u, a, m = _block32(qt, builder, at(pw, last, size))
             xs = _load(builder, at(pq, last, 32), 0, _vec(_I8, 32))
-            p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 8))
+            p = builder.sitofp(_dot4(builder, u, xs, vnni, fits16=fits16(qt)), _vec(_F32, 8))
             dx = _load(builder, at(pd, last, 4), 0, _F32, 4)
             sums = _reduce(builder, _load(builder, at(ps, last, 8), 0, _vec(_F32, 2), 4))
             v = _reduce(builder, builder.fmul(p, _splat(builder, builder.fmul(a, dx), 8)))
@@ -313,7 +368,7 @@ def _rows32_multi(qt, vnni, R):
             m = _shuf(builder, m, [0, 0, 1, 1])
             for r in range(R):
                 xs = _load(builder, at(row(pq, sq, r), i, 64), 0, _vec(_I8, 64))
-                p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 16))
+                p = builder.sitofp(_dot4(builder, u, xs, vnni, fits16=fits16(qt)), _vec(_F32, 16))
                 dx = _load(builder, at(row(pd, sd, r), i, 8), 0, _vec(_F32, 2), 4)
                 builder.store(_fma(builder, p, _shuf(builder, builder.fmul(a, dx), lanes),
                                    builder.load(acc[r])), acc[r])
@@ -330,7 +385,7 @@ def _rows32_multi(qt, vnni, R):
             u, a, m = _block32(qt, builder, at(pw, last, size))
             for r in range(R):
                 xs = _load(builder, at(row(pq, sq, r), last, 32), 0, _vec(_I8, 32))
-                p = builder.sitofp(_dot4(builder, u, xs, vnni), _vec(_F32, 8))
+                p = builder.sitofp(_dot4(builder, u, xs, vnni, fits16=fits16(qt)), _vec(_F32, 8))
                 dx = _load(builder, at(row(pd, sd, r), last, 4), 0, _F32, 4)
                 sums = _reduce(builder, _load(builder, at(row(ps, ss, r), last, 8), 0,
                                               _vec(_F32, 2), 4))
@@ -422,8 +477,8 @@ def _rowsk(qt, vnni):
                 lanes = [2 * c + j // 8 for j in range(16)] if n == 8 else \
                     [4 * c + j // 4 for j in range(16)]
                 xs = _load(builder, qx, 64 * c, _vec(_I8, 64))
-                p = builder.sitofp(_dot4(builder, _kchunk(qt, builder, blk, c), xs, vnni),
-                                   _vec(_F32, 16))
+                p = builder.sitofp(_dot4(builder, _kchunk(qt, builder, blk, c), xs, vnni,
+                                         fits16=True), _vec(_F32, 16))
                 a[c % 2] = _fma(builder, p, _shuf(builder, AD, lanes), a[c % 2])
             builder.store(a[0], accs[0])
             builder.store(a[1], accs[1])

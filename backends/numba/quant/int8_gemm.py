@@ -32,7 +32,18 @@ from numba.extending import intrinsic
 
 from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 from .block_types import BY_ID, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
-from .int8_dots import _OFFSET, _TYPES32, _TYPESK, VNNI, _b, _block32, _dot4, _kchunk, quantize_row
+from .int8_dots import (
+    _OFFSET,
+    _TYPES32,
+    _TYPESK,
+    VNNI,
+    _b,
+    _block32,
+    _dot4,
+    _kchunk,
+    fits16,
+    quantize_row,
+)
 from .unpack import _F32, _I8, _I32, _I64, _at, _fma, _half, _kscales, _load, _splat, _vec
 
 #: the GGML type ids with an integer GEMM (those of :data:`.int8_dots.INT8_TYPES`)
@@ -99,7 +110,7 @@ def _make_unpack(qt):
 # ---------------------------------------------------------------------------------------------
 # the tile: 4 rows of W by 32 rows of x
 # ---------------------------------------------------------------------------------------------
-def _tile(G, vnni):
+def _tile(G, vnni, fits):
     def codegen(context, builder, signature, args):
         px, pd, ps, pu, pa, pc, pus, nsub, K, out = args
         R, V = 4, 2
@@ -126,7 +137,7 @@ def _tile(G, vnni):
                                0, _I32, 1)
                     wv = builder.bitcast(_splat(builder, wq, 16), _vec(_I8, 64))
                     for v in range(V):
-                        iacc[r][v] = _dot4(builder, xv[v], wv, vnni, iacc[r][v])
+                        iacc[r][v] = _dot4(builder, xv[v], wv, vnni, iacc[r][v], fits)
             b32 = builder.sdiv(builder.mul(b, c64(G)), c64(32))
             dx, xs = [], []
             for v in range(V):
@@ -156,8 +167,8 @@ def _tile(G, vnni):
     return codegen
 
 
-def _make_tile(G, vnni):
-    gen = _tile(G, vnni)
+def _make_tile(G, vnni, fits=True):
+    gen = _tile(G, vnni, fits)
 
     @intrinsic
     def tile(typingctx, px, pd, ps, pu, pa, pc, pus, nsub, K, out):
@@ -168,7 +179,10 @@ def _make_tile(G, vnni):
     return tile
 
 
+# Q8_0's codes take all 8 bits: its tiles sum byte pairs in two passes without VNNI
+# (:func:`.int8_dots.fits16`); the types of sub-blocks of 16 all fit
 tile32, tile16 = _make_tile(32, VNNI), _make_tile(16, VNNI)
+tile32w = _make_tile(32, VNNI, fits16(Q8_0))
 (unpack_q4_0, unpack_q4_1, unpack_q5_0, unpack_q5_1, unpack_q8_0, unpack_q2_k, unpack_q3_k,
  unpack_q4_k, unpack_q5_k, unpack_q6_k) = (
     _make_unpack(t) for t in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K))
@@ -268,7 +282,9 @@ def _gemm(qt, xt, dt, st, w, y, parts, G):  # pragma: no cover - compiled
                     args = (xt[2 * i2:].ctypes.data, dt[2 * i2:].ctypes.data,
                             st[2 * i2:].ctypes.data, u[r0].ctypes.data, a[r0].ctypes.data,
                             c[r0].ctypes.data, s[r0].ctypes.data, nsub, K, out.ctypes.data)
-                    if G == 32:
+                    if G == 32 and qt == Q8_0:
+                        tile32w(*args)
+                    elif G == 32:
                         tile32(*args)
                     else:
                         tile16(*args)

@@ -128,6 +128,48 @@ def test_vnni_and_portable_kernels_agree(qtype):
     np.testing.assert_array_equal(ys[0], ys[1])
 
 
+def portable(build, monkeypatch):
+    """What ``build()`` compiles with the byte dots as the portable IR (no AVX2 intrinsics):
+    the IR is written when the kernel first compiles, inside the patch."""
+    with monkeypatch.context() as m:
+        m.setattr(I8, "AVX2", False)
+        return build()
+
+
+@pytest.mark.skipif(I8.VNNI or not I8.AVX2, reason="the AVX2 byte dots serve hosts with AVX2 "
+                    "and no AVX512-VNNI")
+@pytest.mark.parametrize("qtype", INT8)
+def test_avx2_and_portable_kernels_agree(qtype, monkeypatch):
+    """vpmaddubsw / vpmaddwd give the integer sums of the portable IR, bit for bit, also at the
+    edges of 16 bits: every activation code +-127 (x of one magnitude), every weight byte
+    random (Q8_0's codes -128..127, the pairs that would saturate in one pass)."""
+    rng = np.random.default_rng(2)
+    K, N = 512, 17
+    qt = QUANT_TYPES[qtype].type_id
+    w = random_matrix(qtype, N, K, rng)
+    for x in (rng.standard_normal(K), np.where(rng.random(K) < 0.5, -1.0, 1.0),
+              np.ones(K)):
+        xq, xd, xs = rounded(x.astype(np.float32))
+        ys = [np.empty(N, np.float32) for _ in range(2)]
+        kernel(qt, False)(w.data, xq, xd, xs, ys[0])
+
+        def build():
+            irow = I8._make(qt, False)
+            per = 8 if qt in I8._TYPESK else 1
+
+            @njit
+            def rows(w, xq, xd, xs, y):
+                for n in range(w.shape[0]):
+                    y[n] = irow(w.ctypes.data + n * w.shape[1], xq.ctypes.data, xd.ctypes.data,
+                                xs.ctypes.data, xd.shape[0] // per)
+
+            rows(w.data, xq, xd, xs, ys[1])
+            return rows
+
+        portable(build, monkeypatch)
+        np.testing.assert_array_equal(ys[0], ys[1])
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_qmatmul_takes_the_int8_path(qtype, monkeypatch):
     """qmatmul with few rows: each row of x rounded and multiplied by the kernel (serial and

@@ -18,7 +18,16 @@ from minillama.backends.numba.quant import int8_gemm as G8  # after the skips: i
 from minillama.core.quant import QUANT_TYPES
 
 # skips where tests/backends/numba/quant/test_int8_dots.py skips (no gguf-py, no numba)
-from tests.backends.numba.quant.test_int8_dots import I8, Q, U, njit, oracle, random_matrix, rounded
+from tests.backends.numba.quant.test_int8_dots import (
+    I8,
+    Q,
+    U,
+    njit,
+    oracle,
+    portable,
+    random_matrix,
+    rounded,
+)
 
 TYPES = sorted(t for t in QUANT_TYPES if QUANT_TYPES[t].type_id in G8.GEMM8_TYPES)
 
@@ -95,6 +104,48 @@ def test_vnni_and_portable_tiles_agree(G):
     np.testing.assert_array_equal(outs[0], outs[1])
     W = oracle(w)
     np.testing.assert_allclose(outs[1], W @ rounded_rows(x).T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(I8.VNNI or not I8.AVX2, reason="the AVX2 byte dots serve hosts with AVX2 "
+                    "and no AVX512-VNNI")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+def test_avx2_and_portable_tiles_agree(qtype, monkeypatch):
+    """The tiles by vpmaddubsw / vpmaddwd (Q8_0's in two passes) against the portable IR: the
+    same integer sums bit for bit, x's codes at +-127 (its bytes + 128 at 1 and 255)."""
+    qt, K = QUANT_TYPES[qtype].type_id, 512
+    G = G8.GROUP[qt]
+    rng = np.random.default_rng(qt)
+    w = random_matrix(qtype, 4, K, rng)
+    x = np.where(rng.random((32, K)) < 0.5, -1.0, 1.0).astype(np.float32)
+    x[:8] *= rng.standard_normal((8, K)).astype(np.float32)
+    xt = np.empty((2, K // 4, 16, 4), np.uint8)
+    dt = np.empty((2, K // 32, 16), np.float32)
+    st = np.empty((2, K // 16, 16), np.float32)
+    G8.pack_x(x, xt, dt, st)
+    nsub = K // G
+    u = np.zeros((4, K), np.int8)
+    a, c = np.zeros((4, nsub), np.float32), np.zeros((4, nsub), np.float32)
+    s = np.zeros((4, nsub), np.int32)
+    for r in range(4):
+        G8._unpack(qt, w.data, r, u[r], a[r], c[r], s[r], G)
+    fits = I8.fits16(qt)
+    outs = []
+
+    def build():
+        tile = G8._make_tile(G, False, fits)
+
+        @njit
+        def run(out):
+            tile(xt.ctypes.data, dt.ctypes.data, st.ctypes.data, u.ctypes.data, a.ctypes.data,
+                 c.ctypes.data, s.ctypes.data, nsub, K, out.ctypes.data)
+
+        out = np.empty((4, 32), np.float32)
+        run(out)
+        outs.append(out)
+
+    build()
+    portable(build, monkeypatch)
+    np.testing.assert_array_equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
