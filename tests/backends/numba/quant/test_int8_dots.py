@@ -43,20 +43,26 @@ VARIANTS = [False] + ([True] if I8.VNNI else [])
 _KERNELS = {}
 
 
+def row_loop(qt: int, vnni: bool):
+    """A new compiled loop calling the row kernel of type qt built with or without VNNI (its IR
+    written when the loop first runs)."""
+    irow = I8._make(qt, vnni)
+    per = 8 if qt in I8._TYPESK else 1
+
+    @njit
+    def rows(w, xq, xd, xs, y):
+        for n in range(w.shape[0]):
+            y[n] = irow(w.ctypes.data + n * w.shape[1], xq.ctypes.data, xd.ctypes.data,
+                        xs.ctypes.data, xd.shape[0] // per)
+
+    return rows
+
+
 def kernel(qt: int, vnni: bool):
-    """A compiled loop calling the row kernel of type qt built with or without VNNI."""
+    """:func:`row_loop`, one per (qt, vnni) for the module."""
     key = (qt, vnni)
     if key not in _KERNELS:
-        irow = I8._make(qt, vnni)
-        per = 8 if qt in I8._TYPESK else 1
-
-        @njit
-        def rows(w, xq, xd, xs, y):
-            for n in range(w.shape[0]):
-                y[n] = irow(w.ctypes.data + n * w.shape[1], xq.ctypes.data, xd.ctypes.data,
-                            xs.ctypes.data, xd.shape[0] // per)
-
-        _KERNELS[key] = rows
+        _KERNELS[key] = row_loop(qt, vnni)
     return _KERNELS[key]
 
 
@@ -153,20 +159,7 @@ def test_avx2_and_portable_kernels_agree(qtype, monkeypatch):
         ys = [np.empty(N, np.float32) for _ in range(2)]
         kernel(qt, False)(w.data, xq, xd, xs, ys[0])
 
-        def build():
-            irow = I8._make(qt, False)
-            per = 8 if qt in I8._TYPESK else 1
-
-            @njit
-            def rows(w, xq, xd, xs, y):
-                for n in range(w.shape[0]):
-                    y[n] = irow(w.ctypes.data + n * w.shape[1], xq.ctypes.data, xd.ctypes.data,
-                                xs.ctypes.data, xd.shape[0] // per)
-
-            rows(w.data, xq, xd, xs, ys[1])
-            return rows
-
-        portable(build, monkeypatch)
+        portable(lambda: row_loop(qt, False)(w.data, xq, xd, xs, ys[1]), monkeypatch)
         np.testing.assert_array_equal(ys[0], ys[1])
 
 

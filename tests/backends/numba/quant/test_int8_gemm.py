@@ -70,15 +70,13 @@ def test_gemm_against_the_rounded_activations(qtype):
         assert np.all(np.abs(y - exact) <= bound), qtype
 
 
-@pytest.mark.skipif(not I8.VNNI, reason="the host has no AVX512-VNNI")
-@pytest.mark.parametrize("G", [32, 16])
-def test_vnni_and_portable_tiles_agree(G):
-    """The same integer sums, the same float operations: bit for bit."""
-    qtype = "Q4_K" if G == 32 else "Q6_K"
-    qt, K = QUANT_TYPES[qtype].type_id, 512
-    rng = np.random.default_rng(G)
+def tile_runner(qtype, x, rng):
+    """(w, run): 4 random rows w of type qtype unpacked, x (32, K) packed, and run(tile) that
+    calls a tile (:func:`.int8_gemm._make_tile`) on them in a new compiled function (its IR
+    written then) and returns its (4, 32) outputs."""
+    qt, K = QUANT_TYPES[qtype].type_id, x.shape[1]
+    G = G8.GROUP[qt]
     w = random_matrix(qtype, 4, K, rng)
-    x = rng.standard_normal((32, K)).astype(np.float32)
     xt = np.empty((2, K // 4, 16, 4), np.uint8)
     dt = np.empty((2, K // 32, 16), np.float32)
     st = np.empty((2, K // 16, 16), np.float32)
@@ -89,18 +87,29 @@ def test_vnni_and_portable_tiles_agree(G):
     s = np.zeros((4, nsub), np.int32)
     for r in range(4):
         G8._unpack(qt, w.data, r, u[r], a[r], c[r], s[r], G)
-    outs = []
-    for vnni in (False, True):
-        tile = G8._make_tile(G, vnni)
 
+    def run(tile):
         @njit
-        def run(out, tile=tile):
+        def call(out):
             tile(xt.ctypes.data, dt.ctypes.data, st.ctypes.data, u.ctypes.data, a.ctypes.data,
                  c.ctypes.data, s.ctypes.data, nsub, K, out.ctypes.data)
 
         out = np.empty((4, 32), np.float32)
-        run(out)
-        outs.append(out)
+        call(out)
+        return out
+
+    return w, run
+
+
+@pytest.mark.skipif(not I8.VNNI, reason="the host has no AVX512-VNNI")
+@pytest.mark.parametrize("G", [32, 16])
+def test_vnni_and_portable_tiles_agree(G):
+    """The same integer sums, the same float operations: bit for bit."""
+    qtype = "Q4_K" if G == 32 else "Q6_K"
+    rng = np.random.default_rng(G)
+    x = rng.standard_normal((32, 512)).astype(np.float32)
+    w, run = tile_runner(qtype, x, rng)
+    outs = [run(G8._make_tile(G, vnni)) for vnni in (False, True)]
     np.testing.assert_array_equal(outs[0], outs[1])
     W = oracle(w)
     np.testing.assert_allclose(outs[1], W @ rounded_rows(x).T, rtol=1e-4, atol=1e-4)
@@ -112,40 +121,16 @@ def test_vnni_and_portable_tiles_agree(G):
 def test_avx2_and_portable_tiles_agree(qtype, monkeypatch):
     """The tiles by vpmaddubsw / vpmaddwd (Q8_0's in two passes) against the portable IR: the
     same integer sums bit for bit, x's codes at +-127 (its bytes + 128 at 1 and 255)."""
-    qt, K = QUANT_TYPES[qtype].type_id, 512
-    G = G8.GROUP[qt]
+    qt = QUANT_TYPES[qtype].type_id
     rng = np.random.default_rng(qt)
-    w = random_matrix(qtype, 4, K, rng)
-    x = np.where(rng.random((32, K)) < 0.5, -1.0, 1.0).astype(np.float32)
-    x[:8] *= rng.standard_normal((8, K)).astype(np.float32)
-    xt = np.empty((2, K // 4, 16, 4), np.uint8)
-    dt = np.empty((2, K // 32, 16), np.float32)
-    st = np.empty((2, K // 16, 16), np.float32)
-    G8.pack_x(x, xt, dt, st)
-    nsub = K // G
-    u = np.zeros((4, K), np.int8)
-    a, c = np.zeros((4, nsub), np.float32), np.zeros((4, nsub), np.float32)
-    s = np.zeros((4, nsub), np.int32)
-    for r in range(4):
-        G8._unpack(qt, w.data, r, u[r], a[r], c[r], s[r], G)
-    fits = I8.fits16(qt)
-    outs = []
+    x = np.where(rng.random((32, 512)) < 0.5, -1.0, 1.0).astype(np.float32)
+    x[:8] *= rng.standard_normal((8, 512)).astype(np.float32)
+    _, run = tile_runner(qtype, x, rng)
 
     def build():
-        tile = G8._make_tile(G, False, fits)
+        return run(G8._make_tile(G8.GROUP[qt], False, I8.fits16(qt)))
 
-        @njit
-        def run(out):
-            tile(xt.ctypes.data, dt.ctypes.data, st.ctypes.data, u.ctypes.data, a.ctypes.data,
-                 c.ctypes.data, s.ctypes.data, nsub, K, out.ctypes.data)
-
-        out = np.empty((4, 32), np.float32)
-        run(out)
-        outs.append(out)
-
-    build()
-    portable(build, monkeypatch)
-    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(build(), portable(build, monkeypatch))
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
