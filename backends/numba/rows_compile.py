@@ -96,14 +96,45 @@ def start_worker(kind: str) -> subprocess.Popen:
                             preexec_fn=lower if os.name == "posix" else None)
 
 
+def lock_path(dispatcher, kind: str) -> str:
+    """The lock file of ``kind``'s workers: in the kernel's disk cache folder (one per cache,
+    as every process that shares the cache shares the lock), else the temporary folder."""
+    import tempfile
+
+    try:
+        folder = dispatcher._cache._cache_path
+    except Exception:  # another Numba's internals
+        folder = tempfile.gettempdir()
+    return os.path.join(folder, f"rows_compile-{kind}.lock")
+
+
+def compile_once(path: str, ready, build) -> None:
+    """``build()`` unless ``ready()`` says the kernel is there, holding an exclusive lock on the
+    file ``path`` meanwhile: of the workers that processes started on the same cold cache, one
+    compiles while the others wait, asleep, and then find the kernel in the cache (without
+    the lock, each compiled the same kernel again, taking the cores the answers run on)."""
+    try:
+        import fcntl
+    except ImportError:  # no POSIX locks (Windows): each worker compiles
+        if not ready():
+            build()
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, or the process ends
+        if not ready():
+            build()
+
+
 def main(argv=None) -> int:
-    """Compile the kernel of several rows of the kind named in ``argv`` into the disk cache."""
+    """Compile the kernel of several rows of the kind named in ``argv`` into the disk cache,
+    unless another worker has (:func:`compile_once`)."""
     kind = (argv or sys.argv[1:])[0]
     if kind not in KINDS:
         print(f"rows_compile: the kind is one of {', '.join(KINDS)}", file=sys.stderr)
         return 2
     dispatcher, args = scratch_args(kind)
-    dispatcher.compile(signature(dispatcher, args))
+    compile_once(lock_path(dispatcher, kind), lambda: loadable(dispatcher, args),
+                 lambda: dispatcher.compile(signature(dispatcher, args)))
     return 0
 
 

@@ -146,15 +146,19 @@ def _real_args(be, plan, tok, pos, seq, kc, vc, logits):
 
 
 class _Worker:
-    """A stand-in for the compiling process: done after ``polls`` polls."""
+    """A stand-in for the compiling process of ``kind``: done after ``polls`` polls, having
+    done the worker's job (:func:`.rows_compile.main`, here in this process), so the kernel is
+    there whether or not an earlier test compiled it."""
 
-    def __init__(self, polls):
-        self.polls, self.returncode = polls, None
+    def __init__(self, polls, kind):
+        self.polls, self.kind, self.returncode = polls, kind, None
 
     def poll(self):
+        from minillama.backends.numba import rows_compile
+
         self.polls -= 1
-        if self.polls <= 0:
-            self.returncode = 0
+        if self.polls <= 0 and self.returncode is None:
+            self.returncode = rows_compile.main([self.kind])
         return self.returncode
 
 
@@ -175,7 +179,7 @@ def test_a_cold_kernel_compiles_in_a_worker_and_drafts_start_after_it(eager, mon
     monkeypatch.setattr(rows_compile, "loadable",
                         lambda d, a: bool(workers) and workers[0].returncode == 0 and real(d, a))
     monkeypatch.setattr(rows_compile, "start_worker",
-                        lambda kind: workers.append(_Worker(3)) or workers[0])
+                        lambda kind: workers.append(_Worker(3, kind)) or workers[0])
     verified = []  # the worker's state at each verification
     rows = be.decode_rows
     monkeypatch.setattr(be, "decode_rows",
@@ -211,3 +215,39 @@ def test_a_draft_model_gives_the_plain_greedy_ids(target, drafter, seed, itself,
     assert stats.drafted > 0 and refed
     if itself:
         assert stats.accepted == stats.drafted
+
+
+def test_workers_on_one_cold_cache_compile_the_kernel_once(tmp_path):
+    """Two workers for one kernel (two processes that each found the cache cold): while one
+    holds the lock and compiles, the other waits for it and then finds the kernel there, so
+    the kernel is built once (:func:`.rows_compile.compile_once`)."""
+    import threading
+
+    from minillama.backends.numba import rows_compile
+
+    pytest.importorskip("fcntl", reason="POSIX file locks")
+    path = str(tmp_path / "rows_compile-quant.lock")
+    built, state = [], {"ready": False}
+    first_in, release = threading.Event(), threading.Event()
+
+    def build_first():
+        first_in.set()
+        release.wait()
+        built.append("first")
+        state["ready"] = True
+
+    one = threading.Thread(target=rows_compile.compile_once,
+                           args=(path, lambda: state["ready"], build_first))
+    one.start()
+    first_in.wait()  # the first worker holds the lock and is compiling
+    two = threading.Thread(target=rows_compile.compile_once,
+                           args=(path, lambda: state["ready"], lambda: built.append("second")))
+    two.start()
+    release.set()
+    one.join()
+    two.join()
+    assert built == ["first"]
+    # a worker on a cache that holds the kernel builds nothing; one on a cold cache builds it
+    rows_compile.compile_once(path, lambda: True, lambda: built.append("third"))
+    rows_compile.compile_once(path, lambda: False, lambda: built.append("fourth"))
+    assert built == ["first", "fourth"]
