@@ -115,11 +115,13 @@ def compile_once(path: str, ready, build) -> None:
     the lock, each compiled the same kernel again, taking the cores the answers run on)."""
     try:
         import fcntl
-    except ImportError:  # no POSIX locks (Windows): each worker compiles
+
+        f = open(path, "a")
+    except (ImportError, OSError):  # no POSIX locks (Windows), or a cache folder not writable
         if not ready():
             build()
         return
-    with open(path, "a") as f:
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, or the process ends
         if not ready():
             build()

@@ -250,4 +250,7 @@ def test_workers_on_one_cold_cache_compile_the_kernel_once(tmp_path):
     # a worker on a cache that holds the kernel builds nothing; one on a cold cache builds it
     rows_compile.compile_once(path, lambda: True, lambda: built.append("third"))
     rows_compile.compile_once(path, lambda: False, lambda: built.append("fourth"))
-    assert built == ["first", "fourth"]
+    # no lock file to be had (a folder that does not exist): it builds all the same
+    rows_compile.compile_once(str(tmp_path / "none" / "x.lock"), lambda: False,
+                              lambda: built.append("fifth"))
+    assert built == ["first", "fourth", "fifth"]
