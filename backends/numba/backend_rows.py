@@ -36,6 +36,10 @@ class RowOps:
         x2 = np.ascontiguousarray(x).reshape(-1, D)
         N = x2.shape[0]
         y = np.empty((N, D), dtype=dt)
+        from .backend_decode import in_prompt_rows
+        if in_prompt_rows() and dt == np.float32:
+            self._qdecode.rmsnorm_step_rows(x2, np.ascontiguousarray(g), float(eps), y)
+            return y.reshape(x.shape), (x2, np.full((N, 1), np.nan, dt), g)
         rstd = np.empty(N, dtype=dt)
         gc = np.ascontiguousarray(g)
         e, inv_d = dt.type(eps), dt.type(1.0 / D)
@@ -80,6 +84,10 @@ class RowOps:
         b2 = np.ascontiguousarray(b).reshape(-1, F)
         N = a2.shape[0]
         h = np.empty((N, F), dtype=dt)
+        from .backend_decode import in_prompt_rows
+        if in_prompt_rows() and dt == np.float32:
+            self._qdecode.swiglu_step_rows(a2, b2, h)
+            return h.reshape(a.shape), None
         sig = np.empty((N, F), dtype=dt)
         one = dt.type(1)
         parts = self._parts(N, a2.size)

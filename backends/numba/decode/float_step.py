@@ -40,26 +40,46 @@ Imported only by the numba backend (importing it imports Numba).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
-from ..floats.fastmath import fexp
+from ..floats.fastmath import IN_ORDER, fexp
 from ..floats.half import kv_read, kv_write
+from ..floats.rope import rotate_pair
+from ..floats.span_ir import (
+    LANES,
+    SPAN,
+    cache_scores1,
+    cache_scores1h,
+    cache_scores2,
+    cache_scores2h,
+    span_values1,
+    span_values1h,
+    span_values4,
+    span_values4h,
+    span_values4x2,
+    span_values4x2h,
+)
 
-#: cache rows per span of the decode steps' attention (:func:`_attend_span`): the spans of a
-#: sequence at position p are rows [0, SPAN), [SPAN, 2 SPAN), ... whatever the thread count, so
-#: the order of its sums, and its logits, do not depend on how many threads share the spans
-SPAN = 64
 
 
-@njit(fastmath=True, cache=True, nogil=True)
+@njit(fastmath=IN_ORDER, cache=True, nogil=True)
 def _rmsnorm_rows(x, g, eps, out):  # pragma: no cover - compiled
-    """out_b = x_b / sqrt(mean(x_b^2) + eps) * g for every row b of x (B, D)."""
+    """out_b = x_b / sqrt(mean(x_b^2) + eps) * g for every row b of x (B, D): the sum of
+    squares in float64 by four partial sums over k mod 4, joined as (s_0 + s_1) + (s_2 + s_3)."""
     B, D = x.shape
+    D4 = D - D % 4
     for b in range(B):
-        ss = 0.0
-        for k in range(D):
-            ss += np.float64(x[b, k]) * x[b, k]
+        s0 = s1 = s2 = s3 = 0.0
+        for k in range(0, D4, 4):
+            s0 += np.float64(x[b, k]) * x[b, k]
+            s1 += np.float64(x[b, k + 1]) * x[b, k + 1]
+            s2 += np.float64(x[b, k + 2]) * x[b, k + 2]
+            s3 += np.float64(x[b, k + 3]) * x[b, k + 3]
+        for k in range(D4, D):
+            s0 += np.float64(x[b, k]) * x[b, k]
+        ss = (s0 + s1) + (s2 + s3)
         r = 1.0 / np.sqrt(ss / D + eps)
         for k in range(D):
             out[b, k] = x[b, k] * r * g[k]
@@ -75,9 +95,14 @@ def _attend_span(q, Kc, Vc, j0, j1, G, scale, sc, ml, o):  # pragma: no cover - 
     The rows are read in memory order, each once for all heads; each head's part of q and o is
     a slice (an index computed as h hd + d would need a wraparound test per element, which
     keeps the loops over hd from widening); the maximum and e^x stay in the cache's dtype
-    (float32: :func:`..floats.fastmath.fexp`, which the compiler widens)."""
+    (float32: :func:`..floats.fastmath.fexp`, which the compiler widens). A float32 q on a
+    float32 or half cache with hd a multiple of 16 takes :func:`_attend_span_ir`, the prompt
+    rows' sums in their order."""
     KVH, hd = Kc.shape[1], Kc.shape[2]
     H = KVH * G
+    if _span_kernels(q, Kc) and hd % LANES == 0:  # the prompt rows' order
+        _attend_span_ir(q, Kc, Vc, j0, j1, G, scale, sc, ml, o)
+        return
     for j in range(j0, j1):
         for kh in range(KVH):
             kr = Kc[j, kh]
@@ -110,6 +135,129 @@ def _attend_span(q, Kc, Vc, j0, j1, G, scale, sc, ml, o):  # pragma: no cover - 
                     oh[d] += w * kv_read(vr[d])
 
 
+def _span_kernels(q, Kc):
+    """Whether the vector kernels of :mod:`..floats.span_ir` read q and the cache Kc: a float32
+    q, a float32 or half (uint16) cache."""
+    return False
+
+
+@overload(_span_kernels, inline="always")
+def _span_kernels_overload(q, Kc):
+    ok = q.dtype == types.float32 and Kc.dtype in (types.float32, types.uint16)
+    return lambda q, Kc: ok
+
+
+def _scores(Kc, pq, ldq, nh, pk, ldk, hd, ps, lds, nk):
+    """:func:`..floats.span_ir.cache_scores1` (nh 1) or ``2`` on a float32 cache Kc, the ``h``
+    kernels on a half one."""
+
+
+@overload(_scores, inline="always")
+def _scores_overload(Kc, pq, ldq, nh, pk, ldk, hd, ps, lds, nk):
+    one, two = (cache_scores1h, cache_scores2h) if Kc.dtype == types.uint16 else \
+        (cache_scores1, cache_scores2)
+
+    def impl(Kc, pq, ldq, nh, pk, ldk, hd, ps, lds, nk):  # pragma: no cover - compiled
+        if nh == 2:
+            two(pq, ldq, pk, ldk, hd, ps, lds, nk)
+        else:
+            one(pq, ldq, pk, ldk, hd, ps, lds, nk)
+    return impl
+
+
+def _values(Vc, nh, d64, pw, ldw, pv, ldv, L, po, ldo):
+    """o += w V for nh (1, 2) heads and 64 d (``d64``) or one head and 16 d: the value kernels of
+    :mod:`..floats.span_ir` for a float32 cache Vc, their ``h`` versions for a half one."""
+
+
+@overload(_values, inline="always")
+def _values_overload(Vc, nh, d64, pw, ldw, pv, ldv, L, po, ldo):
+    half = Vc.dtype == types.uint16
+    one, four, pair = (span_values1h, span_values4h, span_values4x2h) if half else \
+        (span_values1, span_values4, span_values4x2)
+
+    def impl(Vc, nh, d64, pw, ldw, pv, ldv, L, po, ldo):  # pragma: no cover - compiled
+        if not d64:
+            one(pw, ldw, pv, ldv, L, po, ldo)
+        elif nh == 2:
+            pair(pw, ldw, pv, ldv, L, po, ldo)
+        else:
+            four(pw, ldw, pv, ldv, L, po, ldo)
+    return impl
+
+
+@njit(fastmath=IN_ORDER, cache=True, nogil=True)
+def silu_mul(a, b):  # pragma: no cover - compiled
+    """SiLU(a) b = a / (1 + e^{-a}) b (float64 between), the decode steps' and the prompt rows'
+    one expression."""
+    return a / (1.0 + np.exp(-a)) * b
+
+
+@njit(fastmath=IN_ORDER, cache=True, nogil=True)
+def _span_softmax(s, L, scale, mlh):  # pragma: no cover - compiled
+    """s[:L] scaled, then e^{s_j - m}; mlh = (m, sum_j e^{s_j - m}), the sum by four partial
+    sums over j mod 4 joined as (t_0 + t_1) + (t_2 + t_3) (float64), in that order wherever it
+    is called."""
+    m = s[0] * scale
+    for jj in range(L):
+        s[jj] *= scale
+        m = max(m, s[jj])
+    t0 = t1 = t2 = t3 = 0.0
+    L4 = L - L % 4
+    for jj in range(0, L4, 4):
+        e0, e1, e2, e3 = fexp(s[jj] - m), fexp(s[jj + 1] - m), fexp(s[jj + 2] - m), \
+            fexp(s[jj + 3] - m)
+        s[jj], s[jj + 1], s[jj + 2], s[jj + 3] = e0, e1, e2, e3
+        t0 += e0
+        t1 += e1
+        t2 += e2
+        t3 += e3
+    for jj in range(L4, L):
+        e = fexp(s[jj] - m)
+        s[jj] = e
+        t0 += e
+    mlh[0] = m
+    mlh[1] = (t0 + t1) + (t2 + t3)
+
+
+@njit(cache=True, nogil=True, inline='always')
+def _attend_span_ir(q, Kc, Vc, j0, j1, G, scale, sc, ml, o):  # pragma: no cover - compiled
+    """:func:`_attend_span` by the kernels of :mod:`..floats.span_ir` in the order of the prompt
+    rows (:func:`..floats.attention_forward.attend_rows`): each score one fused multiply-add
+    chain over d (the keys gathered from the cache into vector lanes), the softmax of
+    :func:`_span_softmax`, each output one chain over the span's rows. q float32, Kc and Vc
+    float32 or half (uint16), hd a multiple of 16."""
+    KVH, hd = Kc.shape[1], Kc.shape[2]
+    L = j1 - j0
+    o[:] = 0
+    ldk, ldv, lds = Kc.strides[0], Vc.strides[0], sc.strides[0]
+    pq, po = q.ctypes.data, o.ctypes.data
+    for kh in range(KVH):
+        pk, pv = Kc[j0, kh].ctypes.data, Vc[j0, kh].ctypes.data
+        h0 = kh * G
+        for c in range(0, L, LANES):
+            nk = min(LANES, L - c)
+            g = 0
+            while g < G:
+                nh = 2 if g + 2 <= G else 1
+                _scores(Kc, pq + 4 * (h0 + g) * hd, 4 * hd, nh, pk + c * ldk, ldk, hd,
+                        sc[h0 + g].ctypes.data + 4 * c, lds, nk)
+                g += nh
+        for g in range(G):
+            _span_softmax(sc[h0 + g], L, scale, ml[h0 + g])
+        for d in range(0, hd - hd % (4 * LANES), 4 * LANES):
+            g = 0
+            while g < G:
+                nh = 2 if g + 2 <= G else 1
+                _values(Vc, nh, True, sc[h0 + g].ctypes.data, lds, pv + Vc.itemsize * d, ldv, L,
+                        po + 4 * ((h0 + g) * hd + d), 4 * hd)
+                g += nh
+        for d in range(hd - hd % (4 * LANES), hd, LANES):
+            for g in range(G):
+                _values(Vc, 1, False, sc[h0 + g].ctypes.data, lds, pv + Vc.itemsize * d, ldv, L,
+                        po + 4 * ((h0 + g) * hd + d), 4 * hd)
+
+
 @njit(fastmath=True, cache=True, nogil=True, inline='always')
 def _rope_store(r, a, c, d0, p, qd, kvd, hd, cos, sin, qkv, Kc, Vc):  # pragma: no cover
     """Rows r, r + 1 of the fused q|k|v product of one token at position p, (a, c): rotated by
@@ -118,7 +266,7 @@ def _rope_store(r, a, c, d0, p, qd, kvd, hd, cos, sin, qkv, Kc, Vc):  # pragma: 
     if r < qd + kvd:
         cs = cos[p, d0 // 2]
         sn = sin[p, d0 // 2]
-        a, c = a * cs - c * sn, a * sn + c * cs
+        a, c = rotate_pair(a, c, cs, sn)
     if r < qd:
         qkv[0, r] = a
         qkv[0, r + 1] = c
@@ -130,7 +278,7 @@ def _rope_store(r, a, c, d0, p, qd, kvd, hd, cos, sin, qkv, Kc, Vc):  # pragma: 
         Vc[0, p, (r - qd - kvd) // hd, d0 + 1] = kv_write(Vc, c)
 
 
-@njit(fastmath=True, cache=True, nogil=True, inline='always')
+@njit(fastmath=IN_ORDER, cache=True, nogil=True)
 def _join_spans(ml, o, out):  # pragma: no cover - compiled
     """out_h = sum_u e^{m_uh - M_h} o_uh / sum_u e^{m_uh - M_h} l_uh, M_h = max_u m_uh: the
     softmax-weighted sum over all positions from the P spans' (m, l, o) of
@@ -301,7 +449,7 @@ def decode_step(tok, pos, seq, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn,
                     for b in range(B):
                         for i in range(i0, min(i0 + rb_d // 2, hi)):
                             a = _dot(xn[b], W1, i, zero)
-                            h[b, i] = a / (1.0 + np.exp(-a)) * _dot(xn[b], W3, i, zero)
+                            h[b, i] = silu_mul(a, _dot(xn[b], W3, i, zero))
             for u in prange(threads):
                 lo, hi = _span(D, u, threads)
                 for i0 in range(lo, hi, rb_f):
@@ -470,7 +618,7 @@ def decode_step_one(tok, pos, emb, wout, g_final, g_att, wq, wk, wv, wo, g_ffn, 
             _rmsnorm_rows(x, g_ffn[layer], eps, xn)
             for i in prange(F):
                 a = _dot(xn[0], W1, i, zero)
-                h[0, i] = a / (1.0 + np.exp(-a)) * _dot(xn[0], W3, i, zero)
+                h[0, i] = silu_mul(a, _dot(xn[0], W3, i, zero))
             for i in prange(D):
                 x[0, i] += _dot(h[0], W2, i, zero)
         _rmsnorm_rows(x, g_final, eps, xn)

@@ -29,13 +29,12 @@ from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit
 from ..floats.attention_forward import attend_rows  # noqa: F401  (reached through this module)
 from ..quant.block_types import Q2_K, Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0
 from ..quant.int8_dots import (  # noqa: F401  (gemm_products: reached through this module)
-    ROWS,
     gemm_products,
     idot,
-    idot_rows,
     int8_enabled,
     quantize_row,
 )
+from ..quant.int8_lanes import LANES, has_lanes, idot_lanes, mv_lanes
 from ..quant.matmul import _dequant_row, _dot
 from .float_step import (
     SPAN,
@@ -47,6 +46,7 @@ from .float_step import (
     _rope_store,
     _span,
     _spans,
+    silu_mul,
 )
 
 
@@ -72,6 +72,8 @@ def _mv(qt, W, Wf, x, a8, y, lo, hi, lut, kv):  # pragma: no cover - compiled
             for k in range(x.shape[1]):
                 s += x[0, k] * Wf[n, k]
             y[n] = s
+    elif a8[0] and has_lanes(qt):  # the integer GEMM's value of each output
+        mv_lanes(qt, W, a8[1], a8[2], a8[3], y, lo, hi)
     elif a8[0] and _int8(qt):
         for n in range(lo, hi):
             y[n] = idot(qt, W, n, a8[1], a8[2], a8[3])
@@ -195,7 +197,7 @@ def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, 
                 _mv(c3, W3, none, xn, a8, y[F:], lo, hi, lut, kv)
                 for i in range(lo, hi):
                     a = y[i]
-                    h[0, i] = a / (1.0 + np.exp(-a)) * y[F + i]
+                    h[0, i] = silu_mul(a, y[F + i])
             a8 = _a8(int8, h, xq, xd, xm)
             for u in prange(threads):
                 lo, hi = _span(D, u, threads)
@@ -232,17 +234,17 @@ def _mm(qt, W, Wf, x, a8, y, c0, lo, hi, lut, kv):  # pragma: no cover - compile
                 for k in range(x.shape[1]):
                     s += x[b, k] * Wf[n, k]
                 y[b, c0 + n] = s
+    elif a8[0] and has_lanes(qt):  # 16 rows of W at a time, each output the GEMM's value
+        xq, xd, xs = a8[1], a8[2], a8[3]
+        for n0 in range(lo, hi, LANES):
+            nr = min(LANES, hi - n0)
+            for b in range(B):
+                idot_lanes(qt, W, n0, nr, xq[b], xd[b], xs[b], y[b, c0:])
     elif a8[0] and _int8(qt):
         xq, xd, xs = a8[1], a8[2], a8[3]
-        by_rows = qt == Q8_0 or qt == Q4_0 or qt == Q4_1 or qt == Q5_0 or qt == Q5_1
         for n in range(lo, hi):
-            b = 0
-            if by_rows:  # ROWS activation rows per pass over the row of W
-                while b + ROWS <= B:
-                    idot_rows(qt, W, n, xq, xd, xs, b, y, c0 + n)
-                    b += ROWS
-            for bb in range(b, B):
-                y[bb, c0 + n] = idot(qt, W, n, xq[bb], xd[bb], xs[bb])
+            for b in range(B):
+                y[b, c0 + n] = idot(qt, W, n, xq[b], xd[b], xs[b])
     else:
         for n in range(lo, hi):
             for b in range(B):
@@ -365,7 +367,7 @@ def decode_step_rows_q_kernel(tok, pos, seq, emb, emb_qt, emb_f, wout, out_qt, o
             for b in range(B):
                 for i in range(lo, hi):
                     a = y[b, i]
-                    h[b, i] = a / (1.0 + np.exp(-a)) * y[b, F + i]
+                    h[b, i] = silu_mul(a, y[b, F + i])
         a8 = _a8_rows(int8, h, xq, xd, xm)
         for u in prange(threads):
             lo, hi = _span(D, u, threads)
@@ -378,3 +380,17 @@ def decode_step_rows_q_kernel(tok, pos, seq, emb, emb_qt, emb_f, wout, out_qt, o
     for u in prange(threads):
         lo, hi = _span(V, u, threads)
         _mm(out_qt, wout, out_f, xn, a8, logits, 0, lo, hi, lut, kv)
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def rmsnorm_step_rows(x, g, eps, out):  # pragma: no cover - compiled
+    """The decode step's RMSNorm (:func:`.float_step._rmsnorm_rows`) on every row of x."""
+    _rmsnorm_rows(x, g, eps, out)
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def swiglu_step_rows(a, b, h):  # pragma: no cover - compiled
+    """The decode step's SiLU(a) * b on every row."""
+    for n in range(a.shape[0]):
+        for i in range(a.shape[1]):
+            h[n, i] = silu_mul(a[n, i], b[n, i])

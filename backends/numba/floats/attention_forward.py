@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
-from ..decode.float_step import SPAN, _join_spans, _spans
+from ..decode.float_step import SPAN, _join_spans, _span_softmax, _spans
 from .fastmath import JIT_OPTS, fexp, rowmax
 from .span_ir import LANES, span_scores1, span_scores2, span_values1, span_values4, span_values4x2
 
@@ -330,22 +330,6 @@ def _span_scores(qh, kt, j0, L, s):  # pragma: no cover - compiled
         kr = kt[d, j0:j0 + L]
         for jj in range(L):
             s[jj] += qh[d] * kr[jj]
-
-
-@njit(fastmath=True, cache=True, nogil=True, inline="always")
-def _span_softmax(s, L, scale, mlh):  # pragma: no cover - compiled
-    """s[:L] scaled, then e^{s_j - m}; mlh = (m, sum_j e^{s_j - m})."""
-    m = s[0] * scale
-    for jj in range(L):
-        s[jj] *= scale
-        m = max(m, s[jj])
-    tot = 0.0
-    for jj in range(L):
-        e = fexp(s[jj] - m)
-        s[jj] = e
-        tot += e
-    mlh[0] = m
-    mlh[1] = tot
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline="always")

@@ -29,6 +29,12 @@ FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 #: the options of every kernel; error_model="numpy": IEEE division (x/0 = inf, no Python
 #: exception check in the loops)
 JIT_OPTS = dict(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
+#: the fast-math flags of the operations that the decode steps and the prompt rows share (RoPE's
+#: rotation, RMSNorm, SiLU, the softmax and the join of attention's spans): no reassociation,
+#: fused multiply-adds, reciprocals or approximate functions, so that each runs the operations
+#: written, each rounded, in their order, whatever code it is compiled into (a loop the
+#: compiler widens or not, a scalar step)
+IN_ORDER = {"nnan", "ninf", "nsz"}
 
 
 # ---------------------------------------------------------------------------------------------

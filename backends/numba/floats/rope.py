@@ -7,12 +7,19 @@ from __future__ import annotations
 from numba import njit, prange
 
 from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
-from .fastmath import JIT_OPTS
+from .fastmath import IN_ORDER, JIT_OPTS
 
 
 # ---------------------------------------------------------------------------------------------
 # RoPE
 # ---------------------------------------------------------------------------------------------
+@njit(fastmath=IN_ORDER, cache=True, nogil=True)
+def rotate_pair(x0, x1, c, s):  # pragma: no cover - compiled
+    """(x0 c - x1 s, x0 s + x1 c): the pair turned by the angle of (c, s), each product rounded
+    (no fused multiply-add), the decode steps' and the prompt rows' one expression."""
+    return x0 * c - x1 * s, x0 * s + x1 * c
+
+
 @njit(**JIT_OPTS)
 def _rope_item(x, cos, sin, bsel, inverse, out, bt):
     # one (b, t): rotate every head's pairs by +angle (forward) or -angle (inverse)
@@ -31,8 +38,7 @@ def _rope_item(x, cos, sin, bsel, inverse, out, bt):
             x0 = x[b, t, h, 2 * i]
             x1 = x[b, t, h, 2 * i + 1]
             # both inputs are read before either output is written: safe when out is x
-            out[b, t, h, 2 * i] = x0 * c - x1 * s
-            out[b, t, h, 2 * i + 1] = x0 * s + x1 * c
+            out[b, t, h, 2 * i], out[b, t, h, 2 * i + 1] = rotate_pair(x0, x1, c, s)
 
 
 @njit(parallel=True, **JIT_OPTS)

@@ -464,12 +464,14 @@ def qmatmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
         return y
     import numba
 
-    from . import int8_dots
+    from . import int8_dots, int8_lanes
 
     int8 = qt in int8_dots.INT8_TYPES and int8_dots.int8_enabled()
     if M <= GEMV_MAX_ROWS and not (int8 and int8_dots.gemm_only()):
         parts = numba.get_num_threads() if _parallel() and M * N * K >= PARALLEL_MIN_WORK else 1
-        if int8:
+        if int8 and qt in int8_lanes.LANE_TYPES:  # the integer GEMM's value of each output
+            int8_lanes.gemv(qt, x, w.data, y, parts)
+        elif int8:
             int8_dots.gemv(qt, x, w.data, y, parts)
         elif parts > 1:
             _gemv_parallel(qt, x, w.data, y, _F16, _KVALUES, 16, parts)

@@ -58,11 +58,18 @@ def _half(builder, addr, off):
 
 
 def _half_bits(builder, h):
-    """The float32 of the half whose bits are the i32 ``h``: sign, exponent (bias 15 -> 127) and
-    fraction moved into float32's fields; a subnormal m 2^-24 as that product; an all-ones
-    exponent (inf, NaN) kept all ones (:func:`..floats.half.half_to_float_bits`, in IR)."""
+    """The float32 of the half whose bits are the i32 ``h`` (or each lane of an i32 vector):
+    sign, exponent (bias 15 -> 127) and fraction moved into float32's fields; a subnormal
+    m 2^-24 as that product; an all-ones exponent (inf, NaN) kept all ones
+    (:func:`..floats.half.half_to_float_bits`, in IR)."""
+    n = getattr(h.type, "count", None)
+    ft = _F32 if n is None else _vec(_F32, n)
+
     def c(v):
-        return ir.Constant(_I32, v)
+        return ir.Constant(h.type, v if n is None else [v] * n)
+
+    def f(v):
+        return ir.Constant(ft, v if n is None else [v] * n)
 
     sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
     e = builder.and_(builder.lshr(h, c(10)), c(0x1F))
@@ -71,11 +78,11 @@ def _half_bits(builder, h):
     normal = builder.or_(frac, builder.shl(builder.add(e, c(112)), c(23)))
     special = builder.or_(frac, c(0x7F800000))
     top = builder.icmp_unsigned("==", e, c(31))
-    f = builder.bitcast(builder.select(top, special, normal), _F32)
-    sub = builder.fmul(builder.uitofp(m, _F32), ir.Constant(_F32, 2.0 ** -24))
+    fl = builder.bitcast(builder.select(top, special, normal), ft)
+    sub = builder.fmul(builder.uitofp(m, ft), f(2.0 ** -24))
     sub = builder.select(builder.icmp_unsigned("!=", sign, c(0)),
-                         builder.fsub(ir.Constant(_F32, -0.0), sub), sub)
-    return builder.select(builder.icmp_unsigned("==", e, c(0)), sub, f)
+                         builder.fsub(f(-0.0), sub), sub)
+    return builder.select(builder.icmp_unsigned("==", e, c(0)), sub, fl)
 
 
 def _splat(builder, v, n):

@@ -119,3 +119,40 @@ def test_the_span_kernels_give_one_value_per_output_whichever_computes_it():
     for j in range(L):
         chain = (w[1, j].astype(np.float64) * vr[j] + chain).astype(np.float32)
     np.testing.assert_array_equal(o4, chain)
+
+
+@pytest.mark.parametrize("H,KVH,hd", [(9, 3, 64), (4, 2, 16), (2, 2, 80), (6, 1, 32)])
+@pytest.mark.parametrize("half", [False, True])
+def test_a_decode_step_attends_as_the_prompt_rows(H, KVH, hd, half):
+    """The decode steps' attention (decode/float_step.py: _attend_span, by span and joined) gives
+    a position the output attend_rows gives its prompt row, bit for bit, on a float32 cache
+    and on a half one (whose entries the prompt rows read widened to float32): keys gathered
+    from the cache into lanes, the same chains, softmax and join."""
+    fs = pytest.importorskip("minillama.backends.numba.decode.float_step")
+    from numba import njit
+
+    @njit
+    def step(q, Kc, Vc, n, G, scale, out):
+        H = q.shape[0] // Kc.shape[2]
+        P = fs._spans(n)
+        sc = np.empty((P, H, fs.SPAN), np.float32)
+        ml = np.empty((P, H, 2), np.float32)
+        parts = np.empty((P, q.shape[0]), np.float32)
+        for u in range(P):
+            fs._attend_span(q, Kc, Vc, u * fs.SPAN, min(n, (u + 1) * fs.SPAN), G, scale, sc[u],
+                            ml[u], parts[u])
+        fs._join_spans(ml, parts, out)
+
+    rng = np.random.default_rng(H * hd + half)
+    S = 3 * fa.SPAN + 7
+    q, k, v = _case(rng, 1, S, H, KVH, hd, S)
+    if half:  # the cache holds halves; the prompt rows read them widened
+        k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+    rows = _rows(q, k, v, [0])[0]
+    Kc = k[0].astype(np.float16).view(np.uint16) if half else k[0]
+    Vc = v[0].astype(np.float16).view(np.uint16) if half else v[0]
+    scale = np.float32(hd ** -0.5)
+    for p in (0, 1, 15, 16, fa.SPAN - 1, fa.SPAN, fa.SPAN + 17, S - 1):
+        out = np.empty(H * hd, np.float32)
+        step(np.ascontiguousarray(q[0, p].reshape(-1)), Kc, Vc, p + 1, H // KVH, scale, out)
+        np.testing.assert_array_equal(out, rows[p].reshape(-1), err_msg=f"position {p}")

@@ -1,0 +1,306 @@
+r"""Few-row products with GGML block weights in the integer GEMM's order: 16 rows of W in the 16
+lanes of a vector, so that each output is the float32 value :func:`.int8_gemm.gemm` gives it,
+bit for bit, whatever the number of rows multiplied (the decode steps' products, written as
+LLVM IR through Numba intrinsics like :mod:`.int8_dots`).
+
+The GEMM writes each output y_n = x . W_n as one chain over the sub-blocks b of K, in order:
+
+    acc <- fma(float(I_b), d_b A_b, acc),  acc <- fma(s_b, C_b, acc),   acc_0 = 0,
+
+with I_b = \sum_{k in b} u_k xq_k the exact integer dot of W's codes with x's 8-bit codes,
+d_b x's block scale, A_b and C_b the sub-block's scale and offset (w = A u + C; the
+decomposition of :mod:`.int8_gemm`) and s_b = d_b \sum_{k in b} xq_k (the two scaled sums of 16
+added, for a sub-block of 32). Here one call computes the chains of 16 rows of W at once, each
+lane of a vector one row: per pair of blocks the 16 rows' codes are decoded as for the row
+kernels of :mod:`.int8_dots` and dotted with x's 64 codes (``vpdpbusd``: 16 partial sums of 4
+per row), a tree of shuffles and integer adds turns the 16 x 16 partial sums into each row's
+I_b (exact, so their order does not matter), and the float32 steps above run on vectors of the
+16 rows' A_b and C_b. Q8_0's signed codes are dotted as q + 128 and 128 \sum xq subtracted
+(an integer). So a row's result depends on nothing but its own bytes and x.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
+from .block_types import BY_ID, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+from .int8_dots import GFNI, VNNI, _block32, _cat, _dot4, _pair32, fits16, quantize_rows
+from .unpack import _F32, _I8, _I32, _I64, _at, _const, _fma, _load, _splat, _vec
+
+#: the GGML type ids with a lanes kernel (the blocks of 32)
+LANE_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)
+#: rows of W per call
+LANES = 16
+
+
+def lane_sums(builder, vs, group):
+    r"""The integer sums of ``group`` consecutive lanes of each of the 16 vectors ``vs`` (<16 x
+    i32>, vs[r] lane j a partial sum of row r), as 16 // group vectors whose lane r is row r's
+    sum of lanes group s .. group s + group - 1 (s the vector's index): pairs of vectors summed
+    lane pair by lane pair (evens plus odds of the two concatenated) until each lane holds a
+    whole group, then the lanes gathered into place by shuffles."""
+    n = len(vs)
+    items = [(v, [(r, frozenset([j])) for j in range(16)]) for r, v in enumerate(vs)]
+    width = 1
+    while width < group:
+        half = len(items) // 2
+        nxt = []
+        for a, b in zip(items[:half], items[half:]):
+            labels = a[1] + b[1]
+            ev = builder.shuffle_vector(a[0], b[0], _const(_I32, 16, range(0, 32, 2)))
+            od = builder.shuffle_vector(a[0], b[0], _const(_I32, 16, range(1, 32, 2)))
+            merged = []
+            for k in range(16):
+                (r0, j0), (r1, j1) = labels[2 * k], labels[2 * k + 1]
+                assert r0 == r1
+                merged.append((r0, j0 | j1))
+            nxt.append((builder.add(ev, od), merged))
+        items = nxt
+        width *= 2
+    out = []
+    for s in range(16 // group):
+        want = [(r, frozenset(range(group * s, group * s + group))) for r in range(n)]
+        level = items
+        while len(level) > 1:  # two sources per shuffle: merge the wanted lanes pairwise
+            nxt = []
+            for i in range(0, len(level), 2):
+                (a, la), (b, lb) = level[i], level[i + 1]
+                mask, labels = [], []
+                for t in range(16):
+                    if want[t] in la:
+                        mask.append(la.index(want[t]))
+                        labels.append(want[t])
+                    elif want[t] in lb:
+                        mask.append(16 + lb.index(want[t]))
+                        labels.append(want[t])
+                    else:
+                        mask.append(0)
+                        labels.append(None)
+                nxt.append((builder.shuffle_vector(a, b, _const(_I32, 16, mask)), labels))
+            level = nxt
+        assert level[0][1] == want
+        out.append(level[0][0])
+    return out
+
+
+def _gather(builder, values):
+    """The 16 float scalars ``values`` as a <16 x float>."""
+    v = ir.Constant(_vec(_F32, 16), None)
+    for r, s in enumerate(values):
+        v = builder.insert_element(v, s, ir.Constant(_I32, r))
+    return v
+
+
+def _isum(builder, v, lo, n):
+    """The integer sum of lanes lo .. lo + n - 1 of v."""
+    part = builder.shuffle_vector(v, v, _const(_I32, n, range(lo, lo + n)))
+    fn = builder.module.globals.get(f"llvm.vector.reduce.add.v{n}i32") or ir.Function(
+        builder.module, ir.FunctionType(_I32, [part.type]), f"llvm.vector.reduce.add.v{n}i32")
+    return builder.call(fn, [part])
+
+
+def _prefetch(builder, addr):
+    ptr = builder.inttoptr(addr, _I8.as_pointer())
+    fn = builder.module.globals.get("llvm.prefetch.p0i8") or ir.Function(
+        builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, _I32, _I32, _I32]),
+        "llvm.prefetch.p0i8")
+    builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+
+
+#: pairs of blocks per chunk: the rows are read one after another over a chunk (as the row
+#: kernels read them; 16 rows side by side are more streams than the hardware prefetchers
+#: follow), their partial sums kept on the stack (CHUNK KiB) for the sums by lanes
+CHUNK = 8
+
+
+def _lanes32(qt, vnni):
+    size = BY_ID[qt].block_bytes
+    zero16 = ir.Constant(_vec(_F32, 16), [0.0] * 16)
+
+    def codegen(context, builder, signature, args):
+        pw, stride, nrows, pq, pd, ps, nb, py = args
+        c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+        last = builder.sub(nrows, c64(1))
+        rows = []
+        for r in range(LANES):  # rows past nrows repeat the last (their lanes are not stored)
+            k = builder.select(builder.icmp_signed("<", c64(r), nrows), c64(r), last)
+            rows.append(builder.add(pw, builder.mul(k, stride)))
+        acc = cgutils.alloca_once_value(builder, zero16)
+        # per pair of blocks of a chunk: each row's 16 partial sums, its A and C of both blocks
+        sv = cgutils.alloca_once(builder, _vec(_I32, 16), size=CHUNK * LANES)
+        sa = cgutils.alloca_once(builder, _F32, size=CHUNK * 4 * LANES)
+
+        def chain(isums, scales, b0, x):
+            """The GEMM's two fused multiply-adds of sub-blocks b0, b0 + 1, ... into acc."""
+            a = builder.load(acc)
+            for k, (isum, (A, C)) in enumerate(zip(isums, scales)):
+                b = builder.add(b0, c64(k))
+                if qt == Q8_0:  # the codes were q + 128
+                    isum = builder.sub(isum, _splat(builder, builder.mul(
+                        _isum(builder, x, 8 * k, 8), ir.Constant(_I32, 128)), 16))
+                dx = _load(builder, builder.add(pd, builder.mul(b, c64(4))), 0, _F32, 4)
+                s0 = builder.add(ps, builder.mul(b, c64(8)))
+                xs = builder.fadd(_load(builder, s0, 0, _F32, 4), _load(builder, s0, 4, _F32, 4))
+                f = builder.sitofp(isum, _vec(_F32, 16))
+                a = _fma(builder, f, builder.fmul(_splat(builder, dx, 16), A), a)
+                a = _fma(builder, _splat(builder, xs, 16), C, a)
+            builder.store(a, acc)
+
+        npair = builder.sdiv(nb, c64(2))
+        # the next 16 rows' cache lines, a share per pair of blocks of phase 2 (which reads no
+        # memory of its own): the loads of phase 1 then find them
+        ahead = builder.add(pw, builder.mul(stride, c64(LANES)))
+        lines = builder.sdiv(builder.mul(stride, c64(LANES)), c64(64))
+        per = builder.sdiv(builder.add(lines, builder.sub(npair, c64(1))),
+                           builder.select(builder.icmp_signed(">", npair, c64(0)), npair, c64(1)))
+        nchunk = builder.sdiv(builder.add(npair, c64(CHUNK - 1)), c64(CHUNK))
+        with cgutils.for_range(builder, nchunk) as chunks:
+            i0 = builder.mul(chunks.index, c64(CHUNK))
+            n = builder.sub(npair, i0)
+            n = builder.select(builder.icmp_signed("<", n, c64(CHUNK)), n, c64(CHUNK))
+            # phase 1, the rows one after another (memory order): integer partial sums, scales
+            with cgutils.for_range(builder, nrows) as rl:
+                r = rl.index
+                row = builder.add(pw, builder.add(builder.mul(r, stride),
+                                                  builder.mul(i0, c64(2 * size))))
+                with cgutils.for_range(builder, n) as il:
+                    i = il.index
+                    xv = _load(builder, builder.add(pq, builder.mul(builder.add(i0, i), c64(64))),
+                               0, _vec(_I8, 64))
+                    u, a2, m2 = _pair32(qt, builder, builder.add(row, builder.mul(
+                        i, c64(2 * size))), vnni and GFNI)
+                    slot = builder.add(builder.mul(i, c64(LANES)), r)
+                    builder.store(_dot4(builder, u, xv, vnni, fits16=fits16(qt)),
+                                  builder.gep(sv, [slot]))
+                    for k in range(2):
+                        for j, v in enumerate((a2, m2)):
+                            at = builder.add(builder.mul(builder.add(builder.mul(
+                                i, c64(4)), c64(2 * k + j)), c64(LANES)), r)
+                            builder.store(builder.extract_element(v, ir.Constant(_I32, k)),
+                                          builder.gep(sa, [at]))
+            # phase 2, per pair of blocks: the 16 rows' sums by lanes, the GEMM's float steps
+            with cgutils.for_range(builder, n) as il:
+                i = il.index
+                with cgutils.for_range(builder, per) as pf:
+                    line = builder.add(builder.mul(builder.add(i0, i), per), pf.index)
+                    _prefetch(builder, builder.add(ahead, builder.mul(line, c64(64))))
+                vs = [builder.load(builder.gep(sv, [builder.add(builder.mul(i, c64(LANES)),
+                                                                c64(r))])) for r in range(LANES)]
+                isums = lane_sums(builder, vs, 8)
+
+                def scale(k, j):
+                    at = builder.mul(builder.add(builder.mul(i, c64(4)), c64(2 * k + j)),
+                                     c64(LANES))
+                    ptr = builder.bitcast(builder.gep(sa, [at]), _vec(_F32, 16).as_pointer())
+                    return builder.load(ptr, align=4)
+
+                blk = builder.add(i0, i)
+                ones = None
+                if qt == Q8_0:
+                    xv = _load(builder, builder.add(pq, builder.mul(blk, c64(64))), 0,
+                               _vec(_I8, 64))
+                    ones = _dot4(builder, _const(_I8, 64, 1), xv, vnni, fits16=True)
+                chain(isums, [(scale(k, 0), zero16 if qt == Q8_0 else scale(k, 1))
+                              for k in range(2)], builder.mul(blk, c64(2)), ones)
+        odd = builder.icmp_signed("!=", builder.mul(npair, c64(2)), nb)
+        with builder.if_then(odd):  # the last block alone: its codes beside zeros
+            b = builder.sub(nb, c64(1))
+            zeros = ir.Constant(_vec(_I8, 32), [0] * 32)
+            xv = _cat(builder, _load(builder, builder.add(pq, builder.mul(b, c64(32))), 0,
+                                     _vec(_I8, 32)), zeros)
+            vs, A, C = [], [], []
+            for r in range(LANES):
+                u, a, c = _block32(qt, builder, builder.add(rows[r], builder.mul(b, c64(size))))
+                vs.append(_dot4(builder, _cat(builder, u, zeros), xv, vnni, fits16=fits16(qt)))
+                A.append(a)
+                C.append(c)
+            isum = lane_sums(builder, vs, 8)[0]
+            ones = _dot4(builder, _const(_I8, 64, 1), xv, vnni, fits16=True) if qt == Q8_0 else None
+            chain([isum], [(_gather(builder, A), zero16 if qt == Q8_0 else _gather(builder, C))],
+                  b, ones)
+        out = builder.load(acc)
+        for r in range(LANES):
+            with builder.if_then(builder.icmp_signed("<", c64(r), nrows)):
+                builder.store(builder.extract_element(out, ir.Constant(_I32, r)),
+                              _at(builder, py, 4 * r, _F32), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _make(qt, vnni):
+    gen = _lanes32(qt, vnni)
+
+    @intrinsic
+    def ilanes(typingctx, pw, stride, nrows, pq, pd, ps, nblocks, py):
+        r"""y_r = \sum_k W_{rk} x_k for the ``nrows`` (<= 16) rows of ``nblocks`` blocks at
+        pw + r stride and the 8-bit activation blocks at pq (codes), pd (scales), ps (scaled
+        sums of 16), stored as float32 at py + 4 r: the integer GEMM's value of each."""
+        return types.none(*([types.int64] * 8)), gen
+
+    return ilanes
+
+
+ilanes_q8_0, ilanes_q4_0, ilanes_q4_1, ilanes_q5_0, ilanes_q5_1 = (_make(t, VNNI)
+                                                                    for t in LANE_TYPES)
+
+_opts = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
+
+
+@njit(inline="always", **_opts)
+def has_lanes(qt):  # pragma: no cover - compiled
+    """Whether GGML type qt has a lanes kernel (:data:`LANE_TYPES`)."""
+    return qt == Q8_0 or qt == Q4_0 or qt == Q4_1 or qt == Q5_0 or qt == Q5_1
+
+
+@njit(inline="always", **_opts)
+def idot_lanes(qt, w, n0, nrows, xq, xd, xs, y):  # pragma: no cover - compiled
+    """y[n0 + r] = row n0 + r of the block matrix w (a type of :data:`LANE_TYPES`) times the
+    8-bit activation row (xq, xd, xs) for r < nrows <= 16, in the integer GEMM's order."""
+    args = (w.ctypes.data + n0 * w.shape[1], w.shape[1], nrows, xq.ctypes.data, xd.ctypes.data,
+            xs.ctypes.data, xd.shape[0], y.ctypes.data + n0 * 4)
+    if qt == Q8_0:
+        ilanes_q8_0(*args)
+    elif qt == Q4_0:
+        ilanes_q4_0(*args)
+    elif qt == Q4_1:
+        ilanes_q4_1(*args)
+    elif qt == Q5_0:
+        ilanes_q5_0(*args)
+    else:
+        ilanes_q5_1(*args)
+
+
+@njit(**_opts)
+def mv_lanes(qt, w, xq, xd, xs, y, lo, hi):  # pragma: no cover - compiled
+    """y[n] for lo <= n < hi: :func:`idot_lanes` 16 rows at a time (y (N,) contiguous)."""
+    for n0 in range(lo, hi, LANES):
+        idot_lanes(qt, w, n0, min(LANES, hi - n0), xq, xd, xs, y)
+
+
+@njit(parallel=True, **_opts)
+def _gemv(qt, xq, xd, xs, w, y, parts):  # pragma: no cover - compiled
+    N = w.shape[0]
+    step = (N + parts - 1) // parts
+    for t in prange(parts):
+        lo, hi = t * step, min(N, t * step + step)
+        for n0 in range(lo, hi, LANES):
+            for m in range(xq.shape[0]):
+                idot_lanes(qt, w, n0, min(LANES, hi - n0), xq[m], xd[m], xs[m], y[m])
+
+
+def gemv(qt: int, x: np.ndarray, w: np.ndarray, y: np.ndarray, parts: int) -> None:
+    """y = x W^T (y (M, N) C-contiguous) for the block matrix w (uint8 rows of a type in
+    :data:`LANE_TYPES`) and float32 x (M, K) rounded to 8-bit blocks, over ``parts`` threads:
+    each output the integer GEMM's value (:func:`.int8_gemm.gemm`), whatever M."""
+    M, K = x.shape
+    xq = np.empty((M, K), dtype=np.int8)
+    xd = np.empty((M, K // 32), dtype=np.float32)
+    xs = np.empty((M, K // 16), dtype=np.float32)
+    quantize_rows(x, xq, xd, xs)
+    _gemv(qt, xq, xd, xs, w, y, max(1, parts))

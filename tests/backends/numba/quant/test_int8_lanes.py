@@ -1,0 +1,71 @@
+r"""The few-row products of the numba backend in the integer GEMM's order
+(backends/numba/quant/int8_lanes.py): each output must be the float32 value the GEMM
+(backends/numba/quant/int8_gemm.py) gives it, bit for bit, whatever the row count of x, the
+rows of W a call covers and the threads, since both sum the same exact integer dots into one
+fused multiply-add chain over the sub-blocks in order. So a position's products are the same in
+a prompt's prefill (the GEMM) and in a decode step (these kernels).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minillama.backends.numba.quant import int8_gemm as G8  # noqa: E402,I001  (after the skips)
+from minillama.backends.numba.quant import int8_lanes as L8  # noqa: E402
+from minillama.core.quant import QUANT_TYPES
+
+# skips where tests/backends/numba/quant/test_int8_dots.py skips (no gguf-py, no numba)
+from tests.backends.numba.quant.test_int8_dots import I8, random_matrix
+
+TYPES = sorted(t for t in QUANT_TYPES if QUANT_TYPES[t].type_id in L8.LANE_TYPES)
+
+
+def test_the_lane_types_are_the_blocks_of_32():
+    assert TYPES == ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+    assert set(L8.LANE_TYPES) <= set(I8.INT8_TYPES)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_lanes_equal_the_gemm_bit_for_bit(qtype):
+    """Rows of W not a multiple of 16 (a partial group of lanes), an odd count of blocks (the
+    last block alone), 1 to 17 rows of x, one and three threads; an outlier in a block and a
+    zero row of x."""
+    rng = np.random.default_rng(QUANT_TYPES[qtype].type_id + 7)
+    qt = QUANT_TYPES[qtype].type_id
+    for N, K in ((37, 96), (16, 256), (50, 576)):
+        w = random_matrix(qtype, N, K, rng)
+        for M in (1, 2, 5, 16, 17):
+            x = (rng.standard_normal((M, K)) * rng.uniform(0.1, 3, (M, 1))).astype(np.float32)
+            x[0, rng.integers(0, K)] *= 40
+            if M > 1:
+                x[1] = 0
+            want = np.full((M, N), np.nan, np.float32)
+            G8.gemm(qt, x, w.data, want, 1)
+            for parts in (1, 3):
+                got = np.full((M, N), np.nan, np.float32)
+                L8.gemv(qt, x, w.data, got, parts)
+                assert np.array_equal(got, want), (qtype, N, K, M, parts,
+                                                   float(np.abs(got - want).max()))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_a_row_range_is_each_rows_value(qtype):
+    """mv_lanes over any range lo..hi of W's rows gives those rows the values of the whole
+    product (a thread's share of the rows starts anywhere)."""
+    rng = np.random.default_rng(3)
+    qt = QUANT_TYPES[qtype].type_id
+    N, K = 45, 128
+    w = random_matrix(qtype, N, K, rng)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    whole = np.empty((1, N), np.float32)
+    L8.gemv(qt, x, w.data, whole, 1)
+    xq = np.empty((1, K), np.int8)
+    xd = np.empty((1, K // 32), np.float32)
+    xs = np.empty((1, K // 16), np.float32)
+    I8.quantize_rows(x, xq, xd, xs)
+    for lo, hi in ((0, 45), (3, 20), (17, 18), (30, 45)):
+        y = np.full(N, np.nan, np.float32)
+        L8.mv_lanes(qt, w.data, xq[0], xd[0], xs[0], y, lo, hi)
+        assert np.array_equal(y[lo:hi], whole[0, lo:hi]), (lo, hi)
+        assert np.isnan(y[:lo]).all() and np.isnan(y[hi:]).all()
