@@ -63,7 +63,6 @@ from ..floats.span_ir import (
 )
 
 
-
 @njit(fastmath=IN_ORDER, cache=True, nogil=True)
 def _rmsnorm_rows(x, g, eps, out):  # pragma: no cover - compiled
     """out_b = x_b / sqrt(mean(x_b^2) + eps) * g for every row b of x (B, D): the sum of

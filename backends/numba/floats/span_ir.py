@@ -33,16 +33,17 @@ from numba.extending import intrinsic
 
 from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 from ..quant.unpack import (
-    NATIVE_HALF,
     _F32,
     _I32,
     _I64,
+    NATIVE_HALF,
     _at,
     _const,
     _fma,
     _fn,
     _half_bits,
     _load,
+    _shuf,
     _splat,
     _vec,
 )
@@ -162,8 +163,7 @@ def _gather(builder, base, offs):
                   [v8, ir.PointerType(), v8, v8, ir.IntType(8)])
     ptr = builder.inttoptr(base, ir.PointerType())
     ones = _const(_I32, 8, -1)
-    halves = [builder.call(fn, [ir.Constant(v8, None), ptr,
-                                builder.shuffle_vector(offs, offs, _const(_I32, 8, range(h, h + 8))),
+    halves = [builder.call(fn, [ir.Constant(v8, None), ptr, _shuf(builder, offs, range(h, h + 8)),
                                 ones, ir.Constant(ir.IntType(8), 1)])
               for h in (0, 8)]
     return builder.shuffle_vector(halves[0], halves[1], _const(_I32, LANES, range(LANES)))
