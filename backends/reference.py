@@ -24,6 +24,7 @@ from minillama.core.quant import QuantMatrix
 #: (:func:`minillama.backends.complete`, which :func:`~minillama.backends.get_backend` applies)
 ABILITIES = ("supports_float64", "attention_precision", "num_threads", "adamw_update",
              "exact_products", "decode_threads", "decode_step", "prompt_rows_invariant",
+             "prefill_decode_invariant",
              "greedy_steps", "greedy_decoder", "decode_rows", "speculation_exact",
              "verification_ready",
              "watch_compiles", "invariance", "threads", "half_kv_cache",
@@ -161,6 +162,11 @@ class ReferenceBackend:
         """Whether this backend computes ``model``'s prompt rows alike whatever their count (in
         its ``prompt_rows()`` context) and their last token by :meth:`decode_step` (numba on
         GGML block weights). The reference does not say so: False."""
+        return False
+
+    def prefill_decode_invariant(self, model) -> bool:
+        """Whether this backend's decode steps compute a position of ``model`` bit for bit as
+        its prefill does (numba on GGML blocks of 32). The reference does not say so: False."""
         return False
 
     def greedy_steps(self, model, tok, start_pos, cache, k: int):

@@ -238,9 +238,10 @@ class Transformer:
     @property
     def decode_rows_differ(self) -> bool:
         """Whether the backend computes a prompt's rows alike whatever their count, in another
-        order than its decode steps (numba on GGML blocks: :func:`_rows_alike`): then a cache row
-        a decode step wrote is no prefill's."""
-        return _rows_alike(self) and "prefill_decode" not in self.backend.invariance
+        order than its decode steps (numba on GGML K-quant blocks: :func:`_rows_alike` and not
+        the backend's ``prefill_decode_invariant``): then a cache row a decode step wrote is no
+        prefill's. On the blocks of 32 the two agree bit for bit and every row may be kept."""
+        return _rows_alike(self) and not self.backend.prefill_decode_invariant(self)
 
     # ========================================================================================
     # the inputs: token and target arrays, positions in the context and the RoPE rows at them

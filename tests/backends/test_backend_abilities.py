@@ -42,6 +42,7 @@ def test_the_reference_takes_none_of_them():
     assert be.greedy_steps(None, np.zeros(2, dtype=np.int64), np.zeros(2), None, 4) is None
     assert be.greedy_decoder(None, 8) is None
     assert be.prompt_rows_invariant(None) is False
+    assert be.prefill_decode_invariant(None) is False
     for context in (be.exact_products(), be.decode_threads(1), be.watch_compiles(),
                     be.threads(2)):
         assert isinstance(context, contextlib.nullcontext)

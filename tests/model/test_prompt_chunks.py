@@ -1,8 +1,9 @@
-"""A prompt's rows in the cache are a prefill's, however the prompt is cut (numba on GGML
-blocks, whose decode step sums in another order than a prefill): on the real SmolLM2 Q4_1 file
-a prompt prefilled in chunks leaves the K/V of one prefill bit for bit and gets its logits and
-those of the steps after it; a kept prefix (``Transformer.reusable_rows``) holds no row a decode
-step wrote, and ``prefill_start`` never leaves one token to prefill."""
+"""A prompt's rows in the cache are a prefill's, however the prompt is cut and whether a
+prefill or decode steps wrote them (numba on GGML blocks of 32, whose decode steps compute a
+position as the prefill does): on the real SmolLM2 Q4_1 file a prompt prefilled in chunks leaves
+the K/V of one prefill bit for bit and gets its logits and those of the steps after it, and a
+reply fed by decode steps leaves the rows a prefill of prompt and reply writes, so a kept prefix
+(``Transformer.reusable_rows``) may hold every row."""
 
 from __future__ import annotations
 
@@ -57,27 +58,18 @@ def test_smollm2_prompt_cut_into_chunks_equals_one_prefill_bit_for_bit(smol):
             assert np.array_equal(a[:, :n], b[:, :n]), cuts
 
 
-def test_smollm2_kept_rows_are_a_prefills(smol):
-    """The rows reusable_rows keeps of a prompt and its decode steps are those of a prefill of
-    the prompt: a prefill of the prompt and the reply from there gives the cold run's logits."""
+def test_smollm2_decode_steps_write_a_prefills_rows(smol):
+    """A prompt prefilled, then a reply fed one token at a time by decode steps: every K/V row
+    and the last logits are those of one prefill of prompt and reply, bit for bit, so
+    reusable_rows keeps every position and prefill_start leaves one token."""
     model, tok = smol
     prompt, reply = tok.encode(TEXT), tok.encode(" Its sound is warm and bright.")
-    assert model.reusable_rows(len(prompt), len(prompt) + len(reply)) == len(prompt)
-    assert model.reusable_rows(1, 5) == 0  # a one-token prompt is a decode step
-    assert model.prefill_start(len(prompt), len(prompt)) == len(prompt) - 2
-    assert model.prefill_start(3, 2) == 0
-    # every row of the prompt cached: one token fed, its row kept by the caller
-    assert model.prefill_start(len(prompt), len(prompt), keep_last=True) == len(prompt) - 1
-    assert model.prefill_start(len(prompt) - 1, len(prompt), keep_last=True) == len(prompt) - 2
     turn = prompt + reply
-    _, want = _run(model, turn, [], [])
-    _, got = _run(model, turn, [len(prompt)], [])
-    assert np.array_equal(want[0], got[0])
-    # the rows of a decode step are not a prefill's: keeping the reply's would show
-    cache = model.new_cache(1, 128)
-    model.forward(np.asarray(prompt)[None], cache=cache, last_only=True)
-    for i, t in enumerate(reply[:-1]):
-        model.forward(np.array([[t]]), start_pos=len(prompt) + i, cache=cache, last_only=True)
-    z = model.forward(np.array([[reply[-1]]]), start_pos=len(turn) - 1, cache=cache,
-                      last_only=True)
-    assert not np.array_equal(want[0], np.asarray(z))
+    assert model.backend.prefill_decode_invariant(model) and not model.decode_rows_differ
+    assert model.reusable_rows(len(prompt), len(turn)) == len(turn)
+    assert model.prefill_start(len(prompt), len(prompt)) == len(prompt) - 1
+    cold, want = _run(model, turn, [], [])
+    stepped, got = _run(model, prompt, [], reply)
+    assert np.array_equal(want[0], got[-1])
+    for a, b in zip(cold.k + cold.v, stepped.k + stepped.v):
+        assert np.array_equal(a[:, :len(turn)], b[:, :len(turn)])

@@ -42,6 +42,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
+from numba.np.numpy_support import as_dtype
 
 from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
 from ..floats.fastmath import IN_ORDER, fexp
@@ -185,11 +186,17 @@ def _values_overload(Vc, nh, d64, pw, ldw, pv, ldv, L, po, ldo):
     return impl
 
 
-@njit(fastmath=IN_ORDER, cache=True, nogil=True)
-def silu_mul(a, b):  # pragma: no cover - compiled
-    """SiLU(a) b = a / (1 + e^{-a}) b (float64 between), the decode steps' and the prompt rows'
-    one expression."""
-    return a / (1.0 + np.exp(-a)) * b
+def silu_mul(a, b):
+    """SiLU(a) b = a / (1 + e^{-a}) b in a's dtype (e^x by :func:`..floats.fastmath.fexp`, which
+    the compiler widens over a loop of them), the decode steps' and the prompt rows' one
+    expression (compiled with :data:`..floats.fastmath.IN_ORDER`)."""
+    return a / (1 + np.exp(-a)) * b
+
+
+@overload(silu_mul, jit_options={"fastmath": IN_ORDER})
+def _silu_mul_overload(a, b):
+    one = as_dtype(a).type(1)
+    return lambda a, b: a / (one + fexp(-a)) * b
 
 
 @njit(fastmath=IN_ORDER, cache=True, nogil=True)

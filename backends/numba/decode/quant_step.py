@@ -34,7 +34,7 @@ from ..quant.int8_dots import (  # noqa: F401  (gemm_products: reached through t
     int8_enabled,
     quantize_row,
 )
-from ..quant.int8_lanes import LANES, has_lanes, idot_lanes, mv_lanes
+from ..quant.int8_lanes import LANES, XROWS, has_lanes, idot_lanes, idot_lanes4, mv_lanes
 from ..quant.matmul import _dequant_row, _dot
 from .float_step import (
     SPAN,
@@ -63,9 +63,11 @@ def _int8(qt):  # pragma: no cover - compiled
 def _mv(qt, W, Wf, x, a8, y, lo, hi, lut, kv):  # pragma: no cover - compiled
     """y[n] = x_0 . W_n for lo <= n < hi, W_n the dequantized row n of the block matrix W (type qt;
     qt 0: the float32 matrix Wf): from x's 8-bit blocks a8 = (on, xq, xd, xs)
-    (:func:`..quant.int8_dots.quantize_row`) when a8[0] and W's type has an integer kernel, else
-    from the float32 x (1, K). A call of its own, so that each loop over rows is compiled for one
-    type (the type test leaves the loop)."""
+    (:func:`..quant.int8_dots.quantize_row`) when a8[0] and W's type has an integer kernel (the
+    blocks of 32 by :func:`..quant.int8_lanes.mv_lanes`, each output the integer GEMM's value,
+    bit for bit as a prefill's; the K-quants by the row kernels), else from the float32 x (1, K).
+    A call of its own, so that each loop over rows is compiled for one type (the type test
+    leaves the loop)."""
     if qt == 0:
         for n in range(lo, hi):
             s = np.float32(0)
@@ -224,8 +226,9 @@ def _mm(qt, W, Wf, x, a8, y, c0, lo, hi, lut, kv):  # pragma: no cover - compile
     """y[b, c0 + n] = x_b . W_n for lo <= n < hi and every row b of x (B, K): :func:`_mv` for
     several rows, each row n of W read from memory once and then dotted with the B rows (it stays in
     L1 between them). a8 = (on, xq, xd, xs) holds x's 8-bit blocks per row (:func:`_a8_rows`); with
-    them, the types of blocks of 32 take :data:`..quant.int8_dots.ROWS` rows of x per decoding of
-    W's row (:func:`..quant.int8_dots.idot_rows`, the sums of :func:`..quant.int8_dots.idot`)."""
+    them, the types of blocks of 32 take 16 rows of W at a time for each row of x
+    (:func:`..quant.int8_lanes.idot_lanes`: each output the integer GEMM's value, as
+    :func:`_mv` and a prefill give it), the K-quants :func:`..quant.int8_dots.idot` per output."""
     B = x.shape[0]
     if qt == 0:
         for n in range(lo, hi):
@@ -238,8 +241,12 @@ def _mm(qt, W, Wf, x, a8, y, c0, lo, hi, lut, kv):  # pragma: no cover - compile
         xq, xd, xs = a8[1], a8[2], a8[3]
         for n0 in range(lo, hi, LANES):
             nr = min(LANES, hi - n0)
-            for b in range(B):
-                idot_lanes(qt, W, n0, nr, xq[b], xd[b], xs[b], y[b, c0:])
+            b = 0
+            while b + XROWS <= B:  # W's 16 rows decoded once for XROWS rows of x
+                idot_lanes4(qt, W, n0, nr, xq, xd, xs, b, y, c0)
+                b += XROWS
+            for bb in range(b, B):
+                idot_lanes(qt, W, n0, nr, xq[bb], xd[bb], xs[bb], y[bb, c0:])
     elif a8[0] and _int8(qt):
         xq, xd, xs = a8[1], a8[2], a8[3]
         for n in range(lo, hi):
@@ -382,15 +389,18 @@ def decode_step_rows_q_kernel(tok, pos, seq, emb, emb_qt, emb_f, wout, out_qt, o
         _mm(out_qt, wout, out_f, xn, a8, logits, 0, lo, hi, lut, kv)
 
 
-@njit(fastmath=True, cache=True, nogil=True)
+@njit(fastmath=True, cache=True, nogil=True, parallel=True)
 def rmsnorm_step_rows(x, g, eps, out):  # pragma: no cover - compiled
-    """The decode step's RMSNorm (:func:`.float_step._rmsnorm_rows`) on every row of x."""
-    _rmsnorm_rows(x, g, eps, out)
+    """The decode step's RMSNorm (:func:`.float_step._rmsnorm_rows`) on every row of x (N, D),
+    the rows over the threads."""
+    for n in prange(x.shape[0]):
+        _rmsnorm_rows(x[n:n + 1], g, eps, out[n:n + 1])
 
 
-@njit(fastmath=True, cache=True, nogil=True)
+@njit(fastmath=True, cache=True, nogil=True, parallel=True)
 def swiglu_step_rows(a, b, h):  # pragma: no cover - compiled
-    """The decode step's SiLU(a) * b on every row."""
-    for n in range(a.shape[0]):
+    """The decode step's SiLU(a) * b (:func:`.float_step.silu_mul`) on every row, the rows over
+    the threads."""
+    for n in prange(a.shape[0]):
         for i in range(a.shape[1]):
             h[n, i] = silu_mul(a[n, i], b[n, i])

@@ -118,38 +118,45 @@ def _prefetch(builder, addr):
 CHUNK = 8
 
 
-def _lanes32(qt, vnni):
+def _lanes32(qt, vnni, R=1):
+    """The kernel of :func:`_make`: R rows of x, each W row's pairs of blocks decoded once for
+    all R (each x row's chains its own, as with R = 1)."""
     size = BY_ID[qt].block_bytes
     zero16 = ir.Constant(_vec(_F32, 16), [0.0] * 16)
+    chunk = max(1, CHUNK // R)
 
     def codegen(context, builder, signature, args):
-        pw, stride, nrows, pq, pd, ps, nb, py = args
+        pw, stride, nrows, pq, ldq, pd, ldd, ps, lds, nb, py, ldy = args
         c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+        xq = [builder.add(pq, builder.mul(c64(j), ldq)) for j in range(R)]
+        xd = [builder.add(pd, builder.mul(c64(j), ldd)) for j in range(R)]
+        xsum = [builder.add(ps, builder.mul(c64(j), lds)) for j in range(R)]
         last = builder.sub(nrows, c64(1))
         rows = []
         for r in range(LANES):  # rows past nrows repeat the last (their lanes are not stored)
             k = builder.select(builder.icmp_signed("<", c64(r), nrows), c64(r), last)
             rows.append(builder.add(pw, builder.mul(k, stride)))
-        acc = cgutils.alloca_once_value(builder, zero16)
-        # per pair of blocks of a chunk: each row's 16 partial sums, its A and C of both blocks
-        sv = cgutils.alloca_once(builder, _vec(_I32, 16), size=CHUNK * LANES)
-        sa = cgutils.alloca_once(builder, _F32, size=CHUNK * 4 * LANES)
+        accs = [cgutils.alloca_once_value(builder, zero16) for _ in range(R)]
+        # per pair of blocks of a chunk and x row: each W row's 16 partial sums; A and C of both
+        # blocks per pair
+        sv = cgutils.alloca_once(builder, _vec(_I32, 16), size=chunk * LANES * R)
+        sa = cgutils.alloca_once(builder, _F32, size=chunk * 4 * LANES)
 
-        def chain(isums, scales, b0, x):
-            """The GEMM's two fused multiply-adds of sub-blocks b0, b0 + 1, ... into acc."""
-            a = builder.load(acc)
+        def chain(j, isums, scales, b0, x):
+            """The GEMM's two fused multiply-adds of sub-blocks b0, b0 + 1, ... of x row j."""
+            a = builder.load(accs[j])
             for k, (isum, (A, C)) in enumerate(zip(isums, scales)):
                 b = builder.add(b0, c64(k))
                 if qt == Q8_0:  # the codes were q + 128
                     isum = builder.sub(isum, _splat(builder, builder.mul(
                         _isum(builder, x, 8 * k, 8), ir.Constant(_I32, 128)), 16))
-                dx = _load(builder, builder.add(pd, builder.mul(b, c64(4))), 0, _F32, 4)
-                s0 = builder.add(ps, builder.mul(b, c64(8)))
+                dx = _load(builder, builder.add(xd[j], builder.mul(b, c64(4))), 0, _F32, 4)
+                s0 = builder.add(xsum[j], builder.mul(b, c64(8)))
                 xs = builder.fadd(_load(builder, s0, 0, _F32, 4), _load(builder, s0, 4, _F32, 4))
                 f = builder.sitofp(isum, _vec(_F32, 16))
                 a = _fma(builder, f, builder.fmul(_splat(builder, dx, 16), A), a)
                 a = _fma(builder, _splat(builder, xs, 16), C, a)
-            builder.store(a, acc)
+            builder.store(a, accs[j])
 
         npair = builder.sdiv(nb, c64(2))
         # the next 16 rows' cache lines, a share per pair of blocks of phase 2 (which reads no
@@ -158,11 +165,11 @@ def _lanes32(qt, vnni):
         lines = builder.sdiv(builder.mul(stride, c64(LANES)), c64(64))
         per = builder.sdiv(builder.add(lines, builder.sub(npair, c64(1))),
                            builder.select(builder.icmp_signed(">", npair, c64(0)), npair, c64(1)))
-        nchunk = builder.sdiv(builder.add(npair, c64(CHUNK - 1)), c64(CHUNK))
+        nchunk = builder.sdiv(builder.add(npair, c64(chunk - 1)), c64(chunk))
         with cgutils.for_range(builder, nchunk) as chunks:
-            i0 = builder.mul(chunks.index, c64(CHUNK))
+            i0 = builder.mul(chunks.index, c64(chunk))
             n = builder.sub(npair, i0)
-            n = builder.select(builder.icmp_signed("<", n, c64(CHUNK)), n, c64(CHUNK))
+            n = builder.select(builder.icmp_signed("<", n, c64(chunk)), n, c64(chunk))
             # phase 1, the rows one after another (memory order): integer partial sums, scales
             with cgutils.for_range(builder, nrows) as rl:
                 r = rl.index
@@ -170,17 +177,19 @@ def _lanes32(qt, vnni):
                                                   builder.mul(i0, c64(2 * size))))
                 with cgutils.for_range(builder, n) as il:
                     i = il.index
-                    xv = _load(builder, builder.add(pq, builder.mul(builder.add(i0, i), c64(64))),
-                               0, _vec(_I8, 64))
                     u, a2, m2 = _pair32(qt, builder, builder.add(row, builder.mul(
                         i, c64(2 * size))), vnni and GFNI)
-                    slot = builder.add(builder.mul(i, c64(LANES)), r)
-                    builder.store(_dot4(builder, u, xv, vnni, fits16=fits16(qt)),
-                                  builder.gep(sv, [slot]))
+                    for j in range(R):
+                        xv = _load(builder, builder.add(xq[j], builder.mul(
+                            builder.add(i0, i), c64(64))), 0, _vec(_I8, 64))
+                        slot = builder.add(builder.mul(builder.add(builder.mul(
+                            c64(j), c64(chunk)), i), c64(LANES)), r)
+                        builder.store(_dot4(builder, u, xv, vnni, fits16=fits16(qt)),
+                                      builder.gep(sv, [slot]))
                     for k in range(2):
-                        for j, v in enumerate((a2, m2)):
+                        for jj, v in enumerate((a2, m2)):
                             at = builder.add(builder.mul(builder.add(builder.mul(
-                                i, c64(4)), c64(2 * k + j)), c64(LANES)), r)
+                                i, c64(4)), c64(2 * k + jj)), c64(LANES)), r)
                             builder.store(builder.extract_element(v, ir.Constant(_I32, k)),
                                           builder.gep(sa, [at]))
             # phase 2, per pair of blocks: the 16 rows' sums by lanes, the GEMM's float steps
@@ -189,65 +198,78 @@ def _lanes32(qt, vnni):
                 with cgutils.for_range(builder, per) as pf:
                     line = builder.add(builder.mul(builder.add(i0, i), per), pf.index)
                     _prefetch(builder, builder.add(ahead, builder.mul(line, c64(64))))
-                vs = [builder.load(builder.gep(sv, [builder.add(builder.mul(i, c64(LANES)),
-                                                                c64(r))])) for r in range(LANES)]
-                isums = lane_sums(builder, vs, 8)
 
-                def scale(k, j):
-                    at = builder.mul(builder.add(builder.mul(i, c64(4)), c64(2 * k + j)),
+                def scale(k, jj):
+                    at = builder.mul(builder.add(builder.mul(i, c64(4)), c64(2 * k + jj)),
                                      c64(LANES))
                     ptr = builder.bitcast(builder.gep(sa, [at]), _vec(_F32, 16).as_pointer())
                     return builder.load(ptr, align=4)
 
                 blk = builder.add(i0, i)
-                ones = None
-                if qt == Q8_0:
-                    xv = _load(builder, builder.add(pq, builder.mul(blk, c64(64))), 0,
-                               _vec(_I8, 64))
-                    ones = _dot4(builder, _const(_I8, 64, 1), xv, vnni, fits16=True)
-                chain(isums, [(scale(k, 0), zero16 if qt == Q8_0 else scale(k, 1))
-                              for k in range(2)], builder.mul(blk, c64(2)), ones)
+                scales = [(scale(k, 0), zero16 if qt == Q8_0 else scale(k, 1)) for k in range(2)]
+                for j in range(R):
+                    base = builder.mul(builder.add(builder.mul(c64(j), c64(chunk)), i),
+                                       c64(LANES))
+                    vs = [builder.load(builder.gep(sv, [builder.add(base, c64(r))]))
+                          for r in range(LANES)]
+                    isums = lane_sums(builder, vs, 8)
+                    ones = None
+                    if qt == Q8_0:
+                        xv = _load(builder, builder.add(xq[j], builder.mul(blk, c64(64))), 0,
+                                   _vec(_I8, 64))
+                        ones = _dot4(builder, _const(_I8, 64, 1), xv, vnni, fits16=True)
+                    chain(j, isums, scales, builder.mul(blk, c64(2)), ones)
         odd = builder.icmp_signed("!=", builder.mul(npair, c64(2)), nb)
         with builder.if_then(odd):  # the last block alone: its codes beside zeros
             b = builder.sub(nb, c64(1))
             zeros = ir.Constant(_vec(_I8, 32), [0] * 32)
-            xv = _cat(builder, _load(builder, builder.add(pq, builder.mul(b, c64(32))), 0,
-                                     _vec(_I8, 32)), zeros)
-            vs, A, C = [], [], []
+            us, A, C = [], [], []
             for r in range(LANES):
                 u, a, c = _block32(qt, builder, builder.add(rows[r], builder.mul(b, c64(size))))
-                vs.append(_dot4(builder, _cat(builder, u, zeros), xv, vnni, fits16=fits16(qt)))
+                us.append(_cat(builder, u, zeros))
                 A.append(a)
                 C.append(c)
-            isum = lane_sums(builder, vs, 8)[0]
-            ones = _dot4(builder, _const(_I8, 64, 1), xv, vnni, fits16=True) if qt == Q8_0 else None
-            chain([isum], [(_gather(builder, A), zero16 if qt == Q8_0 else _gather(builder, C))],
-                  b, ones)
-        out = builder.load(acc)
-        for r in range(LANES):
-            with builder.if_then(builder.icmp_signed("<", c64(r), nrows)):
-                builder.store(builder.extract_element(out, ir.Constant(_I32, r)),
-                              _at(builder, py, 4 * r, _F32), align=4)
+            scales = [(_gather(builder, A), zero16 if qt == Q8_0 else _gather(builder, C))]
+            for j in range(R):
+                xv = _cat(builder, _load(builder, builder.add(xq[j], builder.mul(b, c64(32))), 0,
+                                         _vec(_I8, 32)), zeros)
+                vs = [_dot4(builder, u, xv, vnni, fits16=fits16(qt)) for u in us]
+                isum = lane_sums(builder, vs, 8)[0]
+                ones = _dot4(builder, _const(_I8, 64, 1), xv, vnni, fits16=True) \
+                    if qt == Q8_0 else None
+                chain(j, [isum], scales, b, ones)
+        for j in range(R):
+            out = builder.load(accs[j])
+            yj = builder.add(py, builder.mul(c64(j), ldy))
+            for r in range(LANES):
+                with builder.if_then(builder.icmp_signed("<", c64(r), nrows)):
+                    builder.store(builder.extract_element(out, ir.Constant(_I32, r)),
+                                  _at(builder, yj, 4 * r, _F32), align=4)
         return context.get_dummy_value()
 
     return codegen
 
 
-def _make(qt, vnni):
-    gen = _lanes32(qt, vnni)
+def _make(qt, vnni, R=1):
+    gen = _lanes32(qt, vnni, R)
 
     @intrinsic
-    def ilanes(typingctx, pw, stride, nrows, pq, pd, ps, nblocks, py):
-        r"""y_r = \sum_k W_{rk} x_k for the ``nrows`` (<= 16) rows of ``nblocks`` blocks at
-        pw + r stride and the 8-bit activation blocks at pq (codes), pd (scales), ps (scaled
-        sums of 16), stored as float32 at py + 4 r: the integer GEMM's value of each."""
-        return types.none(*([types.int64] * 8)), gen
+    def ilanes(typingctx, pw, stride, nrows, pq, ldq, pd, ldd, ps, lds, nblocks, py, ldy):
+        r"""y_{jr} = \sum_k W_{rk} x_{jk} for the ``nrows`` (<= 16) rows of ``nblocks`` blocks
+        at pw + r stride and R rows j of 8-bit activation blocks at pq + j ldq (codes),
+        pd + j ldd (scales), ps + j lds (scaled sums of 16), stored as float32 at
+        py + j ldy + 4 r: the integer GEMM's value of each."""
+        return types.none(*([types.int64] * 12)), gen
 
     return ilanes
 
 
+#: x rows per call of the kernels of several rows (W's codes decoded once for them)
+XROWS = 4
 ilanes_q8_0, ilanes_q4_0, ilanes_q4_1, ilanes_q5_0, ilanes_q5_1 = (_make(t, VNNI)
                                                                     for t in LANE_TYPES)
+ilanes4_q8_0, ilanes4_q4_0, ilanes4_q4_1, ilanes4_q5_0, ilanes4_q5_1 = (
+    _make(t, VNNI, XROWS) for t in LANE_TYPES)
 
 _opts = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 
@@ -262,8 +284,8 @@ def has_lanes(qt):  # pragma: no cover - compiled
 def idot_lanes(qt, w, n0, nrows, xq, xd, xs, y):  # pragma: no cover - compiled
     """y[n0 + r] = row n0 + r of the block matrix w (a type of :data:`LANE_TYPES`) times the
     8-bit activation row (xq, xd, xs) for r < nrows <= 16, in the integer GEMM's order."""
-    args = (w.ctypes.data + n0 * w.shape[1], w.shape[1], nrows, xq.ctypes.data, xd.ctypes.data,
-            xs.ctypes.data, xd.shape[0], y.ctypes.data + n0 * 4)
+    args = (w.ctypes.data + n0 * w.shape[1], w.shape[1], nrows, xq.ctypes.data, 0,
+            xd.ctypes.data, 0, xs.ctypes.data, 0, xd.shape[0], y.ctypes.data + n0 * 4, 0)
     if qt == Q8_0:
         ilanes_q8_0(*args)
     elif qt == Q4_0:
@@ -274,6 +296,26 @@ def idot_lanes(qt, w, n0, nrows, xq, xd, xs, y):  # pragma: no cover - compiled
         ilanes_q5_0(*args)
     else:
         ilanes_q5_1(*args)
+
+
+@njit(inline="always", **_opts)
+def idot_lanes4(qt, w, n0, nrows, xq, xd, xs, b, y, c0):  # pragma: no cover - compiled
+    """y[b + j, c0 + n0 + r] = row n0 + r of w times the 8-bit activation row b + j of (xq, xd,
+    xs) (2-d, rows of K codes, K/32 scales, K/16 sums) for j < :data:`XROWS` and r < nrows <= 16:
+    :func:`idot_lanes` of each, W's codes decoded once for the :data:`XROWS` rows."""
+    args = (w.ctypes.data + n0 * w.shape[1], w.shape[1], nrows, xq[b].ctypes.data,
+            xq.strides[0], xd[b].ctypes.data, xd.strides[0], xs[b].ctypes.data, xs.strides[0],
+            xd.shape[1], y[b].ctypes.data + (c0 + n0) * 4, y.strides[0])
+    if qt == Q8_0:
+        ilanes4_q8_0(*args)
+    elif qt == Q4_0:
+        ilanes4_q4_0(*args)
+    elif qt == Q4_1:
+        ilanes4_q4_1(*args)
+    elif qt == Q5_0:
+        ilanes4_q5_0(*args)
+    else:
+        ilanes4_q5_1(*args)
 
 
 @njit(**_opts)

@@ -33,6 +33,7 @@ from minillama.backends.numba.backend_decode import (  # noqa: E402
 )
 from minillama.backends.numba.decode import float_step as decode  # noqa: E402
 from tests.backends.numba.decode.test_quant_step import quant_model  # noqa: E402
+from tests.backends.numba.quant.test_matmul import random_matrix  # noqa: E402
 
 S = 3 * decode.SPAN + 20  # contexts long enough for three spans and part of a fourth
 LENS = [decode.SPAN + 7, 2 * decode.SPAN + 30, 5, decode.SPAN]
@@ -220,3 +221,41 @@ def test_a_prompt_gives_the_same_logits_cold_after_a_cached_prefix_and_beside_ot
     numba.set_num_threads(1)
     one = model.new_cache(1, S)
     np.testing.assert_array_equal(model.forward(prompt, 0, one, last_only=True)[0], z)
+
+
+@pytest.mark.parametrize("kv", ["f16", "f32"])
+def test_on_blocks_of_32_decode_steps_compute_a_position_as_the_prefill(monkeypatch,
+                                                                         numba_threads, kv):
+    """Blocks of 32 (every type with a lanes kernel), 8-bit products: a prompt fed one token at
+    a time by decode steps (one sequence, and beside another in the several-row step) writes
+    the K/V rows one prefill of it writes and gets its logits, bit for bit, at positions that
+    cross spans, on a half and a float32 cache, on one thread and two; so the model keeps every
+    row of a reply (reusable_rows) and a K-quant model does not."""
+    monkeypatch.setenv("MINILLAMA_QUANT_DOTS", "int8")
+    model = quant_model(("Q4_1", "Q8_0", "Q4_0", "Q5_0", "Q5_1"), seed=21, max_seq_len=S)
+    model.params["tok_embeddings.weight"] = random_matrix("Q8_0", 67, 256,
+                                                          np.random.default_rng(3))
+    model.kv_cache = kv
+    assert model.backend.prefill_decode_invariant(model) and not model.decode_rows_differ
+    assert model.reusable_rows(10, 30) == 30
+    kq = quant_model(("Q4_1", "Q4_K"), seed=21, max_seq_len=S)
+    assert not kq.backend.prefill_decode_invariant(kq) and kq.decode_rows_differ
+    rng = np.random.default_rng(22)
+    P = decode.SPAN + 26
+    prompt = rng.integers(0, 67, (1, P))
+    other = rng.integers(0, 67, (1, P))
+    for threads in (1, 2):
+        numba.set_num_threads(threads)
+        cold = model.new_cache(1, S)
+        want = model.forward(prompt, 0, cold, last_only=True)[0]
+        one = model.new_cache(1, S)
+        pair = model.new_cache(2, S)
+        for t in range(P):
+            z = model.forward(prompt[:, t:t + 1], t, one, last_only=True)[0]
+            zz = model.forward(np.array([[prompt[0, t]], [other[0, t]]]), t, pair,
+                               last_only=True)
+        np.testing.assert_array_equal(z, want)
+        np.testing.assert_array_equal(zz[0], want)
+        for c, o, p in zip(cold.k + cold.v, one.k + one.v, pair.k + pair.v):
+            np.testing.assert_array_equal(o[0, :P], c[0, :P])
+            np.testing.assert_array_equal(p[0, :P], c[0, :P])

@@ -69,3 +69,40 @@ def test_a_row_range_is_each_rows_value(qtype):
         L8.mv_lanes(qt, w.data, xq[0], xd[0], xs[0], y, lo, hi)
         assert np.array_equal(y[lo:hi], whole[0, lo:hi]), (lo, hi)
         assert np.isnan(y[:lo]).all() and np.isnan(y[hi:]).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_several_x_rows_per_decoding_of_w_give_each_rows_value(qtype):
+    """idot_lanes4 (W's 16 rows decoded once for XROWS rows of x, as the decode steps of several
+    rows take them) stores for each x row the floats idot_lanes stores for it alone, bit for bit:
+    an odd and an even count of blocks, a partial group of W's rows, a column offset."""
+    from numba import njit
+
+    @njit
+    def four(qt, w, xq, xd, xs, y, c0):
+        for n0 in range(0, w.shape[0], L8.LANES):
+            L8.idot_lanes4(qt, w, n0, min(L8.LANES, w.shape[0] - n0), xq, xd, xs, 1, y, c0)
+
+    @njit
+    def one(qt, w, xq, xd, xs, y, c0):
+        for b in range(1, 1 + L8.XROWS):
+            for n0 in range(0, w.shape[0], L8.LANES):
+                L8.idot_lanes(qt, w, n0, min(L8.LANES, w.shape[0] - n0), xq[b], xd[b], xs[b],
+                              y[b, c0:])
+
+    rng = np.random.default_rng(QUANT_TYPES[qtype].type_id + 11)
+    qt = QUANT_TYPES[qtype].type_id
+    for N, K in ((37, 96), (50, 576)):
+        w = random_matrix(qtype, N, K, rng).data
+        M = L8.XROWS + 2
+        x = (rng.standard_normal((M, K)) * rng.uniform(0.1, 3, (M, 1))).astype(np.float32)
+        xq = np.empty((M, K), np.int8)
+        xd = np.empty((M, K // 32), np.float32)
+        xs = np.empty((M, K // 16), np.float32)
+        L8.quantize_rows(x, xq, xd, xs)
+        got, want = np.full((M, N + 3), np.nan, np.float32), np.full((M, N + 3), np.nan,
+                                                                      np.float32)
+        four(qt, w, xq, xd, xs, got, 3)
+        one(qt, w, xq, xd, xs, want, 3)
+        np.testing.assert_array_equal(got, want)
+        assert np.isfinite(got[1:1 + L8.XROWS, 3:]).all()
