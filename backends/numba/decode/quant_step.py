@@ -29,8 +29,10 @@ from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit
 from ..floats.attention_forward import attend_rows  # noqa: F401  (reached through this module)
 from ..quant.block_types import Q2_K, Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0
 from ..quant.int8_dots import (  # noqa: F401  (gemm_products: reached through this module)
+    ROWS,
     gemm_products,
     idot,
+    idot_rows,
     int8_enabled,
     quantize_row,
 )
@@ -60,12 +62,14 @@ def _int8(qt):  # pragma: no cover - compiled
 
 
 @njit(fastmath=True, cache=True, nogil=True)
-def _mv(qt, W, Wf, x, a8, y, lo, hi, lut, kv):  # pragma: no cover - compiled
+def _mv(qt, W, Wf, x, a8, y, lo, hi, lut, kv, gemm):  # pragma: no cover - compiled
     """y[n] = x_0 . W_n for lo <= n < hi, W_n the dequantized row n of the block matrix W (type qt;
     qt 0: the float32 matrix Wf): from x's 8-bit blocks a8 = (on, xq, xd, xs)
-    (:func:`..quant.int8_dots.quantize_row`) when a8[0] and W's type has an integer kernel (the
-    blocks of 32 by :func:`..quant.int8_lanes.mv_lanes`, each output the integer GEMM's value,
-    bit for bit as a prefill's; the K-quants by the row kernels), else from the float32 x (1, K).
+    (:func:`..quant.int8_dots.quantize_row`) when a8[0] and W's type has an integer kernel (with
+    ``gemm``, a layer's matrix, the blocks of 32 by :func:`..quant.int8_lanes.mv_lanes`, each
+    output the integer GEMM's value, bit for bit as a prefill's; else, the K-quants and the
+    classifier, whose logits only decode steps give, by the faster row kernels), else from the
+    float32 x (1, K).
     A call of its own, so that each loop over rows is compiled for one type (the type test
     leaves the loop)."""
     if qt == 0:
@@ -74,7 +78,7 @@ def _mv(qt, W, Wf, x, a8, y, lo, hi, lut, kv):  # pragma: no cover - compiled
             for k in range(x.shape[1]):
                 s += x[0, k] * Wf[n, k]
             y[n] = s
-    elif a8[0] and has_lanes(qt):  # the integer GEMM's value of each output
+    elif a8[0] and gemm and has_lanes(qt):  # the integer GEMM's value of each output
         mv_lanes(qt, W, a8[1], a8[2], a8[3], y, lo, hi)
     elif a8[0] and _int8(qt):
         for n in range(lo, hi):
@@ -87,7 +91,7 @@ def _mv(qt, W, Wf, x, a8, y, lo, hi, lut, kv):  # pragma: no cover - compiled
 @njit(fastmath=True, cache=True, nogil=True, inline="always")
 def _mv_add(qt, W, v, a8, x, y, lo, hi, lut, kv, none):  # pragma: no cover - compiled
     """x_0[lo:hi] += (v_0 W^T)[lo:hi], y scratch: a product with its residual add."""
-    _mv(qt, W, none, v, a8, y, lo, hi, lut, kv)
+    _mv(qt, W, none, v, a8, y, lo, hi, lut, kv, True)
     for i in range(lo, hi):
         x[0, i] += y[i]
 
@@ -175,11 +179,11 @@ def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, 
             a8 = _a8(int8, xn, xq, xd, xm)
             for u in prange(threads):
                 lo, hi = _span(qd + 2 * kvd, u, threads)
-                _mv(cq, Wq, none, xn, a8, y, lo, min(hi, qd), lut, kv)
+                _mv(cq, Wq, none, xn, a8, y, lo, min(hi, qd), lut, kv, True)
                 _mv(ck, Wk, none, xn, a8, y[qd:], max(lo, qd) - qd, min(hi, qd + kvd) - qd,
-                    lut, kv)
+                    lut, kv, True)
                 _mv(cv, Wv, none, xn, a8, y[qd + kvd:], max(lo, qd + kvd) - qd - kvd,
-                    hi - qd - kvd, lut, kv)
+                    hi - qd - kvd, lut, kv, True)
                 for r in range(lo, hi, 2):
                     d0 = (r if r < qd else (r - qd if r < qd + kvd else r - qd - kvd)) % hd
                     _rope_store(r, y[r], y[r + 1], d0, p, qd, kvd, hd, cos, sin, qkv, Kc, Vc)
@@ -195,8 +199,8 @@ def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, 
             a8 = _a8(int8, xn, xq, xd, xm)
             for u in prange(threads):
                 lo, hi = _span(F, u, threads)
-                _mv(c1, W1, none, xn, a8, y, lo, hi, lut, kv)
-                _mv(c3, W3, none, xn, a8, y[F:], lo, hi, lut, kv)
+                _mv(c1, W1, none, xn, a8, y, lo, hi, lut, kv, True)
+                _mv(c3, W3, none, xn, a8, y[F:], lo, hi, lut, kv, True)
                 for i in range(lo, hi):
                     a = y[i]
                     h[0, i] = silu_mul(a, y[F + i])
@@ -209,11 +213,11 @@ def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, 
         if ids.shape[0] == 0:
             for u in prange(threads):
                 lo, hi = _span(V, u, threads)
-                _mv(out_qt, wout, out_f, xn, a8, logits[0], lo, hi, lut, kv)
+                _mv(out_qt, wout, out_f, xn, a8, logits[0], lo, hi, lut, kv, False)
             return 1
         for u in prange(threads):
             lo, hi = _span(V, u, threads)
-            _mv(out_qt, wout, out_f, xn, a8, logits[0], lo, hi, lut, kv)
+            _mv(out_qt, wout, out_f, xn, a8, logits[0], lo, hi, lut, kv, False)
             best[u], finite[u] = _argmax_finite(logits[0], lo, hi)
         t, done = _pick(logits[0], best, finite, stop, ids, step)
         if done:
@@ -222,13 +226,15 @@ def decode_step_one_q_kernel(tok, pos, emb, emb_qt, emb_f, wout, out_qt, out_f, 
 
 
 @njit(fastmath=True, cache=True, nogil=True)
-def _mm(qt, W, Wf, x, a8, y, c0, lo, hi, lut, kv):  # pragma: no cover - compiled
+def _mm(qt, W, Wf, x, a8, y, c0, lo, hi, lut, kv, gemm):  # pragma: no cover - compiled
     """y[b, c0 + n] = x_b . W_n for lo <= n < hi and every row b of x (B, K): :func:`_mv` for
     several rows, each row n of W read from memory once and then dotted with the B rows (it stays in
     L1 between them). a8 = (on, xq, xd, xs) holds x's 8-bit blocks per row (:func:`_a8_rows`); with
-    them, the types of blocks of 32 take 16 rows of W at a time for each row of x
-    (:func:`..quant.int8_lanes.idot_lanes`: each output the integer GEMM's value, as
-    :func:`_mv` and a prefill give it), the K-quants :func:`..quant.int8_dots.idot` per output."""
+    them and ``gemm``, the types of blocks of 32 take 16 rows of W at a time for each row of x
+    (:func:`..quant.int8_lanes.idot_lanes`, 4 rows of x per decoding of W: each output the
+    integer GEMM's value, as :func:`_mv` and a prefill give it); else :data:`ROWS` rows of x per
+    decoding of W's row (:func:`..quant.int8_dots.idot_rows`, the floats of
+    :func:`..quant.int8_dots.idot`, :func:`_mv`'s)."""
     B = x.shape[0]
     if qt == 0:
         for n in range(lo, hi):
@@ -237,7 +243,7 @@ def _mm(qt, W, Wf, x, a8, y, c0, lo, hi, lut, kv):  # pragma: no cover - compile
                 for k in range(x.shape[1]):
                     s += x[b, k] * Wf[n, k]
                 y[b, c0 + n] = s
-    elif a8[0] and has_lanes(qt):  # 16 rows of W at a time, each output the GEMM's value
+    elif a8[0] and gemm and has_lanes(qt):  # 16 rows of W at a time, the GEMM's values
         xq, xd, xs = a8[1], a8[2], a8[3]
         for n0 in range(lo, hi, LANES):
             nr = min(LANES, hi - n0)
@@ -249,9 +255,15 @@ def _mm(qt, W, Wf, x, a8, y, c0, lo, hi, lut, kv):  # pragma: no cover - compile
                 idot_lanes(qt, W, n0, nr, xq[bb], xd[bb], xs[bb], y[bb, c0:])
     elif a8[0] and _int8(qt):
         xq, xd, xs = a8[1], a8[2], a8[3]
+        by_rows = qt == Q8_0 or qt == Q4_0 or qt == Q4_1 or qt == Q5_0 or qt == Q5_1
         for n in range(lo, hi):
-            for b in range(B):
-                y[b, c0 + n] = idot(qt, W, n, xq[b], xd[b], xs[b])
+            b = 0
+            if by_rows:  # ROWS activation rows per pass over the row of W
+                while b + ROWS <= B:
+                    idot_rows(qt, W, n, xq, xd, xs, b, y, c0 + n)
+                    b += ROWS
+            for bb in range(b, B):
+                y[bb, c0 + n] = idot(qt, W, n, xq[bb], xd[bb], xs[bb])
     else:
         for n in range(lo, hi):
             for b in range(B):
@@ -336,11 +348,11 @@ def decode_step_rows_q_kernel(tok, pos, seq, emb, emb_qt, emb_f, wout, out_qt, o
         a8 = _a8_rows(int8, xn, xq, xd, xm)
         for u in prange(threads):
             lo, hi = _span(qd + 2 * kvd, u, threads)
-            _mm(cq, wq[layer], none, xn, a8, y, 0, lo, min(hi, qd), lut, kv)
+            _mm(cq, wq[layer], none, xn, a8, y, 0, lo, min(hi, qd), lut, kv, True)
             _mm(ck, wk[layer], none, xn, a8, y, qd, max(lo, qd) - qd, min(hi, qd + kvd) - qd,
-                lut, kv)
+                lut, kv, True)
             _mm(cv, wv[layer], none, xn, a8, y, qd + kvd, max(lo, qd + kvd) - qd - kvd,
-                hi - qd - kvd, lut, kv)
+                hi - qd - kvd, lut, kv, True)
             for b in range(B):
                 s = seq[b]
                 for r in range(lo, hi, 2):
@@ -361,7 +373,7 @@ def decode_step_rows_q_kernel(tok, pos, seq, emb, emb_qt, emb_f, wout, out_qt, o
         a8 = _a8_rows(int8, att, xq, xd, xm)
         for u in prange(threads):
             lo, hi = _span(D, u, threads)
-            _mm(co, wo[layer], none, att, a8, y, 0, lo, hi, lut, kv)
+            _mm(co, wo[layer], none, att, a8, y, 0, lo, hi, lut, kv, True)
             for b in range(B):
                 for i in range(lo, hi):
                     x[b, i] += y[b, i]
@@ -369,8 +381,8 @@ def decode_step_rows_q_kernel(tok, pos, seq, emb, emb_qt, emb_f, wout, out_qt, o
         a8 = _a8_rows(int8, xn, xq, xd, xm)
         for u in prange(threads):
             lo, hi = _span(F, u, threads)
-            _mm(c1, w1[layer], none, xn, a8, y, 0, lo, hi, lut, kv)
-            _mm(c3, w3[layer], none, xn, a8, y, F, lo, hi, lut, kv)
+            _mm(c1, w1[layer], none, xn, a8, y, 0, lo, hi, lut, kv, True)
+            _mm(c3, w3[layer], none, xn, a8, y, F, lo, hi, lut, kv, True)
             for b in range(B):
                 for i in range(lo, hi):
                     a = y[b, i]
@@ -378,7 +390,7 @@ def decode_step_rows_q_kernel(tok, pos, seq, emb, emb_qt, emb_f, wout, out_qt, o
         a8 = _a8_rows(int8, h, xq, xd, xm)
         for u in prange(threads):
             lo, hi = _span(D, u, threads)
-            _mm(c2, w2[layer], none, h, a8, y, 0, lo, hi, lut, kv)
+            _mm(c2, w2[layer], none, h, a8, y, 0, lo, hi, lut, kv, True)
             for b in range(B):
                 for i in range(lo, hi):
                     x[b, i] += y[b, i]
@@ -386,7 +398,7 @@ def decode_step_rows_q_kernel(tok, pos, seq, emb, emb_qt, emb_f, wout, out_qt, o
     a8 = _a8_rows(int8, xn, xq, xd, xm)
     for u in prange(threads):
         lo, hi = _span(V, u, threads)
-        _mm(out_qt, wout, out_f, xn, a8, logits, 0, lo, hi, lut, kv)
+        _mm(out_qt, wout, out_f, xn, a8, logits, 0, lo, hi, lut, kv, False)
 
 
 @njit(fastmath=True, cache=True, nogil=True, parallel=True)
