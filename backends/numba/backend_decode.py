@@ -69,6 +69,21 @@ class DecodePlans:
     """The weights of a model and the arrays of a cache as the fused kernels take them, built
     once per model and per cache (weak references) and rebuilt when an array is replaced."""
 
+    def prefill_decode_invariant(self, model) -> bool:
+        """Whether ``model``'s decode steps compute a position bit for bit as its prompt rows do:
+        float32, layer matrices of blocks of 32 (:mod:`.quant.int8_lanes`), an embedding float
+        or of scaled codes (Q8_0, Q4_0, Q5_0), hd a multiple of 16 (attention in the prompt
+        rows' order)."""
+        if not self.prompt_rows_invariant(model) or np.dtype(model.dtype) != np.float32 \
+                or model.cfg.head_dim % 16:
+            return False
+        from .quant.block_types import Q4_0, Q5_0, Q8_0
+        from .quant.int8_lanes import LANE_TYPES
+
+        plan = self._decode_plan(model)
+        return bool(np.isin(plan["codes"], LANE_TYPES).all()) and \
+            plan["emb"][1] in (0, Q8_0, Q4_0, Q5_0)
+
     def _decode_plan(self, model):
         """The model's weights as the lists :func:`.decode.float_step.decode_step` takes, built once
         per model (the arrays themselves, so in-place updates are seen; rebuilt when a parameter
@@ -389,17 +404,12 @@ class FusedDecode(DraftSteps, DecodePlans):
 
     @property
     def invariance(self) -> frozenset[str]:
-        """The bitwise identities this backend keeps. On GGML block weights with 8-bit products
-        (the default): a sequence's logits whatever is batched with it, whether its prefix came
-        from a cache, and the thread count (fixed attention spans, one kernel call per product
-        row, prompt rows computed alike); a verification step over drafted tokens against the
-        decode steps (:class:`SpeculativeDecoder`); and a position's K/V rows and logits in a
-        prefill against decode steps on the blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 layers,
-        a float or scale-only embedding, hd a multiple of 16: :meth:`prefill_decode_invariant`;
-        the K-quants' decode products sum in another order than their GEMM). None of these
-        with ``MINILLAMA_QUANT_DOTS=float``.
-        On float weights: the decode steps whatever is batched with them and the thread count
-        (each product output one dot, the one-sequence step's order in the batched one)."""
+        """The bitwise identities this backend keeps. On GGML blocks with 8-bit products (the
+        default; none with ``MINILLAMA_QUANT_DOTS=float``): a sequence's logits whatever is
+        batched with it, whether its prefix came from a cache, the thread count, a draft's
+        verification step against the decode steps, and (blocks of 32:
+        :meth:`prefill_decode_invariant`) a prefill against decode steps. On float weights: the
+        decode steps whatever is batched with them and the thread count."""
         from .quant.int8_dots import int8_enabled  # the switch alone: compiles nothing
 
         floats = frozenset({"float_decode_batch", "float_decode_threads"})
@@ -413,23 +423,6 @@ class FusedDecode(DraftSteps, DecodePlans):
         products, where the last prompt token then takes the fused decode step."""
         plan = self._decode_plan(model)  # a quantized plan has imported .decode.quant_step
         return plan is not None and bool(plan.get("quant")) and self._quant_int8()
-
-    def prefill_decode_invariant(self, model) -> bool:
-        """Whether ``model``'s decode steps compute a position bit for bit as its prompt rows do
-        (K/V rows and logits; :meth:`prompt_rows_invariant` and more): every layer matrix a
-        block type of 32 (the decode products then take the integer GEMM's value of each
-        output, :mod:`.quant.int8_lanes`), the embedding float or scaled codes alone (Q8_0,
-        Q4_0, Q5_0: a row dequantized with an offset may round apart), float32, hd a multiple
-        of 16 (attention in the prompt rows' order, :func:`.decode.float_step._attend_span`)."""
-        if not self.prompt_rows_invariant(model) or np.dtype(model.dtype) != np.float32 \
-                or model.cfg.head_dim % 16:
-            return False
-        from .quant.block_types import Q4_0, Q5_0, Q8_0
-        from .quant.int8_lanes import LANE_TYPES
-
-        plan = self._decode_plan(model)
-        return bool(np.isin(plan["codes"], LANE_TYPES).all()) and \
-            plan["emb"][1] in (0, Q8_0, Q4_0, Q5_0)
 
     @contextlib.contextmanager
     def prompt_rows(self):

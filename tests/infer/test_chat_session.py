@@ -362,10 +362,10 @@ def test_chat_with_a_draft_model_replies_as_without(tiny_chat, monkeypatch):
 
 def test_smollm2_next_turn_equals_the_conversation_sent_fresh_bit_for_bit(smollm2_gguf,
                                                                          monkeypatch):
-    """SmolLM2's Q4_1 file on numba with its default 8-bit products, whose decode steps sum in
-    another order than a prompt's rows: a turn keeps the rows the last prompt's prefill wrote
-    (the prompt's), prefills the reply and the new message, and leaves the
-    cache's K/V bit for bit those of the whole conversation sent to a fresh session."""
+    """SmolLM2's Q4_1 file on numba with its default 8-bit products, whose decode steps compute
+    a position as a prefill does (blocks of 32): a turn keeps the rows of the prompt and of the
+    reply the decode steps wrote, prefills the rest, and leaves the cache's K/V bit for bit those
+    of the whole conversation sent to a fresh session."""
     import numpy as np
 
     from minillama.backends import available_backends
@@ -378,12 +378,12 @@ def test_smollm2_next_turn_equals_the_conversation_sent_fresh_bit_for_bit(smollm
     s = ChatSession(model, tok, max_new_tokens=24, context=512, temperature=0.0)
     first = list(s.reply("Tell me about a violin."))
     ids1 = encode_rendered(tok, render_chat(tok, s.messages[:-1]))
-    assert first and s.cached == ids1  # the reply's rows came from decode steps
+    assert first and s.cached[:len(ids1)] == ids1 and len(s.cached) > len(ids1)  # and reply
     fresh = ChatSession(model, tok, max_new_tokens=24, context=512, temperature=0.0)
     fresh.messages = list(s.messages)
     assert list(s.reply("And a cello?")) == list(fresh.reply("And a cello?"))
     ids2 = encode_rendered(tok, render_chat(tok, s.messages[:-1]))
-    assert s.last_prefill == len(ids2) - len(ids1) and fresh.last_prefill == len(ids2)
+    assert s.last_prefill <= len(ids2) - len(ids1) and fresh.last_prefill == len(ids2)
     n = s.last_stats.positions
     assert n == fresh.last_stats.positions and n > len(ids2)
     for a, b in zip(s.cache.k + s.cache.v, fresh.cache.k + fresh.cache.v):

@@ -578,10 +578,9 @@ def test_work_handed_to_the_engine_runs_on_its_thread_between_steps():
 
 
 def test_a_second_turn_on_block_weights_equals_a_cold_run_bit_for_bit():
-    """On GGML block weights (numba), whose decode steps sum in another order than a prompt's
-    rows: a second turn keeps only the rows the first turn's prefill wrote (its prompt's), prefills
-    the reply and the new message, and gets the cold run's tokens and
-    log-probabilities bit for bit."""
+    """On GGML blocks of 32 (numba), whose decode steps compute a position as a prefill does: a
+    second turn keeps the rows of the first turn's prompt and of its reply, prefills the new
+    message, and gets the cold run's tokens and log-probabilities bit for bit."""
     from minillama.backends import available_backends
     from minillama.identities import Subject
     from minillama.identities.invariance import VOCAB, block_model
@@ -598,7 +597,8 @@ def test_a_second_turn_on_block_weights_equals_a_cold_run_bit_for_bit():
         runs = [e.submit(second, max_tokens=12, logprobs=5) for e in (warm, cold)]
         for r in runs:
             assert list(r.events(timeout=120))[-1] == ("done", "length")
-        assert runs[0].cached_tokens == len(first) and runs[1].cached_tokens == 0
+        assert len(first) < runs[0].cached_tokens <= len(first) + len(reply)
+        assert runs[1].cached_tokens == 0
         assert runs[0].tokens == runs[1].tokens
         assert runs[0].token_logprobs == runs[1].token_logprobs
         # the same second turn again: all its rows are cached, one token is fed (its row kept
@@ -611,7 +611,7 @@ def test_a_second_turn_on_block_weights_equals_a_cold_run_bit_for_bit():
         runs = [e.submit(third, max_tokens=8, logprobs=5) for e in (warm, cold)]
         for r in runs:
             list(r.events(timeout=120))
-        assert runs[0].cached_tokens == len(second)
+        assert len(second) < runs[0].cached_tokens <= len(second) + len(again.tokens)
         assert runs[0].token_logprobs == runs[1].token_logprobs
     finally:
         warm.close()

@@ -31,6 +31,14 @@ SIBLINGS = {("infer", "train"), ("train", "infer"), ("io", "identities"), ("iden
 _KERNELS = "Numba kernels load (compile, or read the cache) only when an op first needs them"
 #: (importer, imported) -> why that import sits inside a function
 LOCAL_IMPORTS = {
+    ("minillama.backends.numba.backend_decode", "minillama.backends.numba.quant.block_types"):
+        _KERNELS,
+    ("minillama.backends.numba.backend_decode", "minillama.backends.numba.quant.int8_lanes"):
+        _KERNELS,
+    ("minillama.backends.numba.quant.matmul", "minillama.backends.numba.quant.int8_lanes"):
+        _KERNELS,
+    ("minillama.backends.numba.backend_rows", "minillama.backends.numba.backend_decode"):
+        "backend_decode's mixin imports the row ops' module: at the top the two would cycle",
     ("minillama.backends.numba.backend", "minillama.backends.numba.kernels"): _KERNELS,
     ("minillama.backends.numba.backend", "minillama.backends.numba.floats.gemv"): _KERNELS,
     ("minillama.backends.numba.backend", "minillama.backends.numba.floats.blas"): _KERNELS,

@@ -118,133 +118,147 @@ def _prefetch(builder, addr):
 CHUNK = 8
 
 
+def _c64(v):
+    return ir.Constant(_I64, v)
+
+
+_ZERO16 = ir.Constant(_vec(_F32, 16), [0.0] * 16)
+
+
+def _chain(builder, qt, acc, isums, scales, b0, x, pd, ps):
+    """The GEMM's two fused multiply-adds of sub-blocks b0, b0 + 1, ... into acc (one x row: its
+    scales at pd, its scaled sums of 16 at ps; x its codes' dot with ones for Q8_0)."""
+    a = builder.load(acc)
+    for k, (isum, (A, C)) in enumerate(zip(isums, scales)):
+        b = builder.add(b0, _c64(k))
+        if qt == Q8_0:  # the codes were q + 128
+            isum = builder.sub(isum, _splat(builder, builder.mul(
+                _isum(builder, x, 8 * k, 8), ir.Constant(_I32, 128)), 16))
+        dx = _load(builder, builder.add(pd, builder.mul(b, _c64(4))), 0, _F32, 4)
+        s0 = builder.add(ps, builder.mul(b, _c64(8)))
+        xs = builder.fadd(_load(builder, s0, 0, _F32, 4), _load(builder, s0, 4, _F32, 4))
+        f = builder.sitofp(isum, _vec(_F32, 16))
+        a = _fma(builder, f, builder.fmul(_splat(builder, dx, 16), A), a)
+        a = _fma(builder, _splat(builder, xs, 16), C, a)
+    builder.store(a, acc)
+
+
+def _phase1(builder, k, pw, stride, nrows, i0, n, xq, sv, sa):
+    """The rows one after another (memory order): each W row's pairs of blocks decoded once, its
+    integer partial sums with each x row and its scales stored for phase 2."""
+    qt, vnni, R, chunk, size = k
+    with cgutils.for_range(builder, nrows) as rl:
+        r = rl.index
+        row = builder.add(pw, builder.add(builder.mul(r, stride),
+                                          builder.mul(i0, _c64(2 * size))))
+        with cgutils.for_range(builder, n) as il:
+            i = il.index
+            u, a2, m2 = _pair32(qt, builder, builder.add(row, builder.mul(
+                i, _c64(2 * size))), vnni and GFNI)
+            for j in range(R):
+                xv = _load(builder, builder.add(xq[j], builder.mul(
+                    builder.add(i0, i), _c64(64))), 0, _vec(_I8, 64))
+                slot = builder.add(builder.mul(builder.add(builder.mul(
+                    _c64(j), _c64(chunk)), i), _c64(LANES)), r)
+                builder.store(_dot4(builder, u, xv, vnni, fits16=fits16(qt)),
+                              builder.gep(sv, [slot]))
+            for kk in range(2):
+                for jj, v in enumerate((a2, m2)):
+                    at = builder.add(builder.mul(builder.add(builder.mul(
+                        i, _c64(4)), _c64(2 * kk + jj)), _c64(LANES)), r)
+                    builder.store(builder.extract_element(v, ir.Constant(_I32, kk)),
+                                  builder.gep(sa, [at]))
+
+
+def _phase2(builder, k, i0, i, x, sv, sa, accs):
+    """Pair of blocks i of the chunk at i0: the 16 rows' sums by lanes and the GEMM's float
+    steps, for each x row (x: its codes, scales and sums' addresses)."""
+    qt, vnni, R, chunk, size = k
+    xq, xd, xsum = x
+
+    def scale(kk, jj):
+        at = builder.mul(builder.add(builder.mul(i, _c64(4)), _c64(2 * kk + jj)), _c64(LANES))
+        ptr = builder.bitcast(builder.gep(sa, [at]), _vec(_F32, 16).as_pointer())
+        return builder.load(ptr, align=4)
+
+    blk = builder.add(i0, i)
+    scales = [(scale(kk, 0), _ZERO16 if qt == Q8_0 else scale(kk, 1)) for kk in range(2)]
+    for j in range(R):
+        base = builder.mul(builder.add(builder.mul(_c64(j), _c64(chunk)), i), _c64(LANES))
+        vs = [builder.load(builder.gep(sv, [builder.add(base, _c64(r))])) for r in range(LANES)]
+        ones = None
+        if qt == Q8_0:
+            xv = _load(builder, builder.add(xq[j], builder.mul(blk, _c64(64))), 0, _vec(_I8, 64))
+            ones = _dot4(builder, _const(_I8, 64, 1), xv, vnni, fits16=True)
+        _chain(builder, qt, accs[j], lane_sums(builder, vs, 8), scales,
+               builder.mul(blk, _c64(2)), ones, xd[j], xsum[j])
+
+
+def _odd_block(builder, k, b, rows, x, accs):
+    """The last block alone (an odd count): its codes beside zeros, for each x row."""
+    qt, vnni, R, chunk, size = k
+    xq, xd, xsum = x
+    zeros = ir.Constant(_vec(_I8, 32), [0] * 32)
+    us, A, C = [], [], []
+    for r in range(LANES):
+        u, a, c = _block32(qt, builder, builder.add(rows[r], builder.mul(b, _c64(size))))
+        us.append(_cat(builder, u, zeros))
+        A.append(a)
+        C.append(c)
+    scales = [(_gather(builder, A), _ZERO16 if qt == Q8_0 else _gather(builder, C))]
+    for j in range(R):
+        xv = _cat(builder, _load(builder, builder.add(xq[j], builder.mul(b, _c64(32))), 0,
+                                 _vec(_I8, 32)), zeros)
+        isum = lane_sums(builder, [_dot4(builder, u, xv, vnni, fits16=fits16(qt))
+                                   for u in us], 8)[0]
+        ones = _dot4(builder, _const(_I8, 64, 1), xv, vnni, fits16=True) if qt == Q8_0 else None
+        _chain(builder, qt, accs[j], [isum], scales, b, ones, xd[j], xsum[j])
+
+
 def _lanes32(qt, vnni, R=1):
     """The kernel of :func:`_make`: R rows of x, each W row's pairs of blocks decoded once for
-    all R (each x row's chains its own, as with R = 1)."""
-    size = BY_ID[qt].block_bytes
-    zero16 = ir.Constant(_vec(_F32, 16), [0.0] * 16)
-    # pairs of blocks per chunk: R rows of x keep R times the partial sums on the stack, so
-    # fewer (8 KiB of them for 4 rows: 1.3x faster than CHUNK on SmolLM2's FFN matrices)
+    all R (each x row's chains its own, as with R = 1). Pairs of blocks per chunk: R rows of x
+    keep R times the partial sums on the stack, so fewer (8 KiB of them for 4 rows: 1.3x faster
+    than CHUNK on SmolLM2's FFN matrices)."""
     chunk = CHUNK // 2 if R > 1 else CHUNK
+    k = (qt, vnni, R, chunk, BY_ID[qt].block_bytes)
 
     def codegen(context, builder, signature, args):
         pw, stride, nrows, pq, ldq, pd, ldd, ps, lds, nb, py, ldy = args
-        c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
-        xq = [builder.add(pq, builder.mul(c64(j), ldq)) for j in range(R)]
-        xd = [builder.add(pd, builder.mul(c64(j), ldd)) for j in range(R)]
-        xsum = [builder.add(ps, builder.mul(c64(j), lds)) for j in range(R)]
-        last = builder.sub(nrows, c64(1))
-        rows = []
-        for r in range(LANES):  # rows past nrows repeat the last (their lanes are not stored)
-            k = builder.select(builder.icmp_signed("<", c64(r), nrows), c64(r), last)
-            rows.append(builder.add(pw, builder.mul(k, stride)))
-        accs = [cgutils.alloca_once_value(builder, zero16) for _ in range(R)]
-        # per pair of blocks of a chunk and x row: each W row's 16 partial sums; A and C of both
-        # blocks per pair
+        x = tuple([builder.add(p, builder.mul(_c64(j), ld)) for j in range(R)]
+                  for p, ld in ((pq, ldq), (pd, ldd), (ps, lds)))
+        last = builder.sub(nrows, _c64(1))
+        rows = [builder.add(pw, builder.mul(builder.select(  # rows past nrows repeat the last
+            builder.icmp_signed("<", _c64(r), nrows), _c64(r), last), stride))
+            for r in range(LANES)]
+        accs = [cgutils.alloca_once_value(builder, _ZERO16) for _ in range(R)]
         sv = cgutils.alloca_once(builder, _vec(_I32, 16), size=chunk * LANES * R)
         sa = cgutils.alloca_once(builder, _F32, size=chunk * 4 * LANES)
-
-        def chain(j, isums, scales, b0, x):
-            """The GEMM's two fused multiply-adds of sub-blocks b0, b0 + 1, ... of x row j."""
-            a = builder.load(accs[j])
-            for k, (isum, (A, C)) in enumerate(zip(isums, scales)):
-                b = builder.add(b0, c64(k))
-                if qt == Q8_0:  # the codes were q + 128
-                    isum = builder.sub(isum, _splat(builder, builder.mul(
-                        _isum(builder, x, 8 * k, 8), ir.Constant(_I32, 128)), 16))
-                dx = _load(builder, builder.add(xd[j], builder.mul(b, c64(4))), 0, _F32, 4)
-                s0 = builder.add(xsum[j], builder.mul(b, c64(8)))
-                xs = builder.fadd(_load(builder, s0, 0, _F32, 4), _load(builder, s0, 4, _F32, 4))
-                f = builder.sitofp(isum, _vec(_F32, 16))
-                a = _fma(builder, f, builder.fmul(_splat(builder, dx, 16), A), a)
-                a = _fma(builder, _splat(builder, xs, 16), C, a)
-            builder.store(a, accs[j])
-
-        npair = builder.sdiv(nb, c64(2))
+        npair = builder.sdiv(nb, _c64(2))
         # the next 16 rows' cache lines, a share per pair of blocks of phase 2 (which reads no
         # memory of its own): the loads of phase 1 then find them
-        ahead = builder.add(pw, builder.mul(stride, c64(LANES)))
-        lines = builder.sdiv(builder.mul(stride, c64(LANES)), c64(64))
-        per = builder.sdiv(builder.add(lines, builder.sub(npair, c64(1))),
-                           builder.select(builder.icmp_signed(">", npair, c64(0)), npair, c64(1)))
-        nchunk = builder.sdiv(builder.add(npair, c64(chunk - 1)), c64(chunk))
+        ahead = builder.add(pw, builder.mul(stride, _c64(LANES)))
+        lines = builder.sdiv(builder.mul(stride, _c64(LANES)), _c64(64))
+        per = builder.sdiv(builder.add(lines, builder.sub(npair, _c64(1))), builder.select(
+            builder.icmp_signed(">", npair, _c64(0)), npair, _c64(1)))
+        nchunk = builder.sdiv(builder.add(npair, _c64(chunk - 1)), _c64(chunk))
         with cgutils.for_range(builder, nchunk) as chunks:
-            i0 = builder.mul(chunks.index, c64(chunk))
+            i0 = builder.mul(chunks.index, _c64(chunk))
             n = builder.sub(npair, i0)
-            n = builder.select(builder.icmp_signed("<", n, c64(chunk)), n, c64(chunk))
-            # phase 1, the rows one after another (memory order): integer partial sums, scales
-            with cgutils.for_range(builder, nrows) as rl:
-                r = rl.index
-                row = builder.add(pw, builder.add(builder.mul(r, stride),
-                                                  builder.mul(i0, c64(2 * size))))
-                with cgutils.for_range(builder, n) as il:
-                    i = il.index
-                    u, a2, m2 = _pair32(qt, builder, builder.add(row, builder.mul(
-                        i, c64(2 * size))), vnni and GFNI)
-                    for j in range(R):
-                        xv = _load(builder, builder.add(xq[j], builder.mul(
-                            builder.add(i0, i), c64(64))), 0, _vec(_I8, 64))
-                        slot = builder.add(builder.mul(builder.add(builder.mul(
-                            c64(j), c64(chunk)), i), c64(LANES)), r)
-                        builder.store(_dot4(builder, u, xv, vnni, fits16=fits16(qt)),
-                                      builder.gep(sv, [slot]))
-                    for k in range(2):
-                        for jj, v in enumerate((a2, m2)):
-                            at = builder.add(builder.mul(builder.add(builder.mul(
-                                i, c64(4)), c64(2 * k + jj)), c64(LANES)), r)
-                            builder.store(builder.extract_element(v, ir.Constant(_I32, k)),
-                                          builder.gep(sa, [at]))
-            # phase 2, per pair of blocks: the 16 rows' sums by lanes, the GEMM's float steps
+            n = builder.select(builder.icmp_signed("<", n, _c64(chunk)), n, _c64(chunk))
+            _phase1(builder, k, pw, stride, nrows, i0, n, x[0], sv, sa)
             with cgutils.for_range(builder, n) as il:
-                i = il.index
                 with cgutils.for_range(builder, per) as pf:
-                    line = builder.add(builder.mul(builder.add(i0, i), per), pf.index)
-                    _prefetch(builder, builder.add(ahead, builder.mul(line, c64(64))))
-
-                def scale(k, jj):
-                    at = builder.mul(builder.add(builder.mul(i, c64(4)), c64(2 * k + jj)),
-                                     c64(LANES))
-                    ptr = builder.bitcast(builder.gep(sa, [at]), _vec(_F32, 16).as_pointer())
-                    return builder.load(ptr, align=4)
-
-                blk = builder.add(i0, i)
-                scales = [(scale(k, 0), zero16 if qt == Q8_0 else scale(k, 1)) for k in range(2)]
-                for j in range(R):
-                    base = builder.mul(builder.add(builder.mul(c64(j), c64(chunk)), i),
-                                       c64(LANES))
-                    vs = [builder.load(builder.gep(sv, [builder.add(base, c64(r))]))
-                          for r in range(LANES)]
-                    isums = lane_sums(builder, vs, 8)
-                    ones = None
-                    if qt == Q8_0:
-                        xv = _load(builder, builder.add(xq[j], builder.mul(blk, c64(64))), 0,
-                                   _vec(_I8, 64))
-                        ones = _dot4(builder, _const(_I8, 64, 1), xv, vnni, fits16=True)
-                    chain(j, isums, scales, builder.mul(blk, c64(2)), ones)
-        odd = builder.icmp_signed("!=", builder.mul(npair, c64(2)), nb)
-        with builder.if_then(odd):  # the last block alone: its codes beside zeros
-            b = builder.sub(nb, c64(1))
-            zeros = ir.Constant(_vec(_I8, 32), [0] * 32)
-            us, A, C = [], [], []
-            for r in range(LANES):
-                u, a, c = _block32(qt, builder, builder.add(rows[r], builder.mul(b, c64(size))))
-                us.append(_cat(builder, u, zeros))
-                A.append(a)
-                C.append(c)
-            scales = [(_gather(builder, A), zero16 if qt == Q8_0 else _gather(builder, C))]
-            for j in range(R):
-                xv = _cat(builder, _load(builder, builder.add(xq[j], builder.mul(b, c64(32))), 0,
-                                         _vec(_I8, 32)), zeros)
-                vs = [_dot4(builder, u, xv, vnni, fits16=fits16(qt)) for u in us]
-                isum = lane_sums(builder, vs, 8)[0]
-                ones = _dot4(builder, _const(_I8, 64, 1), xv, vnni, fits16=True) \
-                    if qt == Q8_0 else None
-                chain(j, [isum], scales, b, ones)
+                    line = builder.add(builder.mul(builder.add(i0, il.index), per), pf.index)
+                    _prefetch(builder, builder.add(ahead, builder.mul(line, _c64(64))))
+                _phase2(builder, k, i0, il.index, x, sv, sa, accs)
+        with builder.if_then(builder.icmp_signed("!=", builder.mul(npair, _c64(2)), nb)):
+            _odd_block(builder, k, builder.sub(nb, _c64(1)), rows, x, accs)
         for j in range(R):
             out = builder.load(accs[j])
-            yj = builder.add(py, builder.mul(c64(j), ldy))
+            yj = builder.add(py, builder.mul(_c64(j), ldy))
             for r in range(LANES):
-                with builder.if_then(builder.icmp_signed("<", c64(r), nrows)):
+                with builder.if_then(builder.icmp_signed("<", _c64(r), nrows)):
                     builder.store(builder.extract_element(out, ir.Constant(_I32, r)),
                                   _at(builder, yj, 4 * r, _F32), align=4)
         return context.get_dummy_value()
