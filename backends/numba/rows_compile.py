@@ -74,8 +74,10 @@ def loadable(dispatcher, args) -> bool:
     sig = signature(dispatcher, args)
     if sig in dispatcher.overloads:
         return True
-    try:
-        cached = dispatcher._cache.load_overload(sig, dispatcher.targetctx) is not None
+    try:  # the cache's index names the code (read once, below, by the compile that installs it)
+        cache = dispatcher._cache
+        key = cache._index_key(sig, dispatcher.targetctx.codegen())
+        cached = cache._enabled and key in cache._cache_file._load_index()
     except Exception:  # another Numba's internals: no background compile
         return True
     if cached:

@@ -5,6 +5,10 @@ second turn on its reused cache; and on the real SmolLM2 file."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -254,3 +258,41 @@ def test_workers_on_one_cold_cache_compile_the_kernel_once(tmp_path):
     rows_compile.compile_once(str(tmp_path / "none" / "x.lock"), lambda: False,
                               lambda: built.append("fifth"))
     assert built == ["first", "fourth", "fifth"]
+
+
+_LOADABLE = r"""
+import sys
+from numba.core import caching
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import tiny_kernel
+from minillama.backends.numba import rows_compile
+
+loads = []
+real = caching.Cache.load_overload
+caching.Cache.load_overload = lambda self, *a: loads.append(1) or real(self, *a)
+args = (np.zeros(3, np.float32),)
+print(rows_compile.loadable(tiny_kernel.twice, args), len(loads),
+      len(tiny_kernel.twice.overloads))
+"""
+
+
+def test_loadable_reads_a_cached_kernel_once_and_installs_it(tmp_path):
+    """:func:`.rows_compile.loadable`: a kernel missing from the disk cache is not loadable (and
+    nothing compiles); once cached, a fresh process finds it and installs it with one read of
+    the cache (the first verification waited for two reads of the kernel of several rows)."""
+    (tmp_path / "tiny_kernel.py").write_text(
+        "from numba import njit\n\n\n@njit(cache=True)\ndef twice(x):\n    return 2 * x\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+
+    def run():
+        r = subprocess.run([sys.executable, "-c", _LOADABLE, str(tmp_path)], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.split()
+
+    assert run() == ["False", "0", "0"]  # not cached: nothing read, nothing compiled
+    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                    "import numpy as np, tiny_kernel; tiny_kernel.twice(np.zeros(3, np.float32))",
+                    str(tmp_path)], env=env, check=True, timeout=600)
+    assert run() == ["True", "1", "1"]  # cached: one read, installed
