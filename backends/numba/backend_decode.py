@@ -174,10 +174,7 @@ class DecodePlans:
         lst = self._numba.typed.List
         mats = tuple(lst([_read_only(p[f"layers.{i}.{n}"].data) for i in range(L)])
                      for n in self._QUANT_LINEAR)
-        if self._qdecode is None:
-            from .decode import quant_step as numba_qdecode
-
-            DecodePlans._qdecode = numba_qdecode
+        self._quant_kernels()
         return {
             "keys": list(shapes), "arrays": [p[k] for k in shapes], "quant": True,
             "V": cfg.vocab_size, "emb": side(p["tok_embeddings.weight"]),
@@ -190,6 +187,14 @@ class DecodePlans:
             "mats": mats, "cos": arr(model.cos), "sin": arr(model.sin),
             "eps": float(cfg.norm_eps), "heads": int(cfg.n_heads),
         }
+
+    def _quant_kernels(self):
+        """The kernels of GGML block weights (:mod:`.decode.quant_step`), imported on first use."""
+        if self._qdecode is None:
+            from .decode import quant_step as numba_qdecode
+
+            DecodePlans._qdecode = numba_qdecode
+        return self._qdecode
 
     def _cache_lists(self, cache, dt):
         """The cache's per-layer K and V arrays as typed lists (built once per cache), or None
@@ -434,7 +439,7 @@ class FusedDecode(DraftSteps, DecodePlans):
         before = in_prompt_rows()
         _PROMPT.on = True
         try:
-            with self._qdecode.gemm_products():
+            with self._quant_kernels().gemm_products():
                 yield
         finally:
             _PROMPT.on = before

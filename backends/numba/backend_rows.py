@@ -14,6 +14,17 @@ from ..numpy import threads as cpu_threads
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
+#: the ctx of RMSNorm and SwiGLU run inside ``prompt_rows()`` (inference: their kernels keep
+#: nothing that a backward reads)
+PROMPT_ROWS_CTX = ("prompt rows", "inference only")
+
+
+def forward_kept(ctx, op: str) -> None:
+    """Raise a clear error where ``op``'s forward ran inside ``prompt_rows()`` (nothing kept)."""
+    if ctx is PROMPT_ROWS_CTX:
+        raise MinillamaError(f"{op} backward: its forward ran inside prompt_rows(), which keeps "
+                             "nothing for a backward (inference only)")
+
 
 class RowOps:
     """RMSNorm, SwiGLU and cross-entropy on the Numba kernels (``self._k``)."""
@@ -39,7 +50,7 @@ class RowOps:
         from .backend_decode import in_prompt_rows
         if in_prompt_rows() and dt == np.float32:
             self._qdecode.rmsnorm_step_rows(x2, np.ascontiguousarray(g), float(eps), y)
-            return y.reshape(x.shape), (x2, np.full((N, 1), np.nan, dt), g)
+            return y.reshape(x.shape), PROMPT_ROWS_CTX
         rstd = np.empty(N, dtype=dt)
         gc = np.ascontiguousarray(g)
         e, inv_d = dt.type(eps), dt.type(1.0 / D)
@@ -54,6 +65,7 @@ class RowOps:
         r"""dx = r (u - \hat{x}\, \mathrm{mean}(u \odot \hat{x})), u = dy \odot g,
         dg = \sum_{rows} dy \odot \hat{x}: one pass per row (Numba), dg summed per thread block.
         dy: (..., D). Returns (dx (..., D), dg (D,))."""
+        forward_kept(ctx, "rmsnorm")
         x2, rstd, g = ctx
         dt = x2.dtype
         if dy.dtype != dt or x2.ndim != 2 or dt not in _FLOATS or g.dtype != dt:
@@ -87,7 +99,7 @@ class RowOps:
         from .backend_decode import in_prompt_rows
         if in_prompt_rows() and dt == np.float32:
             self._qdecode.swiglu_step_rows(a2, b2, h)
-            return h.reshape(a.shape), None
+            return h.reshape(a.shape), PROMPT_ROWS_CTX
         sig = np.empty((N, F), dtype=dt)
         one = dt.type(1)
         parts = self._parts(N, a2.size)
@@ -100,6 +112,7 @@ class RowOps:
     def swiglu_backward(self, dh, ctx):
         r"""db = dh \odot \mathrm{silu}(a), da = dh \odot b \odot \sigma(a)(1 + a(1 - \sigma(a))),
         \sigma(a) from the forward (Numba, one pass). dh: (..., F). Returns (da, db)."""
+        forward_kept(ctx, "swiglu")
         if len(ctx) != 4 or ctx[0] != "numba":
             return super().swiglu_backward(dh, ctx)
         _, a2, b2, sig = ctx

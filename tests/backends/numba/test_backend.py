@@ -588,3 +588,24 @@ def test_attention_peak_memory_T2048():
         res[which] = json.loads(out.strip().splitlines()[-1])["peak_growth_kib"]
     assert res["numba"] < 16 * 1024, res
     assert res["numpy"] > 96 * 1024, res
+
+
+def test_prompt_rows_norm_and_swiglu_refuse_a_backward_in_one_clear_error():
+    """Inside ``prompt_rows()`` RMSNorm and SwiGLU take the decode steps' kernels, which keep
+    nothing for a backward (no r, no sigma(a)): a backward on their ctx is one clear error, not
+    a pass over a NaN r or a None. Their values are still the reference's."""
+    be = _numba_backend()
+    rng = np.random.default_rng(5)
+    x, g = rng.standard_normal((3, 64)).astype(np.float32), rng.random(64).astype(np.float32)
+    a, b = rng.standard_normal((2, 3, 96)).astype(np.float32)
+    with be.prompt_rows():
+        y, ctx = be.rmsnorm_forward(x, g, 1e-5)
+        h, hctx = be.swiglu_forward(a, b)
+    np.testing.assert_allclose(y, ops.rmsnorm_forward(x, g, 1e-5)[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(h, ops.swiglu_forward(a, b)[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(MinillamaError, match="rmsnorm backward: its forward ran inside prompt"):
+        be.rmsnorm_backward(y, ctx)
+    with pytest.raises(MinillamaError, match="swiglu backward: its forward ran inside prompt_rows"):
+        be.swiglu_backward(h, hctx)
+    y2, ctx2 = be.rmsnorm_forward(x, g, 1e-5)  # outside it: a backward as before
+    assert np.isfinite(be.rmsnorm_backward(np.ones_like(y2), ctx2)[0]).all()
