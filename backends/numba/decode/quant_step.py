@@ -66,10 +66,9 @@ def _mv(qt, W, Wf, x, a8, y, lo, hi, lut, kv, gemm):  # pragma: no cover - compi
     """y[n] = x_0 . W_n for lo <= n < hi, W_n the dequantized row n of the block matrix W (type qt;
     qt 0: the float32 matrix Wf): from x's 8-bit blocks a8 = (on, xq, xd, xs)
     (:func:`..quant.int8_dots.quantize_row`) when a8[0] and W's type has an integer kernel (with
-    ``gemm``, a layer's matrix, the blocks of 32 by :func:`..quant.int8_lanes.mv_lanes`, each
-    output the integer GEMM's value, bit for bit as a prefill's; else, the K-quants and the
-    classifier, whose logits only decode steps give, by the faster row kernels), else from the
-    float32 x (1, K).
+    ``gemm``, a layer's matrix, by :func:`..quant.int8_lanes.mv_lanes`, each output the integer
+    GEMM's value, bit for bit as a prefill's; else, the classifier, whose logits only decode
+    steps give, by the faster row kernels), else from the float32 x (1, K).
     A call of its own, so that each loop over rows is compiled for one type (the type test
     leaves the loop)."""
     if qt == 0:
@@ -230,7 +229,7 @@ def _mm(qt, W, Wf, x, a8, y, c0, lo, hi, lut, kv, gemm):  # pragma: no cover - c
     """y[b, c0 + n] = x_b . W_n for lo <= n < hi and every row b of x (B, K): :func:`_mv` for
     several rows, each row n of W read from memory once and then dotted with the B rows (it stays in
     L1 between them). a8 = (on, xq, xd, xs) holds x's 8-bit blocks per row (:func:`_a8_rows`); with
-    them and ``gemm``, the types of blocks of 32 take 16 rows of W at a time for each row of x
+    them and ``gemm`` (a layer's matrix) 16 rows of W at a time for each row of x
     (:func:`..quant.int8_lanes.idot_lanes`, 4 rows of x per decoding of W: each output the
     integer GEMM's value, as :func:`_mv` and a prefill give it); else :data:`ROWS` rows of x per
     decoding of W's row (:func:`..quant.int8_dots.idot_rows`, the floats of

@@ -71,6 +71,12 @@ def _codes(qt, builder, blk, dst):
         return a, c
     for c in range(4):
         _store(builder, _kchunk(qt, builder, blk, c), dst, 64 * c)
+    return kaffine(qt, builder, blk)
+
+
+def kaffine(qt, builder, blk):
+    """(A, C) of the K super-block at blk: float vectors of one entry per sub-block, w = A u + C
+    (C = -o A for a code offset o, else minus the min)."""
     A, B = _kscales(BY_ID[qt].name, builder, blk)
     n = A.type.count
     if B is None:

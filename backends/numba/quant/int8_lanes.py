@@ -28,12 +28,17 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .. import _cache  # noqa: F401  (the kernels' cache stamp, before any @njit)
-from .block_types import BY_ID, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
-from .int8_dots import GFNI, VNNI, _block32, _cat, _dot4, _pair32, fits16, quantize_rows
+from .block_types import BY_ID, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from .int8_dots import GFNI, VNNI, _block32, _cat, _dot4, _kchunk, _pair32, fits16, quantize_rows
+from .int8_gemm import GROUP, kaffine
 from .unpack import _F32, _I8, _I32, _I64, _at, _const, _fma, _load, _splat, _vec
 
-#: the GGML type ids with a lanes kernel (the blocks of 32)
-LANE_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)
+#: the GGML type ids of blocks of 32 with a lanes kernel
+LANE_TYPES32 = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)
+#: the K-quants (super-blocks of 256: sub-blocks of 32 for Q4_K and Q5_K, of 16 for the others)
+LANE_TYPESK = (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K)
+#: the GGML type ids with a lanes kernel: every type of the integer GEMM
+LANE_TYPES = LANE_TYPES32 + LANE_TYPESK
 #: rows of W per call
 LANES = 16
 
@@ -266,8 +271,118 @@ def _lanes32(qt, vnni, R=1):
     return codegen
 
 
+def _phase1k(builder, k, pw, stride, nrows, i0, n, xq, sv, sa):
+    """:func:`_phase1` for K super-blocks: each W row's chunks of 64 codes decoded once, their
+    integer partial sums with each x row stored, and the row's A and C of each sub-block."""
+    qt, vnni, R, chunk, size = k
+    nsub = 256 // GROUP[qt]
+    with cgutils.for_range(builder, nrows) as rl:
+        r = rl.index
+        row = builder.add(pw, builder.add(builder.mul(r, stride), builder.mul(i0, _c64(size))))
+        with cgutils.for_range(builder, n) as il:
+            i = il.index
+            blk = builder.add(row, builder.mul(i, _c64(size)))
+            for c in range(4):
+                u = _kchunk(qt, builder, blk, c)
+                for j in range(R):
+                    xv = _load(builder, builder.add(xq[j], builder.add(builder.mul(
+                        builder.add(i0, i), _c64(256)), _c64(64 * c))), 0, _vec(_I8, 64))
+                    slot = builder.add(builder.mul(builder.add(builder.mul(builder.add(
+                        builder.mul(_c64(j), _c64(chunk)), i), _c64(4)), _c64(c)),
+                        _c64(LANES)), r)
+                    builder.store(_dot4(builder, u, xv, vnni, fits16=True),
+                                  builder.gep(sv, [slot]))
+            for h, v in enumerate(kaffine(qt, builder, blk)):
+                for t in range(nsub):
+                    at = builder.add(builder.mul(builder.add(builder.mul(
+                        i, _c64(2 * nsub)), _c64(h * nsub + t)), _c64(LANES)), r)
+                    builder.store(builder.extract_element(v, ir.Constant(_I32, t)),
+                                  builder.gep(sa, [at]))
+
+
+def _phase2k(builder, k, i0, i, x, sv, sa, accs):
+    """Super-block i of the chunk at i0: the 16 rows' sums by lanes per sub-block and the
+    GEMM's two fused multiply-adds of each, in order, for each x row."""
+    qt, vnni, R, chunk, size = k
+    G = GROUP[qt]
+    nsub = 256 // G
+    xq, xd, xsum = x
+
+    def scale(h, t):
+        at = builder.mul(builder.add(builder.mul(i, _c64(2 * nsub)), _c64(h * nsub + t)),
+                         _c64(LANES))
+        ptr = builder.bitcast(builder.gep(sa, [at]), _vec(_F32, 16).as_pointer())
+        return builder.load(ptr, align=4)
+
+    sb = builder.mul(builder.add(i0, i), _c64(nsub))  # the super-block's first sub-block
+    for j in range(R):
+        a = builder.load(accs[j])
+        for c in range(4):
+            base = builder.mul(builder.add(builder.mul(builder.add(builder.mul(
+                _c64(j), _c64(chunk)), i), _c64(4)), _c64(c)), _c64(LANES))
+            vs = [builder.load(builder.gep(sv, [builder.add(base, _c64(r))]))
+                  for r in range(LANES)]
+            for t, isum in enumerate(lane_sums(builder, vs, G // 4)):
+                s = c * (64 // G) + t
+                b = builder.add(sb, _c64(s))
+                dx = _load(builder, builder.add(xd[j], builder.mul(
+                    builder.sdiv(builder.mul(b, _c64(G)), _c64(32)), _c64(4))), 0, _F32, 4)
+                s0 = builder.add(xsum[j], builder.mul(b, _c64(4 * G // 16)))
+                xs = _load(builder, s0, 0, _F32, 4)
+                if G == 32:
+                    xs = builder.fadd(xs, _load(builder, s0, 4, _F32, 4))
+                f = builder.sitofp(isum, _vec(_F32, 16))
+                a = _fma(builder, f, builder.fmul(_splat(builder, dx, 16), scale(0, s)), a)
+                a = _fma(builder, _splat(builder, xs, 16), scale(1, s), a)
+        builder.store(a, accs[j])
+
+
+def _lanesk(qt, vnni, R=1):
+    """The kernel of :func:`_make` for a K-quant: as :func:`_lanes32` by super-blocks of 256
+    (the chunks of 64 codes of :func:`.int8_dots._kchunk`, the sub-blocks' A and C of
+    :func:`.int8_gemm.kaffine`), the chain over sub-blocks of GROUP[qt] values. Super-blocks
+    per chunk: 2 (8 KiB of partial sums), 1 for several x rows."""
+    chunk = 1 if R > 1 else 2
+    nsub = 256 // GROUP[qt]
+    k = (qt, vnni, R, chunk, BY_ID[qt].block_bytes)
+
+    def codegen(context, builder, signature, args):
+        pw, stride, nrows, pq, ldq, pd, ldd, ps, lds, nb, py, ldy = args
+        x = tuple([builder.add(p, builder.mul(_c64(j), ld)) for j in range(R)]
+                  for p, ld in ((pq, ldq), (pd, ldd), (ps, lds)))
+        accs = [cgutils.alloca_once_value(builder, _ZERO16) for _ in range(R)]
+        sv = cgutils.alloca_once(builder, _vec(_I32, 16), size=chunk * 4 * LANES * R)
+        sa = cgutils.alloca_once(builder, _F32, size=chunk * 2 * nsub * LANES)
+        nsb = builder.sdiv(nb, _c64(8))  # super-blocks of the row
+        ahead = builder.add(pw, builder.mul(stride, _c64(LANES)))
+        lines = builder.sdiv(builder.mul(stride, _c64(LANES)), _c64(64))
+        per = builder.sdiv(builder.add(lines, builder.sub(nsb, _c64(1))), builder.select(
+            builder.icmp_signed(">", nsb, _c64(0)), nsb, _c64(1)))
+        nchunk = builder.sdiv(builder.add(nsb, _c64(chunk - 1)), _c64(chunk))
+        with cgutils.for_range(builder, nchunk) as chunks:
+            i0 = builder.mul(chunks.index, _c64(chunk))
+            n = builder.sub(nsb, i0)
+            n = builder.select(builder.icmp_signed("<", n, _c64(chunk)), n, _c64(chunk))
+            _phase1k(builder, k, pw, stride, nrows, i0, n, x[0], sv, sa)
+            with cgutils.for_range(builder, n) as il:
+                with cgutils.for_range(builder, per) as pf:
+                    line = builder.add(builder.mul(builder.add(i0, il.index), per), pf.index)
+                    _prefetch(builder, builder.add(ahead, builder.mul(line, _c64(64))))
+                _phase2k(builder, k, i0, il.index, x, sv, sa, accs)
+        for j in range(R):
+            out = builder.load(accs[j])
+            yj = builder.add(py, builder.mul(_c64(j), ldy))
+            for r in range(LANES):
+                with builder.if_then(builder.icmp_signed("<", _c64(r), nrows)):
+                    builder.store(builder.extract_element(out, ir.Constant(_I32, r)),
+                                  _at(builder, yj, 4 * r, _F32), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
 def _make(qt, vnni, R=1):
-    gen = _lanes32(qt, vnni, R)
+    gen = _lanesk(qt, vnni, R) if qt in LANE_TYPESK else _lanes32(qt, vnni, R)
 
     @intrinsic
     def ilanes(typingctx, pw, stride, nrows, pq, ldq, pd, ldd, ps, lds, nblocks, py, ldy):
@@ -282,10 +397,10 @@ def _make(qt, vnni, R=1):
 
 #: x rows per call of the kernels of several rows (W's codes decoded once for them)
 XROWS = 4
-ilanes_q8_0, ilanes_q4_0, ilanes_q4_1, ilanes_q5_0, ilanes_q5_1 = (_make(t, VNNI)
-                                                                    for t in LANE_TYPES)
-ilanes4_q8_0, ilanes4_q4_0, ilanes4_q4_1, ilanes4_q5_0, ilanes4_q5_1 = (
-    _make(t, VNNI, XROWS) for t in LANE_TYPES)
+(ilanes_q8_0, ilanes_q4_0, ilanes_q4_1, ilanes_q5_0, ilanes_q5_1, ilanes_q4_k, ilanes_q5_k,
+ ilanes_q6_k, ilanes_q3_k, ilanes_q2_k) = (_make(t, VNNI) for t in LANE_TYPES)
+(ilanes4_q8_0, ilanes4_q4_0, ilanes4_q4_1, ilanes4_q5_0, ilanes4_q5_1, ilanes4_q4_k, ilanes4_q5_k,
+ ilanes4_q6_k, ilanes4_q3_k, ilanes4_q2_k) = (_make(t, VNNI, XROWS) for t in LANE_TYPES)
 
 _opts = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 
@@ -293,7 +408,8 @@ _opts = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 @njit(inline="always", **_opts)
 def has_lanes(qt):  # pragma: no cover - compiled
     """Whether GGML type qt has a lanes kernel (:data:`LANE_TYPES`)."""
-    return qt == Q8_0 or qt == Q4_0 or qt == Q4_1 or qt == Q5_0 or qt == Q5_1
+    return (qt == Q8_0 or qt == Q4_0 or qt == Q4_1 or qt == Q5_0 or qt == Q5_1
+            or qt == Q4_K or qt == Q5_K or qt == Q6_K or qt == Q3_K or qt == Q2_K)
 
 
 @njit(inline="always", **_opts)
@@ -310,8 +426,18 @@ def idot_lanes(qt, w, n0, nrows, xq, xd, xs, y):  # pragma: no cover - compiled
         ilanes_q4_1(*args)
     elif qt == Q5_0:
         ilanes_q5_0(*args)
-    else:
+    elif qt == Q5_1:
         ilanes_q5_1(*args)
+    elif qt == Q4_K:
+        ilanes_q4_k(*args)
+    elif qt == Q5_K:
+        ilanes_q5_k(*args)
+    elif qt == Q6_K:
+        ilanes_q6_k(*args)
+    elif qt == Q3_K:
+        ilanes_q3_k(*args)
+    else:
+        ilanes_q2_k(*args)
 
 
 @njit(inline="always", **_opts)
@@ -330,8 +456,18 @@ def idot_lanes4(qt, w, n0, nrows, xq, xd, xs, b, y, c0):  # pragma: no cover - c
         ilanes4_q4_1(*args)
     elif qt == Q5_0:
         ilanes4_q5_0(*args)
-    else:
+    elif qt == Q5_1:
         ilanes4_q5_1(*args)
+    elif qt == Q4_K:
+        ilanes4_q4_k(*args)
+    elif qt == Q5_K:
+        ilanes4_q5_k(*args)
+    elif qt == Q6_K:
+        ilanes4_q6_k(*args)
+    elif qt == Q3_K:
+        ilanes4_q3_k(*args)
+    else:
+        ilanes4_q2_k(*args)
 
 
 @njit(**_opts)

@@ -21,19 +21,28 @@ from tests.backends.numba.quant.test_int8_dots import I8, random_matrix
 TYPES = sorted(t for t in QUANT_TYPES if QUANT_TYPES[t].type_id in L8.LANE_TYPES)
 
 
-def test_the_lane_types_are_the_blocks_of_32():
-    assert TYPES == ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
-    assert set(L8.LANE_TYPES) <= set(I8.INT8_TYPES)
+def _shapes(qtype, shapes):
+    """(N, K) of ``shapes`` for a block of 32; K a multiple of 256 for a K-quant."""
+    if QUANT_TYPES[qtype].block_elems == 32:
+        return shapes
+    return tuple((N, 256 * (i + 1)) for i, (N, _) in enumerate(shapes))
+
+
+def test_every_type_of_the_integer_gemm_has_lanes():
+    assert TYPES == ["Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K",
+                     "Q8_0"]
+    assert set(L8.LANE_TYPES) == set(I8.INT8_TYPES) == set(G8.GEMM8_TYPES)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_lanes_equal_the_gemm_bit_for_bit(qtype):
     """Rows of W not a multiple of 16 (a partial group of lanes), an odd count of blocks (the
-    last block alone), 1 to 17 rows of x, one and three threads; an outlier in a block and a
-    zero row of x."""
+    last block alone; for a K-quant one, two and three super-blocks: a chunk of two and a
+    chunk of one), 1 to 17 rows of x, one and three threads; an outlier in a block and a zero
+    row of x."""
     rng = np.random.default_rng(QUANT_TYPES[qtype].type_id + 7)
     qt = QUANT_TYPES[qtype].type_id
-    for N, K in ((37, 96), (16, 256), (50, 576)):
+    for N, K in _shapes(qtype, ((37, 96), (16, 256), (50, 576))):
         w = random_matrix(qtype, N, K, rng)
         for M in (1, 2, 5, 16, 17):
             x = (rng.standard_normal((M, K)) * rng.uniform(0.1, 3, (M, 1))).astype(np.float32)
@@ -49,13 +58,13 @@ def test_lanes_equal_the_gemm_bit_for_bit(qtype):
                                                    float(np.abs(got - want).max()))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
 def test_a_row_range_is_each_rows_value(qtype):
     """mv_lanes over any range lo..hi of W's rows gives those rows the values of the whole
     product (a thread's share of the rows starts anywhere)."""
     rng = np.random.default_rng(3)
     qt = QUANT_TYPES[qtype].type_id
-    N, K = 45, 128
+    N, K = 45, 128 if QUANT_TYPES[qtype].block_elems == 32 else 512
     w = random_matrix(qtype, N, K, rng)
     x = rng.standard_normal((1, K)).astype(np.float32)
     whole = np.empty((1, N), np.float32)
@@ -92,7 +101,7 @@ def test_several_x_rows_per_decoding_of_w_give_each_rows_value(qtype):
 
     rng = np.random.default_rng(QUANT_TYPES[qtype].type_id + 11)
     qt = QUANT_TYPES[qtype].type_id
-    for N, K in ((37, 96), (50, 576)):
+    for N, K in _shapes(qtype, ((37, 96), (50, 576))):
         w = random_matrix(qtype, N, K, rng).data
         M = L8.XROWS + 2
         x = (rng.standard_normal((M, K)) * rng.uniform(0.1, 3, (M, 1))).astype(np.float32)
