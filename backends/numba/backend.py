@@ -188,6 +188,17 @@ class NumbaBackend(AttentionOps, RowOps, FusedDecode, NumpyBackend):
     def _parallel(self, work: int) -> bool:
         return work >= PARALLEL_MIN_WORK and self.num_threads > 1
 
+    def embedding_forward(self, weight, tokens):
+        r"""h_{b,t} = E_{tok_{b,t}} (:func:`minillama.core.ops.embedding_forward`); the rows of a
+        :class:`~minillama.core.quant.QuantMatrix` E dequantized by the kernel the fused decode
+        steps read them with (:func:`.quant.matmul.take_rows`), so a token's embedding is the
+        same float32 in a prefill and in a decode step."""
+        if isinstance(weight, QuantMatrix) and self._quant().has_kernel(weight.qtype):
+            tok = np.asarray(tokens)
+            rows = self._quant().take_rows(weight, tok)
+            return rows.reshape(*tok.shape, weight.shape[1]), (tokens, None)
+        return super().embedding_forward(weight, tokens)
+
     # -----------------------------------------------------------------------------------------
     # linear: BLAS, except a Numba GEMV for up to four rows (decoding)
     # -----------------------------------------------------------------------------------------

@@ -71,18 +71,17 @@ class DecodePlans:
 
     def prefill_decode_invariant(self, model) -> bool:
         """Whether ``model``'s decode steps compute a position bit for bit as its prompt rows do:
-        float32, layer matrices of blocks of 32 (:mod:`.quant.int8_lanes`), an embedding float
-        or of scaled codes (Q8_0, Q4_0, Q5_0), hd a multiple of 16 (attention in the prompt
-        rows' order)."""
+        float32, layer matrices of the integer GEMM's types (blocks of 32 and the K-quants:
+        :mod:`.quant.int8_lanes`), hd a multiple of 16 (attention in the prompt rows' order).
+        The embedding rows are dequantized by one kernel on both sides
+        (:meth:`~.backend.NumbaBackend.embedding_forward`)."""
         if not self.prompt_rows_invariant(model) or np.dtype(model.dtype) != np.float32 \
                 or model.cfg.head_dim % 16:
             return False
-        from .quant.block_types import Q4_0, Q5_0, Q8_0
         from .quant.int8_lanes import LANE_TYPES
 
         plan = self._decode_plan(model)
-        return bool(np.isin(plan["codes"], LANE_TYPES).all()) and \
-            plan["emb"][1] in (0, Q8_0, Q4_0, Q5_0)
+        return bool(np.isin(plan["codes"], LANE_TYPES).all())
 
     def _decode_plan(self, model):
         """The model's weights as the lists :func:`.decode.float_step.decode_step` takes, built once

@@ -15,7 +15,10 @@ difference fails it; on one that does not, ``minillama check`` runs it all the s
 
 The model is what users run these engines on: float32, its linear weights in GGML blocks
 (Q4_0, Q4_1, Q5_0, Q8_0, cycled), prompts up to 80 tokens, so that the sizes cross the paths'
-thresholds (more than one attention span of 64 cached rows, the 8-bit GEMM above 8 rows). The
+thresholds (more than one attention span of 64 cached rows, the 8-bit GEMM above 8 rows);
+``prefill_decode_invariance`` draws as often a model of rows of 256 in the K-quants (Q4_K, Q6_K,
+Q5_K, Q3_K, Q2_K, cycled: sub-blocks of 32 and of 16), the product whose order its decode steps
+and its prompts' GEMM must share. The
 ``float_decode_*`` identities take the same model with float32 weights and hold its decode
 steps only (a float prompt's products take BLAS, whose order depends on the row count).
 """
@@ -34,26 +37,35 @@ from minillama.model.transformer import Transformer
 
 #: the block types the model's matrices cycle through (blocks of 32 values)
 TYPES = ("Q4_0", "Q8_0", "Q4_1", "Q5_0")
+#: the K-quants :func:`kquant_model`'s matrices cycle through (super-blocks of 256)
+K_TYPES = ("Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K")
 #: the longest prompt drawn, and the context
 MAX_PROMPT = 80
 CONTEXT = 96
 VOCAB = 61
 
 
-def block_model(s: Subject, seed: int) -> Transformer:
+def block_model(s: Subject, seed: int, types=TYPES) -> Transformer:
     """A float32 LLaMA of two layers (D 64, 4 query heads on 2 KV heads, F 96, V 61) on the
     subject's backend with :func:`~minillama.identities.model.lively_params`, its linear
-    weights quantized to :data:`TYPES` (cycled), the embedding and norm gains float."""
-    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
-                      hidden_dim=96, max_seq_len=CONTEXT)
+    weights quantized to ``types`` (cycled), the embedding and norm gains float. K-quant
+    ``types`` take rows of 256: D 256, F 512."""
+    wide = any(t in K_TYPES for t in types)
+    cfg = ModelConfig(dim=256 if wide else 64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      vocab_size=VOCAB, hidden_dim=512 if wide else 96, max_seq_len=CONTEXT)
     params, k = {}, 0
     for name, w in lively_params(cfg, seed).items():
         if w.ndim == 2 and name != "tok_embeddings.weight":
-            params[name] = quantize(w, TYPES[k % len(TYPES)])
+            params[name] = quantize(w, types[k % len(types)])
             k += 1
         else:
             params[name] = w.astype(np.float32)
     return Transformer(cfg, params, backend=s.backend, dtype=np.float32)
+
+
+def kquant_model(s: Subject, seed: int) -> Transformer:
+    """:func:`block_model` in the K-quants (:data:`K_TYPES`)."""
+    return block_model(s, seed, K_TYPES)
 
 
 def float_model(s: Subject, seed: int) -> Transformer:
@@ -178,7 +190,7 @@ def _threads(s: Subject, ex: dict) -> float:
 
 
 def _prefill_decode(s: Subject, ex: dict, make=block_model) -> float:
-    model = make(s, ex["seed"])
+    model = (kquant_model if ex.get("kquants") else make)(s, ex["seed"])
     P = ex["P"]
     prompt = _tokens(ex["seed"], P)
     want = s.logits(model, prompt[None], cache=model.new_cache(1), last_only=True)[0]
@@ -308,7 +320,8 @@ IDENTITIES = [
         statement="A prompt's last logits are the same bit for bit prefilled at once and fed "
                   "one token at a time through decode steps.",
         equation=r"z(x_{0:P})_{P-1} \equiv \mathrm{step}(x_{P-1} \mid \mathrm{steps}(x_{0:P-1}))",
-        strategy=st.fixed_dictionaries({"seed": ids.seeds, "P": st.integers(2, MAX_PROMPT)}),
+        strategy=st.fixed_dictionaries({"seed": ids.seeds, "P": st.integers(2, MAX_PROMPT),
+                                        "kquants": st.booleans()}),
         tolerance="zero where the backend promises it; else reported",
         ops=MODEL_FORWARD_OPS, fn=_prefill_decode, for_functions=False,
         exact="prefill_decode"),

@@ -238,9 +238,10 @@ class Transformer:
     @property
     def decode_rows_differ(self) -> bool:
         """Whether the backend computes a prompt's rows alike whatever their count, in another
-        order than its decode steps (numba on GGML K-quant blocks: :func:`_rows_alike` and not
-        the backend's ``prefill_decode_invariant``): then a cache row a decode step wrote is no
-        prefill's. On the blocks of 32 the two agree bit for bit and every row may be kept."""
+        order than its decode steps (:func:`_rows_alike` and not the backend's
+        ``prefill_decode_invariant``; numba on a model with a layer of a type without an integer
+        kernel): then a cache row a decode step wrote is no prefill's. On the types of numba's
+        integer GEMM the two agree bit for bit and every row may be kept."""
         return _rows_alike(self) and not self.backend.prefill_decode_invariant(self)
 
     # ========================================================================================

@@ -36,7 +36,15 @@ from ..quant.int8_dots import (  # noqa: F401  (gemm_products: reached through t
     int8_enabled,
     quantize_row,
 )
-from ..quant.int8_lanes import LANES, XROWS, has_lanes, idot_lanes, idot_lanes4, mv_lanes
+from ..quant.int8_lanes import (
+    LANES,
+    XROWS,
+    has_lanes,
+    has_lanes4,
+    idot_lanes,
+    idot_lanes4,
+    mv_lanes,
+)
 from ..quant.matmul import _dequant_row, _dot
 from .float_step import (
     SPAN,
@@ -247,7 +255,7 @@ def _mm(qt, W, Wf, x, a8, y, c0, lo, hi, lut, kv, gemm):  # pragma: no cover - c
         for n0 in range(lo, hi, LANES):
             nr = min(LANES, hi - n0)
             b = 0
-            while b + XROWS <= B:  # W's 16 rows decoded once for XROWS rows of x
+            while b + XROWS <= B and has_lanes4(qt):  # W's 16 rows decoded once for XROWS
                 idot_lanes4(qt, W, n0, nr, xq, xd, xs, b, y, c0)
                 b += XROWS
             for bb in range(b, B):

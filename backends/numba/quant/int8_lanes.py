@@ -273,7 +273,8 @@ def _lanes32(qt, vnni, R=1):
 
 def _phase1k(builder, k, pw, stride, nrows, i0, n, xq, sv, sa):
     """:func:`_phase1` for K super-blocks: each W row's chunks of 64 codes decoded once, their
-    integer partial sums with each x row stored, and the row's A and C of each sub-block."""
+    integer partial sums with each x row stored, and the row's A and C of its sub-blocks as two
+    vectors (turned into the 16 rows' vectors per sub-block by :func:`transpose16`)."""
     qt, vnni, R, chunk, size = k
     nsub = 256 // GROUP[qt]
     with cgutils.for_range(builder, nrows) as rl:
@@ -292,67 +293,94 @@ def _phase1k(builder, k, pw, stride, nrows, i0, n, xq, sv, sa):
                         _c64(LANES)), r)
                     builder.store(_dot4(builder, u, xv, vnni, fits16=True),
                                   builder.gep(sv, [slot]))
-            for h, v in enumerate(kaffine(qt, builder, blk)):
-                for t in range(nsub):
-                    at = builder.add(builder.mul(builder.add(builder.mul(
-                        i, _c64(2 * nsub)), _c64(h * nsub + t)), _c64(LANES)), r)
-                    builder.store(builder.extract_element(v, ir.Constant(_I32, t)),
-                                  builder.gep(sa, [at]))
+            for h, v in enumerate(kaffine(qt, builder, blk)):  # the row's A, C as vectors
+                if nsub == 8:
+                    v = builder.shuffle_vector(v, v, _const(_I32, 16, list(range(8)) * 2))
+                at = builder.add(builder.mul(builder.add(builder.mul(i, _c64(2)), _c64(h)),
+                                             _c64(LANES)), r)
+                builder.store(v, builder.gep(sa, [at]))
+
+
+def transpose16(builder, vs):
+    """The 16 x 16 transpose of the 16 vectors vs (<16 x float>): out[s] lane r = vs[r] lane s.
+    Four stages, one per bit w of the index: rows r and r + w (bit w clear in r) trade the
+    lanes whose bit w is set in r's for those whose bit is clear in r + w's."""
+    vs = list(vs)
+    for w in (8, 4, 2, 1):
+        lo_mask = [16 + s - w if s & w else s for s in range(16)]
+        hi_mask = [s + w if not s & w else 16 + s for s in range(16)]
+        for r in range(16):
+            if r & w:
+                continue
+            a, b = vs[r], vs[r + w]
+            vs[r] = builder.shuffle_vector(a, b, _const(_I32, 16, lo_mask))
+            vs[r + w] = builder.shuffle_vector(a, b, _const(_I32, 16, hi_mask))
+    return vs
 
 
 def _phase2k(builder, k, i0, i, x, sv, sa, accs):
     """Super-block i of the chunk at i0: the 16 rows' sums by lanes per sub-block and the
-    GEMM's two fused multiply-adds of each, in order, for each x row."""
+    GEMM's two fused multiply-adds of each, in order, for each x row (x: the addresses and row
+    strides of its scales and sums; accs: R vectors). One loop over the x rows and the four
+    chunks of 64 codes, in order for each row (one copy of its body: the IR of four rows of x
+    unrolled took the compiler minutes)."""
     qt, vnni, R, chunk, size = k
     G = GROUP[qt]
-    nsub = 256 // G
-    xq, xd, xsum = x
-
-    def scale(h, t):
-        at = builder.mul(builder.add(builder.mul(i, _c64(2 * nsub)), _c64(h * nsub + t)),
-                         _c64(LANES))
-        ptr = builder.bitcast(builder.gep(sa, [at]), _vec(_F32, 16).as_pointer())
-        return builder.load(ptr, align=4)
-
+    nsub, per = 256 // G, 64 // G
+    pd, ldd, ps, lds, st = x
     sb = builder.mul(builder.add(i0, i), _c64(nsub))  # the super-block's first sub-block
-    for j in range(R):
-        a = builder.load(accs[j])
-        for c in range(4):
-            base = builder.mul(builder.add(builder.mul(builder.add(builder.mul(
-                _c64(j), _c64(chunk)), i), _c64(4)), _c64(c)), _c64(LANES))
-            vs = [builder.load(builder.gep(sv, [builder.add(base, _c64(r))]))
-                  for r in range(LANES)]
-            for t, isum in enumerate(lane_sums(builder, vs, G // 4)):
-                s = c * (64 // G) + t
-                b = builder.add(sb, _c64(s))
-                dx = _load(builder, builder.add(xd[j], builder.mul(
-                    builder.sdiv(builder.mul(b, _c64(G)), _c64(32)), _c64(4))), 0, _F32, 4)
-                s0 = builder.add(xsum[j], builder.mul(b, _c64(4 * G // 16)))
-                xs = _load(builder, s0, 0, _F32, 4)
-                if G == 32:
-                    xs = builder.fadd(xs, _load(builder, s0, 4, _F32, 4))
-                f = builder.sitofp(isum, _vec(_F32, 16))
-                a = _fma(builder, f, builder.fmul(_splat(builder, dx, 16), scale(0, s)), a)
-                a = _fma(builder, _splat(builder, xs, 16), scale(1, s), a)
-        builder.store(a, accs[j])
+    for h in range(2):  # the 16 rows' A (C) of each sub-block as one vector, st[h nsub + s]
+        rows = [builder.load(builder.gep(sa, [builder.add(builder.mul(builder.add(
+            builder.mul(i, _c64(2)), _c64(h)), _c64(LANES)), _c64(r))])) for r in range(LANES)]
+        for t, v in enumerate(transpose16(builder, rows)[:nsub]):
+            builder.store(v, builder.gep(st, [_c64(h * nsub + t)]))
+    with cgutils.for_range(builder, _c64(4 * R)) as loop:
+        j = builder.sdiv(loop.index, _c64(4))
+        c = builder.srem(loop.index, _c64(4))
+        base = builder.mul(builder.add(builder.mul(builder.add(builder.mul(
+            j, _c64(chunk)), i), _c64(4)), c), _c64(LANES))
+        vs = [builder.load(builder.gep(sv, [builder.add(base, _c64(r))]))
+              for r in range(LANES)]
+        pdj = builder.add(pd, builder.mul(j, ldd))
+        psj = builder.add(ps, builder.mul(j, lds))
+        acc = builder.gep(accs, [j])
+        a = builder.load(acc)
+        for t, isum in enumerate(lane_sums(builder, vs, G // 4)):
+            s = builder.add(builder.mul(c, _c64(per)), _c64(t))
+            b = builder.add(sb, s)
+            dx = _load(builder, builder.add(pdj, builder.mul(
+                builder.sdiv(builder.mul(b, _c64(G)), _c64(32)), _c64(4))), 0, _F32, 4)
+            s0 = builder.add(psj, builder.mul(b, _c64(4 * G // 16)))
+            xs = _load(builder, s0, 0, _F32, 4)
+            if G == 32:
+                xs = builder.fadd(xs, _load(builder, s0, 4, _F32, 4))
+            scales = [builder.load(builder.gep(st, [builder.add(_c64(h * nsub), s)]))
+                      for h in range(2)]
+            f = builder.sitofp(isum, _vec(_F32, 16))
+            a = _fma(builder, f, builder.fmul(_splat(builder, dx, 16), scales[0]), a)
+            a = _fma(builder, _splat(builder, xs, 16), scales[1], a)
+        builder.store(a, acc)
 
 
 def _lanesk(qt, vnni, R=1):
     """The kernel of :func:`_make` for a K-quant: as :func:`_lanes32` by super-blocks of 256
     (the chunks of 64 codes of :func:`.int8_dots._kchunk`, the sub-blocks' A and C of
-    :func:`.int8_gemm.kaffine`), the chain over sub-blocks of GROUP[qt] values. Super-blocks
-    per chunk: 2 (8 KiB of partial sums), 1 for several x rows."""
-    chunk = 1 if R > 1 else 2
+    :func:`.int8_gemm.kaffine`), the chain over sub-blocks of GROUP[qt] values; one
+    super-block per chunk (4 KiB of partial sums per x row: 2 or 4 were slower on the s110
+    shapes)."""
+    chunk = 1
     nsub = 256 // GROUP[qt]
     k = (qt, vnni, R, chunk, BY_ID[qt].block_bytes)
 
     def codegen(context, builder, signature, args):
         pw, stride, nrows, pq, ldq, pd, ldd, ps, lds, nb, py, ldy = args
-        x = tuple([builder.add(p, builder.mul(_c64(j), ld)) for j in range(R)]
-                  for p, ld in ((pq, ldq), (pd, ldd), (ps, lds)))
-        accs = [cgutils.alloca_once_value(builder, _ZERO16) for _ in range(R)]
+        xq = [builder.add(pq, builder.mul(_c64(j), ldq)) for j in range(R)]
+        accs = cgutils.alloca_once(builder, _vec(_F32, 16), size=R)
+        for j in range(R):
+            builder.store(_ZERO16, builder.gep(accs, [_c64(j)]))
         sv = cgutils.alloca_once(builder, _vec(_I32, 16), size=chunk * 4 * LANES * R)
-        sa = cgutils.alloca_once(builder, _F32, size=chunk * 2 * nsub * LANES)
+        sa = cgutils.alloca_once(builder, _vec(_F32, 16), size=chunk * 2 * LANES)
+        st = cgutils.alloca_once(builder, _vec(_F32, 16), size=2 * nsub)
         nsb = builder.sdiv(nb, _c64(8))  # super-blocks of the row
         ahead = builder.add(pw, builder.mul(stride, _c64(LANES)))
         lines = builder.sdiv(builder.mul(stride, _c64(LANES)), _c64(64))
@@ -363,14 +391,14 @@ def _lanesk(qt, vnni, R=1):
             i0 = builder.mul(chunks.index, _c64(chunk))
             n = builder.sub(nsb, i0)
             n = builder.select(builder.icmp_signed("<", n, _c64(chunk)), n, _c64(chunk))
-            _phase1k(builder, k, pw, stride, nrows, i0, n, x[0], sv, sa)
+            _phase1k(builder, k, pw, stride, nrows, i0, n, xq, sv, sa)
             with cgutils.for_range(builder, n) as il:
                 with cgutils.for_range(builder, per) as pf:
                     line = builder.add(builder.mul(builder.add(i0, il.index), per), pf.index)
                     _prefetch(builder, builder.add(ahead, builder.mul(line, _c64(64))))
-                _phase2k(builder, k, i0, il.index, x, sv, sa, accs)
+                _phase2k(builder, k, i0, il.index, (pd, ldd, ps, lds, st), sv, sa, accs)
         for j in range(R):
-            out = builder.load(accs[j])
+            out = builder.load(builder.gep(accs, [_c64(j)]))
             yj = builder.add(py, builder.mul(_c64(j), ldy))
             for r in range(LANES):
                 with builder.if_then(builder.icmp_signed("<", _c64(r), nrows)):
@@ -399,8 +427,11 @@ def _make(qt, vnni, R=1):
 XROWS = 4
 (ilanes_q8_0, ilanes_q4_0, ilanes_q4_1, ilanes_q5_0, ilanes_q5_1, ilanes_q4_k, ilanes_q5_k,
  ilanes_q6_k, ilanes_q3_k, ilanes_q2_k) = (_make(t, VNNI) for t in LANE_TYPES)
-(ilanes4_q8_0, ilanes4_q4_0, ilanes4_q4_1, ilanes4_q5_0, ilanes4_q5_1, ilanes4_q4_k, ilanes4_q5_k,
- ilanes4_q6_k, ilanes4_q3_k, ilanes4_q2_k) = (_make(t, VNNI, XROWS) for t in LANE_TYPES)
+# the K-quants have no kernel of several x rows: five more bodies in the decode step of several
+# rows took the compiler about a minute more (their x rows take the one-row kernel each, as
+# their row kernels did before)
+ilanes4_q8_0, ilanes4_q4_0, ilanes4_q4_1, ilanes4_q5_0, ilanes4_q5_1 = (
+    _make(t, VNNI, XROWS) for t in LANE_TYPES32)
 
 _opts = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 
@@ -441,10 +472,18 @@ def idot_lanes(qt, w, n0, nrows, xq, xd, xs, y):  # pragma: no cover - compiled
 
 
 @njit(inline="always", **_opts)
+def has_lanes4(qt):  # pragma: no cover - compiled
+    """Whether GGML type qt has a kernel of :data:`XROWS` x rows (:func:`idot_lanes4`: the
+    blocks of 32)."""
+    return qt == Q8_0 or qt == Q4_0 or qt == Q4_1 or qt == Q5_0 or qt == Q5_1
+
+
+@njit(inline="always", **_opts)
 def idot_lanes4(qt, w, n0, nrows, xq, xd, xs, b, y, c0):  # pragma: no cover - compiled
     """y[b + j, c0 + n0 + r] = row n0 + r of w times the 8-bit activation row b + j of (xq, xd,
     xs) (2-d, rows of K codes, K/32 scales, K/16 sums) for j < :data:`XROWS` and r < nrows <= 16:
-    :func:`idot_lanes` of each, W's codes decoded once for the :data:`XROWS` rows."""
+    :func:`idot_lanes` of each, W's codes decoded once for the :data:`XROWS` rows; a type of
+    blocks of 32 (:func:`has_lanes4`)."""
     args = (w.ctypes.data + n0 * w.shape[1], w.shape[1], nrows, xq[b].ctypes.data,
             xq.strides[0], xd[b].ctypes.data, xd.strides[0], xs[b].ctypes.data, xs.strides[0],
             xd.shape[1], y[b].ctypes.data + (c0 + n0) * 4, y.strides[0])
@@ -456,18 +495,8 @@ def idot_lanes4(qt, w, n0, nrows, xq, xd, xs, b, y, c0):  # pragma: no cover - c
         ilanes4_q4_1(*args)
     elif qt == Q5_0:
         ilanes4_q5_0(*args)
-    elif qt == Q5_1:
-        ilanes4_q5_1(*args)
-    elif qt == Q4_K:
-        ilanes4_q4_k(*args)
-    elif qt == Q5_K:
-        ilanes4_q5_k(*args)
-    elif qt == Q6_K:
-        ilanes4_q6_k(*args)
-    elif qt == Q3_K:
-        ilanes4_q3_k(*args)
     else:
-        ilanes4_q2_k(*args)
+        ilanes4_q5_1(*args)
 
 
 @njit(**_opts)

@@ -373,6 +373,12 @@ def _dequant_rows(qt, w, n0, out, lut, kv):  # pragma: no cover - compiled
         _dequant_row(qt, w, n0 + r, out, r, lut, kv)
 
 
+@njit(parallel=True, **_opts)
+def _take_rows(qt, w, ids, out, lut, kv):  # pragma: no cover - compiled
+    for r in prange(out.shape[0]):
+        _dequant_row(qt, w, ids[r], out, r, lut, kv)
+
+
 # ---------------------------------------------------------------------------------------------
 # many rows: dequantized tiles of W times x by OpenBLAS, one tile per prange item
 # ---------------------------------------------------------------------------------------------
@@ -429,6 +435,21 @@ def dequantize_rows(w: QuantMatrix, n0: int = 0, n1: int | None = None) -> np.nd
     n1 = w.shape[0] if n1 is None else n1
     out = np.empty((n1 - n0, w.shape[1]), dtype=np.float32)
     _dequant_rows(qcode(w.qtype), w.data, n0, out, _F16, _KVALUES)
+    return out
+
+
+def has_kernel(qtype: str) -> bool:
+    """Whether the kernels here read GGML type ``qtype`` (:data:`KERNEL_TYPES`)."""
+    return qtype in QUANT_TYPES and QUANT_TYPES[qtype].type_id in KERNEL_TYPES
+
+
+def take_rows(w: QuantMatrix, ids: np.ndarray) -> np.ndarray:
+    """W[ids] as float32 (len(ids), K): each row dequantized by the kernel the fused decode
+    steps read an embedding row with (:func:`_dequant_row`)."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    out = np.empty((ids.shape[0], w.shape[1]), dtype=np.float32)
+    if ids.shape[0]:
+        _take_rows(qcode(w.qtype), w.data, ids, out, _F16, _KVALUES)
     return out
 
 

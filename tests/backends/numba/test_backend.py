@@ -615,3 +615,25 @@ def test_prompt_rows_norm_and_swiglu_refuse_a_backward_in_one_clear_error():
         be.swiglu_backward(h, hctx)
     y2, ctx2 = be.rmsnorm_forward(x, g, 1e-5)  # outside it: a backward as before
     assert np.isfinite(be.rmsnorm_backward(np.ones_like(y2), ctx2)[0]).all()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q5_1", "Q4_K", "Q6_K", "Q2_K"])
+def test_a_quantized_embedding_is_read_by_the_decode_steps_kernel(qtype):
+    """The numba backend's embedding of a block table: each row the floats the fused decode
+    step's kernel (``quant.matmul._dequant_row``) gives it, so a token's embedding is the same in
+    a prefill and a decode step; held to the reference's dequantization within one rounding of
+    each term of w = d s q + m (an offset, a min: a fused or a separate multiply-add)."""
+    from minillama.backends.numba.quant import matmul as qm
+    from tests.backends.numba.quant.test_matmul import random_matrix
+
+    be = get_backend("numba")
+    rng = np.random.default_rng(5)
+    w = random_matrix(qtype, 40, 512, rng)
+    tok = rng.integers(0, 40, (3, 7))
+    got, ctx = be.embedding_forward(w, tok)
+    assert got.shape == (3, 7, 512) and got.dtype == np.float32 and ctx[1] is None
+    np.testing.assert_array_equal(got.reshape(-1, 512), qm.dequantize_rows(w)[tok.reshape(-1)])
+    want = ops.embedding_forward(w, tok)[0]
+    eps = np.finfo(np.float32).eps
+    assert np.all(np.abs(got - want) <= 2 * eps * np.abs(want) + 2 * eps * np.abs(
+        want).max(axis=-1, keepdims=True))

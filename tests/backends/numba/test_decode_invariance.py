@@ -102,9 +102,10 @@ def test_quantized_batched_step_equals_each_row_alone_on_any_thread_count(monkey
     """The step of several sequences on GGML blocks (continuous batching) gives each row the
     logits and K/V the one-sequence step gives it alone, bit for bit, though the batch runs on
     2 parts and each row alone on 1 (the tuner picks each batch size's count on its own); with
-    the default half cache and a float32 one."""
+    the default half cache and a float32 one; blocks of 32 (4 rows of x per decoding of W) and
+    K-quants (one)."""
     monkeypatch.setenv("MINILLAMA_QUANT_DOTS", "int8")
-    model = quant_model(("Q4_1", "Q8_0"), seed=9, max_seq_len=S)
+    model = quant_model(("Q4_1", "Q8_0", "Q4_K", "Q6_K"), seed=9, max_seq_len=S)
     model.kv_cache = kv
     assert model.kv_dtype == (np.float16 if kv == "auto" else np.float32)
     rng = np.random.default_rng(10)
@@ -223,23 +224,31 @@ def test_a_prompt_gives_the_same_logits_cold_after_a_cached_prefix_and_beside_ot
     np.testing.assert_array_equal(model.forward(prompt, 0, one, last_only=True)[0], z)
 
 
+#: layer types of the models below: the blocks of 32 with a Q8_0 embedding; the K-quants (sub-blocks
+#: of 32 and of 16) beside a block of 32, with a Q4_1 embedding (an offset: the embedding rows of
+#: both sides come from one kernel)
+INVARIANT_MODELS = {"blocks of 32": (("Q4_1", "Q8_0", "Q4_0", "Q5_0", "Q5_1"), "Q8_0"),
+                    "K-quants": (("Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "Q5_1"), "Q4_1")}
+
+
 @pytest.mark.parametrize("kv", ["f16", "f32"])
-def test_on_blocks_of_32_decode_steps_compute_a_position_as_the_prefill(monkeypatch,
-                                                                         numba_threads, kv):
-    """Blocks of 32 (every type with a lanes kernel), 8-bit products: a prompt fed one token at
-    a time by decode steps (one sequence, and beside another in the several-row step) writes
-    the K/V rows one prefill of it writes and gets its logits, bit for bit, at positions that
-    cross spans, on a half and a float32 cache, on one thread and two; so the model keeps every
-    row of a reply (reusable_rows) and a K-quant model does not."""
+@pytest.mark.parametrize("kind", sorted(INVARIANT_MODELS))
+def test_decode_steps_compute_a_position_as_the_prefill(monkeypatch, numba_threads, kv, kind):
+    """Every type of the integer GEMM (each with a lanes kernel), 8-bit products: a prompt fed
+    one token at a time by decode steps (one sequence, and beside another in the several-row
+    step) writes the K/V rows one prefill of it writes and gets its logits, bit for bit, at
+    positions that cross spans, on a half and a float32 cache, on one thread and two; so the
+    model keeps every row of a reply (reusable_rows) and a model with a type that has none
+    (IQ4_NL) does not."""
     monkeypatch.setenv("MINILLAMA_QUANT_DOTS", "int8")
-    model = quant_model(("Q4_1", "Q8_0", "Q4_0", "Q5_0", "Q5_1"), seed=21, max_seq_len=S)
-    model.params["tok_embeddings.weight"] = random_matrix("Q8_0", 67, 256,
-                                                          np.random.default_rng(3))
+    types_, emb = INVARIANT_MODELS[kind]
+    model = quant_model(types_, seed=21, max_seq_len=S)
+    model.params["tok_embeddings.weight"] = random_matrix(emb, 67, 256, np.random.default_rng(3))
     model.kv_cache = kv
     assert model.backend.prefill_decode_invariant(model) and not model.decode_rows_differ
     assert model.reusable_rows(10, 30) == 30
-    kq = quant_model(("Q4_1", "Q4_K"), seed=21, max_seq_len=S)
-    assert not kq.backend.prefill_decode_invariant(kq) and kq.decode_rows_differ
+    iq = quant_model(("Q4_1", "IQ4_NL"), seed=21, max_seq_len=S)
+    assert not iq.backend.prefill_decode_invariant(iq)
     rng = np.random.default_rng(22)
     P = decode.SPAN + 26
     prompt = rng.integers(0, 67, (1, P))
