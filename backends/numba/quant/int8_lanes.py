@@ -220,6 +220,38 @@ def _odd_block(builder, k, b, rows, x, accs):
         _chain(builder, qt, accs[j], [isum], scales, b, ones, xd[j], xsum[j])
 
 
+def _over_chunks(builder, pw, stride, units, chunk, phase1, phase2):
+    """The 16 rows' ``units`` (pairs of blocks, super-blocks) in chunks of ``chunk``: phase1(i0,
+    n) reads the rows' n units from unit i0, phase2(i0, i) sums unit i0 + i by lanes. The next
+    16 rows' cache lines are prefetched, a share per unit of phase 2 (which reads no memory of
+    its own): the loads of phase 1 then find them."""
+    ahead = builder.add(pw, builder.mul(stride, _c64(LANES)))
+    lines = builder.sdiv(builder.mul(stride, _c64(LANES)), _c64(64))
+    per = builder.sdiv(builder.add(lines, builder.sub(units, _c64(1))), builder.select(
+        builder.icmp_signed(">", units, _c64(0)), units, _c64(1)))
+    nchunk = builder.sdiv(builder.add(units, _c64(chunk - 1)), _c64(chunk))
+    with cgutils.for_range(builder, nchunk) as chunks:
+        i0 = builder.mul(chunks.index, _c64(chunk))
+        n = builder.sub(units, i0)
+        n = builder.select(builder.icmp_signed("<", n, _c64(chunk)), n, _c64(chunk))
+        phase1(i0, n)
+        with cgutils.for_range(builder, n) as il:
+            with cgutils.for_range(builder, per) as pf:
+                line = builder.add(builder.mul(builder.add(i0, il.index), per), pf.index)
+                _prefetch(builder, builder.add(ahead, builder.mul(line, _c64(64))))
+            phase2(i0, il.index)
+
+
+def _store_rows(builder, outs, py, ldy, nrows):
+    """Lane r < nrows of outs[j] (the R x rows' <16 x float> results) at py + j ldy + 4 r."""
+    for j, out in enumerate(outs):
+        yj = builder.add(py, builder.mul(_c64(j), ldy))
+        for r in range(LANES):
+            with builder.if_then(builder.icmp_signed("<", _c64(r), nrows)):
+                builder.store(builder.extract_element(out, ir.Constant(_I32, r)),
+                              _at(builder, yj, 4 * r, _F32), align=4)
+
+
 def _lanes32(qt, vnni, R=1):
     """The kernel of :func:`_make`: R rows of x, each W row's pairs of blocks decoded once for
     all R (each x row's chains its own, as with R = 1). Pairs of blocks per chunk: R rows of x
@@ -240,32 +272,12 @@ def _lanes32(qt, vnni, R=1):
         sv = cgutils.alloca_once(builder, _vec(_I32, 16), size=chunk * LANES * R)
         sa = cgutils.alloca_once(builder, _F32, size=chunk * 4 * LANES)
         npair = builder.sdiv(nb, _c64(2))
-        # the next 16 rows' cache lines, a share per pair of blocks of phase 2 (which reads no
-        # memory of its own): the loads of phase 1 then find them
-        ahead = builder.add(pw, builder.mul(stride, _c64(LANES)))
-        lines = builder.sdiv(builder.mul(stride, _c64(LANES)), _c64(64))
-        per = builder.sdiv(builder.add(lines, builder.sub(npair, _c64(1))), builder.select(
-            builder.icmp_signed(">", npair, _c64(0)), npair, _c64(1)))
-        nchunk = builder.sdiv(builder.add(npair, _c64(chunk - 1)), _c64(chunk))
-        with cgutils.for_range(builder, nchunk) as chunks:
-            i0 = builder.mul(chunks.index, _c64(chunk))
-            n = builder.sub(npair, i0)
-            n = builder.select(builder.icmp_signed("<", n, _c64(chunk)), n, _c64(chunk))
-            _phase1(builder, k, pw, stride, nrows, i0, n, x[0], sv, sa)
-            with cgutils.for_range(builder, n) as il:
-                with cgutils.for_range(builder, per) as pf:
-                    line = builder.add(builder.mul(builder.add(i0, il.index), per), pf.index)
-                    _prefetch(builder, builder.add(ahead, builder.mul(line, _c64(64))))
-                _phase2(builder, k, i0, il.index, x, sv, sa, accs)
+        _over_chunks(builder, pw, stride, npair, chunk,
+                     lambda i0, n: _phase1(builder, k, pw, stride, nrows, i0, n, x[0], sv, sa),
+                     lambda i0, i: _phase2(builder, k, i0, i, x, sv, sa, accs))
         with builder.if_then(builder.icmp_signed("!=", builder.mul(npair, _c64(2)), nb)):
             _odd_block(builder, k, builder.sub(nb, _c64(1)), rows, x, accs)
-        for j in range(R):
-            out = builder.load(accs[j])
-            yj = builder.add(py, builder.mul(_c64(j), ldy))
-            for r in range(LANES):
-                with builder.if_then(builder.icmp_signed("<", _c64(r), nrows)):
-                    builder.store(builder.extract_element(out, ir.Constant(_I32, r)),
-                                  _at(builder, yj, 4 * r, _F32), align=4)
+        _store_rows(builder, [builder.load(a) for a in accs], py, ldy, nrows)
         return context.get_dummy_value()
 
     return codegen
@@ -382,28 +394,12 @@ def _lanesk(qt, vnni, R=1):
         sa = cgutils.alloca_once(builder, _vec(_F32, 16), size=chunk * 2 * LANES)
         st = cgutils.alloca_once(builder, _vec(_F32, 16), size=2 * nsub)
         nsb = builder.sdiv(nb, _c64(8))  # super-blocks of the row
-        ahead = builder.add(pw, builder.mul(stride, _c64(LANES)))
-        lines = builder.sdiv(builder.mul(stride, _c64(LANES)), _c64(64))
-        per = builder.sdiv(builder.add(lines, builder.sub(nsb, _c64(1))), builder.select(
-            builder.icmp_signed(">", nsb, _c64(0)), nsb, _c64(1)))
-        nchunk = builder.sdiv(builder.add(nsb, _c64(chunk - 1)), _c64(chunk))
-        with cgutils.for_range(builder, nchunk) as chunks:
-            i0 = builder.mul(chunks.index, _c64(chunk))
-            n = builder.sub(nsb, i0)
-            n = builder.select(builder.icmp_signed("<", n, _c64(chunk)), n, _c64(chunk))
-            _phase1k(builder, k, pw, stride, nrows, i0, n, xq, sv, sa)
-            with cgutils.for_range(builder, n) as il:
-                with cgutils.for_range(builder, per) as pf:
-                    line = builder.add(builder.mul(builder.add(i0, il.index), per), pf.index)
-                    _prefetch(builder, builder.add(ahead, builder.mul(line, _c64(64))))
-                _phase2k(builder, k, i0, il.index, (pd, ldd, ps, lds, st), sv, sa, accs)
-        for j in range(R):
-            out = builder.load(builder.gep(accs, [_c64(j)]))
-            yj = builder.add(py, builder.mul(_c64(j), ldy))
-            for r in range(LANES):
-                with builder.if_then(builder.icmp_signed("<", _c64(r), nrows)):
-                    builder.store(builder.extract_element(out, ir.Constant(_I32, r)),
-                                  _at(builder, yj, 4 * r, _F32), align=4)
+        _over_chunks(builder, pw, stride, nsb, chunk,
+                     lambda i0, n: _phase1k(builder, k, pw, stride, nrows, i0, n, xq, sv, sa),
+                     lambda i0, i: _phase2k(builder, k, i0, i, (pd, ldd, ps, lds, st), sv, sa,
+                                            accs))
+        _store_rows(builder, [builder.load(builder.gep(accs, [_c64(j)])) for j in range(R)],
+                    py, ldy, nrows)
         return context.get_dummy_value()
 
     return codegen
