@@ -31,8 +31,6 @@ SIBLINGS = {("infer", "train"), ("train", "infer"), ("io", "identities"), ("iden
 _KERNELS = "Numba kernels load (compile, or read the cache) only when an op first needs them"
 #: (importer, imported) -> why that import sits inside a function
 LOCAL_IMPORTS = {
-    ("minillama.backends.numba.backend_decode", "minillama.backends.numba.quant.block_types"):
-        _KERNELS,
     ("minillama.backends.numba.backend_decode", "minillama.backends.numba.quant.int8_lanes"):
         _KERNELS,
     ("minillama.backends.numba.quant.matmul", "minillama.backends.numba.quant.int8_lanes"):
