@@ -3,7 +3,7 @@
 ``pip install -e .`` then compiles the numba kernels that ``generate``, ``chat`` and ``serve``
 run into Numba's disk cache beside the sources, for this machine's CPU (what ``minillama
 compile`` does; :mod:`minillama.infer.precompile`), so that the first answer does not wait about
-40 s for the compiler. It takes about 100 s on two cores, in pip's build environment (to which
+40 s for the compiler. It takes about 8 min on two cores, in pip's build environment (to which
 it adds the package's own dependencies: the versions pip resolves for the install too, unless
 the environment pins another Numba, whose cache would not read these kernels); pip shows its
 lines with ``-v``. ``MINILLAMA_PRECOMPILE=0`` skips it; a failure is reported and never fails the
